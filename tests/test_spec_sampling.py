@@ -1,0 +1,145 @@
+"""Sampled DFlash output must follow the target's distribution exactly (statistical tests)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from conftest import make_tiny_target
+from scipy.stats import chisquare
+from scripted import ScriptedDrafter
+
+from blockspec.config import SamplingParams, SpecConfig
+from blockspec.models.drafter import new_drafter_for_target
+from blockspec.models.target import HFTarget
+from blockspec.spec.decode import SpecDecoder
+from blockspec.spec.sampling import probabilities
+from blockspec.spec.verify import verify_greedy, verify_sampled
+
+VOCAB = 10
+PROMPT = [1, 2, 3]
+
+
+def shaped(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
+    n = logits.shape[0]
+    return probabilities(
+        logits[:, None], torch.full((n,), sp.temperature), torch.full((n,), sp.top_k, dtype=torch.long),
+        torch.full((n,), sp.top_p),
+    )[:, 0].double()
+
+
+def exact_joint(model, sp: SamplingParams) -> torch.Tensor:
+    """P(x1, x2, x3 | PROMPT) under the target with the same shaping, by enumeration: [V, V, V]."""
+    with torch.no_grad():
+        p1 = shaped(model(torch.tensor([PROMPT])).logits[:, -1], sp)[0]  # [V]
+        pairs = torch.tensor([PROMPT + [a] for a in range(VOCAB)])
+        p2 = shaped(model(pairs).logits[:, -1], sp)  # [V, V]
+        triples = torch.tensor([PROMPT + [a, b] for a, b in itertools.product(range(VOCAB), repeat=2)])
+        p3 = shaped(model(triples).logits[:, -1], sp).view(VOCAB, VOCAB, VOCAB)
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:
+    """Chi-square goodness of fit, pooling cells with small expected counts into one."""
+    n = counts.sum()
+    expected = probs.flatten() * n
+    counts = counts.flatten().double()
+    small = expected < min_expected
+    obs = torch.cat([counts[~small], counts[small].sum()[None]])
+    exp = torch.cat([expected[~small], expected[small].sum()[None]])
+    keep = exp > 0
+    assert float(obs[~keep].sum()) == 0.0, "sampled a token the target gives probability 0"
+    obs, exp = obs[keep], exp[keep]
+    exp = exp * (obs.sum() / exp.sum())  # the float32 probabilities sum to 1 only up to rounding
+    return float(chisquare(obs.numpy(), exp.numpy()).pvalue)
+
+
+def sample_many(dec: SpecDecoder, sp: SamplingParams, n: int, batch: int) -> torch.Tensor:
+    counts = torch.zeros(VOCAB, VOCAB, VOCAB)
+    seed = 0
+    for _ in range(n // batch):
+        params = [sp.with_(seed=seed + i) for i in range(batch)]
+        seed += batch
+        for r in dec.generate([PROMPT] * batch, params):
+            a, b, c = r.token_ids
+            counts[a, b, c] += 1
+    return counts
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [dict(temperature=1.0), dict(temperature=0.7, top_k=4), dict(temperature=1.3, top_p=0.8)],
+    ids=["temperature", "top_k", "top_p"],
+)
+@pytest.mark.parametrize("drafter_kind", ["random", "scripted"])
+def test_sampled_tokens_follow_target_distribution(shape: dict, drafter_kind: str) -> None:
+    model = make_tiny_target("llama", vocab_size=VOCAB, seed=1)
+    sp = SamplingParams(max_new_tokens=3, ignore_eos=True, **shape)
+    joint = exact_joint(model, sp)
+    if drafter_kind == "random":
+        drafter = new_drafter_for_target(model.config, mask_token_id=VOCAB - 1, num_layers=1, dtype=torch.float64)
+    else:  # proposes the most likely continuation: many acceptances, and rejections where it is wrong
+        greedy = [[int(joint.sum((1, 2)).argmax()), 0, 0]]
+        drafter = ScriptedDrafter(model.config, [PROMPT] * 400, greedy * 400, error_rate=0.3)
+    dec = SpecDecoder(HFTarget(model), drafter, SpecConfig(block_size=4))
+    counts = sample_many(dec, sp, n=4000, batch=400)
+    assert chi2_pvalue(counts.sum((1, 2)), joint.sum((1, 2))) > 1e-3  # x1 comes from the prefill
+    assert chi2_pvalue(counts.sum(0), joint.sum(0)) > 1e-3  # (x2, x3): drafted and verified
+    assert chi2_pvalue(counts, joint) > 1e-3
+
+
+def test_seed_reproducible_and_independent_of_batch_mates() -> None:
+    model = make_tiny_target("llama", seed=2)
+    drafter = new_drafter_for_target(model.config, mask_token_id=47, num_layers=1, dtype=torch.float64)
+    dec = SpecDecoder(HFTarget(model), drafter, SpecConfig(block_size=4))
+    sp = SamplingParams(max_new_tokens=12, temperature=1.0, seed=1234)
+    alone = dec.generate([[5, 6, 7]], sp)[0].token_ids
+    again = dec.generate([[5, 6, 7]], sp)[0].token_ids
+    mates = dec.generate([[1, 2], [5, 6, 7], [9]], [sp.with_(seed=1), sp, sp.with_(seed=2)])[1].token_ids
+    assert alone == again == mates
+    other = dec.generate([[5, 6, 7]], sp.with_(seed=99))[0].token_ids
+    assert other != alone
+
+
+def test_verify_greedy_crafted_logits() -> None:
+    v = 6
+    logits = torch.full((2, 4, v), -5.0)
+    best = torch.tensor([[1, 2, 3, 4], [0, 5, 5, 2]])
+    logits.scatter_(-1, best[..., None], 5.0)
+    proposals = torch.tensor([[1, 2, 0], [0, 5, 5]])
+    accepted, bonus = verify_greedy(proposals, logits)
+    assert accepted.tolist() == [2, 3]
+    assert bonus.tolist() == [3, 2]
+
+
+def test_verify_sampled_crafted_probabilities() -> None:
+    p = torch.tensor([[[0.5, 0.5, 0.0], [0.0, 0.0, 1.0]]]).double()  # [1, 2, 3]
+    q = torch.tensor([[[0.25, 0.25, 0.5]]]).double()  # [1, 1, 3]
+    proposal = torch.tensor([[2]])  # p(2) = 0 at position 0: always rejected
+    accepted, bonus = verify_sampled(proposal, q, p, torch.tensor([[0.0]]), torch.tensor([0.9]))
+    assert accepted.tolist() == [0]
+    # residual max(p - q, 0) = [0.25, 0.25, 0] -> u=0.9 picks token 1
+    assert bonus.tolist() == [1]
+    proposal = torch.tensor([[0]])  # p/q = 2 >= 1: always accepted, bonus from p at position 1
+    accepted, bonus = verify_sampled(proposal, q, p, torch.tensor([[0.99]]), torch.tensor([0.3]))
+    assert accepted.tolist() == [1]
+    assert bonus.tolist() == [2]
+
+
+def test_chi_square_detects_a_lossy_verifier(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control: accepting every proposal (drafter distribution) must fail the test."""
+    import blockspec.spec.decode as decode
+
+    def accept_all(proposals, draft_probs, target_probs, accept_u, bonus_u):
+        accepted, bonus = verify_sampled(proposals, draft_probs, target_probs, accept_u * 0, bonus_u)
+        return torch.full_like(accepted, proposals.shape[1]), bonus
+
+    monkeypatch.setattr(decode, "verify_sampled", accept_all)
+    model = make_tiny_target("llama", vocab_size=VOCAB, seed=1)
+    sp = SamplingParams(max_new_tokens=3, ignore_eos=True, temperature=1.0)
+    joint = exact_joint(model, sp)
+    drafter = ScriptedDrafter(model.config, [PROMPT] * 400, [[0, 0, 0]] * 400, error_rate=0.3)
+    dec = SpecDecoder(HFTarget(model), drafter, SpecConfig(block_size=4))
+    counts = sample_many(dec, sp, n=2000, batch=400)
+    assert chi2_pvalue(counts.sum(0), joint.sum(0)) < 1e-6
