@@ -1,0 +1,526 @@
+"""The DFlash speculative decoding loop for a batch of token-id prompts (DESIGN.md section 3).
+
+`DecodeBatch` is the one step implementation: rows join (prefill + first token), every `step`
+drafts, verifies and commits for the whole batch, finished rows leave. `SpecDecoder.generate`
+runs one fixed batch through it; the engine (blockspec/engine) adds and removes rows between
+steps. Each row accepts its own number of tokens per step: the Hugging Face adapter's caches keep
+per-slot positions (models/slots.py), native caches index slots by position (models/native/
+cache.py), so nothing is padded to a common length or recomputed. Block size 1 skips the drafter
+and is plain autoregressive decoding through the same code.
+
+Cache protocol used here (HFCache, DraftCache, native StaticCache): `reject(keep [b, q])` after a
+verification, `compact(ratio)`, `select_rows(rows)`; to take joining rows `merge(other)`
+(optionally `spawn(k)` to prefill new rows in place); native caches also have `reserve(n)`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from blockspec.config import SamplingParams, SpecConfig
+from blockspec.errors import ConfigError, ContextLengthError
+from blockspec.models.drafter import DFlashDrafter, check_compatible
+from blockspec.models.slots import EMPTY
+from blockspec.models.target import Target
+from blockspec.spec.sampling import RowRandom, probabilities, sample_from
+from blockspec.spec.verify import verify_greedy, verify_sampled
+
+# Called after every step with (row index in the original prompt list, newly committed ids).
+OnTokens = Callable[[int, list[int]], None]
+# Returns the number of generated tokens to keep if a stop string occurred, else None.
+StopCheck = Callable[[int, list[int]], int | None]
+
+
+@dataclass
+class RequestStats:
+    """Per-request statistics. tau counts committed tokens per decode step (accepted + 1)."""
+
+    prompt_tokens: int = 0
+    acceptance_lengths: list[int] = field(default_factory=list)
+    accepted_by_position: list[int] = field(default_factory=list)
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    block_size: int = 1
+
+    @property
+    def steps(self) -> int:
+        return len(self.acceptance_lengths)
+
+    @property
+    def mean_tau(self) -> float:
+        return sum(self.acceptance_lengths) / max(1, len(self.acceptance_lengths))
+
+    def tokens_per_s(self, generated: int) -> float:
+        total = self.prefill_s + self.decode_s
+        return generated / total if total > 0 else 0.0
+
+    def as_dict(self, generated: int) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": generated,
+            "block_size": self.block_size,
+            "steps": self.steps,
+            "mean_tau": round(self.mean_tau, 4),
+            "acceptance_lengths": list(self.acceptance_lengths),
+            "accepted_by_position": list(self.accepted_by_position),
+            "prefill_s": round(self.prefill_s, 6),
+            "decode_s": round(self.decode_s, 6),
+            "tokens_per_s": round(self.tokens_per_s(generated), 3),
+        }
+
+
+@dataclass
+class GenerationResult:
+    """Generated token ids (stop token included when one ended the request) and statistics."""
+
+    token_ids: list[int]
+    finish_reason: str  # "stop" | "length"
+    stats: RequestStats
+
+
+RowStopCheck = Callable[[list[int]], int | None]
+
+
+@dataclass
+class Row:
+    """One sequence of a DecodeBatch. `key` is the caller's identity for it."""
+
+    key: object
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    stats: RequestStats
+    stop_check: RowStopCheck | None = None
+    generated: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    new_tokens: list[int] = field(default_factory=list)  # committed by the latest join or step
+    # tries[k]: steps in which proposal k (0-based) was verified with proposals 0..k-1 accepted.
+    tries: list[int] = field(default_factory=list)
+    decode_t0: float = 0.0
+
+    @property
+    def remaining(self) -> int:
+        return self.params.max_new_tokens - len(self.generated)
+
+    def acceptance_rates(self, prior: list[float], weight: float = 4.0) -> list[float]:
+        """Per-position conditional acceptance estimates, shrunk towards `prior`."""
+        acc = self.stats.accepted_by_position
+        return [
+            (acc[k] + weight * prior[k]) / (self.tries[k] + weight) if k < len(self.tries) else prior[k]
+            for k in range(len(prior))
+        ]
+
+
+def _stop_ids(params: SamplingParams, eos: tuple[int, ...]) -> frozenset[int]:
+    ids = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        ids.update(eos)
+    return frozenset(ids)
+
+
+def make_row(key: object, prompt_len: int, params: SamplingParams, eos: tuple[int, ...], max_block: int,
+             stop_check: RowStopCheck | None = None) -> Row:
+    """A Row with fresh statistics for a request of `prompt_len` tokens."""
+    positions = max(0, max_block - 1)
+    stats = RequestStats(prompt_tokens=prompt_len, block_size=max_block, accepted_by_position=[0] * positions)
+    return Row(key, params, _stop_ids(params, eos), stats, stop_check, tries=[0] * positions)
+
+
+class SpecDecoder:
+    """Runs target + drafter for batches of prompts. Holds no per-request state between calls."""
+
+    def __init__(self, target: Target, drafter: DFlashDrafter | None, spec: SpecConfig | None = None) -> None:
+        self.target = target
+        self.drafter = drafter
+        self.spec = spec or SpecConfig()
+        if drafter is not None:
+            info = target.info
+            check_compatible(
+                drafter.cfg, hidden_size=info.hidden_size, vocab_size=info.vocab_size, num_layers=info.num_layers
+            )
+        elif self.spec.block_size > 1:
+            raise ConfigError("block_size > 1 needs a drafter; pass one, or use block_size=1 for plain decoding")
+
+    def check_request(self, prompt_len: int, params: SamplingParams) -> None:
+        """Raises ContextLengthError if a request cannot fit the target's context."""
+        limit = self.target.info.max_position_embeddings
+        if prompt_len < 1:
+            raise ConfigError("the prompt is empty; give at least one token")
+        if prompt_len + params.max_new_tokens > limit:
+            raise ContextLengthError(
+                f"prompt ({prompt_len} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
+                f"target's context of {limit} tokens; shorten the prompt or lower max_new_tokens "
+                f"to at most {max(0, limit - prompt_len)}"
+            )
+
+    def check_prompt(self, prompt: list[int], params: SamplingParams) -> None:
+        """check_request plus token-id range."""
+        self.check_request(len(prompt), params)
+        vocab = self.target.info.vocab_size
+        if any(not 0 <= t < vocab for t in prompt):
+            raise ConfigError(f"prompt token ids must be in [0, {vocab}); got one outside")
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: list[SamplingParams] | SamplingParams,
+        *,
+        block_size: int | None = None,
+        on_tokens: OnTokens | None = None,
+        stop_check: StopCheck | None = None,
+    ) -> list[GenerationResult]:
+        """Generates for every prompt; returns results in prompt order."""
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ConfigError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        if not prompts:
+            return []
+        block = self.spec.block_size if block_size is None else SpecConfig(block_size=block_size).block_size
+        if block > 1 and self.drafter is None:
+            raise ConfigError("block_size > 1 needs a drafter; pass one, or use block_size=1")
+        for p, sp in zip(prompts, params):
+            self.check_prompt(p, sp)
+        batch = DecodeBatch(self.target, self.drafter if block > 1 else None, max_block=block,
+                            compact_ratio=self.spec.compact_ratio)
+        eos = self.target.info.eos_token_ids
+        rows = []
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            check = (lambda ids, i=i: stop_check(i, ids)) if stop_check is not None else None
+            rows.append(make_row(i, len(p), sp, eos, block, check))
+        results: dict[int, GenerationResult] = {}
+
+        def report() -> None:
+            if on_tokens is not None:
+                for r in batch.rows:
+                    if r.new_tokens:
+                        on_tokens(r.key, r.new_tokens)
+            for r in batch.retire():
+                results[r.key] = GenerationResult(list(r.generated), r.finish_reason, r.stats)
+
+        t0 = time.perf_counter()
+        batch.join(prompts, rows)
+        prefill_s = time.perf_counter() - t0
+        for r in rows:
+            r.stats.prefill_s = prefill_s
+        report()
+        t1 = time.perf_counter()
+        while batch.rows:
+            batch.step(block)
+            now = time.perf_counter()
+            for r in batch.rows:
+                r.stats.decode_s = now - t1
+            report()
+        return [results[i] for i in range(len(prompts))]
+
+
+def _static_cache(cache: object) -> bool:
+    return hasattr(cache, "reserve")
+
+
+class DecodeBatch:
+    """The rows being decoded together, their caches, and the step that advances them all.
+
+    Invariants: `rows[i]` is batch row i of every cache and per-row tensor; `cur[i]` is the
+    number of committed tokens whose K/V are in the target cache (the prompt plus all generated
+    tokens but the last), `last[i]` the last generated token (not yet in the cache), and
+    `pending_feats` the target features of committed tokens not yet in the draft cache.
+    """
+
+    def __init__(
+        self,
+        target: Target,
+        drafter: DFlashDrafter | None,
+        *,
+        max_block: int,
+        compact_ratio: float = 0.25,
+        static_draft: bool = True,
+    ) -> None:
+        from blockspec.models.native.draft import StaticDrafter, has_standard_forward
+
+        self.target = target
+        self.drafter = drafter if max_block > 1 else None
+        self.max_block = max_block if self.drafter is not None else 1
+        self.compact_ratio = compact_ratio
+        self.draft = None
+        if self.drafter is not None:
+            use_static = static_draft and has_standard_forward(self.drafter)
+            self.draft = StaticDrafter(self.drafter) if use_static else self.drafter
+        self.layer_ids = self.drafter.target_layer_ids if self.drafter is not None else ()
+        self.embed_scale = self.drafter.cfg.input_embedding_scale if self.drafter is not None else 1.0
+        self.device = target.embed(torch.zeros(1, 1, dtype=torch.long)).device
+        self.offsets = torch.arange(max(1, self.max_block), device=self.device)
+        self.rows: list[Row] = []
+        self._reset()
+
+    def _reset(self) -> None:
+        d = self.device
+        self.rows = []
+        # Static caches keep their storage for the next rows (an empty window of the same store).
+        empty = torch.zeros(0, dtype=torch.long, device=d)
+        for name in ("tcache", "dcache"):
+            cache = getattr(self, name, None)
+            if _static_cache(cache):
+                cache.select_rows(empty)
+            else:
+                setattr(self, name, None)
+        self.random = RowRandom([])
+        self.cur = torch.zeros(0, dtype=torch.long, device=d)
+        self.cur_host: list[int] = []
+        self.last = torch.zeros(0, dtype=torch.long, device=d)
+        self.pending_feats: torch.Tensor | None = None
+        self.pending_pos = torch.zeros(0, 0, dtype=torch.long, device=d)
+        self.draft_top = 0  # positions below this may hold pending context features
+        self.temperature = torch.zeros(0, dtype=torch.float32, device=d)
+        self.top_k = torch.zeros(0, dtype=torch.long, device=d)
+        self.top_p = torch.zeros(0, dtype=torch.float32, device=d)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def clear(self) -> None:
+        """Drops every row (after a failure, or to start over); caches keep their storage."""
+        try:
+            self._reset()
+        except Exception:  # a cache left inconsistent by the failure: start from scratch
+            self.tcache = self.dcache = None
+            self._reset()
+
+    @property
+    def all_greedy(self) -> bool:
+        return all(r.params.greedy for r in self.rows)
+
+    # ---- joining -------------------------------------------------------------------------------
+    def join(self, prompts: list[list[int]], rows: list[Row]) -> None:
+        """Prefills new rows and samples their first token; they take part in the next step.
+
+        If this raises, the batch is unchanged unless the caches were already merged (then the
+        caller must treat the whole batch as failed).
+        """
+        k = len(prompts)
+        if k == 0:
+            return
+        d = self.device
+        longest = max(len(p) for p in prompts)
+        ids = torch.zeros(k, longest, dtype=torch.long)
+        positions = torch.full((k, longest), EMPTY, dtype=torch.long)
+        for i, p in enumerate(prompts):  # left padding: every row's last token is column -1
+            ids[i, longest - len(p):] = torch.tensor(p)
+            positions[i, longest - len(p):] = torch.arange(len(p))
+        ids, positions = ids.to(d), positions.to(d)
+        spawn = getattr(self.tcache, "spawn", None)
+        tcache = spawn(k) if spawn is not None else self.target.new_cache(k)
+        if _static_cache(tcache):
+            tcache.reserve(longest)
+        logits, feats = self.target.forward(ids, positions, tcache, self.layer_ids, last_logits_only=True)
+        params = [r.params for r in rows]
+        random = RowRandom([sp.seed for sp in params])
+        temperature = torch.tensor([sp.temperature for sp in params], dtype=torch.float32, device=d)
+        top_k = torch.tensor([sp.top_k for sp in params], dtype=torch.long, device=d)
+        top_p = torch.tensor([sp.top_p for sp in params], dtype=torch.float32, device=d)
+        if all(sp.greedy for sp in params):
+            first = logits[:, -1].argmax(dim=-1)  # [k]
+        else:
+            probs = probabilities(logits[:, -1:], temperature, top_k, top_p)  # [k, 1, V]
+            first = sample_from(probs, random.uniforms(1).to(d))[:, 0]
+        dcache = None
+        if self.draft is not None:
+            dspawn = getattr(self.dcache, "spawn", None)
+            dcache = dspawn(k) if dspawn is not None else self.draft.new_cache(k)
+        first_host = first.tolist()
+        # ---- from here on the batch changes
+        if not self.rows:
+            self.tcache, self.dcache = tcache, dcache
+        else:
+            self._merge(self.tcache, tcache)
+            if dcache is not None:
+                self._merge(self.dcache, dcache)
+        self.random.generators.extend(random.generators)
+        self.temperature = torch.cat([self.temperature, temperature])
+        self.top_k = torch.cat([self.top_k, top_k])
+        self.top_p = torch.cat([self.top_p, top_p])
+        lengths = [len(p) for p in prompts]
+        self.cur = torch.cat([self.cur, torch.tensor(lengths, device=d)])
+        self.cur_host.extend(lengths)
+        self.last = torch.cat([self.last, first])
+        if self.drafter is not None:
+            self._add_pending(feats, positions, joining=True)
+            self.draft_top = max(self.draft_top, longest)
+        now = time.perf_counter()
+        for r, t in zip(rows, first_host):
+            r.decode_t0 = now
+            r.new_tokens = []
+            self._commit(r, [t])
+        self.rows.extend(rows)
+
+    @staticmethod
+    def _merge(into: object, other: object) -> None:
+        merge = getattr(into, "merge", None)
+        if merge is None:
+            raise ConfigError(
+                f"{type(into).__name__} cannot take rows joining a running batch; use the native "
+                "target / standard drafter, or decode such requests in separate batches"
+            )
+        merge(other)
+
+    def _add_pending(self, feats: torch.Tensor, positions: torch.Tensor, *, joining: bool) -> None:
+        """Queues context features: new rows' (joining) or every row's latest (appended)."""
+        if self.pending_feats is None or (not joining and self.pending_feats.shape[1] == 0):
+            self.pending_feats, self.pending_pos = feats, positions
+            return
+        if joining:  # stack rows; left-pad the shorter context with EMPTY slots
+            old_c, new_c = self.pending_feats.shape[1], feats.shape[1]
+            width = max(old_c, new_c)
+            self.pending_feats = torch.cat([_pad_left(self.pending_feats, width, 0.0),
+                                            _pad_left(feats, width, 0.0)], dim=0)
+            self.pending_pos = torch.cat([_pad_left(self.pending_pos, width, EMPTY),
+                                          _pad_left(positions, width, EMPTY)], dim=0)
+        else:  # a step without a draft pass: its features wait with the older ones
+            self.pending_feats = torch.cat([self.pending_feats, feats], dim=1)
+            self.pending_pos = torch.cat([self.pending_pos, positions], dim=1)
+
+    # ---- one step ----------------------------------------------------------------------------
+    def _probs(self, logits: torch.Tensor) -> torch.Tensor:
+        return probabilities(logits, self.temperature, self.top_k, self.top_p)
+
+    def step(self, block: int) -> int:
+        """Drafts (block > 1), verifies and commits for every row; returns the block size used.
+
+        The only host synchronisation is the read-back of committed tokens at the end.
+        """
+        rows = self.rows
+        b = len(rows)
+        remaining = [r.remaining for r in rows]
+        q = max(1, min(block, self.max_block, max(remaining)))
+        d = self.device
+        offsets = self.offsets[:q]
+        positions = self.cur[:, None] + offsets  # [b, q]
+        top = max(self.cur_host) + q
+        if _static_cache(self.tcache):
+            self.tcache.reserve(top)
+        block_ids = torch.empty(b, q, dtype=torch.long, device=d)
+        block_ids[:, 0] = self.last
+        greedy = self.all_greedy
+        draft_probs = None
+        if q > 1:
+            block_ids[:, 1:] = self.drafter.mask_token_id
+            embeds = self.target.embed(block_ids)  # [b, q, H]
+            if self.embed_scale != 1.0:
+                embeds = embeds * self.embed_scale
+            if _static_cache(self.dcache):
+                self.dcache.reserve(top, self.draft_top)
+            hidden = self.draft(self.pending_feats, self.pending_pos, embeds, positions, self.dcache)
+            draft_logits = self.drafter.logits(hidden[:, 1:], self.target.head())  # [b, q-1, V]
+            if greedy:
+                block_ids[:, 1:] = draft_logits.argmax(dim=-1)
+            else:
+                draft_probs = self._probs(draft_logits)
+                block_ids[:, 1:] = sample_from(draft_probs, self.random.uniforms(q - 1).to(d))
+            self.pending_feats = None
+        logits, feats = self.target.forward(block_ids, positions, self.tcache, self.layer_ids)
+        proposals = block_ids[:, 1:]
+        if greedy:
+            accepted, bonus = verify_greedy(proposals, logits)
+        else:
+            target_probs = self._probs(logits)
+            if draft_probs is None:
+                draft_probs = torch.zeros_like(target_probs[:, :0])
+            u = self.random.uniforms(q).to(d)
+            accepted, bonus = verify_sampled(proposals, draft_probs, target_probs, u[:, :-1], u[:, -1])
+        # [b, q]: proposals[:accepted] then the bonus; row r commits its first accepted+1.
+        committed = torch.cat([proposals, bonus[:, None]], dim=1).scatter(1, accepted[:, None], bonus[:, None])
+        host = torch.cat([committed, accepted[:, None]], dim=1).tolist()  # the one sync
+        n_host = [min(h[-1] + 1, rem) for h, rem in zip(host, remaining)]
+        n_new = torch.tensor(n_host, device=d)
+        keep = offsets[None] < n_new[:, None]  # [b, q]: block slots 0..n_new-1 stay in the cache
+        self.tcache.reject(keep)
+        if self.drafter is not None:
+            kept_pos = torch.where(keep, positions, torch.full_like(positions, EMPTY))
+            self._add_pending(feats, kept_pos, joining=False)
+            self.draft_top = max(self.draft_top, top)
+        self.last = committed.gather(1, (n_new - 1)[:, None])[:, 0]
+        self.cur = self.cur + n_new
+        self.cur_host = [c + n for c, n in zip(self.cur_host, n_host)]
+        for r, h, n in zip(rows, host, n_host):
+            a = h[-1]
+            r.stats.acceptance_lengths.append(n)
+            acc, tries = r.stats.accepted_by_position, r.tries
+            for k in range(min(a, len(acc))):
+                acc[k] += 1
+            for k in range(min(a + 1, q - 1, len(tries))):
+                tries[k] += 1
+            r.new_tokens = []
+            self._commit(r, h[:n])
+        return q
+
+    def _commit(self, r: Row, new: list[int]) -> None:
+        """Appends tokens, applying stop tokens, stop strings and the length limit."""
+        for j, t in enumerate(new):
+            if t in r.stop_ids:
+                new = new[: j + 1]
+                r.finish_reason = "stop"
+                break
+        start = len(r.generated)
+        r.generated.extend(new)
+        if r.finish_reason is None and r.stop_check is not None:
+            keep = r.stop_check(r.generated)
+            if keep is not None:
+                del r.generated[keep:]
+                r.finish_reason = "stop"
+        if r.finish_reason is None and len(r.generated) >= r.params.max_new_tokens:
+            r.finish_reason = "length"
+        r.new_tokens = r.generated[start:]
+
+    # ---- leaving -------------------------------------------------------------------------------
+    def retire(self) -> list[Row]:
+        """Removes rows with a finish_reason (set one to cancel a row); returns them."""
+        done = [i for i, r in enumerate(self.rows) if r.finish_reason is not None]
+        gone = [self.rows[i] for i in done]
+        if len(done) == len(self.rows) and done:
+            self._reset()
+            return gone
+        if done:
+            order = _swap_remove_order(len(self.rows), done)
+            index = torch.tensor(order, dtype=torch.long, device=self.device)
+            self.rows = [self.rows[i] for i in order]
+            self.random.select_rows(order)
+            self.tcache.select_rows(index)
+            if self.dcache is not None:
+                self.dcache.select_rows(index)
+            self.cur, self.last = self.cur[index], self.last[index]
+            self.cur_host = [self.cur_host[i] for i in order]
+            if self.pending_feats is not None:
+                self.pending_feats = self.pending_feats[index]
+            self.pending_pos = self.pending_pos[index]
+            self.temperature, self.top_k, self.top_p = self.temperature[index], self.top_k[index], self.top_p[index]
+        if self.rows:
+            self.tcache.compact(self.compact_ratio)
+            if self.dcache is not None:
+                self.dcache.compact(self.compact_ratio)
+        return gone
+
+
+def _swap_remove_order(n: int, removed: list[int]) -> list[int]:
+    """Row order after removing rows: survivors beyond the new size fill the holes, so at most
+    len(removed) rows move (new row i = old row order[i])."""
+    gone = set(removed)
+    size = n - len(gone)
+    holes = [i for i in range(size) if i in gone]
+    movers = [i for i in range(size, n) if i not in gone]
+    order = list(range(size))
+    for hole, src in zip(holes, movers):
+        order[hole] = src
+    return order
+
+
+def _pad_left(t: torch.Tensor, width: int, value: float) -> torch.Tensor:
+    """Pads dim 1 of t [b, c, ...] on the left to `width`."""
+    missing = width - t.shape[1]
+    if missing <= 0:
+        return t
+    pad = torch.full((t.shape[0], missing, *t.shape[2:]), value, dtype=t.dtype, device=t.device)
+    return torch.cat([pad, t], dim=1)
