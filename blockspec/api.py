@@ -49,6 +49,8 @@ def pick_mask_token(tokenizer: object, vocab_size: int) -> int:
 
 def default_drafter_for(target_name: str) -> Path | None:
     """The drafter shipped in the package for a zoo target, if any."""
+    if not target_name or "/" in target_name or "\\" in target_name or target_name.startswith("."):
+        return None  # a path or Hub id, not a zoo name
     shipped = Path(__file__).parent / "assets" / "drafters" / target_name
     return shipped if (shipped / "config.json").exists() else None
 
@@ -181,17 +183,22 @@ def load(
     block_size: int | None = None,
     drafter_layers: int = 1,
     seed: int = 0,
+    backend: str = "auto",
 ) -> Pipeline:
     """Loads a target (zoo name, directory or Hub id) and a drafter.
 
     drafter: a DFlash drafter directory; None takes the drafter shipped for a zoo target;
     "fresh" builds a randomly initialised one (lossless but slow: tau ~ 1); "none" decodes
     without a drafter (plain autoregressive).
+    backend: "native" (own Llama/Qwen2/Qwen3 code, static KV cache), "hf" (any transformers
+    causal LM) or "auto" (native when the architecture is supported).
     """
     if dtype not in DTYPES:
         raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    from blockspec.models.native.load import load_target
+
     target_dir = resolve_target_dir(target)
-    hf_target, tokenizer = load_hf_target(target_dir, dtype=dtype, device=device)
+    hf_target, tokenizer = load_target(target_dir, backend=backend, dtype=dtype, device=device)
     torch_dtype = DTYPES[dtype]
     source = str(drafter) if drafter is not None else ""
     draft: DFlashDrafter | None
@@ -209,7 +216,7 @@ def load(
     elif str(drafter) == FRESH:
         info = hf_target.info
         draft = new_drafter_for_target(
-            hf_target.model.config, mask_token_id=pick_mask_token(tokenizer, info.vocab_size),
+            hf_target.config, mask_token_id=pick_mask_token(tokenizer, info.vocab_size),
             num_layers=drafter_layers, seed=seed, dtype=torch_dtype,
         ).to(device)
     else:

@@ -24,6 +24,7 @@ import torch
 from blockspec.config import SamplingParams, SpecConfig
 from blockspec.errors import ConfigError, ContextLengthError
 from blockspec.models.drafter import DFlashDrafter, check_compatible
+from blockspec.models.native.draft import StaticDrafter, has_standard_forward
 from blockspec.models.slots import EMPTY
 from blockspec.models.target import Target
 from blockspec.spec.sampling import RowRandom, probabilities, sample_from
@@ -240,8 +241,6 @@ class DecodeBatch:
         compact_ratio: float = 0.25,
         static_draft: bool = True,
     ) -> None:
-        from blockspec.models.native.draft import StaticDrafter, has_standard_forward
-
         self.target = target
         self.drafter = drafter if max_block > 1 else None
         self.max_block = max_block if self.drafter is not None else 1
@@ -282,6 +281,7 @@ class DecodeBatch:
     def __len__(self) -> int:
         return len(self.rows)
 
+    @torch.inference_mode()
     def clear(self) -> None:
         """Drops every row (after a failure, or to start over); caches keep their storage."""
         try:
@@ -295,6 +295,7 @@ class DecodeBatch:
         return all(r.params.greedy for r in self.rows)
 
     # ---- joining -------------------------------------------------------------------------------
+    @torch.inference_mode()
     def join(self, prompts: list[list[int]], rows: list[Row]) -> None:
         """Prefills new rows and samples their first token; they take part in the next step.
 
@@ -387,6 +388,7 @@ class DecodeBatch:
     def _probs(self, logits: torch.Tensor) -> torch.Tensor:
         return probabilities(logits, self.temperature, self.top_k, self.top_p)
 
+    @torch.inference_mode()
     def step(self, block: int) -> int:
         """Drafts (block > 1), verifies and commits for every row; returns the block size used.
 
@@ -476,6 +478,7 @@ class DecodeBatch:
         r.new_tokens = r.generated[start:]
 
     # ---- leaving -------------------------------------------------------------------------------
+    @torch.inference_mode()
     def retire(self) -> list[Row]:
         """Removes rows with a finish_reason (set one to cancel a row); returns them."""
         done = [i for i, r in enumerate(self.rows) if r.finish_reason is not None]

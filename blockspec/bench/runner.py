@@ -1,0 +1,353 @@
+"""Benchmark runners and the suite that drives them over data sets, settings and concurrency.
+
+A runner turns a list of token-id requests into outputs, `concurrency` requests in flight at a
+time. Everything above that (chat templates, multi-turn conversations, warm-up, timing, progress)
+lives in `run_suite`, so a new way of serving requests (the continuous batching engine, an HTTP
+endpoint: see bench/http.py) only needs a new runner.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
+from typing import Protocol
+
+from blockspec.config import SamplingParams
+from blockspec.errors import ConfigError
+from blockspec.spec.decode import SpecDecoder
+from blockspec.text import encode_prompt
+
+Progress = Callable[[int], None]  # called with the number of requests just finished
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation request: a prompt in token ids plus its sampling parameters. `messages` is
+    the same prompt as a conversation, for runners that send text (an HTTP endpoint)."""
+
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    messages: tuple[dict, ...] | None = None
+    enable_thinking: bool | None = None
+
+
+@dataclass
+class Output:
+    """What a runner returns per request. Acceptance fields are None for non-speculative runners;
+    `steps` (target verification passes after prefill) is known even when per-step lengths are not."""
+
+    token_ids: list[int]
+    finish_reason: str
+    latency_s: float  # end to end for this request, prefill included
+    prefill_s: float | None = None
+    steps: int | None = None
+    acceptance_lengths: list[int] | None = None
+    accepted_by_position: list[int] | None = None
+
+
+class Runner(Protocol):
+    """Generates for requests. `name` is unique in a suite ("ar", "dflash b16", "hf", ...)."""
+
+    name: str
+    method: str  # "ar" | "dflash" | "hf" | "pld" | "reference"
+    block_size: int  # tokens per verification pass (1 for non-speculative runners)
+    max_concurrency: int | None  # None: any; 1: batch-1 baselines
+
+    def run(self, requests: Sequence[Request], concurrency: int, progress: Progress | None = None) -> list[Output]: ...
+
+
+class SpecRunner:
+    """Our SpecDecoder in process: block_size 1 is plain autoregressive decoding on the same target.
+
+    Requests go through in static batches of `concurrency` (each batch runs until its last row is
+    done); the continuous batching engine will replace this with a runner that keeps
+    `concurrency` requests in flight.
+    """
+
+    max_concurrency = None
+
+    def __init__(self, decoder: SpecDecoder, block_size: int) -> None:
+        if block_size > 1 and decoder.drafter is None:
+            raise ConfigError("a DFlash runner needs a drafter; load one or use block_size=1")
+        self.decoder = decoder
+        self.block_size = block_size
+        self.method = "ar" if block_size == 1 else "dflash"
+        self.name = "ar" if block_size == 1 else f"dflash b{block_size}"
+
+    def run(self, requests: Sequence[Request], concurrency: int, progress: Progress | None = None) -> list[Output]:
+        outputs: list[Output] = []
+        for start in range(0, len(requests), concurrency):
+            batch = requests[start : start + concurrency]
+            results = self.decoder.generate(
+                [list(r.prompt_ids) for r in batch], [r.params for r in batch], block_size=self.block_size
+            )
+            for res in results:
+                st = res.stats
+                speculative = self.block_size > 1
+                outputs.append(Output(
+                    token_ids=list(res.token_ids),
+                    finish_reason=res.finish_reason,
+                    latency_s=st.prefill_s + st.decode_s,
+                    prefill_s=st.prefill_s,
+                    steps=st.steps,
+                    acceptance_lengths=list(st.acceptance_lengths) if speculative else None,
+                    accepted_by_position=list(st.accepted_by_position) if speculative else None,
+                ))
+            if progress is not None:
+                progress(len(batch))
+        return outputs
+
+
+# ---- the suite --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A sampling regime: temperature, and thinking on/off (None: the template has no switch)."""
+
+    temperature: float
+    thinking: bool | None
+
+    @property
+    def label(self) -> str:
+        temp = "Greedy (temperature 0)" if self.temperature == 0 else f"Temperature {self.temperature:g}"
+        think = "" if self.thinking is None else (", thinking on" if self.thinking else ", thinking off")
+        return temp + think
+
+    @property
+    def key(self) -> str:
+        think = "na" if self.thinking is None else ("on" if self.thinking else "off")
+        return f"t{self.temperature:g}-think-{think}"
+
+
+@dataclass(frozen=True)
+class SuitePlan:
+    """What to run: concurrency levels, settings and generation length."""
+
+    concurrency: tuple[int, ...] = (1,)
+    settings: tuple[Setting, ...] = (Setting(0.0, None),)
+    max_new_tokens: int = 128
+    seed: int = 0
+    warmup: bool = True
+    warmup_tokens: int = 32
+    # Every runner takes its turn on each round of `concurrency` prompts before the next round,
+    # so load from other processes on a shared machine drifts over all runners alike.
+    interleave: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.concurrency or any(not isinstance(c, int) or c < 1 for c in self.concurrency):
+            raise ConfigError(f"concurrency must be integers >= 1, e.g. 1,4,8; got {self.concurrency!r}")
+        if not self.settings:
+            raise ConfigError("give at least one setting (temperature / thinking)")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass
+class RequestRecord:
+    """One request of one run, with everything the report needs (serialised to results.json)."""
+
+    runner: str
+    method: str
+    block_size: int
+    task: str
+    concurrency: int
+    temperature: float
+    thinking: bool | None
+    sample_id: str
+    turn: int
+    prompt_tokens: int
+    generated_tokens: int
+    finish_reason: str
+    latency_s: float
+    prefill_s: float | None
+    tokens_per_s: float
+    steps: int | None
+    mean_tau: float | None
+    acceptance_lengths: list[int] | None
+    accepted_by_position: list[int] | None
+    token_ids: list[int]
+    text: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class RunRecord:
+    """One runner over one task at one concurrency and setting: the wall time of the whole run
+    (all turns) is what throughput is computed from."""
+
+    runner: str
+    method: str
+    block_size: int
+    task: str
+    concurrency: int
+    temperature: float
+    thinking: bool | None
+    requests: int = 0
+    generated_tokens: int = 0
+    wall_s: float = 0.0
+    records: list[RequestRecord] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        d = {k: v for k, v in asdict(self).items() if k != "records"}
+        d["tokens_per_s"] = round(self.tokens_per_s, 3)
+        return d
+
+
+def _messages_for(turns: Sequence[str], answers: Sequence[str], turn: int) -> list[dict]:
+    messages: list[dict] = []
+    for i in range(turn):
+        messages += [{"role": "user", "content": turns[i]}, {"role": "assistant", "content": answers[i]}]
+    return messages + [{"role": "user", "content": turns[turn]}]
+
+
+def encode_turn(tokenizer: object, turns: Sequence[str], answers: Sequence[str], turn: int,
+                thinking: bool | None) -> list[int]:
+    """Prompt ids for `turn` of a conversation whose earlier turns were answered with `answers`
+    (the model's own replies). Without a chat template, the raw text is concatenated."""
+    if getattr(tokenizer, "chat_template", None):
+        kwargs = {"enable_thinking": thinking} if thinking is not None else None
+        return encode_prompt(tokenizer, _messages_for(turns, answers, turn), chat=True, chat_template_kwargs=kwargs)
+    parts = [p for i in range(turn) for p in (turns[i], answers[i])] + [turns[turn]]
+    return encode_prompt(tokenizer, "\n\n".join(parts), chat=False)
+
+
+def _visible(tokenizer: object, ids: Sequence[int]) -> str:
+    return tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def _request_seed(seed: int, sample_id: str, turn: int) -> int:
+    """Per-request sampling seed: the same for every runner and independent of batching."""
+    return (seed * 1_000_003 + zlib.crc32(sample_id.encode()) * 16 + turn) % 2**63
+
+
+def _tau(out: Output) -> float | None:
+    if out.acceptance_lengths:
+        return sum(out.acceptance_lengths) / len(out.acceptance_lengths)
+    if out.steps:  # runners that only count verification passes; the first token comes from prefill
+        return max(0, len(out.token_ids) - 1) / out.steps
+    return None
+
+
+def run_task(
+    runner: Runner,
+    task: str,
+    samples: Sequence[object],
+    tokenizer: object,
+    setting: Setting,
+    concurrency: int,
+    plan: SuitePlan,
+    progress: Progress | None = None,
+    into: RunRecord | None = None,
+) -> RunRecord:
+    """Runs every turn of every sample through one runner (adding to `into` when given). Turn k+1
+    of a conversation is asked after the runner's own turn-k answer (mt-bench), so all turn-k
+    requests go first."""
+    run = into or RunRecord(runner.name, runner.method, runner.block_size, task, concurrency,
+                            setting.temperature, setting.thinking)
+    answers: list[list[str]] = [[] for _ in samples]
+    for turn in range(max(len(s.turns) for s in samples)):
+        active = [i for i, s in enumerate(samples) if turn < len(s.turns)]
+        prompts = [encode_turn(tokenizer, samples[i].turns, answers[i], turn, setting.thinking) for i in active]
+        requests = [
+            Request(tuple(p), SamplingParams(max_new_tokens=plan.max_new_tokens, temperature=setting.temperature,
+                                             seed=_request_seed(plan.seed, str(samples[i].id), turn)),
+                    messages=tuple(_messages_for(samples[i].turns, answers[i], turn)),
+                    enable_thinking=setting.thinking)
+            for i, p in zip(active, prompts)
+        ]
+        t0 = time.perf_counter()
+        outputs = runner.run(requests, concurrency, progress)
+        run.wall_s += time.perf_counter() - t0
+        for i, req, out in zip(active, requests, outputs):
+            text = _visible(tokenizer, out.token_ids)
+            answers[i].append(text)
+            n = len(out.token_ids)
+            tau = _tau(out)
+            run.records.append(RequestRecord(
+                runner=runner.name, method=runner.method, block_size=runner.block_size, task=task,
+                concurrency=concurrency, temperature=setting.temperature, thinking=setting.thinking,
+                sample_id=str(samples[i].id), turn=turn, prompt_tokens=len(req.prompt_ids), generated_tokens=n,
+                finish_reason=out.finish_reason, latency_s=round(out.latency_s, 6),
+                prefill_s=None if out.prefill_s is None else round(out.prefill_s, 6),
+                tokens_per_s=round(n / out.latency_s, 3) if out.latency_s > 0 else 0.0,
+                steps=out.steps, mean_tau=None if tau is None else round(tau, 4),
+                acceptance_lengths=out.acceptance_lengths, accepted_by_position=out.accepted_by_position,
+                token_ids=list(out.token_ids), text=text,
+            ))
+            run.requests += 1
+            run.generated_tokens += n
+    return run
+
+
+def count_requests(datasets: dict[str, Sequence[object]]) -> int:
+    """Requests per (runner, task set, concurrency, setting) pass: every turn of every sample."""
+    return sum(len(s.turns) for samples in datasets.values() for s in samples)
+
+
+def run_suite(
+    runners: Sequence[Runner],
+    datasets: dict[str, Sequence[object]],
+    tokenizer: object,
+    plan: SuitePlan,
+    *,
+    progress: bool = True,
+    log: Callable[[str], None] | None = None,
+) -> list[RunRecord]:
+    """Every runner over every task, setting and concurrency level. Runners are interleaved per
+    round of prompts (see SuitePlan.interleave) so drift of the machine hits all alike. Batch-1 baselines
+    run once per task and setting, reported at concurrency 1."""
+    from tqdm.auto import tqdm
+
+    datasets = {k: list(v) for k, v in datasets.items() if len(v)}
+    if not datasets:
+        raise ConfigError("no prompts to run: every data set is empty (check --datasets and --limit)")
+    names = [r.name for r in runners]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"runner names must be unique, got {names}")
+    first_conc = min(plan.concurrency)
+    passes = 0
+    for r in runners:
+        passes += 1 if r.max_concurrency == 1 else len(plan.concurrency)
+    total = passes * len(plan.settings) * count_requests(datasets)
+    bar = tqdm(total=total, desc="bench", unit="req", disable=not progress, dynamic_ncols=True)
+    runs: list[RunRecord] = []
+    try:
+        if plan.warmup:  # first calls pay for lazy initialisation; keep that out of the numbers
+            task, samples = next(iter(datasets.items()))
+            first = SimpleNamespace(id=samples[0].id, turns=list(samples[0].turns[:1]))
+            warm_plan = SuitePlan(settings=plan.settings[:1], seed=plan.seed,
+                                  max_new_tokens=min(plan.warmup_tokens, plan.max_new_tokens))
+            for r in runners:
+                bar.set_postfix_str(f"warm-up {r.name}")
+                run_task(r, task, [first], tokenizer, plan.settings[0], 1, warm_plan)
+        for setting in plan.settings:
+            for task, samples in datasets.items():
+                for conc in plan.concurrency:
+                    active = [r for r in runners if r.max_concurrency != 1 or conc == first_conc]
+                    level = {r.name: 1 if r.max_concurrency == 1 else conc for r in active}
+                    here = {r.name: RunRecord(r.name, r.method, r.block_size, task, level[r.name],
+                                              setting.temperature, setting.thinking) for r in active}
+                    step = conc if plan.interleave else len(samples)
+                    for start in range(0, len(samples), step):
+                        for r in active:
+                            bar.set_postfix_str(f"{task} c{level[r.name]} {r.name} {setting.key}")
+                            run_task(r, task, samples[start:start + step], tokenizer, setting, level[r.name],
+                                     plan, bar.update, into=here[r.name])
+                    runs += here.values()
+                    if log is not None:
+                        for run in here.values():
+                            log(f"{task:>10} c{run.concurrency} {run.runner:<16} {setting.key}: "
+                                f"{run.tokens_per_s:8.2f} tok/s ({run.generated_tokens} tokens, {run.wall_s:.1f} s)")
+    finally:
+        bar.close()
+    return runs

@@ -1,0 +1,268 @@
+"""`blockspec bench`: DFlash against plain autoregressive decoding (and baselines) on prompt sets.
+
+    blockspec bench --target smollm2-135m-instruct --drafter fresh --datasets gsm8k,humaneval \
+        --limit gsm8k=16,humaneval=8 --block-sizes 16 --baselines hf,reference --out runs/bench
+
+Writes report.md (the model-card table: Task | Concurrency | AR | DFlash (speedup) | tau),
+results.json (every request's raw statistics) and plot.png into --out. Greedy DFlash output is
+checked token for token against plain decoding; a difference is reported loudly and the command
+exits with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import os
+import shlex
+import sys
+from pathlib import Path
+
+HELP = "benchmark DFlash against autoregressive decoding on standard prompt sets"
+
+BASELINE_NAMES = ("hf", "pld", "reference")
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not values or any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected numbers >= 0, got {text!r}")
+    return values
+
+
+def _limits(text: str) -> dict[str, int]:
+    """`16` (every set) or `gsm8k=16,humaneval=8` (per set; "*" = the rest); 0 = all prompts."""
+    out: dict[str, int] = {}
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        name, _, value = part.rpartition("=")
+        try:
+            n = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected N or NAME=N[,NAME=N...], got {text!r}") from None
+        if n < 0:
+            raise argparse.ArgumentTypeError(f"limits must be >= 0 (0 = all), got {part!r}")
+        out[name.strip() or "*"] = n
+    if not out:
+        raise argparse.ArgumentTypeError("empty --limit")
+    return out
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from blockspec.bench.datasets import DATASETS
+
+    parser.add_argument("--target", default="smollm2-135m-instruct",
+                        help="target model: zoo name, local HF directory or Hub id (default smollm2-135m-instruct)")
+    parser.add_argument("--drafter", default=None,
+                        help="DFlash drafter directory, or 'fresh' (untrained: lossless, tau ~ 1); "
+                             "default: the drafter shipped for a zoo target")
+    parser.add_argument("--drafter-layers", type=int, default=1, help="layers of a 'fresh' drafter (default 1)")
+    parser.add_argument("--datasets", type=_names, default=("gsm8k",),
+                        help=f"comma-separated prompt sets from: {', '.join(DATASETS)} (default gsm8k)")
+    parser.add_argument("--limit", type=_limits, default={"*": 16},
+                        help="prompts per data set: N, or per set NAME=N,NAME=N (default 16; 0 = all)")
+    parser.add_argument("--shuffle", action="store_true", help="take a random sample instead of the first N")
+    parser.add_argument("--seed", type=int, default=0, help="seed for --shuffle and for sampling (default 0)")
+    parser.add_argument("--block-sizes", type=_ints, default=None,
+                        help="comma-separated DFlash block sizes (default: the drafter's)")
+    parser.add_argument("--concurrency", type=_ints, default=(1,),
+                        help="comma-separated numbers of requests decoded together, e.g. 1,4,8 (default 1)")
+    parser.add_argument("--temperature", type=_floats, default=(0.0,),
+                        help="comma-separated temperatures, 0 = greedy (default 0)")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per turn (default 128)")
+    parser.add_argument("--thinking", choices=("on", "off", "both"), default="off",
+                        help="thinking mode for chat templates that have one (default off)")
+    parser.add_argument("--baselines", type=_names, default=(),
+                        help="comma-separated: hf (transformers generate), pld (prompt lookup), "
+                             "reference (dflash 0.1.0 package); default none")
+    parser.add_argument("--pld-tokens", type=int, default=10,
+                        help="prompt_lookup_num_tokens for the pld baseline (default 10)")
+    parser.add_argument("--out", default=None, help="output directory (default runs/bench-<date>-<time>)")
+    parser.add_argument("--backend", choices=("auto", "native", "hf"), default="auto",
+                        help="target implementation for AR and DFlash: native (own Llama-family code), "
+                             "hf (transformers) or auto (default)")
+    parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
+    parser.add_argument("--device", default="cpu", help="cpu | cuda[:N] | mps (default cpu)")
+    parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                        help="one uncounted warm-up generation per runner first (default on)")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                        help="show a progress bar (default on)")
+
+
+def _thinking_modes(mode: str, tokenizer: object, notes: list[str]) -> tuple[bool | None, ...]:
+    from blockspec.text import supports_thinking
+
+    if not supports_thinking(tokenizer):
+        if mode != "off":
+            notes.append(f"--thinking {mode} ignored: this chat template has no thinking switch")
+        return (None,)
+    return {"on": (True,), "off": (False,), "both": (True, False)}[mode]
+
+
+def _load_datasets(names: tuple[str, ...], limits: dict[str, int], shuffle: bool, seed: int) -> dict[str, list]:
+    from blockspec.bench.datasets import load_dataset
+    from blockspec.errors import ConfigError
+
+    stray = sorted(set(limits) - set(names) - {"*"})
+    if stray:
+        raise ConfigError(f"--limit names {stray} that are not in --datasets {','.join(names)}")
+    out = {}
+    for name in names:
+        n = limits.get(name, limits.get("*", 16))
+        out[name] = list(load_dataset(name, limit=n or None, shuffle=shuffle, seed=seed))
+    return out
+
+
+def _hf_model(args: argparse.Namespace, pipe: object) -> object:
+    """The target as a `transformers` model (what the baselines call): the pipeline's own when it
+    runs on the hf backend, else loaded once more from the same weights."""
+    model = getattr(pipe.target, "model", None)
+    if model is not None:
+        return model
+    from blockspec.api import resolve_target_dir
+    from blockspec.bench.baselines import load_hf_model
+
+    return load_hf_model(resolve_target_dir(args.target), dtype=pipe.target.dtype, device=args.device)
+
+
+def _baseline_runners(args: argparse.Namespace, pipe: object, block_sizes: tuple[int, ...], notes: list[str]) -> list:
+    from blockspec.bench import baselines as bl
+    from blockspec.errors import ConfigError
+    from blockspec.models.target import DTYPES
+
+    unknown = [b for b in args.baselines if b not in BASELINE_NAMES]
+    if unknown:
+        raise ConfigError(f"unknown baseline(s) {unknown}; choose from {', '.join(BASELINE_NAMES)}")
+    if not args.baselines:
+        return []
+    model = _hf_model(args, pipe)
+    eos = pipe.target.info.eos_token_ids
+    pad = getattr(pipe.tokenizer, "pad_token_id", None)
+    runners: list = []
+    if "hf" in args.baselines:
+        runners.append(bl.HFGenerateRunner(model, eos, pad_token_id=pad))
+    if "pld" in args.baselines:
+        if args.pld_tokens < 1:
+            raise ConfigError(f"--pld-tokens must be >= 1, got {args.pld_tokens}")
+        runners.append(bl.HFGenerateRunner(model, eos, prompt_lookup_num_tokens=args.pld_tokens, pad_token_id=pad))
+    if "reference" in args.baselines:
+        if not bl.reference_available():
+            notes.append("reference baseline skipped: the package `dflash` (0.1.0) is not importable "
+                         "(pip install dflash==0.1.0 --no-deps)")
+        else:
+            dtype = DTYPES.get(args.dtype, pipe.target.dtype)
+            source = Path(pipe.drafter_source) if pipe.drafter_source else None
+            if source is not None and (source / "config.json").exists():
+                ref = bl.load_reference_drafter(source, dtype=dtype, device=args.device)
+            else:  # a fresh drafter: hand the reference class the very same weights
+                ref = bl.reference_drafter_from(pipe.drafter, dtype=dtype, device=args.device)
+            runners += [bl.ReferenceRunner(ref, model, eos, b) for b in block_sizes]
+    return runners
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The full command with every option spelled out (defaults included), to rerun it exactly."""
+    joined = lambda xs: ",".join(f"{x:g}" if isinstance(x, float) else str(x) for x in xs)  # noqa: E731
+    parts = ["blockspec", "bench", "--target", str(args.target)]
+    if args.drafter is not None:  # None: the drafter shipped for the target
+        parts += ["--drafter", str(args.drafter)]
+    if args.drafter == "fresh":
+        parts += ["--drafter-layers", str(args.drafter_layers)]
+    limit = ",".join(str(n) if k == "*" else f"{k}={n}" for k, n in args.limit.items())
+    parts += ["--datasets", joined(args.datasets), "--limit", limit]
+    if args.shuffle:
+        parts.append("--shuffle")
+    parts += ["--seed", str(args.seed)]
+    if args.block_sizes:
+        parts += ["--block-sizes", joined(args.block_sizes)]
+    parts += ["--concurrency", joined(args.concurrency), "--temperature", joined(args.temperature),
+              "--max-new-tokens", str(args.max_new_tokens), "--thinking", args.thinking]
+    if args.baselines:
+        parts += ["--baselines", joined(args.baselines)]
+        if "pld" in args.baselines:
+            parts += ["--pld-tokens", str(args.pld_tokens)]
+    parts += ["--backend", args.backend, "--dtype", args.dtype, "--device", args.device, "--warmup" if args.warmup else "--no-warmup"]
+    if args.out:
+        parts += ["--out", str(args.out)]
+    return shlex.join(parts)
+
+
+def run(args: argparse.Namespace) -> int:
+    from blockspec.api import load
+    from blockspec.bench.report import write_report
+    from blockspec.bench.runner import Setting, SpecRunner, SuitePlan, count_requests, run_suite
+    from blockspec.errors import ConfigError
+
+    if args.drafter == "none":
+        raise ConfigError("bench compares DFlash with plain decoding, so it needs a drafter: pass a "
+                          "drafter directory or --drafter fresh")
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    notes: list[str] = []
+    datasets = _load_datasets(args.datasets, args.limit, args.shuffle, args.seed)
+    pipe = load(args.target, args.drafter, dtype=args.dtype, device=args.device,
+                drafter_layers=args.drafter_layers, seed=args.seed, backend=args.backend)
+    block_sizes = args.block_sizes or (pipe.drafter.block_size,)
+    if 1 in block_sizes:
+        raise ConfigError("--block-sizes lists DFlash block sizes (>= 2); plain decoding always runs as AR")
+    runners = [SpecRunner(pipe.decoder, 1)] + [SpecRunner(pipe.decoder, b) for b in block_sizes]
+    runners += _baseline_runners(args, pipe, block_sizes, notes)
+    thinking = _thinking_modes(args.thinking, pipe.tokenizer, notes)
+    settings = tuple(Setting(t, th) for t in args.temperature for th in thinking)
+    plan = SuitePlan(concurrency=tuple(args.concurrency), settings=settings, max_new_tokens=args.max_new_tokens,
+                     seed=args.seed, warmup=args.warmup)
+    if args.drafter == "fresh":
+        notes.append("the drafter is freshly initialised (untrained): expect tau ~ 1 and DFlash slower than AR")
+    for n in notes:
+        print(f"blockspec bench: {n}", file=sys.stderr)
+
+    load_at_start = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
+    log = (lambda line: print(line, file=sys.stderr)) if not args.progress else None
+    runs = run_suite(runners, datasets, pipe.tokenizer, plan, progress=args.progress, log=log)
+
+    out = Path(args.out or f"runs/bench-{_dt.datetime.now():%Y%m%d-%H%M%S}")
+    meta = {
+        "command": command_line(args),
+        "target": str(args.target),
+        "drafter": (f"fresh (untrained, {pipe.drafter.cfg.num_hidden_layers} layer(s), seed {args.seed})"
+                    if args.drafter == "fresh" else pipe.drafter_source),
+        "drafter_block_size": pipe.drafter.block_size,
+        "backend": f"{args.backend} ({type(pipe.target).__name__})",
+        "dtype": args.dtype,
+        "device": args.device,
+        "max_new_tokens": args.max_new_tokens,
+        "block_sizes": list(block_sizes),
+        "concurrency": list(args.concurrency),
+        "temperatures": list(args.temperature),
+        "thinking": args.thinking,
+        "baselines": list(args.baselines),
+        "prompts": ", ".join(f"{k} {len(v)}" for k, v in datasets.items())
+                   + f" ({count_requests(datasets)} requests per pass"
+                   + (f", shuffled with seed {args.seed})" if args.shuffle else ", first N)"),
+        "notes": notes,
+        "load_average_at_start": load_at_start,
+    }
+    report = write_report(runs, out, meta)
+    print(report.markdown)
+    print(f"wrote {report.paths['markdown']}, {report.paths['json']}, {report.paths['plot']}", file=sys.stderr)
+    if not report.lossless_ok:
+        print("blockspec bench: LOSSLESS CHECK FAILED: greedy DFlash output differs from AR (see report.md)",
+              file=sys.stderr)
+        return 1
+    return 0

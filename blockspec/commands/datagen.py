@@ -1,0 +1,69 @@
+"""`blockspec datagen`: regenerate training responses with the target model itself."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+HELP = "regenerate training responses with the target model itself (resumable JSONL shards)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", required=True, help="zoo name or Hugging Face model directory")
+    p.add_argument("--out", required=True, help="output directory for shard-NNNNN.jsonl files")
+    p.add_argument("--sources", default="gsm8k_train,mbpp_train,sharegpt,alpaca",
+                   help="comma list of gsm8k_train, mbpp_train, sharegpt, alpaca or .jsonl paths "
+                        "(ShareGPT-style messages/conversations, or prompt/instruction/question)")
+    p.add_argument("--limit", action="append", default=[], metavar="SOURCE=N",
+                   help="at most N prompts from SOURCE (repeatable), e.g. --limit sharegpt=500")
+    p.add_argument("--data-dir", default=None, help="where the data sets live (default ../shared/data)")
+    p.add_argument("--holdout", type=int, default=64,
+                   help="first N gsm8k_train prompts kept out of the data (the quick-eval set)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-prompt-tokens", type=int, default=512)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (matches greedy serving)")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--shard-size", type=int, default=500)
+    p.add_argument("--drafter", default=None, help="optional drafter dir to speed generation up (same output)")
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--backend", default="spec", choices=["spec", "hf"],
+                   help="spec: our SpecDecoder; hf: transformers generate (reference path)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from blockspec.api import resolve_target_dir
+    from blockspec.errors import ConfigError
+    from blockspec.models.drafter import load_drafter
+    from blockspec.models.target import load_hf_target
+    from blockspec.train.data import load_prompts
+    from blockspec.train.datagen import regenerate
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    limits = {}
+    for item in args.limit:
+        name, _, n = item.partition("=")
+        if not n.isdigit():
+            raise ConfigError(f"--limit wants SOURCE=N, got {item!r}")
+        limits[name] = int(n)
+    prompts = load_prompts(args.sources.split(","), data_dir=args.data_dir, limits=limits,
+                           holdout=args.holdout, seed=args.seed)
+    target, tokenizer = load_hf_target(resolve_target_dir(args.target), dtype=args.dtype, device=args.device)
+    drafter = None
+    if args.drafter:
+        drafter = load_drafter(args.drafter, dtype=target.dtype, device=args.device)
+    summary = regenerate(
+        target, tokenizer, prompts, args.out, drafter=drafter,
+        block_size=args.block_size or (drafter.block_size if drafter is not None else 1),
+        batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+        max_prompt_tokens=args.max_prompt_tokens, temperature=args.temperature, seed=args.seed,
+        shard_size=args.shard_size, backend=args.backend,
+    )
+    print(json.dumps({"prompts": len(prompts), **summary}))
+    return 0

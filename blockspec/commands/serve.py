@@ -1,0 +1,59 @@
+"""`blockspec serve`: an OpenAI-compatible HTTP server with continuous batching.
+
+    blockspec serve --target smollm2-135m-instruct --port 30000
+    curl http://127.0.0.1:30000/v1/chat/completions -H 'Content-Type: application/json' \
+        -d '{"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "Hi"}]}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+HELP = "OpenAI-compatible HTTP server with continuous batching"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", required=True, help="target model: zoo name, local HF directory or Hub id")
+    parser.add_argument("--drafter", default=None,
+                        help="DFlash drafter directory; 'fresh' = untrained (lossless, no speedup); "
+                             "'none' = plain decoding; default: the drafter shipped for a zoo target")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=30000, help="port (default 30000; 0 = any free port)")
+    parser.add_argument("--served-model-name", default=None, help="model name clients send (default: the target name)")
+    parser.add_argument("--api-key", default=os.environ.get("BLOCKSPEC_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on every route but /health "
+                             "(default: $BLOCKSPEC_API_KEY; unset = no key)")
+    parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
+    parser.add_argument("--device", default="cpu", help="cpu | cuda[:N] | mps (default cpu)")
+    parser.add_argument("--block-size", type=int, default=None, help="speculation block size (default: the drafter's)")
+    parser.add_argument("--max-batch", type=int, default=16, help="requests decoded together per step (default 16)")
+    parser.add_argument("--max-queue", type=int, default=64,
+                        help="waiting requests beyond the batch; more get HTTP 429 (default 64)")
+    parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+
+
+def run(args: argparse.Namespace) -> int:
+    from blockspec.api import load
+    from blockspec.engine import EngineConfig
+    from blockspec.server.app import create_app
+    from blockspec.server.launch import bind, serve_forever, url_of
+
+    sock = bind(args.host, args.port)  # before loading: a busy port fails in a second, not a minute
+    try:
+        pipeline = load(args.target, args.drafter, dtype=args.dtype, device=args.device,
+                        block_size=args.block_size)
+        config = EngineConfig(max_batch=args.max_batch, max_queue=args.max_queue, block_size=pipeline.block_size)
+        app = create_app(pipeline, engine_config=config, served_model_name=args.served_model_name,
+                         api_key=args.api_key)
+        state = app.state.blockspec
+        drafter = pipeline.drafter_source or ("none" if pipeline.drafter is None else "fresh")
+        print(f"serving {state.served_model_name!r} (drafter: {drafter}, block size {pipeline.block_size}) "
+              f"at {url_of(sock)}/v1", flush=True)
+        if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+            print("warning: listening beyond loopback without --api-key", file=sys.stderr, flush=True)
+        serve_forever(app, sock, log_level=args.log_level)
+    finally:
+        sock.close()
+    return 0

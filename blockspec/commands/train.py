@@ -1,0 +1,124 @@
+"""`blockspec train`: train a DFlash drafter for a target on `blockspec datagen` shards.
+
+Single process: `blockspec train --target T --data D --out O`. Data parallel:
+`torchrun --nproc-per-node N -m blockspec.cli train ...` (gloo on CPU, nccl on GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+HELP = "train a DFlash drafter for a target model"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", required=True, help="zoo name or Hugging Face model directory")
+    p.add_argument("--data", required=True, help="directory written by `blockspec datagen`")
+    p.add_argument("--out", default=None, help="run directory: log.jsonl, checkpoint/, drafter/")
+    p.add_argument("--cache-features", action="store_true",
+                   help="compute and cache the target features of every shard, then exit")
+    p.add_argument("--no-feature-cache", action="store_true", help="compute target features on the fly")
+    p.add_argument("--feature-cache-dir", default=None, help="default: DATA/features")
+    p.add_argument("--num-layers", type=int, default=1, help="draft layers")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--target-layer-ids", default=None, help="comma list (default: spread like the published drafters)")
+    p.add_argument("--mask-token-id", type=int, default=None)
+    p.add_argument("--init", default="target", choices=["target", "random"],
+                   help="target: draft layers start as copies of the target layers after the last fused one")
+    p.add_argument("--anchors", type=int, default=512, help="max anchors (blocks) per sequence")
+    p.add_argument("--batch-seqs", type=int, default=4, help="sequences per optimizer step (global)")
+    p.add_argument("--epochs", type=float, default=1.0)
+    p.add_argument("--max-steps", type=int, default=None)
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--warmup", type=float, default=0.04, help="warmup fraction of the steps")
+    p.add_argument("--min-lr-ratio", type=float, default=0.05, help="cosine floor as a fraction of --lr")
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="bf16 = autocast")
+    p.add_argument("--gamma", type=float, default=None, help="loss decay (default 7 for B=16, 5 for 10, 4 for 8)")
+    p.add_argument("--max-seq-len", type=int, default=3072)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-every", type=int, default=1)
+    p.add_argument("--eval-every", type=int, default=0, help="steps between quick tau evals (0: end only)")
+    p.add_argument("--eval-prompts", type=int, default=16, help="held-out gsm8k TRAIN prompts for the eval")
+    p.add_argument("--eval-max-new-tokens", type=int, default=128)
+    p.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (0: end only)")
+    p.add_argument("--save-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--head-chunk", type=int, default=1024, help="rows per chunk of the fused head loss")
+    p.add_argument("--loss-vocab", default="full", choices=["full", "data"],
+                   help="full: the published loss; data: softmax over the label tokens of the data only "
+                        "(cheaper; the exact full loss is still logged at every eval)")
+    p.add_argument("--time-limit", type=float, default=None, help="stop (and save) after this many seconds")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    p.add_argument("--data-dir", default=None, help="where the data sets live (for eval prompts)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="target dtype")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def run(args: argparse.Namespace) -> int:
+    import os
+
+    import torch
+
+    from blockspec.api import pick_mask_token, resolve_target_dir
+    from blockspec.errors import ConfigError
+    from blockspec.models.drafter import default_target_layer_ids
+    from blockspec.models.target import load_hf_target
+    from blockspec.text import encode_prompt
+    from blockspec.train.data import heldout_prompts, read_examples
+    from blockspec.train.features import FeatureStore
+    from blockspec.train.trainer import TrainConfig, Trainer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and "LOCAL_RANK" in os.environ:
+        device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
+        torch.cuda.set_device(device)
+    target, tokenizer = load_hf_target(resolve_target_dir(args.target), dtype=args.dtype, device=device)
+    n_layers = target.info.num_layers
+    if args.target_layer_ids:
+        layer_ids = tuple(int(x) for x in args.target_layer_ids.split(","))
+    else:
+        layer_ids = default_target_layer_ids(n_layers, args.num_layers)
+    store = None if args.no_feature_cache else FeatureStore(args.data, layer_ids, args.feature_cache_dir)
+    if args.cache_features:
+        made = store.build(target)
+        print(json.dumps({"feature_shards_built": made, "layer_ids": list(layer_ids)}))
+        return 0
+    if args.out is None:
+        raise ConfigError("--out is required for training (the run directory)")
+    if store is not None:
+        if int(os.environ.get("RANK", "0")) == 0:
+            store.build(target)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            import torch.distributed as dist
+
+            from blockspec.train.trainer import DistInfo
+
+            DistInfo()
+            dist.barrier()
+        store.open()
+    examples = read_examples(args.data)
+    eval_prompts = []
+    if args.eval_prompts:
+        eval_prompts = [encode_prompt(tokenizer, list(p.messages), chat=True)
+                        for p in heldout_prompts(args.eval_prompts, data_dir=args.data_dir)]
+    cfg = TrainConfig(
+        out=args.out, num_layers=args.num_layers, block_size=args.block_size, target_layer_ids=layer_ids,
+        mask_token_id=args.mask_token_id if args.mask_token_id is not None
+        else pick_mask_token(tokenizer, target.info.vocab_size),
+        init=args.init, anchors=args.anchors, batch_seqs=args.batch_seqs, epochs=args.epochs,
+        max_steps=args.max_steps, lr=args.lr, warmup=args.warmup, min_lr_ratio=args.min_lr_ratio,
+        weight_decay=args.weight_decay, grad_clip=args.grad_clip, precision=args.precision, gamma=args.gamma,
+        max_seq_len=args.max_seq_len, seed=args.seed, log_every=args.log_every, eval_every=args.eval_every,
+        eval_max_new_tokens=args.eval_max_new_tokens, save_every=args.save_every, save_dtype=args.save_dtype,
+        head_chunk=args.head_chunk, time_limit_s=args.time_limit, loss_vocab=args.loss_vocab,
+    )
+    trainer = Trainer(cfg, target, examples, features=store, eval_prompts=eval_prompts, resume=args.resume)
+    result = trainer.train()
+    if trainer.dist.main:
+        print(json.dumps(result, default=str))
+    return 0

@@ -1,0 +1,22 @@
+"""Continuous-batching engine over the speculative decoding step (see notes/ENGINE_API.md)."""
+
+from blockspec.engine.adaptive import AdaptiveBlock, CostModel
+from blockspec.engine.engine import Engine, EngineConfig
+from blockspec.engine.metrics import EngineMetrics, Histogram
+from blockspec.engine.request import RequestHandle, TokenEvent
+from blockspec.engine.scheduler import QueueFullError
+from blockspec.spec.decode import GenerationResult, RequestStats
+
+__all__ = [
+    "AdaptiveBlock",
+    "CostModel",
+    "Engine",
+    "EngineConfig",
+    "EngineMetrics",
+    "GenerationResult",
+    "Histogram",
+    "QueueFullError",
+    "RequestHandle",
+    "RequestStats",
+    "TokenEvent",
+]

@@ -1,0 +1,205 @@
+"""Adaptive block size: pick the block that maximises expected committed tokens per second.
+
+Cost side: the wall time of one step verifying n tokens at batch size b, first calibrated (a
+target forward of n tokens plus, for n > 1, a draft pass, timed on a throwaway cache and cached
+per batch-size bucket), then tracked with the measured time of every real step.
+Gain side: each row's expected tokens for block n,
+    E(n) = 1 + sum_{k=1}^{n-1} prod_{j<k} a_j,
+from per-position conditional acceptance rates a_j (the row's own counts shrunk towards the
+batch-wide rates), capped by the row's remaining tokens.
+Block 1 (plain decoding, no draft pass) is always a candidate, so a weak drafter, a hard prompt
+or a large batch falls back to plain decoding instead of losing to it. While block 1 wins, a
+small probe block runs now and then (backing off exponentially) to notice when drafting pays
+again. The choice never changes greedy output: verification is exact for any block size.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from blockspec.models.slots import EMPTY
+from blockspec.spec.decode import DecodeBatch, Row
+
+
+def bucket(batch: int) -> int:
+    """Batch sizes share calibrations by power-of-two bucket."""
+    size = 1
+    while size < batch:
+        size *= 2
+    return size
+
+
+@dataclass
+class CostModel:
+    """Seconds per step by (batch bucket, block size)."""
+
+    max_block: int
+    smoothing: float = 0.2
+    costs: dict[int, list[float]] = field(default_factory=dict)
+
+    def known(self, batch: int) -> bool:
+        return bucket(batch) in self.costs
+
+    def cost(self, batch: int, block: int) -> float:
+        return self.costs[bucket(batch)][block - 1]
+
+    def set(self, batch: int, costs: list[float]) -> None:
+        if len(costs) != self.max_block:
+            raise ValueError(f"need {self.max_block} costs, got {len(costs)}")
+        self.costs[bucket(batch)] = list(costs)
+
+    def observe(self, batch: int, block: int, seconds: float) -> None:
+        """Moves the estimate towards a measured step; neighbours scale with it."""
+        table = self.costs.get(bucket(batch))
+        if table is None or seconds <= 0:
+            return
+        old = table[block - 1]
+        new = (1 - self.smoothing) * old + self.smoothing * seconds
+        table[block - 1] = new
+        # Context growth and machine load shift all block sizes alike: share a damped ratio.
+        ratio = 1 + 0.25 * (new / old - 1) if old > 0 else 1.0
+        for i in range(len(table)):
+            if i != block - 1:
+                table[i] *= ratio
+
+
+def expected_tokens(rates: list[float], block: int, remaining: int) -> float:
+    """E(block) for one row: 1 + sum over k < block-1 of prod_{j<=k} rates[j], capped."""
+    total, p = 1.0, 1.0
+    for k in range(min(block - 1, len(rates))):
+        p *= rates[k]
+        total += p
+    return min(total, float(max(1, remaining)))
+
+
+def calibration_sizes(max_block: int) -> list[int]:
+    """Block sizes timed by `calibrate`; the others are interpolated (costs are near linear)."""
+    return sorted({n for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if n <= max_block} | {max_block})
+
+
+def interpolate(points: dict[int, float], max_block: int) -> list[float]:
+    """Piecewise-linear costs for 1..max_block from measured points."""
+    xs = sorted(points)
+    out = []
+    for n in range(1, max_block + 1):
+        hi = next(x for x in xs if x >= n)
+        lo = max(x for x in xs if x <= n)
+        t = 0.0 if hi == lo else (n - lo) / (hi - lo)
+        out.append(points[lo] + t * (points[hi] - points[lo]))
+    return out
+
+
+@torch.inference_mode()
+def calibrate(batch: DecodeBatch, size: int, max_block: int, context: int = 32, repeats: int = 1) -> list[float]:
+    """Times one step's model work (target forward of n tokens, plus a draft pass for n > 1) at
+    batch size `size` for the block sizes of `calibration_sizes`, interpolating the rest.
+
+    Runs the target (and drafter) on throwaway caches with `context` dummy tokens per row;
+    returns the best of `repeats` timings per block size (after a warm-up run), in seconds.
+    """
+    target, d = batch.target, batch.device
+    layer_ids = batch.layer_ids
+    ids = torch.zeros(size, context, dtype=torch.long, device=d)
+    positions = torch.arange(context, device=d).expand(size, context).contiguous()
+    tcache = target.new_cache(size)
+    if hasattr(tcache, "reserve"):
+        tcache.reserve(context)
+    _, feats = target.forward(ids, positions, tcache, layer_ids, last_logits_only=True)
+    dcache = batch.draft.new_cache(size) if batch.draft is not None else None
+    out: dict[int, float] = {}
+    for n in calibration_sizes(max_block):
+        block_ids = torch.zeros(size, n, dtype=torch.long, device=d)
+        block_pos = context + torch.arange(n, device=d).expand(size, n)
+        best = float("inf")
+        for _ in range(repeats + 1):  # the first run warms up
+            t0 = time.perf_counter()
+            if n > 1 and batch.draft is not None:
+                if hasattr(dcache, "reserve"):
+                    dcache.reserve(context + n, context + n)
+                ctx_pos = torch.full_like(positions[:, :1], EMPTY)
+                hidden = batch.draft(feats[:, :1], ctx_pos, target.embed(block_ids), block_pos, dcache)
+                batch.drafter.logits(hidden[:, 1:], target.head()).argmax(dim=-1).tolist()
+            if hasattr(tcache, "reserve"):
+                tcache.reserve(context + n)
+            logits, _ = target.forward(block_ids, block_pos, tcache, layer_ids)
+            logits.argmax(dim=-1).tolist()
+            elapsed = time.perf_counter() - t0
+            tcache.reject(torch.zeros(size, n, dtype=torch.bool, device=d))
+            tcache.compact(1.0)
+            if dcache is not None and not hasattr(dcache, "reserve"):
+                dcache = batch.draft.new_cache(size)  # dynamic caches grew: start over
+            best = min(best, elapsed)
+        out[n] = best
+    return interpolate(out, max_block)
+
+
+class AdaptiveBlock:
+    """Chooses each step's block size for a DecodeBatch (see the module docstring)."""
+
+    def __init__(self, max_block: int, *, prior: float = 0.5, probe_block: int = 4, probe_every: int = 8,
+                 costs: CostModel | None = None) -> None:
+        self.max_block = max_block
+        self.costs = costs or CostModel(max_block)
+        self.global_accepted = [0] * max(0, max_block - 1)
+        self.global_tries = [0] * max(0, max_block - 1)
+        self.prior = prior
+        self.probe_block = min(probe_block, max_block)
+        self.base_probe_every = probe_every
+        self.probe_every = probe_every
+        self.plain_streak = 0
+        self.last_choice = 1
+
+    def global_rates(self) -> list[float]:
+        weight = 8.0
+        return [
+            (a + weight * self.prior) / (t + weight) for a, t in zip(self.global_accepted, self.global_tries)
+        ]
+
+    def record(self, rows: list[Row], before: list[tuple[list[int], list[int]]]) -> None:
+        """Adds the acceptance counted in the last step to the batch-wide rates."""
+        for r, (acc0, tries0) in zip(rows, before):
+            for k in range(len(self.global_tries)):
+                self.global_accepted[k] += r.stats.accepted_by_position[k] - acc0[k]
+                self.global_tries[k] += r.tries[k] - tries0[k]
+
+    def expected(self, rows: list[Row], block: int) -> float:
+        prior = self.global_rates()
+        return sum(expected_tokens(r.acceptance_rates(prior), block, r.remaining) for r in rows)
+
+    def choose(self, batch: DecodeBatch) -> int:
+        """The block size for the next step of `batch` (calibrating its batch size if new)."""
+        if self.max_block <= 1 or batch.drafter is None:
+            return 1
+        b = len(batch.rows)
+        if not self.costs.known(b):
+            self.costs.set(b, calibrate(batch, bucket(b), self.max_block))
+        best, best_rate = 1, -1.0
+        for n in range(1, self.max_block + 1):
+            rate = self.expected(batch.rows, n) / self.costs.cost(b, n)
+            if rate > best_rate:
+                best, best_rate = n, rate
+        if best == 1:
+            self.plain_streak += 1
+            if self.plain_streak >= self.probe_every:
+                self.plain_streak = 0
+                self.probe_every = min(self.probe_every * 2, 256)
+                best = self.probe_block
+        else:
+            self.plain_streak = 0
+            self.probe_every = self.base_probe_every
+        self.last_choice = best
+        return best
+
+    def step(self, batch: DecodeBatch) -> int:
+        """Chooses, runs and measures one step; returns the block size used."""
+        block = self.choose(batch)
+        before = [(list(r.stats.accepted_by_position), list(r.tries)) for r in batch.rows]
+        b = len(batch.rows)
+        t0 = time.perf_counter()
+        used = batch.step(block)
+        self.costs.observe(b, used, time.perf_counter() - t0)
+        self.record(batch.rows, before)
+        return used

@@ -1,0 +1,263 @@
+"""The continuous-batching engine: one background thread stepping one DecodeBatch.
+
+Between steps, finished and cancelled requests leave and waiting ones join (prefilled into free
+rows of the running batch's caches), so requests of any length share the target's forward
+passes. Each request keeps its own sampling parameters, seed, stop conditions and statistics,
+and streams its committed tokens as TokenEvents. Greedy output of a request does not depend on
+its batch mates: rows never see each other's cache entries and verification is exact.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import traceback
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from blockspec.config import MAX_BLOCK_SIZE, SamplingParams, SpecConfig
+from blockspec.engine.adaptive import AdaptiveBlock
+from blockspec.engine.metrics import EngineMetrics, MetricsRecorder
+from blockspec.engine.request import Request, RequestHandle, StopCheck, TokenEvent
+from blockspec.engine.scheduler import Scheduler
+from blockspec.errors import ConfigError
+from blockspec.models.drafter import DFlashDrafter
+from blockspec.models.target import Target
+from blockspec.spec.decode import DecodeBatch, GenerationResult, Row, SpecDecoder, make_row
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine knobs. block_size is the upper bound; 1 means plain decoding."""
+
+    max_batch: int = 16  # requests decoded together per step
+    max_queue: int = 64  # waiting requests beyond max_batch; more -> QueueFullError
+    block_size: int = 16
+    adaptive_block: bool = False  # choose each step's block size from measured costs/acceptance
+    compact_ratio: float = 0.25  # Hugging Face adapter caches only (see SpecConfig)
+    idle_wait_s: float = 0.05  # how long the idle thread sleeps between checks
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_batch, int) or self.max_batch < 1:
+            raise ConfigError(f"max_batch must be an integer >= 1, got {self.max_batch!r}")
+        if not isinstance(self.max_queue, int) or self.max_queue < 0:
+            raise ConfigError(f"max_queue must be an integer >= 0, got {self.max_queue!r}")
+        if not isinstance(self.block_size, int) or not 1 <= self.block_size <= MAX_BLOCK_SIZE:
+            raise ConfigError(f"block_size must be an integer in [1, {MAX_BLOCK_SIZE}], got {self.block_size!r}")
+
+
+class Engine:
+    """Serves token-id requests from a background thread (see ENGINE_API.md)."""
+
+    def __init__(self, target: Target, drafter: DFlashDrafter | None, config: EngineConfig | None = None, *,
+                 tokenizer: object = None) -> None:
+        self.config = config or EngineConfig()
+        block = self.config.block_size if drafter is not None else 1
+        if self.config.block_size > 1 and drafter is None:
+            raise ConfigError("block_size > 1 needs a drafter; pass one, or EngineConfig(block_size=1)")
+        self.target = target
+        self.drafter = drafter
+        self.tokenizer = tokenizer
+        self.block = block
+        self._checker = SpecDecoder(target, drafter, SpecConfig(block_size=block))
+        self.batch = DecodeBatch(target, drafter if block > 1 else None, max_block=block,
+                                 compact_ratio=self.config.compact_ratio)
+        self.adaptive = AdaptiveBlock(block) if self.config.adaptive_block and block > 1 else None
+        self.scheduler = Scheduler(self.config.max_batch, self.config.max_queue)
+        self.recorder = MetricsRecorder()
+        self._requests: dict[str, Request] = {}  # running, by id (engine thread only)
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self.last_error: str | None = None
+
+    # ---- public API ------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Starts the decode thread (idempotent)."""
+        with self._lock:
+            if self._thread is not None and self._thread.is_alive():
+                return
+            self._stopping.clear()
+            self._thread = threading.Thread(target=self._loop, name="blockspec-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        """Cancels everything still queued or running and joins the thread."""
+        with self._lock:
+            thread = self._thread
+            self._stopping.set()
+            self.scheduler.wake()
+        if thread is not None:
+            thread.join()
+        for request in self.scheduler.drain():
+            self._finish_unstarted(request, "cancelled")
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+               stop_check: StopCheck | None = None) -> RequestHandle:
+        """Queues a request; validates it now (ContextLengthError, ConfigError) and raises
+        QueueFullError when the queue is full. Never waits for the decode loop."""
+        prompt_ids = [int(t) for t in prompt_ids]
+        if not isinstance(params, SamplingParams):
+            raise ConfigError(f"params must be a SamplingParams, got {type(params).__name__}")
+        self._checker.check_prompt(prompt_ids, params)
+        if stop_check is None and params.stop and self.tokenizer is not None:
+            from blockspec.text import StopStrings
+
+            stops = StopStrings(self.tokenizer, params.stop)
+            stop_check = stops.tokens_to_keep
+        rid = request_id or f"req-{uuid.uuid4().hex[:12]}-{next(self._ids)}"
+        request = Request(rid, prompt_ids, params, stop_check)
+        self.scheduler.submit(request)
+        self.recorder.submitted()
+        self.start()
+        return RequestHandle(request)
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams, timeout: float | None = None) -> GenerationResult:
+        """Submits one request and waits for its result."""
+        return self.submit(prompt_ids, params).result(timeout)
+
+    @property
+    def metrics(self) -> EngineMetrics:
+        return self.recorder.snapshot(len(self._requests), self.scheduler.depth)
+
+    # ---- the loop ------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                self._admit()
+                if not self.batch.rows:
+                    self.scheduler.wait_for_work(self.config.idle_wait_s)
+                    continue
+                self._drop_cancelled()
+                if self.batch.rows:
+                    self._step()
+            except Exception as e:  # a bug outside the model calls: fail the batch, keep serving
+                self._fail_all(e)
+        self._drop_all("cancelled")
+
+    def _admit(self) -> None:
+        joining = [r for r in self.scheduler.admit(len(self.batch.rows)) if not self._skip_cancelled(r)]
+        if not joining:
+            self.scheduler.set_running(len(self.batch.rows))
+            return
+        eos = self.target.info.eos_token_ids
+        rows = [make_row(r.request_id, len(r.prompt_ids), r.params, eos, self.block, r.stop_check) for r in joining]
+        for r in joining:
+            self._requests[r.request_id] = r
+        before = len(self.batch.rows)
+        t0 = time.perf_counter()
+        try:
+            self.batch.join([r.prompt_ids for r in joining], rows)
+        except Exception as e:
+            self._note_error(e)
+            for r, row in zip(joining, rows):
+                row.finish_reason = "error"
+                self._emit(r, row, error=f"{type(e).__name__}: {e}")
+                self._requests.pop(r.request_id, None)
+            if len(self.batch.rows) != before or self.batch.cur.shape[0] != before:
+                self._fail_all(e)  # the batch changed half-way: it cannot be trusted
+            self.scheduler.set_running(len(self.batch.rows))
+            return
+        prefill_s = time.perf_counter() - t0
+        now = time.perf_counter()
+        for r, row in zip(joining, rows):
+            row.stats.prefill_s = prefill_s
+            r.first_token_at = now
+            self.recorder.first_token(now - r.submitted_at)
+        self._report()
+
+    def _skip_cancelled(self, request: Request) -> bool:
+        if request.cancelled.is_set():
+            self._finish_unstarted(request, "cancelled")
+            return True
+        return False
+
+    def _finish_unstarted(self, request: Request, reason: str, error: str | None = None) -> None:
+        request.events.put(TokenEvent(request.request_id, [], True, reason, None, error))
+        self.recorder.finished(reason, time.perf_counter() - request.submitted_at)
+
+    def _drop_cancelled(self) -> None:
+        changed = False
+        for row in self.batch.rows:
+            if row.finish_reason is None and self._requests[row.key].cancelled.is_set():
+                row.finish_reason = "cancelled"
+                row.new_tokens = []
+                changed = True
+        if changed:
+            self._report()
+
+    def _step(self) -> None:
+        rows = list(self.batch.rows)
+        try:
+            if self.adaptive is not None:
+                block = self.adaptive.step(self.batch)
+            else:
+                block = self.batch.step(self.block)
+        except Exception as e:
+            self._fail_all(e)
+            return
+        now = time.perf_counter()
+        committed = 0
+        for row in rows:
+            row.stats.decode_s = now - row.decode_t0
+            committed += row.stats.acceptance_lengths[-1] if row.stats.acceptance_lengths else 0
+        self.recorder.step(block, len(rows), committed)
+        self._report()
+
+    def _report(self) -> None:
+        """Streams new tokens, sends final events and retires finished rows."""
+        for row in self.batch.rows:
+            request = self._requests[row.key]
+            if row.finish_reason is None and row.new_tokens:
+                self.recorder.tokens(len(row.new_tokens))
+                request.events.put(TokenEvent(row.key, list(row.new_tokens), False, None, None))
+                row.new_tokens = []
+        for row in self.batch.retire():
+            request = self._requests.pop(row.key)
+            self._emit(request, row)
+        self.scheduler.set_running(len(self.batch.rows))
+
+    def _emit(self, request: Request, row: Row, error: str | None = None) -> None:
+        """The final event of a row (its last tokens included)."""
+        reason = row.finish_reason or "error"
+        tokens = list(row.new_tokens) if reason not in ("cancelled", "error") else []
+        self.recorder.tokens(len(tokens))
+        request.events.put(TokenEvent(row.key, tokens, True, reason, row.stats, error))
+        row.new_tokens = []
+        self.recorder.finished(reason, time.perf_counter() - request.submitted_at)
+
+    def _note_error(self, e: BaseException) -> None:
+        self.last_error = "".join(traceback.format_exception(e))
+
+    def _fail_all(self, e: BaseException) -> None:
+        """Fails every running request with finish_reason "error" and starts a clean batch."""
+        self._note_error(e)
+        message = f"{type(e).__name__}: {e}"
+        for row in list(self.batch.rows):
+            request = self._requests.pop(row.key, None)
+            row.finish_reason = "error"
+            if request is not None:
+                self._emit(request, row, error=message)
+        for request in list(self._requests.values()):
+            self._finish_unstarted(request, "error", message)
+        self._requests.clear()
+        self.batch.clear()
+        self.scheduler.set_running(0)
+
+    def _drop_all(self, reason: str) -> None:
+        for row in list(self.batch.rows):
+            request = self._requests.pop(row.key, None)
+            row.finish_reason = reason
+            if request is not None:
+                self._emit(request, row)
+        self.batch.clear()
+        self.scheduler.set_running(0)

@@ -1,0 +1,102 @@
+"""A request as the engine sees it: token ids in, token events out (ENGINE_API.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+
+from blockspec.config import SamplingParams
+from blockspec.spec.decode import GenerationResult, RequestStats
+
+# Given the generated ids so far, the number to keep when a stop string occurred, else None.
+StopCheck = Callable[[list[int]], int | None]
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """Newly committed ids of one request; the last event of a request has finished=True."""
+
+    request_id: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "cancelled" | "error"
+    stats: RequestStats | None
+    error: str | None = None
+
+
+@dataclass
+class Request:
+    """Engine-side state of one request (the handle is the caller's side)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop_check: StopCheck | None = None
+    submitted_at: float = field(default_factory=time.perf_counter)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    events: queue.Queue = field(default_factory=queue.Queue)
+    first_token_at: float | None = None
+
+
+class RequestHandle:
+    """The caller's view of a submitted request: events, cancel, result."""
+
+    def __init__(self, request: Request) -> None:
+        self._request = request
+        self.request_id = request.request_id
+        self._tokens: list[int] = []
+        self._final: TokenEvent | None = None
+        self._lock = threading.Lock()
+
+    def _next(self, timeout: float | None) -> TokenEvent:
+        try:
+            event = self._request.events.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"request {self.request_id}: no event within {timeout} s") from None
+        with self._lock:
+            self._tokens.extend(event.token_ids)
+            if event.finished:
+                self._final = event
+        return event
+
+    def events(self, timeout: float | None = None) -> Iterator[TokenEvent]:
+        """Blocks for each event until the final one; `timeout` bounds each wait."""
+        while self._final is None:
+            event = self._next(timeout)
+            yield event
+            if event.finished:
+                return
+
+    async def aevents(self) -> AsyncIterator[TokenEvent]:
+        """The same events for asyncio code (waits in a worker thread, never blocks the loop)."""
+        while self._final is None:
+            event = await asyncio.to_thread(self._next, None)
+            yield event
+            if event.finished:
+                return
+
+    def cancel(self) -> None:
+        """Asks the engine to drop the request at the next step boundary."""
+        self._request.cancelled.set()
+
+    @property
+    def done(self) -> bool:
+        return self._final is not None
+
+    def result(self, timeout: float | None = None) -> GenerationResult:
+        """Waits for the end; returns all generated ids, the finish reason and statistics.
+
+        Raises RuntimeError when the request failed (finish_reason "error").
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._final is None:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self._next(left)
+        final = self._final
+        if final.finish_reason == "error":
+            raise RuntimeError(f"request {self.request_id} failed: {final.error}")
+        return GenerationResult(list(self._tokens), final.finish_reason or "stop", final.stats or RequestStats())

@@ -1,0 +1,94 @@
+"""Running the app with uvicorn: in the foreground (the CLI) or in a background thread (tests).
+
+The listening socket is bound here, before uvicorn starts, so the real port is known at once
+(port 0 picks a free one) and a port already in use fails with a clear message.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import uvicorn
+
+from blockspec.errors import ConfigError
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (port 0: any free port)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror}; pick another --port or --host") from None
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+def url_of(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    host = f"[{host}]" if ":" in host else host
+    return f"http://{host}:{port}"
+
+
+class _DrainingServer(uvicorn.Server):
+    """On the first Ctrl-C / SIGTERM, new generation requests get 503 while running ones finish."""
+
+    def handle_exit(self, sig: int, frame: object) -> None:
+        state = getattr(getattr(self.config.app, "state", None), "blockspec", None)
+        if state is not None:
+            state.draining = True
+        super().handle_exit(sig, frame)
+
+
+def serve_forever(app: object, sock: socket.socket, *, log_level: str = "info", graceful_s: float = 30.0) -> None:
+    """Serves until interrupted (a second Ctrl-C forces the exit)."""
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=graceful_s, lifespan="on")
+    _DrainingServer(config).run(sockets=[sock])
+
+
+class BackgroundServer:
+    """uvicorn in a daemon thread on a loopback port; use as a context manager.
+
+        with BackgroundServer(app) as server:
+            OpenAI(base_url=server.url + "/v1", api_key="EMPTY")
+    """
+
+    def __init__(self, app: object, host: str = "127.0.0.1", port: int = 0, *, log_level: str = "warning",
+                 graceful_s: float = 5.0) -> None:
+        self.sock = bind(host, port)
+        self.url = url_of(self.sock)
+        config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=graceful_s, lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
+                                       name="blockspec-http")
+
+    def start(self, timeout: float = 30.0) -> BackgroundServer:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive():
+                raise RuntimeError("the HTTP server thread exited during startup (see its log)")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"the HTTP server did not start within {timeout} s")
+            time.sleep(0.01)
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+        self.sock.close()
+        if self.thread.is_alive():
+            raise TimeoutError(f"the HTTP server did not stop within {timeout} s")
+
+    def __enter__(self) -> BackgroundServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,184 @@
+"""Server counters and the Prometheus text exposition of GET /metrics.
+
+The server counts what it sees at the HTTP edge (requests by route and status, tokens, latency,
+time to first token, per-request tau); the engine's own gauges (queue depth, running requests,
+steps) are read from `engine.metrics` when scraped, so the two never drift apart.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+TAU_BUCKETS = (1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 16.0)
+
+# Engine fields exported as gauges or counters when the engine has them: (attribute, type, help).
+ENGINE_FIELDS = (
+    ("requests_total", "counter", "Requests admitted by the engine."),
+    ("requests_running", "gauge", "Requests being decoded now."),
+    ("queue_depth", "gauge", "Requests waiting for a batch slot."),
+    ("tokens_generated_total", "counter", "Tokens committed by the engine."),
+    ("steps_total", "counter", "Decode steps run by the engine."),
+    ("mean_tau", "gauge", "Mean acceptance length (committed tokens per step) over the engine's life."),
+    ("errors_total", "counter", "Requests that failed inside the engine."),
+    ("cancelled_total", "counter", "Requests cancelled (client gone or shutdown)."),
+)
+
+
+@dataclass
+class Histogram:
+    """Cumulative-bucket histogram as Prometheus defines it."""
+
+    buckets: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    sum: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * len(self.buckets)
+
+    def observe(self, value: float) -> None:
+        self.sum += value
+        self.count += 1
+        for i, b in enumerate(self.buckets):
+            if value <= b:
+                self.counts[i] += 1
+
+    def lines(self, name: str) -> list[str]:
+        out = [f'{name}_bucket{{le="{_num(b)}"}} {c}' for b, c in zip(self.buckets, self.counts)]
+        out.append(f'{name}_bucket{{le="+Inf"}} {self.count}')
+        out += [f"{name}_sum {_num(self.sum)}", f"{name}_count {self.count}"]
+        return out
+
+
+def _num(x: float) -> str:
+    if isinstance(x, bool):
+        return str(int(x))
+    if isinstance(x, int):
+        return str(x)
+    if math.isnan(x):
+        return "NaN"
+    if math.isinf(x):
+        return "+Inf" if x > 0 else "-Inf"
+    return repr(float(x))
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+class ServerMetrics:
+    """Thread-safe counters; `render` gives the exposition text."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.requests: dict[tuple[str, int], int] = defaultdict(int)
+        self.finished: dict[str, int] = defaultdict(int)  # by finish_reason
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.spec_steps = 0
+        self.spec_tokens = 0  # tokens committed by decode steps (the first token comes from prefill)
+        self.in_flight = 0
+        self.latency = Histogram(LATENCY_BUCKETS)
+        self.ttft = Histogram(LATENCY_BUCKETS)
+        self.tau = Histogram(TAU_BUCKETS)
+
+    def request_done(self, route: str, status: int) -> None:
+        with self._lock:
+            self.requests[(route, status)] += 1
+
+    def generation_started(self) -> None:
+        with self._lock:
+            self.in_flight += 1
+
+    def generation_ended(self) -> None:
+        with self._lock:
+            self.in_flight -= 1
+
+    def generation_done(
+        self, finish_reason: str, prompt_tokens: int, completion_tokens: int, latency_s: float,
+        ttft_s: float | None, acceptance_lengths: list[int],
+    ) -> None:
+        with self._lock:
+            self.finished[finish_reason] += 1
+            self.prompt_tokens += prompt_tokens
+            self.completion_tokens += completion_tokens
+            self.latency.observe(latency_s)
+            if ttft_s is not None:
+                self.ttft.observe(ttft_s)
+            if acceptance_lengths:
+                self.spec_steps += len(acceptance_lengths)
+                self.spec_tokens += sum(acceptance_lengths)
+                self.tau.observe(sum(acceptance_lengths) / len(acceptance_lengths))
+
+    def render(self, engine_metrics: object | None = None) -> str:
+        out: list[str] = []
+
+        def head(name: str, kind: str, text: str) -> None:
+            out.append(f"# HELP {name} {text}")
+            out.append(f"# TYPE {name} {kind}")
+
+        with self._lock:
+            head("blockspec_http_requests_total", "counter", "HTTP requests answered, by route and status code.")
+            for (route, status), n in sorted(self.requests.items()):
+                out.append(f'blockspec_http_requests_total{{route="{_label(route)}",status="{status}"}} {n}')
+            head("blockspec_requests_in_flight", "gauge", "Generation requests being answered now.")
+            out.append(f"blockspec_requests_in_flight {self.in_flight}")
+            head("blockspec_requests_finished_total", "counter", "Generation requests finished, by finish reason.")
+            for reason, n in sorted(self.finished.items()):
+                out.append(f'blockspec_requests_finished_total{{finish_reason="{_label(reason)}"}} {n}')
+            head("blockspec_prompt_tokens_total", "counter", "Prompt tokens of finished requests.")
+            out.append(f"blockspec_prompt_tokens_total {self.prompt_tokens}")
+            head("blockspec_generation_tokens_total", "counter", "Generated tokens of finished requests.")
+            out.append(f"blockspec_generation_tokens_total {self.completion_tokens}")
+            head("blockspec_spec_steps_total", "counter", "Decode steps of finished requests.")
+            out.append(f"blockspec_spec_steps_total {self.spec_steps}")
+            head("blockspec_spec_tokens_total", "counter", "Tokens committed by those steps (tau = tokens / steps).")
+            out.append(f"blockspec_spec_tokens_total {self.spec_tokens}")
+            head("blockspec_tau", "gauge", "Mean acceptance length (tokens per decode step) over finished requests.")
+            tau = self.spec_tokens / self.spec_steps if self.spec_steps else 0.0
+            out.append(f"blockspec_tau {_num(tau)}")
+            head("blockspec_request_tau", "histogram", "Acceptance length per finished request.")
+            out += self.tau.lines("blockspec_request_tau")
+            head("blockspec_request_latency_seconds", "histogram", "End-to-end latency of generation requests.")
+            out += self.latency.lines("blockspec_request_latency_seconds")
+            head("blockspec_time_to_first_token_seconds", "histogram", "Time from arrival to the first token.")
+            out += self.ttft.lines("blockspec_time_to_first_token_seconds")
+        if engine_metrics is not None:
+            for attr, kind, text in ENGINE_FIELDS:
+                value = getattr(engine_metrics, attr, None)
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    head(f"blockspec_engine_{attr}", kind, text)
+                    out.append(f"blockspec_engine_{attr} {_num(value)}")
+            for attr, name, text in ENGINE_HISTOGRAMS:
+                hist = getattr(engine_metrics, attr, None)
+                if hist is not None and hasattr(hist, "bounds"):
+                    head(name, "histogram", text)
+                    out += _engine_histogram_lines(name, hist)
+            blocks = getattr(engine_metrics, "block_sizes", None)
+            if isinstance(blocks, dict):
+                head("blockspec_engine_steps_by_block_size_total", "counter", "Decode steps per block size used.")
+                for size, n in sorted(blocks.items()):
+                    out.append(f'blockspec_engine_steps_by_block_size_total{{block_size="{size}"}} {n}')
+        return "\n".join(out) + "\n"
+
+
+ENGINE_HISTOGRAMS = (
+    ("latency", "blockspec_engine_request_latency_seconds", "Engine time from submit to the final event."),
+    ("time_to_first_token", "blockspec_engine_time_to_first_token_seconds",
+     "Engine time from submit to the first token."),
+)
+
+
+def _engine_histogram_lines(name: str, hist: object) -> list[str]:
+    """The engine keeps per-bucket counts (last = overflow); Prometheus wants cumulative ones."""
+    out, running = [], 0
+    for bound, count in zip(hist.bounds, hist.counts):
+        running += count
+        out.append(f'{name}_bucket{{le="{_num(bound)}"}} {running}')
+    out.append(f'{name}_bucket{{le="+Inf"}} {hist.n}')
+    out += [f"{name}_sum {_num(hist.total)}", f"{name}_count {hist.n}"]
+    return out

@@ -1,0 +1,266 @@
+"""Request bodies of /v1/chat/completions and /v1/completions, validated by hand.
+
+Validation is explicit rather than generated so every rejection names the offending field in
+`param` and says what is accepted, and so fields this server cannot honour (n > 1, penalties,
+logprobs, tools) are refused instead of silently ignored. Unknown fields are ignored, as other
+OpenAI-compatible servers do, because clients send vendor extensions freely.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+from blockspec.server.errors import bad_request, model_not_found
+
+MAX_INT = 2**31 - 1  # larger max_tokens values are nonsense, not a context question
+MAX_STOPS = 16
+ROLES = ("system", "user", "assistant", "tool", "developer")
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One validated request. Exactly one of `messages` (chat) and `prompt` (completion) is set;
+    `prompt` is text or token ids. `max_tokens` None means "up to the end of the context"."""
+
+    kind: str  # "chat" | "completion"
+    model: str
+    messages: list[dict] | None = None
+    prompt: str | list[int] | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    stream: bool = False
+    include_usage: bool = False
+    chat_template_kwargs: dict = field(default_factory=dict)
+
+
+def parse_json(raw: bytes) -> dict:
+    """The body as a JSON object, or a 400 naming what is wrong with it."""
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise bad_request(f"the request body is not valid JSON: {e}", None, "invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}", None, "invalid_json")
+    return body
+
+
+# ---- field readers: each raises a 400 naming the field -------------------------------------
+
+def _type_name(value: object) -> str:
+    return "null" if value is None else {bool: "boolean", int: "integer", float: "number", str: "string",
+                                         list: "array", dict: "object"}.get(type(value), type(value).__name__)
+
+
+def _int(body: dict, name: str, default: int | None, lo: int | None = None, hi: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    # JSON has one number type; 5.0 is accepted as 5, 5.5 and booleans are not integers.
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad_request(f"'{name}' must be an integer, got {_type_name(value)} {value!r}", name, "invalid_type")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise bad_request(f"'{name}' must be {bounds}, got {value}", name, "invalid_value")
+    return value
+
+
+def _number(body: dict, name: str, default: float, lo: float, hi: float, *, open_lo: bool = False) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise bad_request(f"'{name}' must be a number, got {_type_name(value)} {value!r}", name, "invalid_type")
+    if value < lo or value > hi or (open_lo and value == lo):
+        bounds = f"({lo}, {hi}]" if open_lo else f"[{lo}, {hi}]"
+        raise bad_request(f"'{name}' must be in {bounds}, got {value}", name, "invalid_value")
+    return float(value)
+
+
+def _bool(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad_request(f"'{name}' must be a boolean, got {_type_name(value)} {value!r}", name, "invalid_type")
+    return value
+
+
+def _unsupported(body: dict, name: str, neutral: tuple = (), why: str = "") -> None:
+    """Refuses a field this server does not implement unless it has a no-op value."""
+    value = body.get(name, _MISSING)
+    if value is _MISSING or value is None or any(value == n and type(value) is type(n) for n in neutral):
+        return
+    raise bad_request(f"'{name}' = {value!r} is not supported by this server{why}", name, "unsupported_parameter")
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    value = body.get("stop")
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise bad_request(f"'stop' must be a string or an array of strings, got {value!r}", "stop", "invalid_type")
+    if len(stops) > MAX_STOPS:
+        raise bad_request(f"'stop' takes at most {MAX_STOPS} strings, got {len(stops)}", "stop", "invalid_value")
+    return tuple(s for s in stops if s)  # an empty stop string would end every answer at once
+
+
+def _stop_token_ids(body: dict) -> tuple[int, ...]:
+    value = body.get("stop_token_ids")
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+        raise bad_request("'stop_token_ids' must be an array of token ids (integers >= 0)", "stop_token_ids",
+                          "invalid_type")
+    return tuple(value)
+
+
+def _model(body: dict) -> str:
+    value = body.get("model")
+    if value is None:
+        raise bad_request("'model' is required; GET /v1/models lists the served model", "model",
+                          "missing_required_parameter")
+    if not isinstance(value, str):
+        raise bad_request(f"'model' must be a string, got {_type_name(value)}", "model", "invalid_type")
+    return value
+
+
+def _common(body: dict) -> dict:
+    """Fields shared by both endpoints."""
+    _unsupported(body, "n", (1,), "; send one request per completion")
+    _unsupported(body, "best_of", (1,), "; send one request per completion")
+    _unsupported(body, "logprobs", (False, 0), "")
+    _unsupported(body, "top_logprobs", (0,), "")
+    _unsupported(body, "presence_penalty", (0, 0.0), "")
+    _unsupported(body, "frequency_penalty", (0, 0.0), "")
+    _unsupported(body, "repetition_penalty", (1, 1.0), "")
+    _unsupported(body, "logit_bias", ({},), "")
+    _unsupported(body, "tools", ([],), " (no tool calling)")
+    _unsupported(body, "functions", ([],), " (no function calling)")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise bad_request("'response_format' other than {'type': 'text'} is not supported by this server",
+                          "response_format", "unsupported_parameter")
+    if "max_completion_tokens" in body and body["max_completion_tokens"] is not None:
+        max_tokens = _int(body, "max_completion_tokens", None, 1, MAX_INT)
+    else:
+        max_tokens = _int(body, "max_tokens", None, 1, MAX_INT)
+    top_k = _int(body, "top_k", 0, -1)
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise bad_request("'stream_options' must be an object like {'include_usage': true}", "stream_options",
+                          "invalid_type")
+    return dict(
+        model=_model(body),
+        max_tokens=max_tokens,
+        temperature=_number(body, "temperature", 1.0, 0.0, 100.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, open_lo=True),
+        top_k=max(0, top_k),  # -1 (the vLLM spelling) and 0 both mean "off"
+        seed=_int(body, "seed", None, 0, 2**63 - 1),
+        stop=_stop(body),
+        stop_token_ids=_stop_token_ids(body),
+        ignore_eos=_bool(body, "ignore_eos", False),
+        stream=_bool(body, "stream", False),
+        include_usage=_bool(options or {}, "include_usage", False),
+    )
+
+
+def _content(i: int, message: dict) -> str:
+    content = message.get("content")
+    if content is None and message["role"] == "assistant":
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts: only text is understood by a text-only model
+        texts = []
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            else:
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise bad_request(f"messages[{i}].content: part of type {kind!r} is not supported (text only)",
+                                  f"messages[{i}].content", "unsupported_content")
+        return "".join(texts)
+    raise bad_request(f"messages[{i}].content must be a string or an array of text parts, got {_type_name(content)}",
+                      f"messages[{i}].content", "invalid_type")
+
+
+def _messages(body: dict) -> list[dict]:
+    value = body.get("messages")
+    if value is None:
+        raise bad_request("'messages' is required: an array of {'role': ..., 'content': ...}", "messages",
+                          "missing_required_parameter")
+    if not isinstance(value, list):
+        raise bad_request(f"'messages' must be an array, got {_type_name(value)}", "messages", "invalid_type")
+    if not value:
+        raise bad_request("'messages' is empty; give at least one {'role': 'user', 'content': ...}", "messages",
+                          "invalid_value")
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict):
+            raise bad_request(f"messages[{i}] must be an object, got {_type_name(m)}", f"messages[{i}]", "invalid_type")
+        role = m.get("role")
+        if role not in ROLES:
+            raise bad_request(f"messages[{i}].role must be one of {', '.join(ROLES)}; got {role!r}",
+                              f"messages[{i}].role", "invalid_value")
+        out.append({"role": role, "content": _content(i, m)})
+    return out
+
+
+def _template_kwargs(body: dict) -> dict:
+    value = body.get("chat_template_kwargs")
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise bad_request("'chat_template_kwargs' must be an object, e.g. {'enable_thinking': false}",
+                          "chat_template_kwargs", "invalid_type")
+    return dict(value)
+
+
+def parse_chat(body: dict) -> GenerationRequest:
+    common = _common(body)
+    return GenerationRequest(kind="chat", messages=_messages(body), chat_template_kwargs=_template_kwargs(body),
+                             **common)
+
+
+def _is_ids(value: object) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def parse_completion(body: dict) -> GenerationRequest:
+    common = _common(body)
+    _unsupported(body, "echo", (False,), "")
+    _unsupported(body, "suffix", ("",), "")
+    prompt = body.get("prompt", _MISSING)
+    if prompt is _MISSING or prompt is None:
+        raise bad_request("'prompt' is required: a string or an array of token ids", "prompt",
+                          "missing_required_parameter")
+    # A batch of one prompt is unwrapped; real batches are refused (one request per prompt).
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise bad_request("several prompts in one request are not supported; send one request per prompt",
+                          "prompt", "unsupported_parameter")
+    if not isinstance(prompt, str) and not (_is_ids(prompt) and prompt):
+        raise bad_request("'prompt' must be a string or a non-empty array of token ids", "prompt", "invalid_type")
+    return GenerationRequest(kind="completion", prompt=prompt, **common)
+
+
+def check_model(request: GenerationRequest, served: str) -> None:
+    """404 for a model name this server does not serve."""
+    if request.model != served:
+        raise model_not_found(request.model, served)
+
+
+__all__ = ["GenerationRequest", "check_model", "parse_chat", "parse_completion", "parse_json"]

@@ -1,0 +1,98 @@
+"""Initialising a drafter from its target so training starts from a sensible network.
+
+Draft layers take the weights of the target layers that follow the last fused target layer
+(e.g. features of layer 27 -> draft layers = copies of target layers 28, 29), `fc` starts as the
+identity on that layer's slice, `hidden_norm` as the first copied layer's input norm and `norm`
+as the target's final norm. Then the first draft layer computes, for the context, exactly the K/V
+that the target's own next layer computes; the drafter starts as a shortcut through the top of
+the target instead of from noise.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from blockspec.errors import ConfigError
+from blockspec.models.drafter import DFlashDrafter
+from blockspec.models.target import _decoder
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if dst.shape != src.shape:
+        raise ConfigError(
+            f"cannot initialise drafter {name} {tuple(dst.shape)} from target {tuple(src.shape)}; "
+            "use --init random for drafters not shaped like the target's layers"
+        )
+    dst.copy_(src.to(dst.dtype))
+
+
+def default_source_layers(drafter: DFlashDrafter, num_target_layers: int) -> list[int]:
+    """Target layers right after the last fused one (clamped to the top of the target)."""
+    first = max(drafter.cfg.target_layer_ids) + 1
+    n = drafter.cfg.num_hidden_layers
+    first = min(first, num_target_layers - n)
+    return [max(0, first + i) for i in range(n)]
+
+
+@torch.no_grad()
+def init_from_target(
+    drafter: DFlashDrafter,
+    target_model: nn.Module,
+    source_layers: list[int] | None = None,
+    calibration_ids: torch.Tensor | None = None,
+) -> list[int]:
+    """Copies target layer weights into the drafter (see module doc); returns the source layers.
+
+    Targets without q/k norms (Llama) get q_norm/k_norm weights equal to the mean RMS of their
+    query/key heads on `calibration_ids` [1, S] when given, so attention logits keep their scale.
+    """
+    dec = _decoder(target_model)
+    n_target = len(dec.layers)
+    sources = list(source_layers) if source_layers else default_source_layers(drafter, n_target)
+    if len(sources) != drafter.cfg.num_hidden_layers:
+        raise ConfigError(f"need {drafter.cfg.num_hidden_layers} source layers, got {sources}")
+    rms: dict[tuple[int, str], float] = {}
+    if calibration_ids is not None:
+        rms = _qk_rms(target_model, dec, sources, calibration_ids, drafter.cfg.head_dim)
+    for i, src in enumerate(sources):
+        t, d = dec.layers[src], drafter.layers[i]
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            _copy(getattr(d.self_attn, proj).weight, getattr(t.self_attn, proj).weight, f"layers.{i}.{proj}")
+            tb, db = getattr(t.self_attn, proj).bias, getattr(d.self_attn, proj).bias
+            if db is not None and tb is not None:
+                _copy(db, tb, f"layers.{i}.{proj}.bias")
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            _copy(getattr(d.mlp, proj).weight, getattr(t.mlp, proj).weight, f"layers.{i}.{proj}")
+        _copy(d.input_layernorm.weight, t.input_layernorm.weight, "input_layernorm")
+        _copy(d.post_attention_layernorm.weight, t.post_attention_layernorm.weight, "post_attention_layernorm")
+        for name in ("q_norm", "k_norm"):
+            src_norm = getattr(t.self_attn, name, None)
+            if src_norm is not None and getattr(src_norm, "weight", None) is not None:
+                _copy(getattr(d.self_attn, name).weight, src_norm.weight, name)
+            else:
+                getattr(d.self_attn, name).weight.fill_(rms.get((src, name), 1.0))
+    _copy(drafter.norm.weight, dec.norm.weight, "norm")
+    _copy(drafter.hidden_norm.weight, dec.layers[sources[0]].input_layernorm.weight, "hidden_norm")
+    hidden = drafter.cfg.hidden_size
+    ids = list(drafter.cfg.target_layer_ids)
+    last = ids.index(max(ids))
+    drafter.fc.weight.zero_()
+    drafter.fc.weight[:, last * hidden : (last + 1) * hidden] = torch.eye(hidden, dtype=drafter.fc.weight.dtype)
+    return sources
+
+
+def _qk_rms(model: nn.Module, dec: nn.Module, sources: list[int], ids: torch.Tensor, head_dim: int) -> dict:
+    out: dict[tuple[int, str], float] = {}
+    hooks = []
+    for src in sources:
+        for proj, name in (("q_proj", "q_norm"), ("k_proj", "k_norm")):
+            def grab(_m, _i, y, key=(src, name)):
+                out[key] = float(y.float().reshape(-1, head_dim).pow(2).mean(-1).sqrt().mean())
+            hooks.append(getattr(dec.layers[src].self_attn, proj).register_forward_hook(grab))
+    try:
+        model(input_ids=ids.to(next(model.parameters()).device))
+    finally:
+        for h in hooks:
+            h.remove()
+    return out

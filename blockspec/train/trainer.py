@@ -1,0 +1,512 @@
+"""The DFlash drafter trainer (DESIGN.md section 4): frozen target, packed anchor blocks,
+position-decayed cross-entropy, warmup + cosine schedule, checkpoints, JSONL logs, quick tau evals.
+
+Data parallel over `torchrun` processes (gloo on CPU, nccl on GPU): every global step takes
+`batch_seqs` sequences, each rank handles its share, the loss is normalised by the GLOBAL weight
+sum and gradients are summed across ranks, so N processes compute exactly the update one process
+computes for the same step (up to float summation order).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import signal
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from blockspec.errors import CheckpointError, ConfigError
+from blockspec.models.drafter import DFlashDrafter, load_drafter, new_drafter_for_target, save_drafter
+from blockspec.train.anchors import block_attention_mask, block_labels, block_positions, sample_anchors
+from blockspec.train.data import Example
+from blockspec.train.loss import fused_head_ce, position_weights
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything a training run needs besides the target and the data."""
+
+    out: str
+    num_layers: int = 1
+    block_size: int = 16
+    target_layer_ids: tuple[int, ...] | None = None
+    mask_token_id: int | None = None
+    init: str = "target"  # "target": copy target layers (init.py); "random"
+    anchors: int = 512  # max anchors per sequence
+    batch_seqs: int = 4  # sequences per optimizer step (all ranks together)
+    epochs: float = 1.0
+    max_steps: int | None = None
+    lr: float = 6e-4
+    warmup: float = 0.04  # fraction of steps
+    min_lr_ratio: float = 0.05
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    precision: str = "fp32"  # "fp32" or "bf16" (autocast of the drafter forward)
+    gamma: float | None = None
+    max_seq_len: int = 3072
+    seed: int = 0
+    log_every: int = 1
+    eval_every: int = 0  # steps; 0 = only at the end
+    eval_max_new_tokens: int = 128
+    save_every: int = 0  # steps; 0 = only at the end
+    save_dtype: str = "bfloat16"
+    head_chunk: int = 1024
+    # "full": the published loss over the whole vocabulary. "data": softmax restricted to the
+    # tokens that occur as labels in the training data (much cheaper head on CPU); the exact
+    # full-vocabulary loss is then still measured and logged at every eval ("loss_full").
+    loss_vocab: str = "full"
+    time_limit_s: float | None = None
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.init not in ("target", "random"):
+            raise ConfigError(f"--init must be 'target' or 'random', got {self.init!r}")
+        if self.loss_vocab not in ("full", "data"):
+            raise ConfigError(f"--loss-vocab must be 'full' or 'data', got {self.loss_vocab!r}")
+        if self.precision not in ("fp32", "bf16"):
+            raise ConfigError(f"--precision must be fp32 or bf16, got {self.precision!r}")
+        if self.save_dtype not in DTYPES:
+            raise ConfigError(f"--save-dtype must be one of {sorted(DTYPES)}, got {self.save_dtype!r}")
+        for name in ("num_layers", "anchors", "batch_seqs", "max_seq_len", "head_chunk"):
+            if int(getattr(self, name)) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)!r}")
+        if self.block_size < 2:
+            raise ConfigError(f"--block-size must be >= 2, got {self.block_size}")
+        if not self.lr > 0 or self.epochs <= 0:
+            raise ConfigError("--lr and --epochs must be positive")
+        if not 0 <= self.warmup < 1 or not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError("--warmup must be in [0, 1) and --min-lr-ratio in [0, 1]")
+
+
+def lr_factor(step: int, total: int, warmup: float, min_ratio: float) -> float:
+    """Linear warmup over `warmup * total` steps, then cosine decay to `min_ratio`."""
+    warm = max(1, int(round(warmup * total)))
+    if step < warm:
+        return (step + 1) / warm
+    t = min(1.0, (step - warm) / max(1, total - warm))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t))
+
+
+def _seed(*parts: object) -> int:
+    return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:7], "little")
+
+
+class DistInfo:
+    """Rank/world from torchrun's environment; a no-op single process otherwise."""
+
+    def __init__(self) -> None:
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.active = self.world > 1
+        if self.active and not dist.is_initialized():
+            backend = "nccl" if torch.cuda.is_available() and os.environ.get("BLOCKSPEC_BACKEND") != "gloo" else "gloo"
+            dist.init_process_group(backend)
+
+    def sum_(self, t: torch.Tensor) -> torch.Tensor:
+        if self.active:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
+
+    def barrier(self) -> None:
+        if self.active:
+            dist.barrier()
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+@dataclass
+class SeqBatch:
+    """One sequence prepared for a step: anchors and labels fixed before any forward pass."""
+
+    ids: torch.Tensor  # [S]
+    loss_mask: torch.Tensor  # [S]
+    example_id: str
+    anchors: torch.Tensor  # [n]
+    labels: torch.Tensor  # [n, B-1]
+    weights: torch.Tensor  # [n, B-1], 0 where the label does not count
+
+    @property
+    def weight_sum(self) -> float:
+        return float(self.weights.sum())
+
+
+def prepare_sequence(
+    ex: Example, block_size: int, max_anchors: int, max_seq_len: int, pos_weights: torch.Tensor, seed: int
+) -> SeqBatch | None:
+    ids = torch.tensor(ex.input_ids[:max_seq_len], dtype=torch.long)
+    mask = torch.tensor(ex.loss_mask[:max_seq_len], dtype=torch.bool)
+    gen = torch.Generator().manual_seed(seed)
+    anchors = sample_anchors(mask, block_size, max_anchors, gen)
+    if anchors.numel() == 0:
+        return None
+    labels, valid = block_labels(ids, mask, anchors, block_size)
+    return SeqBatch(ids, mask, ex.id, anchors, labels, pos_weights[None, :] * valid.float())
+
+
+def sequence_forward(
+    drafter: DFlashDrafter,
+    target: object,
+    seq: SeqBatch,
+    features: torch.Tensor,
+    *,
+    head_chunk: int = 1024,
+    autocast: bool = False,
+    candidates: torch.Tensor | None = None,
+    candidate_head: torch.nn.Module | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """sum(w * ce) over the sequence's blocks (graph attached) and correctness [n, B-1] (bool).
+
+    With `candidates` (sorted token ids containing every label) and `candidate_head` (the head's
+    rows for them), the softmax runs over those tokens only.
+    """
+    device = drafter.fc.weight.device
+    B = drafter.block_size
+    n = seq.anchors.numel()
+    S = features.shape[0]
+    anchors = seq.anchors.to(device)
+    block_ids = torch.full((n, B), drafter.mask_token_id, dtype=torch.long, device=device)
+    block_ids[:, 0] = seq.ids.to(device)[anchors]
+    with torch.no_grad():
+        embeds = target.embed(block_ids.reshape(1, n * B)).float() * drafter.cfg.input_embedding_scale  # [1, nB, H]
+    mask = block_attention_mask(anchors, B, S)[None, None]  # [1, 1, nB, S+nB]
+    ctx_pos = torch.arange(S, device=device)[None]
+    blk_pos = block_positions(anchors, B)[None]
+    dtype = drafter.fc.weight.dtype
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+        hidden = drafter(features.to(device, dtype)[None], ctx_pos, embeds.to(dtype), blk_pos, attn_mask=mask)
+    hidden = hidden.reshape(n, B, -1)[:, 1:]  # [n, B-1, H]: position k predicts token[p + k]
+    w = seq.weights.to(device)
+    keep = w > 0  # [n, B-1]
+    head = target.head()
+    labels = seq.labels.to(device)[keep]
+    if candidates is not None:
+        head = candidate_head
+        labels = torch.searchsorted(candidates, labels)
+    h = hidden[keep]
+    if h.dtype != head.weight.dtype:
+        h = h.to(head.weight.dtype)
+    total, correct_rows = fused_head_ce(
+        h, head, labels, w[keep],
+        output_multiplier=drafter.cfg.output_multiplier, chunk=head_chunk,
+    )
+    correct = torch.zeros(n, B - 1, dtype=torch.bool, device=device)
+    correct[keep] = correct_rows
+    return total, correct
+
+
+class Trainer:
+    """Runs one training job; see `blockspec train --help` for the knobs."""
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        target: object,
+        examples: list[Example],
+        *,
+        features: object | None = None,
+        eval_prompts: list[list[int]] | None = None,
+        resume: bool = False,
+        log_fn=print,
+    ) -> None:
+        if cfg.precision == "bf16" and cfg.extra.get("warned") is None:
+            pass
+        self.cfg = cfg
+        self.target = target
+        self.examples = examples
+        self.features = features
+        self.eval_prompts = eval_prompts or []
+        self.dist = DistInfo()
+        self.out = Path(cfg.out)
+        self.log_fn = log_fn if self.dist.main else (lambda *a, **k: None)
+        self.device = target.device
+        if not examples:
+            raise ConfigError("no training examples; run `blockspec datagen` first")
+        for p in target.model.parameters():
+            p.requires_grad_(False)
+        self.pos_weights = position_weights(cfg.block_size, cfg.gamma)
+        self.total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * len(examples) / cfg.batch_seqs))
+        self.step = 0
+        ckpt = self.out / "checkpoint"
+        if resume and (ckpt / "config.json").exists():
+            self.drafter = load_drafter(ckpt, dtype=torch.float32, device=str(self.device))
+            self._check_resumable()
+        else:
+            self.drafter = self._new_drafter()
+        self.drafter.train()
+        self.optimizer = torch.optim.AdamW(
+            self.drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
+        )
+        if resume and (ckpt / "trainer_state.pt").exists():
+            state = torch.load(ckpt / "trainer_state.pt", map_location=self.device, weights_only=False)
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.step = int(state["step"])
+            self.log_fn(f"resumed from {ckpt} at step {self.step}")
+        self.candidates, self.candidate_head = None, None
+        if cfg.loss_vocab == "data":
+            toks = sorted({t for e in examples for t, m in zip(e.input_ids, e.loss_mask) if m})
+            self.candidates = torch.tensor(toks, dtype=torch.long, device=self.device)
+            full = target.head()
+            self.candidate_head = torch.nn.Linear(full.weight.shape[1], len(toks), bias=full.bias is not None)
+            with torch.no_grad():
+                self.candidate_head.weight.copy_(full.weight[self.candidates])
+                if full.bias is not None:
+                    self.candidate_head.bias.copy_(full.bias[self.candidates])
+            self.candidate_head.requires_grad_(False).to(self.device)
+            self.log_fn(f"loss over {len(toks)} candidate tokens (of {target.info.vocab_size}) seen in the data")
+        self._stop = False
+
+    def _check_resumable(self) -> None:
+        c = self.drafter.cfg
+        if c.block_size != self.cfg.block_size or c.num_hidden_layers != self.cfg.num_layers:
+            raise CheckpointError(
+                f"checkpoint in {self.out / 'checkpoint'} has block_size {c.block_size} and "
+                f"{c.num_hidden_layers} layers, but this run asks for {self.cfg.block_size} and "
+                f"{self.cfg.num_layers}; use another --out or the same settings"
+            )
+
+    def _new_drafter(self) -> DFlashDrafter:
+        cfg = self.cfg
+        if cfg.mask_token_id is None:
+            raise ConfigError("a mask token id is needed (--mask-token-id)")
+        torch.manual_seed(cfg.seed)
+        drafter = new_drafter_for_target(
+            self.target.model.config, mask_token_id=cfg.mask_token_id, num_layers=cfg.num_layers,
+            block_size=cfg.block_size, target_layer_ids=cfg.target_layer_ids, seed=cfg.seed,
+        ).to(self.device)
+        if cfg.init == "target":
+            from blockspec.train.init import init_from_target
+
+            calib = torch.tensor([self.examples[0].input_ids[: cfg.max_seq_len]])
+            src = init_from_target(drafter, self.target.model, calibration_ids=calib)
+            self.log_fn(f"draft layers initialised from target layers {src}")
+        return drafter
+
+    # ------------------------------------------------------------------ data order
+
+    def _step_examples(self, step: int) -> list[tuple[int, int]]:
+        """(epoch, example index) of the global step's sequences, the same on every rank."""
+        n = len(self.examples)
+        out = []
+        for j in range(self.cfg.batch_seqs):
+            g = step * self.cfg.batch_seqs + j
+            epoch, pos = divmod(g, n)
+            perm = torch.randperm(n, generator=torch.Generator().manual_seed(_seed(self.cfg.seed, "epoch", epoch)))
+            out.append((epoch, int(perm[pos])))
+        return out
+
+    def _features(self, ex: Example, seq_len: int) -> torch.Tensor:
+        if self.features is not None and ex.id in self.features:
+            return self.features.get(ex.id)[:seq_len]
+        from blockspec.train.features import target_features
+
+        return target_features(self.target, [ex.input_ids[:seq_len]], self.drafter.target_layer_ids)[0]
+
+    # ------------------------------------------------------------------ training
+
+    def train_step(self, step: int) -> dict:
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        todo = self._step_examples(step)[self.dist.rank :: self.dist.world]
+        seqs = []
+        for epoch, i in todo:
+            ex = self.examples[i]
+            s = prepare_sequence(ex, cfg.block_size, cfg.anchors, cfg.max_seq_len, self.pos_weights,
+                                 _seed(cfg.seed, "anchors", epoch, i))
+            if s is not None:
+                seqs.append(s)
+        local_w = torch.tensor([sum(s.weight_sum for s in seqs)], dtype=torch.float64)
+        global_w = float(self.dist.sum_(local_w.clone())[0])
+        for g in self.optimizer.param_groups:
+            g["lr"] = cfg.lr * lr_factor(step, self.total_steps, cfg.warmup, cfg.min_lr_ratio)
+        self.optimizer.zero_grad(set_to_none=False)
+        B1 = cfg.block_size - 1
+        stats = torch.zeros(3 + 2 * B1, dtype=torch.float64)  # sum wce, n anchors, streak sum, hits, counts
+        for s in seqs:
+            feats = self._features(self.examples_by_id[s.example_id], s.ids.numel())
+            total, correct = sequence_forward(
+                self.drafter, self.target, s, feats, head_chunk=cfg.head_chunk, autocast=cfg.precision == "bf16",
+                candidates=self.candidates, candidate_head=self.candidate_head,
+            )
+            if global_w > 0:
+                (total / global_w).backward()
+            valid = (s.weights > 0).to(correct.device)
+            hit = (correct & valid).cpu()
+            stats[0] += float(total.detach())
+            stats[1] += s.anchors.numel()
+            # accepted-length proxy: consecutive correct predictions from k = 1, +1 for the bonus
+            stats[2] += float((hit.long().cumprod(1).sum(1) + 1).sum())
+            stats[3 : 3 + B1] += hit.sum(0).double()
+            stats[3 + B1 :] += valid.cpu().sum(0).double()
+        grads = [p.grad for p in self.drafter.parameters() if p.grad is not None]
+        if self.dist.active and grads:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            self.dist.sum_(flat)
+            o = 0
+            for g in grads:
+                g.copy_(flat[o : o + g.numel()].view_as(g))
+                o += g.numel()
+        norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip)
+        if global_w > 0:
+            self.optimizer.step()
+        self.dist.sum_(stats)
+        counts = stats[3 + B1 :].clamp_min(1)
+        return {
+            "type": "train",
+            "step": step + 1,
+            "loss": float(stats[0] / max(global_w, 1e-12)),
+            "loss_vocab": cfg.loss_vocab,
+            "acc": [round(float(a), 4) for a in (stats[3 : 3 + B1] / counts)],
+            "tau_proxy": round(float(stats[2] / stats[1]), 4) if stats[1] > 0 else 1.0,
+            "anchors": int(stats[1]),
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "grad_norm": round(float(norm), 4),
+            "step_s": round(time.perf_counter() - t0, 3),
+        }
+
+    def evaluate(self) -> dict | None:
+        if not self.eval_prompts or not self.dist.main:
+            return None
+        from blockspec.train.evaluate import quick_tau
+
+        res = quick_tau(self.target, self.drafter, self.eval_prompts, max_new_tokens=self.cfg.eval_max_new_tokens)
+        return {"type": "eval", "step": self.step, "loss_full": self.full_loss(), **res}
+
+    @torch.no_grad()
+    def full_loss(self, n: int = 4) -> float:
+        """The exact published loss (full vocabulary) on the first n training sequences, with
+        fixed anchors: comparable across steps and runs whatever `loss_vocab` trains with."""
+        tot, wsum = 0.0, 0.0
+        for i, ex in enumerate(self.examples[:n]):
+            s = prepare_sequence(ex, self.cfg.block_size, self.cfg.anchors, self.cfg.max_seq_len,
+                                 self.pos_weights, _seed(self.cfg.seed, "fixed", i))
+            if s is None:
+                continue
+            total, _ = sequence_forward(self.drafter, self.target, s, self._features(ex, s.ids.numel()),
+                                        head_chunk=self.cfg.head_chunk)
+            tot, wsum = tot + float(total), wsum + s.weight_sum
+        return tot / max(wsum, 1e-12)
+
+    def save_checkpoint(self) -> None:
+        if not self.dist.main:
+            return
+        ckpt = self.out / "checkpoint"
+        tmp = self.out / "checkpoint.tmp"
+        save_drafter(self.drafter, tmp)
+        torch.save({"optimizer": self.optimizer.state_dict(), "step": self.step, "config": asdict(self.cfg)},
+                   tmp / "trainer_state.pt")
+        if ckpt.exists():
+            for f in ckpt.iterdir():
+                f.unlink()
+            ckpt.rmdir()
+        tmp.rename(ckpt)
+
+    def save_final(self) -> Path:
+        final = self.out / "drafter"
+        if self.dist.main:
+            import copy
+
+            model = copy.deepcopy(self.drafter).to(DTYPES[self.cfg.save_dtype])
+            save_drafter(model, final)
+        return final
+
+    def _log(self, record: dict) -> None:
+        if not self.dist.main:
+            return
+        self.out.mkdir(parents=True, exist_ok=True)
+        with (self.out / "log.jsonl").open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def _on_signal(self, *_: object) -> None:
+        self._stop = True
+
+    def train(self) -> dict:
+        """Runs until the step budget, the time limit or SIGTERM/SIGINT; returns the last records."""
+        cfg = self.cfg
+        self.examples_by_id = {e.id: e for e in self.examples}
+        if self.dist.main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2, default=str) + "\n")
+        old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            for s in old:
+                signal.signal(s, self._on_signal)
+        except ValueError:  # not the main thread
+            old = {}
+        t_start = time.perf_counter()
+        last_train, last_eval = None, None
+        first_step = self.step
+        window: list[dict] = []
+        if self.step == 0 and cfg.eval_every:
+            last_eval = self.evaluate()
+            if last_eval:
+                self._log({**last_eval, "elapsed_s": 0.0})
+                self.log_fn(f"eval step 0: tau {last_eval['tau']:.3f}")
+        try:
+            while self.step < self.total_steps:
+                rec = self.train_step(self.step)
+                self.step += 1
+                window.append(rec)
+                rec = _average(window)  # a log line summarises the steps since the last one
+                rec["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+                rec["seqs"] = self.step * cfg.batch_seqs
+                last_train = rec
+                if self.step % cfg.log_every == 0 or self.step == self.total_steps:
+                    window = []
+                    self._log(rec)
+                    self.log_fn(
+                        f"step {rec['step']}/{self.total_steps} loss {rec['loss']:.4f} acc1 {rec['acc'][0]:.3f} "
+                        f"tau~{rec['tau_proxy']:.2f} lr {rec['lr']:.2e} {rec['step_s']:.2f}s/step"
+                    )
+                stop_flag = torch.tensor([1.0 if self._stop else 0.0])
+                if cfg.time_limit_s and time.perf_counter() - t_start > cfg.time_limit_s:
+                    stop_flag[0] = 1.0
+                stop = bool(self.dist.sum_(stop_flag)[0] > 0)
+                if cfg.save_every and self.step % cfg.save_every == 0 and not stop:
+                    self.save_checkpoint()
+                    self.save_final()
+                if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < self.total_steps and not stop:
+                    last_eval = self.evaluate()
+                    if last_eval:
+                        last_eval["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+                        self._log(last_eval)
+                        self.log_fn(f"eval step {self.step}: tau {last_eval['tau']:.3f}")
+                    self.dist.barrier()
+                if stop:
+                    self.log_fn(f"stopping at step {self.step} (time limit or signal); saving")
+                    break
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+        self.save_checkpoint()
+        final = self.save_final()
+        if self.eval_prompts and self.step > first_step and not self._stop:  # a signal wants a quick exit
+            last_eval = self.evaluate()
+            if last_eval:
+                last_eval["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+                self._log(last_eval)
+                self.log_fn(f"eval step {self.step}: tau {last_eval['tau']:.3f}")
+        self.dist.barrier()
+        return {"train": last_train, "eval": last_eval, "drafter": str(final), "steps": self.step}
+
+
+def _average(records: list[dict]) -> dict:
+    """The last record with loss, accuracy and tau proxy averaged over steps that had anchors."""
+    out = dict(records[-1])
+    used = [r for r in records if r["anchors"] > 0] or records[-1:]
+    out["loss"] = sum(r["loss"] for r in used) / len(used)
+    out["acc"] = [round(sum(r["acc"][k] for r in used) / len(used), 4) for k in range(len(used[0]["acc"]))]
+    out["tau_proxy"] = round(sum(r["tau_proxy"] for r in used) / len(used), 4)
+    out["anchors"] = sum(r["anchors"] for r in records)
+    out["steps_averaged"] = len(records)
+    out["step_s"] = round(sum(r["step_s"] for r in records) / len(records), 3)
+    return out

@@ -1,0 +1,115 @@
+"""Python API and `blockspec generate` on a tiny model directory with a real tokenizer."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import blockspec
+from blockspec.errors import CheckpointError, ConfigError
+from blockspec.text import IncrementalDetokenizer, StopStrings
+
+MESSAGES = [{"role": "user", "content": "How much does Janet make?"}]
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny_model_dir: Path, tiny_drafter_dir: Path):
+    return blockspec.load(str(tiny_model_dir), str(tiny_drafter_dir))
+
+
+def test_generate_chat_equals_plain_decoding(pipe) -> None:
+    fast = pipe.generate(MESSAGES, max_new_tokens=24, ignore_eos=True)
+    plain = pipe.generate(MESSAGES, max_new_tokens=24, ignore_eos=True, block_size=1)
+    assert fast.token_ids == plain.token_ids
+    assert len(fast.token_ids) == 24 and fast.finish_reason == "length"
+    assert fast.text == pipe.tokenizer.decode(fast.token_ids, skip_special_tokens=True)
+    assert fast.stats.block_size == 4 and plain.stats.block_size == 1
+    assert fast.stats.prefill_s > 0 and fast.tokens_per_s > 0
+
+
+def test_chat_template_applied_and_thinking_switch(pipe) -> None:
+    ids = pipe.encode(MESSAGES)
+    text = pipe.tokenizer.decode(ids)
+    assert text.startswith("<|im_start|>user\n") and text.endswith("<|im_start|>assistant\n")
+    off = pipe.tokenizer.decode(pipe.encode(MESSAGES, enable_thinking=False))
+    assert off.endswith("<think>\n\n</think>\n\n")
+
+
+def test_batch_with_different_prompt_lengths(pipe) -> None:
+    prompts = [MESSAGES, [{"role": "user", "content": "def add(a, b): return a + b. Explain it in detail."}]]
+    batch = pipe.generate_batch(prompts, max_new_tokens=16, ignore_eos=True)
+    alone = [pipe.generate(p, max_new_tokens=16, ignore_eos=True) for p in prompts]
+    assert [c.token_ids for c in batch] == [c.token_ids for c in alone]
+
+
+def test_stop_string_truncates_text_and_tokens(pipe) -> None:
+    full = pipe.generate(MESSAGES, max_new_tokens=30, ignore_eos=True)
+    # Choose a stop string that appears in the middle of the greedy text.
+    visible = full.text
+    assert len(visible) > 6
+    stop = visible[len(visible) // 2 : len(visible) // 2 + 3]
+    cut = pipe.generate(MESSAGES, max_new_tokens=30, ignore_eos=True, stop=(stop,))
+    assert cut.finish_reason == "stop"
+    assert stop not in cut.text and visible.startswith(cut.text)
+    assert cut.text == visible[: visible.find(stop)]
+    assert cut.token_ids == full.token_ids[: len(cut.token_ids)]
+
+
+def test_stream_yields_the_same_text(pipe) -> None:
+    pieces = list(pipe.stream(MESSAGES, chat=True, max_new_tokens=20, ignore_eos=True))
+    done = pieces[-1]
+    assert isinstance(done, blockspec.Completion)
+    assert "".join(pieces[:-1]) == done.text
+    assert done.token_ids == pipe.generate(MESSAGES, max_new_tokens=20, ignore_eos=True).token_ids
+
+
+def test_incremental_detokenizer_holds_back_stop_prefix(pipe) -> None:
+    tok = pipe.tokenizer
+    ids = tok("Janet has 16 ducks", add_special_tokens=False)["input_ids"]
+    detok = IncrementalDetokenizer(StopStrings(tok, ("ducks",)))
+    out = "".join(detok.push([t]) for t in ids) + detok.push([], final=True)
+    assert out == "Janet has 16 "
+
+
+def test_load_errors(tiny_model_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="no drafter ships"):
+        blockspec.load(str(tiny_model_dir))
+    with pytest.raises(CheckpointError, match="does not exist"):
+        blockspec.load(str(tiny_model_dir), str(tmp_path / "missing"))
+    with pytest.raises(ConfigError, match="dtype must be"):
+        blockspec.load(str(tiny_model_dir), "none", dtype="int8")
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "blockspec.cli", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_cli_generate_compare_json(tiny_model_dir: Path, tiny_drafter_dir: Path) -> None:
+    r = _cli("generate", "--target", str(tiny_model_dir), "--drafter", str(tiny_drafter_dir),
+             "--prompt", "How much does Janet make?", "--max-new-tokens", "12", "--compare", "--json")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["identical"] is True
+    assert report["dflash"]["block_size"] == 4 and report["plain"]["block_size"] == 1
+    assert report["speedup"] > 0 and report["dflash"]["generated_tokens"] >= 1
+
+
+def test_cli_generate_streams_and_summarises(tiny_model_dir: Path, tiny_drafter_dir: Path) -> None:
+    r = _cli("generate", "--target", str(tiny_model_dir), "--drafter", str(tiny_drafter_dir),
+             "--prompt", "Hello", "--max-new-tokens", "8", "--compare")
+    assert r.returncode == 0, r.stderr
+    assert "[dflash]" in r.stderr and "speedup" in r.stderr and "identical" in r.stderr
+
+
+def test_cli_bad_input_is_one_clear_line(tiny_model_dir: Path) -> None:
+    r = _cli("generate", "--target", str(tiny_model_dir), "--drafter", "none", "--prompt", "x",
+             "--temperature", "-1")
+    assert r.returncode == 2
+    assert r.stderr.strip().startswith("error: temperature must be") and "Traceback" not in r.stderr
+    r = _cli("generate", "--target", "/nonexistent/model", "--prompt", "x")
+    assert r.returncode == 2 and "Traceback" not in r.stderr

@@ -1,0 +1,130 @@
+"""The benchmark suite and its report on a tiny random model (no downloads)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from blockspec.bench.report import check_greedy, write_report
+from blockspec.bench.runner import Output, Setting, SpecRunner, SuitePlan, encode_turn, run_suite
+from blockspec.errors import ConfigError
+
+SAMPLES = {
+    "maths": [SimpleNamespace(id="m0", turns=["Janet has 16 ducks. How many eggs?"]),
+              SimpleNamespace(id="m1", turns=["def add(a, b):"])],
+    "chat": [SimpleNamespace(id="c0", turns=["Write a poem.", "Now make it shorter."])],
+}
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny_model_dir, tiny_drafter_dir):
+    from blockspec.api import load
+
+    return load(str(tiny_model_dir), str(tiny_drafter_dir))
+
+
+@pytest.fixture(scope="module")
+def greedy_runs(pipe):
+    runners = [SpecRunner(pipe.decoder, 1), SpecRunner(pipe.decoder, 4)]
+    plan = SuitePlan(concurrency=(1, 2), settings=(Setting(0.0, False),), max_new_tokens=10, warmup=True,
+                     warmup_tokens=4)
+    return run_suite(runners, SAMPLES, pipe.tokenizer, plan, progress=False)
+
+
+def test_report_is_well_formed(greedy_runs, tmp_path):
+    report = write_report(greedy_runs, tmp_path, {"target": "tiny", "command": "blockspec bench --test"})
+    md = (tmp_path / "report.md").read_text()
+    assert md == report.markdown
+    assert "| Task | Concurrency | AR | DFlash b4 (speedup) | τ b4 |" in md
+    for task in ("maths", "chat"):
+        for c in (1, 2):
+            assert any(line.startswith(f"| {task} | {c} | ") for line in md.splitlines()), (task, c)
+    assert "Lossless check: passed. All 8 greedy DFlash outputs" in md  # 4 requests x 2 concurrencies
+    assert "Acceptance rate by block position" in md
+
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["lossless"]["passed"] is True
+    assert data["meta"]["target"] == "tiny" and "hardware" in data["meta"]["environment"]
+    # 2 runners x 2 concurrencies x (2 single-turn + 2 turns of one conversation)
+    assert len(data["requests"]) == 16
+    dflash = [r for r in data["requests"] if r["method"] == "dflash"]
+    for r in dflash:
+        assert r["generated_tokens"] == len(r["token_ids"]) <= 10
+        assert sum(r["acceptance_lengths"]) == r["generated_tokens"] - 1
+        assert len(r["accepted_by_position"]) == 3
+        assert r["mean_tau"] >= 1.0 and r["latency_s"] > 0 and r["tokens_per_s"] > 0
+    assert all(r["acceptance_lengths"] is None for r in data["requests"] if r["method"] == "ar")
+    summary = next(s for s in data["summaries"] if s["runner"] == "dflash b4")
+    assert {"tokens_per_s", "mean_tau", "acceptance_histogram", "acceptance_by_position", "wall_s"} <= set(summary)
+    assert sum(summary["acceptance_histogram"].values()) == sum(
+        len(r["acceptance_lengths"]) for r in dflash if r["task"] == summary["task"]
+        and r["concurrency"] == summary["concurrency"])
+
+    png = (tmp_path / "plot.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.image
+
+    image = matplotlib.image.imread(str(tmp_path / "plot.png"))
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+
+
+def test_second_turn_follows_the_models_own_answer(greedy_runs, pipe):
+    run = next(r for r in greedy_runs if r.runner == "ar" and r.task == "chat" and r.concurrency == 1)
+    first, second = sorted(run.records, key=lambda r: r.turn)
+    assert (first.turn, second.turn) == (0, 1)
+    expected = encode_turn(pipe.tokenizer, SAMPLES["chat"][0].turns, [first.text], 1, False)
+    assert second.prompt_tokens == len(expected) > first.prompt_tokens
+    text = pipe.tokenizer.decode(expected)
+    assert "Write a poem." in text and "Now make it shorter." in text and first.text in text
+
+
+class _Corrupting:
+    """Wraps a runner and changes one generated token of the first request it sees."""
+
+    def __init__(self, inner: SpecRunner, at: int) -> None:
+        self.inner, self.at, self.done = inner, at, False
+        self.name, self.method, self.block_size = inner.name, inner.method, inner.block_size
+        self.max_concurrency = inner.max_concurrency
+
+    def run(self, requests, concurrency, progress=None) -> list[Output]:
+        outs = self.inner.run(requests, concurrency, progress)
+        if not self.done:
+            ids = outs[0].token_ids
+            ids[self.at] = (ids[self.at] + 1) % 300
+            self.done = True
+        return outs
+
+
+def test_greedy_mismatch_is_flagged_loudly(pipe, tmp_path):
+    runners = [SpecRunner(pipe.decoder, 1), _Corrupting(SpecRunner(pipe.decoder, 4), at=2)]
+    plan = SuitePlan(settings=(Setting(0.0, None),), max_new_tokens=6, warmup=False)
+    runs = run_suite(runners, {"maths": SAMPLES["maths"]}, pipe.tokenizer, plan, progress=False)
+    agreements = check_greedy(runs)
+    (dflash,) = [a for a in agreements if a.strict]
+    assert dflash.compared == 2 and len(dflash.mismatches) == 1
+    assert dflash.mismatches[0].first_difference == 2 and dflash.mismatches[0].sample_id == "m0"
+    report = write_report(runs, tmp_path, {})
+    assert not report.lossless_ok
+    assert "LOSSLESS CHECK FAILED: 1 of 2 greedy DFlash outputs differ from AR" in report.markdown
+    assert json.loads((tmp_path / "results.json").read_text())["lossless"]["passed"] is False
+
+
+def test_sampled_setting_runs_and_is_not_lossless_checked(pipe, tmp_path):
+    runners = [SpecRunner(pipe.decoder, 1), SpecRunner(pipe.decoder, 4)]
+    plan = SuitePlan(settings=(Setting(0.8, None),), max_new_tokens=6, warmup=False, seed=3)
+    runs = run_suite(runners, {"maths": SAMPLES["maths"]}, pipe.tokenizer, plan, progress=False)
+    assert check_greedy(runs) == []
+    report = write_report(runs, tmp_path, {})
+    assert "## Temperature 0.8" in report.markdown
+    assert "no greedy DFlash run" in report.markdown
+    again = run_suite(runners[1:], {"maths": SAMPLES["maths"]}, pipe.tokenizer, plan, progress=False)
+    assert [r.token_ids for r in again[0].records] == [r.token_ids for r in runs[1].records]  # seeded
+
+
+def test_plan_validation():
+    with pytest.raises(ConfigError, match="concurrency"):
+        SuitePlan(concurrency=(0,))
+    with pytest.raises(ConfigError, match="setting"):
+        SuitePlan(settings=())

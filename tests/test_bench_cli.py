@@ -1,0 +1,82 @@
+"""`blockspec bench` end to end on a tiny model and the shipped data sets."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from blockspec.cli import main
+
+
+def _bench(tmp_path: Path, model: Path, drafter: Path, *extra: str) -> tuple[int, Path]:
+    out = tmp_path / "out"
+    argv = ["bench", "--target", str(model), "--drafter", str(drafter), "--limit", "1", "--max-new-tokens", "6",
+            "--no-progress", "--no-warmup", "--out", str(out), *extra]
+    return main(argv), out
+
+
+def test_bench_command_writes_report(tmp_path, tiny_model_dir, tiny_drafter_dir, capsys):
+    pytest.importorskip("blockspec.bench.datasets")
+    from blockspec.bench.baselines import reference_available
+
+    baselines = "hf,reference" if reference_available() else "hf"
+    rc, out = _bench(tmp_path, tiny_model_dir, tiny_drafter_dir, "--datasets", "gsm8k,mt-bench",
+                     "--baselines", baselines, "--block-sizes", "2,4", "--thinking", "both")
+    assert rc == 0, capsys.readouterr().err
+    md = (out / "report.md").read_text()
+    assert "| Task | Concurrency | AR | DFlash b2 (speedup) | τ b2 | DFlash b4 (speedup) | τ b4 |" in md
+    assert "## Greedy (temperature 0), thinking on" in md and "## Greedy (temperature 0), thinking off" in md
+    assert md.count("| gsm8k | 1 | ") == 2 and md.count("| mt-bench | 1 | ") == 2
+    assert "| gsm8k | hf generate |" in md
+    if reference_available():  # the reference package on the same weights, greedy: same tokens as AR
+        assert "| gsm8k | reference b4 |" in md and "| mt-bench | reference b2 |" in md
+    data = json.loads((out / "results.json").read_text())
+    assert data["lossless"]["passed"] is True
+    assert data["meta"]["command"].startswith("blockspec bench")
+    turns = sorted({r["turn"] for r in data["requests"] if r["task"] == "mt-bench"})
+    assert turns == [0, 1]
+    assert (out / "plot.png").stat().st_size > 1000
+
+
+def test_bench_needs_a_drafter(tmp_path, tiny_model_dir, capsys):
+    rc = main(["bench", "--target", str(tiny_model_dir), "--drafter", "none", "--out", str(tmp_path)])
+    assert rc == 2
+    assert "needs a drafter" in capsys.readouterr().err
+
+
+def test_unknown_baseline_is_an_error(tmp_path, tiny_model_dir, tiny_drafter_dir, capsys, monkeypatch):
+    from blockspec.commands import bench
+
+    monkeypatch.setattr(bench, "_load_datasets", lambda *a: {"x": [SimpleNamespace(id="0", turns=["hi"])]})
+    rc, _ = _bench(tmp_path, tiny_model_dir, tiny_drafter_dir, "--baselines", "vllm")
+    assert rc == 2
+    assert "unknown baseline" in capsys.readouterr().err
+
+
+def test_thinking_modes(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from blockspec.commands.bench import _thinking_modes
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    notes: list[str] = []
+    assert _thinking_modes("both", tok, notes) == (True, False) and not notes
+    assert _thinking_modes("off", tok, notes) == (False,)
+    plain = SimpleNamespace(chat_template="{{ messages }}")
+    assert _thinking_modes("on", plain, notes) == (None,)
+    assert "no thinking switch" in notes[0]
+
+
+def test_limit_parsing():
+    import argparse
+
+    from blockspec.commands.bench import _limits
+
+    assert _limits("16") == {"*": 16}
+    assert _limits("gsm8k=16,humaneval=8") == {"gsm8k": 16, "humaneval": 8}
+    assert _limits("4,mt-bench=0") == {"*": 4, "mt-bench": 0}
+    with pytest.raises(argparse.ArgumentTypeError):
+        _limits("gsm8k=x")

@@ -1,0 +1,295 @@
+"""The continuous-batching engine: joins, leaves, cancel, queue bound, errors, adaptive blocks."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from conftest import make_tiny_target
+from test_spec_lossless import reference_greedy
+
+from blockspec.config import SamplingParams
+from blockspec.engine import AdaptiveBlock, CostModel, Engine, EngineConfig, QueueFullError
+from blockspec.engine.adaptive import expected_tokens
+from blockspec.errors import ContextLengthError
+from blockspec.models.drafter import DFlashDrafter, DraftCache, new_drafter_for_target
+from blockspec.models.native import load_native_target
+from blockspec.models.target import HFTarget
+
+
+class _KeyCache(DraftCache):
+    """Remembers which request each batch row is, through leaves (select_rows) and joins (merge)."""
+
+    def __init__(self, num_layers: int, batch: int) -> None:
+        super().__init__(num_layers, batch)
+        self.keys_of_rows: list[int | None] = [None] * batch
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        super().select_rows(rows)
+        self.keys_of_rows = [self.keys_of_rows[i] for i in rows.tolist()]
+
+    def merge(self, other: _KeyCache) -> None:
+        self.slots.positions = torch.cat([self.slots.positions, other.slots.positions])
+        self.keys_of_rows += other.keys_of_rows
+
+
+class OracleDrafter(DFlashDrafter):
+    """Proposes each request's true greedy continuation, wrong at fixed positions.
+
+    A new row is recognised by the target features of its first prompt token (every test
+    prompt starts with a different token), which arrive with the row's first draft pass.
+    """
+
+    def __init__(self, model, target, prompts: list[list[int]], truths: list[list[int]], wrong_every: int = 5) -> None:
+        base = new_drafter_for_target(model.config, mask_token_id=47, num_layers=1, dtype=torch.float64)
+        super().__init__(base.cfg)
+        self.seqs = [p + t for p, t in zip(prompts, truths)]
+        self.starts = [len(p) for p in prompts]
+        self.wrong_every = wrong_every
+        self.vocab = model.config.vocab_size
+        prints = []
+        for p in prompts:
+            _, f = target.forward(torch.tensor([[p[0]]]), torch.zeros(1, 1, dtype=torch.long),
+                                  target.new_cache(1), self.target_layer_ids)
+            prints.append(f[0, 0])
+        self.prints = torch.stack(prints)  # [n, L*H]
+
+    def new_cache(self, batch: int) -> _KeyCache:
+        return _KeyCache(self.cfg.num_hidden_layers, batch)
+
+    def forward(self, ctx_features, ctx_positions, block_embeds, block_positions, cache=None, attn_mask=None):
+        b, q, _ = block_embeds.shape
+        for i in range(b):
+            starts = (ctx_positions[i] == 0).nonzero()
+            if cache.keys_of_rows[i] is None and len(starts) == 0:  # the cost calibration's dummy rows
+                cache.keys_of_rows[i] = 0
+            if cache.keys_of_rows[i] is None:
+                col = int(starts[0, 0])
+                dist = (self.prints - ctx_features[i, col].to(self.prints.dtype)).abs().sum(dim=-1)
+                cache.keys_of_rows[i] = int(dist.argmin())
+        logits = torch.zeros(b, q, self.vocab, dtype=torch.float64)
+        for i in range(b):
+            seq = self.seqs[cache.keys_of_rows[i]]
+            for k in range(q):
+                pos = int(block_positions[i, k])
+                token = seq[pos] if pos < len(seq) else 0
+                if (pos + k) % self.wrong_every == 0:
+                    token = (token + 1) % self.vocab
+                logits[i, k, token] = 10.0
+        return logits
+
+    def logits(self, hidden, head):
+        return hidden
+
+
+def distinct_prompts(n: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        length = int(torch.randint(2, 12, (1,), generator=g))
+        out.append([i + 1] + torch.randint(0, 47, (length - 1,), generator=g).tolist())
+    return out
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = make_tiny_target("llama", seed=21)
+    target = load_native_target(model, dtype=None, eos_token_ids=())
+    prompts = distinct_prompts(6, seed=3)
+    truths = [reference_greedy(model, p, 30) for p in prompts]
+    return model, target, prompts, truths
+
+
+def run_with_joins(engine: Engine, prompts, params) -> list[list[int]]:
+    """Two requests start; the rest join once the first has streamed a few tokens."""
+    handles = [engine.submit(p, params) for p in prompts[:2]]
+    got = 0
+    for event in handles[0].events(timeout=60):
+        got += len(event.token_ids)
+        if got >= 5 or event.finished:
+            break
+    handles += [engine.submit(p, params) for p in prompts[2:]]
+    return [h.result(timeout=120).token_ids for h in handles]
+
+
+@pytest.mark.parametrize("backend", ["native", "hf"])
+def test_requests_joining_mid_flight_get_the_same_output_as_alone(setup, backend) -> None:
+    model, native, prompts, truths = setup
+    target = native if backend == "native" else HFTarget(model)
+    drafter = OracleDrafter(model, native, prompts, truths)
+    engine = Engine(target, drafter, EngineConfig(max_batch=3, block_size=6))
+    try:
+        outputs = run_with_joins(engine, prompts, SamplingParams(max_new_tokens=30))
+        assert outputs == truths
+        m = engine.metrics
+        assert m.requests_total == 6 and m.requests_running == 0 and m.tokens_generated_total == 180
+        assert engine.recorder.row_steps > m.steps_total  # steps really shared rows
+        assert 1.5 < m.mean_tau < 6
+    finally:
+        engine.stop()
+
+
+def test_adaptive_block_size_never_changes_the_output(setup) -> None:
+    model, target, prompts, truths = setup
+    good = OracleDrafter(model, target, prompts, truths, wrong_every=7)
+    bad = new_drafter_for_target(model.config, mask_token_id=47, num_layers=1, dtype=torch.float64)
+    for drafter in (good, bad):
+        engine = Engine(target, drafter, EngineConfig(max_batch=4, block_size=8, adaptive_block=True))
+        try:
+            assert run_with_joins(engine, prompts, SamplingParams(max_new_tokens=30)) == truths
+            used = engine.metrics.block_sizes
+            assert len(used) > 1  # it did adapt
+            favourite = max(used, key=used.get)
+            assert favourite > 2 if drafter is good else favourite == 1
+        finally:
+            engine.stop()
+
+
+def test_adaptive_choice_follows_acceptance_and_cost() -> None:
+    costs = CostModel(max_block=16)
+    costs.set(1, [1.0 + 0.07 * (n - 1) for n in range(1, 17)])  # 16 tokens cost ~2x one
+    assert expected_tokens([0.0] * 15, 16, 100) == 1.0
+    assert expected_tokens([1.0] * 15, 16, 5) == 5.0  # capped by the remaining tokens
+    rates = {n: (1.0 + sum(0.9 ** k for k in range(1, n))) / costs.cost(1, n) for n in range(1, 17)}
+    assert max(rates, key=rates.get) > 8  # with a good drafter large blocks win...
+    poor = {n: expected_tokens([0.05] * 15, n, 100) / costs.cost(1, n) for n in range(1, 17)}
+    assert max(poor, key=poor.get) == 1  # ...with a poor one plain decoding does
+    costs.observe(1, 1, 2.0)
+    assert costs.cost(1, 1) > 1.0 and costs.cost(1, 16) > 2.05  # measurements move all sizes
+
+
+def test_adaptive_policy_probes_while_plain_decoding_wins() -> None:
+    class Batch:
+        drafter = object()
+        rows = []
+
+    costs = CostModel(max_block=8)
+    costs.set(1, [1.0] + [10.0] * 7)  # drafting never pays
+    policy = AdaptiveBlock(8, costs=costs, probe_block=3, probe_every=4)
+    choices = [policy.choose(Batch) for _ in range(12)]
+    assert choices == [1, 1, 1, 3, 1, 1, 1, 1, 1, 1, 1, 3]  # probes back off: after 4, then 8
+
+
+def test_cancel_frees_the_slot(setup) -> None:
+    _, target, prompts, truths = setup
+    engine = Engine(target, None, EngineConfig(max_batch=1, block_size=1))
+    try:
+        long = engine.submit(prompts[0], SamplingParams(max_new_tokens=400, ignore_eos=True))
+        waiting = engine.submit(prompts[1], SamplingParams(max_new_tokens=30))
+        next(long.events(timeout=60))
+        long.cancel()
+        events = list(long.events(timeout=60))
+        assert events[-1].finished and events[-1].finish_reason == "cancelled"
+        assert waiting.result(timeout=60).token_ids == truths[1]
+        assert engine.metrics.requests_running == 0 and engine.metrics.cancelled_total == 1
+        queued = engine.submit(prompts[2], SamplingParams(max_new_tokens=5))
+        queued.cancel()  # cancelled before or right after admission
+        assert queued.result(timeout=60).finish_reason in ("cancelled", "length")
+    finally:
+        engine.stop()
+
+
+def test_queue_full_raises(setup) -> None:
+    _, target, prompts, _ = setup
+    engine = Engine(target, None, EngineConfig(max_batch=1, max_queue=1, block_size=1))
+    params = SamplingParams(max_new_tokens=400, ignore_eos=True)
+    try:
+        handles = [engine.submit(prompts[0], params), engine.submit(prompts[1], params)]
+        with pytest.raises(QueueFullError, match="max_queue"):
+            engine.submit(prompts[2], params)
+        for h in handles:
+            h.cancel()
+        for h in handles:
+            assert h.result(timeout=60).finish_reason == "cancelled"
+        assert engine.submit(prompts[2], SamplingParams(max_new_tokens=3)).result(timeout=60).finish_reason == "length"
+    finally:
+        engine.stop()
+
+
+def test_invalid_requests_fail_at_submit(setup) -> None:
+    _, target, prompts, _ = setup
+    engine = Engine(target, None, EngineConfig(block_size=1))
+    with pytest.raises(ContextLengthError):
+        engine.submit(prompts[0], SamplingParams(max_new_tokens=10_000))
+    assert not engine.running  # nothing was queued, the thread never started
+
+
+class FlakyTarget:
+    """Delegates to a target but raises on chosen forward calls."""
+
+    def __init__(self, target, fail_on: set[int]) -> None:
+        self.inner = target
+        self.info = target.info
+        self.calls = 0
+        self.fail_on = fail_on
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def forward(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls in self.fail_on:
+            raise RuntimeError("injected failure")
+        return self.inner.forward(*args, **kwargs)
+
+
+def test_exception_in_a_step_fails_that_step_only(setup) -> None:
+    model, target, prompts, truths = setup
+    flaky = FlakyTarget(target, fail_on={4})  # call 1 = prefill, 2.. = steps
+    drafter = new_drafter_for_target(model.config, mask_token_id=47, num_layers=1, dtype=torch.float64)
+    engine = Engine(flaky, drafter, EngineConfig(max_batch=2, block_size=4))
+    try:
+        failed = engine.submit(prompts[0], SamplingParams(max_new_tokens=30))
+        events = list(failed.events(timeout=60))
+        assert events[-1].finish_reason == "error" and "injected failure" in events[-1].error
+        with pytest.raises(RuntimeError, match="injected failure"):
+            failed.result()
+        assert engine.running
+        assert engine.generate(prompts[1], SamplingParams(max_new_tokens=30), timeout=60).token_ids == truths[1]
+        assert engine.metrics.errors_total == 1
+    finally:
+        engine.stop()
+    assert not engine.running
+
+
+def test_streaming_events_per_request_params_and_aevents(setup) -> None:
+    model, target, prompts, truths = setup
+    drafter = OracleDrafter(model, target, prompts, truths)
+    engine = Engine(target, drafter, EngineConfig(max_batch=4, block_size=5))
+    try:
+        greedy = engine.submit(prompts[0], SamplingParams(max_new_tokens=30))
+        sampled = engine.submit(prompts[1], SamplingParams(max_new_tokens=20, temperature=1.0, top_k=5, seed=3))
+        stop_at = truths[2][6]
+        stopped = engine.submit(prompts[2], SamplingParams(max_new_tokens=30, stop_token_ids=(stop_at,)))
+        cut = engine.submit(prompts[3], SamplingParams(max_new_tokens=30),
+                            stop_check=lambda ids: 4 if len(ids) >= 4 else None)
+        streamed = []
+        for event in greedy.events(timeout=60):
+            streamed += event.token_ids
+        assert streamed == truths[0] and event.finished and event.stats.mean_tau > 1.5
+
+        async def collect(handle):
+            return [e async for e in handle.aevents()]
+
+        events = asyncio.run(collect(sampled))
+        tokens = [t for e in events for t in e.token_ids]
+        assert len(tokens) == 20 and events[-1].finish_reason == "length"
+        assert sampled.result().token_ids == tokens
+        result = stopped.result(timeout=60)
+        assert result.token_ids == truths[2][: truths[2].index(stop_at) + 1] and result.finish_reason == "stop"
+        assert cut.result(timeout=60).token_ids == truths[3][:4]
+    finally:
+        engine.stop()
+
+
+def test_stop_cancels_queued_and_running(setup) -> None:
+    _, target, prompts, _ = setup
+    engine = Engine(target, None, EngineConfig(max_batch=1, block_size=1))
+    params = SamplingParams(max_new_tokens=400, ignore_eos=True)
+    running = engine.submit(prompts[0], params)
+    queued = engine.submit(prompts[1], params)
+    next(running.events(timeout=60))
+    engine.stop()
+    assert running.result(timeout=10).finish_reason == "cancelled"
+    assert queued.result(timeout=10).finish_reason == "cancelled"

@@ -1,0 +1,205 @@
+"""Native Llama-family targets: same numbers as Hugging Face, static cache, ragged batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_tiny_target
+from scripted import ScriptedDrafter
+from test_spec_lossless import ragged_prompts, reference_greedy
+
+from blockspec.config import SamplingParams, SpecConfig
+from blockspec.errors import ConfigError
+from blockspec.models.drafter import init_drafter_weights, new_drafter_for_target
+from blockspec.models.native import load_native_target, load_target, unsupported_reason
+from blockspec.models.native.draft import StaticDrafter
+from blockspec.models.slots import EMPTY
+from blockspec.spec.decode import SpecDecoder
+
+
+def native(model):
+    """A native copy of a tiny HF model; eos off, as HFTarget(model) has it in the reference tests."""
+    return load_native_target(model, dtype=None, eos_token_ids=())
+
+
+def _with_random_biases(model):
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0.0, 0.5)
+    return model
+
+
+FAMILIES = {
+    "llama": lambda: make_tiny_target("llama", seed=1),
+    "llama_tied": lambda: make_tiny_target("llama", seed=2, tie_word_embeddings=True),
+    "qwen2_bias": lambda: _with_random_biases(make_tiny_target("qwen2", seed=3)),
+    "qwen3": lambda: make_tiny_target("qwen3", seed=4),
+    "qwen3_tied": lambda: make_tiny_target("qwen3", seed=5, tie_word_embeddings=True),
+    "llama3_rope": lambda: make_tiny_target(
+        "llama", seed=6, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_native_matches_hf_logits_and_features(family: str) -> None:
+    model = FAMILIES[family]()
+    target = native(model)
+    ids = torch.randint(0, 48, (2, 40), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(40).expand(2, 40)
+    with torch.no_grad():
+        ref = model(ids, output_hidden_states=True)
+    layers = (0, 2, 3)  # the last layer's feature is taken after the final norm, as HF returns it
+    logits, feats = target.forward(ids, positions, target.new_cache(2), layers)
+    want = torch.cat([ref.hidden_states[i + 1] for i in layers], dim=-1)
+    torch.testing.assert_close(logits, ref.logits, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(feats, want, atol=1e-6, rtol=1e-6)
+    # Incremental: prefill, a block, single tokens; each chunk at its absolute positions.
+    cache = target.new_cache(2)
+    chunks = [target.forward(ids[:, a:b], positions[:, a:b], cache)[0] for a, b in ((0, 23), (23, 39), (39, 40))]
+    torch.testing.assert_close(torch.cat(chunks, dim=1), ref.logits, atol=1e-6, rtol=1e-6)
+    # Batch 1, one token at a time: the single-token weight layout (CPU default).
+    assert target.net.single is not None
+    cache = target.new_cache(1)
+    target.forward(ids[:1, :37], positions[:1, :37], cache)
+    steps = [target.forward(ids[:1, i : i + 1], positions[:1, i : i + 1], cache)[0] for i in range(37, 40)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), ref.logits[:1, 37:], atol=1e-6, rtol=1e-6)
+
+
+def test_rejected_tail_is_overwritten_without_cleanup() -> None:
+    model = make_tiny_target("qwen3", seed=7)
+    target = native(model)
+    seq = torch.randint(0, 48, (1, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(seq).logits
+    cache = target.new_cache(1)
+    target.forward(seq[:, :10], torch.arange(10)[None], cache)
+    junk = torch.randint(0, 48, (1, 8), generator=torch.Generator().manual_seed(2))
+    target.forward(junk, torch.arange(10, 18)[None], cache)  # a block the verifier rejects
+    cache.reject(torch.zeros(1, 8, dtype=torch.bool))
+    assert cache.lengths().tolist() == [10]
+    logits, _ = target.forward(seq[:, 10:], torch.arange(10, 20)[None], cache)
+    torch.testing.assert_close(logits, ref[:, 10:], atol=1e-6, rtol=1e-6)
+
+
+def test_left_padded_ragged_prefill_matches_single_rows() -> None:
+    model = make_tiny_target("llama", seed=8)
+    target = native(model)
+    a, b = [5, 6, 7, 8, 9, 10], [11, 12, 13]
+    ids = torch.tensor([a, [0, 0, 0] + b])
+    positions = torch.tensor([list(range(6)), [EMPTY] * 3 + list(range(3))])
+    logits, _ = target.forward(ids, positions, target.new_cache(2), last_logits_only=True)
+    for row, p in enumerate((a, b)):
+        with torch.no_grad():
+            ref = model(torch.tensor([p])).logits[0, -1]
+        torch.testing.assert_close(logits[row, -1], ref, atol=1e-6, rtol=1e-6)
+
+
+def test_static_drafter_equals_module_forward() -> None:
+    model = make_tiny_target("llama", seed=9)
+    drafter = new_drafter_for_target(model.config, mask_token_id=47, num_layers=2, dtype=torch.float64)
+    init_drafter_weights(drafter, std=0.3, seed=1)  # large weights: attention really mixes
+    static = StaticDrafter(drafter)
+    g = torch.Generator().manual_seed(3)
+    width = len(drafter.target_layer_ids) * 32
+    feats = torch.randn(2, 7, width, generator=g, dtype=torch.float64)
+    ctx_pos = torch.tensor([[EMPTY, EMPTY, 0, 1, 2, 3, 4], list(range(7))])
+    dyn_cache, st_cache = drafter.new_cache(2), static.new_cache(2)
+    start = torch.tensor([5, 7])
+    for step, keep_n in enumerate(([2, 3], [1, 4])):
+        q = 4 + 4 * step
+        block_pos = start[:, None] + torch.arange(q)
+        embeds = torch.randn(2, q, 32, generator=g, dtype=torch.float64)
+        want = drafter(feats, ctx_pos, embeds, block_pos, dyn_cache)
+        st_cache.reserve(int(block_pos.max()) + 1, 64)
+        got = static(feats, ctx_pos, embeds, block_pos, st_cache)
+        torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+        # The next context: this block's features, rejected tail marked EMPTY.
+        keep = torch.arange(q)[None] < torch.tensor(keep_n)[:, None]
+        feats = torch.randn(2, q, width, generator=g, dtype=torch.float64)
+        ctx_pos = torch.where(keep, block_pos, torch.full_like(block_pos, EMPTY))
+        start = start + torch.tensor(keep_n)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_ragged_batch_equals_single_rows(family: str) -> None:
+    """Rows accept different numbers of tokens per step; batched output == per-row output."""
+    model = make_tiny_target(family, seed=10)
+    target = native(model)
+    prompts = ragged_prompts(4, seed=21, vocab=48)
+    truth = [reference_greedy(model, p, 24) for p in prompts]
+    drafter = ScriptedDrafter(model.config, prompts, truth, error_rate=0.25, seed=1)
+    batched = SpecDecoder(target, drafter, SpecConfig(block_size=7)).generate(prompts, SamplingParams(max_new_tokens=24))
+    assert [r.token_ids for r in batched] == truth
+    assert len({tuple(r.stats.acceptance_lengths) for r in batched}) > 1  # really ragged
+    for p, t in zip(prompts, truth):
+        single_drafter = ScriptedDrafter(model.config, [p], [t], error_rate=0.25, seed=2)
+        one = SpecDecoder(target, single_drafter, SpecConfig(block_size=7)).generate([p], SamplingParams(max_new_tokens=24))
+        assert one[0].token_ids == t
+
+
+def test_native_with_real_drafter_is_lossless_and_plain_decoding_too() -> None:
+    model = make_tiny_target("qwen2", seed=11)
+    target = native(model)
+    prompts = ragged_prompts(3, seed=22, vocab=48)
+    truth = [reference_greedy(model, p, 15) for p in prompts]
+    drafter = new_drafter_for_target(model.config, mask_token_id=47, num_layers=2, dtype=torch.float64)
+    for block, d in ((16, drafter), (1, None)):
+        results = SpecDecoder(target, d, SpecConfig(block_size=block)).generate(prompts, SamplingParams(max_new_tokens=15))
+        assert [r.token_ids for r in results] == truth
+
+
+def test_seeded_sampling_reproducible_on_native() -> None:
+    model = make_tiny_target("llama", seed=12)
+    target = native(model)
+    drafter = new_drafter_for_target(model.config, mask_token_id=47, num_layers=1, dtype=torch.float64)
+    dec = SpecDecoder(target, drafter, SpecConfig(block_size=4))
+    params = SamplingParams(max_new_tokens=12, temperature=0.9, top_p=0.9, seed=123)
+    a = dec.generate([[1, 2, 3]], params)[0].token_ids
+    b = dec.generate([[1, 2, 3]], params)[0].token_ids
+    assert a == b and len(a) == 12
+
+
+def test_unsupported_architectures_are_refused_with_a_reason(tmp_path) -> None:
+    gemma = make_tiny_target("gemma3", seed=0)
+    assert "gemma3" in unsupported_reason(gemma.config)
+    with pytest.raises(ConfigError, match="backend='hf'"):
+        load_native_target(gemma)
+    assert unsupported_reason(make_tiny_target("llama").config) is None
+
+
+def test_load_target_backends_from_directory(tmp_path) -> None:
+    from conftest import build_tiny_tokenizer
+
+    model = make_tiny_target("llama", seed=13, vocab_size=320).to(torch.float32)
+    model.save_pretrained(tmp_path)
+    build_tiny_tokenizer(320).save_pretrained(tmp_path)
+    native, _ = load_target(tmp_path, backend="auto")
+    hf, _ = load_target(tmp_path, backend="hf")
+    assert type(native).__name__ == "NativeTarget" and type(hf).__name__ == "HFTarget"
+    assert 2 in native.info.eos_token_ids  # the tokenizer's <|im_end|>
+    ids = torch.tensor([[5, 6, 7, 8]])
+    pos = torch.arange(4)[None]
+    a, _ = native.forward(ids, pos, native.new_cache(1))
+    b, _ = hf.forward(ids, pos, hf.new_cache(1))
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ConfigError):
+        load_target(tmp_path, backend="fast")
+
+
+def test_fixed_shape_forward_for_cuda_graphs_matches_eager() -> None:
+    """The CUDA-graph path attends over the whole capacity under a mask; same numbers on CPU."""
+    model = make_tiny_target("qwen3", seed=14)
+    target = native(model)
+    seq = torch.randint(0, 48, (2, 12), generator=torch.Generator().manual_seed(4))
+    pos = torch.arange(12).expand(2, 12)
+    eager, static = target.new_cache(2), target.new_cache(2)
+    target.forward(seq[:, :8], pos[:, :8], eager)
+    target.forward(seq[:, :8], pos[:, :8], static)
+    want, want_f = target.forward(seq[:, 8:], pos[:, 8:], eager, (1, 3))
+    got, got_f = target.net(seq[:, 8:], pos[:, 8:], static, (1, 3), static=True)
+    torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(got_f, want_f, atol=1e-10, rtol=1e-10)
+    with pytest.raises(ConfigError, match="CUDA"):
+        target.enable_cuda_graphs()  # CPU: refused, the eager path stays
