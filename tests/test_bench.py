@@ -128,3 +128,5 @@ def test_plan_validation():
         SuitePlan(concurrency=(0,))
     with pytest.raises(ConfigError, match="setting"):
         SuitePlan(settings=())
+    with pytest.raises(ConfigError, match="clock"):
+        SuitePlan(clock="gpu")

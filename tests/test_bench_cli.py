@@ -24,13 +24,14 @@ def test_bench_command_writes_report(tmp_path, tiny_model_dir, tiny_drafter_dir,
 
     baselines = "hf,reference" if reference_available() else "hf"
     rc, out = _bench(tmp_path, tiny_model_dir, tiny_drafter_dir, "--datasets", "gsm8k,mt-bench",
-                     "--baselines", baselines, "--block-sizes", "2,4", "--thinking", "both")
+                     "--baselines", baselines, "--block-sizes", "2,4", "--thinking", "both", "--clock", "cpu")
     assert rc == 0, capsys.readouterr().err
     md = (out / "report.md").read_text()
     assert "| Task | Concurrency | AR | DFlash b2 (speedup) | τ b2 | DFlash b4 (speedup) | τ b4 |" in md
     assert "## Greedy (temperature 0), thinking on" in md and "## Greedy (temperature 0), thinking off" in md
     assert md.count("| gsm8k | 1 | ") == 2 and md.count("| mt-bench | 1 | ") == 2
     assert "| gsm8k | hf generate |" in md
+    assert "tokens per second of process CPU time" in md
     if reference_available():  # the reference package on the same weights, greedy: same tokens as AR
         assert "| gsm8k | reference b4 |" in md and "| mt-bench | reference b2 |" in md
     data = json.loads((out / "results.json").read_text())

@@ -392,6 +392,23 @@ def test_endpoint_bench_fails_early_with_the_fix(server):
         run_endpoint_bench(server.url + "/v1/", "other-model", ["hi"], [1], 4, 0.0, None)
 
 
+def test_bench_cli_endpoint_writes_the_table(server, tmp_path):
+    import json
+
+    from blockspec.cli import main
+
+    out = tmp_path / "bench"
+    code = main(["bench", "--endpoint", server.url, "--model", MODEL, "--datasets", "gsm8k",
+                 "--limit", "2", "--concurrency", "1,2", "--max-new-tokens", "4", "--out", str(out)])
+    assert code == 0
+    report = (out / "report.md").read_text()
+    assert "| Task | Concurrency | Throughput (tok/s)" in report
+    assert "| gsm8k | 1 |" in report and "| gsm8k | 2 |" in report
+    data = json.loads((out / "results.json").read_text())
+    assert [lv["concurrency"] for lv in data["levels"]] == [1, 2]
+    assert all(lv["errors"] == 0 and lv["output_tokens"] >= 2 for lv in data["levels"])
+
+
 def test_serve_cli_refuses_a_busy_port_before_loading(capsys):
     from blockspec.cli import main
 

@@ -121,7 +121,9 @@ def reference_available() -> bool:
     return True
 
 
-def load_reference_drafter(drafter_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> nn.Module:
+def load_reference_drafter(
+    drafter_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> nn.Module:
     """The reference package's drafter class, loaded from a drafter directory in the published format."""
     from dflash.model import DFlashDraftModel
 

@@ -11,6 +11,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import statistics
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -44,6 +45,9 @@ class Summary:
             "mean_tau": None if self.mean_tau is None else round(self.mean_tau, 4),
             "acceptance_histogram": {str(k): v for k, v in sorted(self.histogram.items())},
             "acceptance_by_position": [round(x, 4) for x in self.acceptance_by_position],
+            # per request, wall clock: less sensitive than the pooled rate to a burst of outside load
+            "median_request_tokens_per_s": round(statistics.median(r.tokens_per_s for r in self.run.records), 3)
+            if self.run.records else None,
         }
 
 
@@ -225,7 +229,8 @@ def _main_table(summaries: Sequence[Summary]) -> list[str]:
     for task in tasks + ["all"]:
         for c in levels:
             if task == "all":
-                runs = {n: [s for s in summaries if s.run.runner == n and s.run.concurrency == c] for n in ["ar", *dflash]}
+                runs = {n: [s for s in summaries if s.run.runner == n and s.run.concurrency == c]
+                        for n in ["ar", *dflash]}
                 if len(tasks) < 2 or not runs["ar"]:
                     continue
                 rate = {n: _pooled_rate(v) for n, v in runs.items()}
@@ -269,7 +274,8 @@ def _baseline_table(summaries: Sequence[Summary], agreements: dict[str, Agreemen
     base = [s for s in summaries if s.run.method in BASELINES]
     if not base:
         return []
-    ours = {(s.run.task, s.run.runner): s for s in summaries if s.run.method in ("ar", "dflash") and s.run.concurrency == 1}
+    ours = {(s.run.task, s.run.runner): s for s in summaries
+            if s.run.method in ("ar", "dflash") and s.run.concurrency == 1}
     dflash = _ordered(s.run.runner for s in summaries if s.run.method == "dflash")
     header = ["Task", "Baseline", "tokens/s", "τ", "AR (ours) ÷ baseline"]
     header += [f"DFlash {n.split()[-1]} (ours) ÷ baseline" for n in dflash]
@@ -331,7 +337,8 @@ def lossless_lines(agreements: Sequence[Agreement]) -> list[str]:
     ]
     rows = [[m.runner, m.task, str(m.concurrency), m.sample_id, str(m.turn), str(m.first_difference),
              str(m.ar_tokens), str(m.other_tokens)] for m in bad[:20]]
-    lines += _table(["Runner", "Task", "Concurrency", "Sample", "Turn", "First diff", "AR tokens", "DFlash tokens"], rows)
+    header = ["Runner", "Task", "Concurrency", "Sample", "Turn", "First diff", "AR tokens", "DFlash tokens"]
+    lines += _table(header, rows)
     if len(bad) > 20:
         lines.append(f"... and {len(bad) - 20} more (see results.json)")
     return lines
@@ -348,9 +355,11 @@ def markdown(summaries: Sequence[Summary], agreements: Sequence[Agreement], meta
     lines = ["# blockspec bench", ""]
     lines += lossless_lines(agreements) + [""]
     facts = [
-        ("target", meta.get("target")), ("drafter", meta.get("drafter")), ("backend", meta.get("backend")), ("dtype", meta.get("dtype")),
+        ("target", meta.get("target")), ("drafter", meta.get("drafter")), ("backend", meta.get("backend")),
+        ("dtype", meta.get("dtype")),
         ("device", meta.get("device")), ("hardware", env.get("hardware")), ("date", env.get("date")),
         ("torch / transformers", f"{env.get('torch')} / {env.get('transformers')}" if env else None),
+        ("torch threads", env.get("torch_threads")),
         ("load average (1 min) at start / end", _loads(meta.get("load_average_at_start"), env.get("load_average_1m"))),
         ("max new tokens", meta.get("max_new_tokens")), ("prompts", meta.get("prompts")),
         ("command", f"`{meta['command']}`" if meta.get("command") else None),
@@ -358,7 +367,9 @@ def markdown(summaries: Sequence[Summary], agreements: Sequence[Agreement], meta
     lines += [f"- {k}: {v}" for k, v in facts if v not in (None, "")]
     for note in meta.get("notes", []):
         lines.append(f"- note: {note}")
-    lines += ["", "Cells are end-to-end output tokens/s (prefill included); speedup is DFlash ÷ AR "
+    per = ("second of process CPU time (`--clock cpu`)" if meta.get("clock") == "cpu"
+           else "second of wall-clock time")
+    lines += ["", f"Cells are end-to-end output tokens per {per}, prefill included; speedup is DFlash ÷ AR "
               "(our decoder, block size 1, same target); τ is tokens committed per verification pass.", ""]
     by_agreement = {a.runner: a for a in agreements}
     for setting in _settings(summaries):

@@ -21,6 +21,7 @@ from blockspec.spec.decode import SpecDecoder
 from blockspec.text import encode_prompt
 
 Progress = Callable[[int], None]  # called with the number of requests just finished
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class Output:
 
     token_ids: list[int]
     finish_reason: str
-    latency_s: float  # end to end for this request, prefill included
+    latency_s: float  # end to end for this request, prefill included (wall clock)
     prefill_s: float | None = None
     steps: int | None = None
     acceptance_lengths: list[int] | None = None
@@ -136,8 +137,13 @@ class SuitePlan:
     # Every runner takes its turn on each round of `concurrency` prompts before the next round,
     # so load from other processes on a shared machine drifts over all runners alike.
     interleave: bool = True
+    # "wall": throughput per second of wall-clock time; "cpu": per second of this process's CPU
+    # time (steadier on a machine shared with other jobs; pair it with one torch thread).
+    clock: str = "wall"
 
     def __post_init__(self) -> None:
+        if self.clock not in CLOCKS:
+            raise ConfigError(f"clock must be one of {', '.join(CLOCKS)}, got {self.clock!r}")
         if not self.concurrency or any(not isinstance(c, int) or c < 1 for c in self.concurrency):
             raise ConfigError(f"concurrency must be integers >= 1, e.g. 1,4,8; got {self.concurrency!r}")
         if not self.settings:
@@ -178,8 +184,8 @@ class RequestRecord:
 
 @dataclass
 class RunRecord:
-    """One runner over one task at one concurrency and setting: the wall time of the whole run
-    (all turns) is what throughput is computed from."""
+    """One runner over one task at one concurrency and setting: the time of the whole run (all
+    turns; wall clock, or CPU time with SuitePlan.clock "cpu") is what throughput is computed from."""
 
     runner: str
     method: str
@@ -265,9 +271,10 @@ def run_task(
                     enable_thinking=setting.thinking)
             for i, p in zip(active, prompts)
         ]
-        t0 = time.perf_counter()
+        clock = CLOCKS[plan.clock]
+        t0 = clock()
         outputs = runner.run(requests, concurrency, progress)
-        run.wall_s += time.perf_counter() - t0
+        run.wall_s += clock() - t0
         for i, req, out in zip(active, requests, outputs):
             text = _visible(tokenizer, out.token_ids)
             answers[i].append(text)

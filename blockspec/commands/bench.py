@@ -94,11 +94,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pld-tokens", type=int, default=10,
                         help="prompt_lookup_num_tokens for the pld baseline (default 10)")
     parser.add_argument("--out", default=None, help="output directory (default runs/bench-<date>-<time>)")
+    parser.add_argument("--endpoint", default=None,
+                        help="measure an OpenAI-compatible server at this URL (ours, vLLM, SGLang) instead "
+                             "of running models in-process; uses --model, --concurrency, --temperature")
+    parser.add_argument("--model", default=None, help="model name to send to --endpoint (default: --target)")
+    parser.add_argument("--api-key", default=None, help="API key for --endpoint")
     parser.add_argument("--backend", choices=("auto", "native", "hf"), default="auto",
                         help="target implementation for AR and DFlash: native (own Llama-family code), "
                              "hf (transformers) or auto (default)")
     parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
     parser.add_argument("--device", default="cpu", help="cpu | cuda[:N] | mps (default cpu)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's choice; 1 is steadier on a shared machine)")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="time base of tokens/s: wall clock (default) or this process's CPU time "
+                             "(for machines shared with other jobs; use with --threads 1)")
     parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                         help="one uncounted warm-up generation per runner first (default on)")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
@@ -197,7 +207,10 @@ def command_line(args: argparse.Namespace) -> str:
         parts += ["--baselines", joined(args.baselines)]
         if "pld" in args.baselines:
             parts += ["--pld-tokens", str(args.pld_tokens)]
-    parts += ["--backend", args.backend, "--dtype", args.dtype, "--device", args.device, "--warmup" if args.warmup else "--no-warmup"]
+    if args.threads is not None:
+        parts += ["--threads", str(args.threads)]
+    parts += ["--clock", args.clock, "--backend", args.backend, "--dtype", args.dtype, "--device", args.device,
+              "--warmup" if args.warmup else "--no-warmup"]
     if args.out:
         parts += ["--out", str(args.out)]
     return shlex.join(parts)
@@ -214,8 +227,23 @@ def run(args: argparse.Namespace) -> int:
                           "drafter directory or --drafter fresh")
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ConfigError(f"--threads must be >= 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
     notes: list[str] = []
     datasets = _load_datasets(args.datasets, args.limit, args.shuffle, args.seed)
+    if args.endpoint:
+        from blockspec.bench.endpoint import run_endpoint
+
+        out = Path(args.out or f"runs/bench-endpoint-{_dt.datetime.now():%Y%m%d-%H%M%S}")
+        table = run_endpoint(args.endpoint, args.model or str(args.target), datasets, tuple(args.concurrency),
+                             args.max_new_tokens, args.temperature[0], args.api_key, out)
+        print(table)
+        print(f"wrote {out / 'report.md'} and {out / 'results.json'}", file=sys.stderr)
+        return 0
     pipe = load(args.target, args.drafter, dtype=args.dtype, device=args.device,
                 drafter_layers=args.drafter_layers, seed=args.seed, backend=args.backend)
     block_sizes = args.block_sizes or (pipe.drafter.block_size,)
@@ -226,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
     thinking = _thinking_modes(args.thinking, pipe.tokenizer, notes)
     settings = tuple(Setting(t, th) for t in args.temperature for th in thinking)
     plan = SuitePlan(concurrency=tuple(args.concurrency), settings=settings, max_new_tokens=args.max_new_tokens,
-                     seed=args.seed, warmup=args.warmup)
+                     seed=args.seed, warmup=args.warmup, clock=args.clock)
     if args.drafter == "fresh":
         notes.append("the drafter is freshly initialised (untrained): expect tau ~ 1 and DFlash slower than AR")
     for n in notes:
@@ -246,6 +274,7 @@ def run(args: argparse.Namespace) -> int:
         "backend": f"{args.backend} ({type(pipe.target).__name__})",
         "dtype": args.dtype,
         "device": args.device,
+        "clock": args.clock,
         "max_new_tokens": args.max_new_tokens,
         "block_sizes": list(block_sizes),
         "concurrency": list(args.concurrency),
