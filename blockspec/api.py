@@ -17,7 +17,7 @@ from pathlib import Path
 from blockspec.config import SamplingParams, SpecConfig
 from blockspec.errors import CheckpointError, ConfigError
 from blockspec.models.drafter import DFlashDrafter, load_drafter, new_drafter_for_target
-from blockspec.models.target import DTYPES, HFTarget, load_hf_target
+from blockspec.models.target import DTYPES, Target
 from blockspec.spec.decode import GenerationResult, RequestStats, SpecDecoder
 from blockspec.text import IncrementalDetokenizer, Messages, StopStrings, encode_prompt
 
@@ -60,7 +60,7 @@ class Pipeline:
 
     def __init__(
         self,
-        target: HFTarget,
+        target: Target,
         tokenizer: object,
         drafter: DFlashDrafter | None,
         *,

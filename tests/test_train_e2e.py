@@ -8,7 +8,6 @@ import json
 import pytest
 import torch
 
-from blockspec.config import SamplingParams
 from blockspec.models.drafter import load_drafter
 from blockspec.models.target import HFTarget
 from blockspec.train.data import Prompt, read_examples

@@ -10,7 +10,6 @@ The model is stateless: context K/V live in a `DraftCache` owned by the caller.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -488,7 +487,9 @@ def new_drafter_for_target(
     params = getattr(cfg, "rope_parameters", None)
     if rope_theta is None and isinstance(params, dict):
         rope_theta = params.get("rope_theta")
-    scale = math.sqrt(hidden) if "gemma" in str(getattr(cfg, "model_type", "")) else 1.0
+    from blockspec.models.target import embedding_scale_of
+
+    scale = embedding_scale_of(cfg)
     return new_drafter(
         hidden_size=hidden,
         vocab_size=int(cfg.vocab_size),
