@@ -52,6 +52,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"DFlash         : {fast.tokens_per_s:7.1f} tokens/s  (mean acceptance length tau "
           f"{fast.stats.mean_tau:.2f} tokens per step, block {pipe.block_size})", file=err)
     print(f"speedup        : {speedup:.2f}x   output identical to plain decoding: {same}", file=err)
+    if speedup < 1.0:
+        print(f"NOTE: at tau {fast.stats.mean_tau:.2f} too few draft tokens are accepted to pay for drafting "
+              "on this hardware, so DFlash is slower here; a better-trained drafter is needed (BENCHMARKS.md, "
+              "docs/TRAINING.md).", file=err)
     if not same:  # fp32 kernels for 1 vs 16 tokens may round differently on near-ties
         print("WARNING: outputs differ; this should only happen on a floating-point near-tie. "
               "Please report it with the prompt.", file=err)
