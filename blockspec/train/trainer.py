@@ -373,6 +373,15 @@ class Trainer:
             "step_s": round(time.perf_counter() - t0, 3),
         }
 
+    def _evaluate_and_log(self, t_start: float) -> dict | None:
+        """Runs the quick tau evaluation and logs it (rank 0 gets a result; others None)."""
+        result = self.evaluate()
+        if result:
+            result["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+            self._log(result)
+            self.log_fn(f"eval step {self.step}: tau {result['tau']:.3f}")
+        return result
+
     def evaluate(self) -> dict | None:
         if not self.eval_prompts or not self.dist.main:
             return None
@@ -475,11 +484,7 @@ class Trainer:
                     self.save_checkpoint()
                     self.save_final()
                 if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < self.total_steps and not stop:
-                    last_eval = self.evaluate()
-                    if last_eval:
-                        last_eval["elapsed_s"] = round(time.perf_counter() - t_start, 1)
-                        self._log(last_eval)
-                        self.log_fn(f"eval step {self.step}: tau {last_eval['tau']:.3f}")
+                    last_eval = self._evaluate_and_log(t_start)
                     self.dist.barrier()
                 if stop:
                     self.log_fn(f"stopping at step {self.step} (time limit or signal); saving")
@@ -490,11 +495,7 @@ class Trainer:
         self.save_checkpoint()
         final = self.save_final()
         if self.eval_prompts and self.step > first_step and not self._stop:  # a signal wants a quick exit
-            last_eval = self.evaluate()
-            if last_eval:
-                last_eval["elapsed_s"] = round(time.perf_counter() - t_start, 1)
-                self._log(last_eval)
-                self.log_fn(f"eval step {self.step}: tau {last_eval['tau']:.3f}")
+            last_eval = self._evaluate_and_log(t_start)
         self.dist.barrier()
         return {"train": last_train, "eval": last_eval, "drafter": str(final), "steps": self.step}
 
