@@ -150,6 +150,17 @@ def test_native_with_real_drafter_is_lossless_and_plain_decoding_too() -> None:
         assert [r.token_ids for r in results] == truth
 
 
+def test_plain_decoding_rows_finishing_at_different_steps() -> None:
+    """No drafter, per-row lengths: finished rows leave the batch mid-run (datagen's path)."""
+    model = make_tiny_target("llama", seed=12)
+    target = native(model)
+    prompts = ragged_prompts(4, seed=23, vocab=48)
+    lengths = [3, 9, 5, 12]
+    params = [SamplingParams(max_new_tokens=n) for n in lengths]
+    results = SpecDecoder(target, None, SpecConfig(block_size=1)).generate(prompts, params)
+    assert [r.token_ids for r in results] == [reference_greedy(model, p, n) for p, n in zip(prompts, lengths)]
+
+
 def test_seeded_sampling_reproducible_on_native() -> None:
     model = make_tiny_target("llama", seed=12)
     target = native(model)

@@ -496,9 +496,9 @@ class DecodeBatch:
                 self.dcache.select_rows(index)
             self.cur, self.last = self.cur[index], self.last[index]
             self.cur_host = [self.cur_host[i] for i in order]
-            if self.pending_feats is not None:
+            if self.pending_feats is not None:  # None when no drafter asks for features
                 self.pending_feats = self.pending_feats[index]
-            self.pending_pos = self.pending_pos[index]
+                self.pending_pos = self.pending_pos[index]
             self.temperature, self.top_k, self.top_p = self.temperature[index], self.top_k[index], self.top_p[index]
         if self.rows:
             self.tcache.compact(self.compact_ratio)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,6 +90,14 @@ def _sharegpt(data_dir: Path) -> list[Prompt]:
     return out
 
 
+_CODE_HINTS = re.compile(r"```|\bdef |\bpython\b|\bfunction\b|\bcode\b|\bscript\b|\bclass\b", re.IGNORECASE)
+
+
+def _sharegpt_code(data_dir: Path) -> list[Prompt]:
+    """The ShareGPT first turns that ask about code: more programming prompts than MBPP has."""
+    return [p for p in _sharegpt(data_dir) if _CODE_HINTS.search(p.messages[0]["content"])]
+
+
 def _alpaca(data_dir: Path) -> list[Prompt]:
     out = []
     for i, r in enumerate(_jsonl(data_dir / "alpaca_seed_tasks.jsonl")):
@@ -99,7 +108,8 @@ def _alpaca(data_dir: Path) -> list[Prompt]:
     return out
 
 
-_SOURCES = {"gsm8k_train": _gsm8k_train, "mbpp_train": _mbpp_train, "sharegpt": _sharegpt, "alpaca": _alpaca}
+_SOURCES = {"gsm8k_train": _gsm8k_train, "mbpp_train": _mbpp_train, "sharegpt": _sharegpt,
+            "sharegpt_code": _sharegpt_code, "alpaca": _alpaca}
 
 
 def load_prompts(
@@ -142,7 +152,8 @@ def load_prompts(
     # Mixed order: any prefix of a datagen run (interrupted, or read while still running) holds
     # every source in proportion.
     random.Random(f"{seed}:mix").shuffle(out)
-    return out
+    seen: set[str] = set()  # sharegpt and sharegpt_code overlap: each prompt once
+    return [p for p in out if not (p.id in seen or seen.add(p.id))]
 
 
 def heldout_prompts(n: int, *, data_dir: str | Path | None = None) -> list[Prompt]:
