@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from blockspec.bench.report import check_greedy, write_report
-from blockspec.bench.runner import Output, Setting, SpecRunner, SuitePlan, encode_turn, run_suite
+from blockspec.bench.runner import EngineRunner, Output, Request, Setting, SuitePlan, encode_turn, run_suite
+from blockspec.config import SamplingParams
 from blockspec.errors import ConfigError
 
 SAMPLES = {
@@ -27,7 +28,7 @@ def pipe(tiny_model_dir, tiny_drafter_dir):
 
 @pytest.fixture(scope="module")
 def greedy_runs(pipe):
-    runners = [SpecRunner(pipe.decoder, 1), SpecRunner(pipe.decoder, 4)]
+    runners = [EngineRunner(pipe.target, None, 1), EngineRunner(pipe.target, pipe.drafter, 4)]
     plan = SuitePlan(concurrency=(1, 2), settings=(Setting(0.0, False),), max_new_tokens=10, warmup=True,
                      warmup_tokens=4)
     return run_suite(runners, SAMPLES, pipe.tokenizer, plan, progress=False)
@@ -83,7 +84,7 @@ def test_second_turn_follows_the_models_own_answer(greedy_runs, pipe):
 class _Corrupting:
     """Wraps a runner and changes one generated token of the first request it sees."""
 
-    def __init__(self, inner: SpecRunner, at: int) -> None:
+    def __init__(self, inner: EngineRunner, at: int) -> None:
         self.inner, self.at, self.done = inner, at, False
         self.name, self.method, self.block_size = inner.name, inner.method, inner.block_size
         self.max_concurrency = inner.max_concurrency
@@ -98,7 +99,7 @@ class _Corrupting:
 
 
 def test_greedy_mismatch_is_flagged_loudly(pipe, tmp_path):
-    runners = [SpecRunner(pipe.decoder, 1), _Corrupting(SpecRunner(pipe.decoder, 4), at=2)]
+    runners = [EngineRunner(pipe.target, None, 1), _Corrupting(EngineRunner(pipe.target, pipe.drafter, 4), at=2)]
     plan = SuitePlan(settings=(Setting(0.0, None),), max_new_tokens=6, warmup=False)
     runs = run_suite(runners, {"maths": SAMPLES["maths"]}, pipe.tokenizer, plan, progress=False)
     agreements = check_greedy(runs)
@@ -112,7 +113,7 @@ def test_greedy_mismatch_is_flagged_loudly(pipe, tmp_path):
 
 
 def test_sampled_setting_runs_and_is_not_lossless_checked(pipe, tmp_path):
-    runners = [SpecRunner(pipe.decoder, 1), SpecRunner(pipe.decoder, 4)]
+    runners = [EngineRunner(pipe.target, None, 1), EngineRunner(pipe.target, pipe.drafter, 4)]
     plan = SuitePlan(settings=(Setting(0.8, None),), max_new_tokens=6, warmup=False, seed=3)
     runs = run_suite(runners, {"maths": SAMPLES["maths"]}, pipe.tokenizer, plan, progress=False)
     assert check_greedy(runs) == []
@@ -130,3 +131,52 @@ def test_plan_validation():
         SuitePlan(settings=())
     with pytest.raises(ConfigError, match="clock"):
         SuitePlan(clock="gpu")
+
+
+def test_engine_runner_keeps_concurrency_in_flight_and_is_lossless(pipe):
+    """Five requests through two slots (refilled as rows finish), fixed and adaptive block sizes,
+    give exactly the one-at-a-time plain-decoding tokens."""
+    prompts = [pipe.encode(t) for t in ("one two", "three", "four five six", "seven", "eight nine")]
+    lengths = [3, 9, 5, 12, 7]  # rows leave at different steps, so slots are refilled mid-run
+    requests = [Request(tuple(p), SamplingParams(max_new_tokens=n)) for p, n in zip(prompts, lengths)]
+    alone = [EngineRunner(pipe.target, None, 1).run([r], 1)[0].token_ids for r in requests]
+    assert [len(a) for a in alone] == lengths
+    for runner in (EngineRunner(pipe.target, None, 1), EngineRunner(pipe.target, pipe.drafter, 4),
+                   EngineRunner(pipe.target, pipe.drafter, 4, adaptive=True)):
+        done: list[int] = []
+        try:
+            outs = runner.run(requests, 2, done.append)
+            assert [o.token_ids for o in outs] == alone, runner.name
+            assert sum(done) == len(requests)
+            again = runner.run(requests[:2], 2)  # the runner's engine serves the next round too
+            assert [o.token_ids for o in again] == alone[:2]
+        finally:
+            runner.close()
+    assert EngineRunner(pipe.target, pipe.drafter, 4, adaptive=True).name == "dflash auto<=b4"
+    with pytest.raises(ConfigError, match="drafter"):
+        EngineRunner(pipe.target, None, 4)
+
+
+class _BatchOneBaseline:
+    """A stand-in for transformers' prompt lookup (method "pld", batch 1 only)."""
+
+    name, method, block_size, max_concurrency = "pld", "pld", 1, 1
+
+    def __init__(self, inner: EngineRunner) -> None:
+        self.inner = inner
+
+    def run(self, requests, concurrency, progress=None) -> list[Output]:
+        return self.inner.run(requests, 1, progress)
+
+
+def test_main_table_has_the_prompt_lookup_column_at_batch_one(pipe, tmp_path):
+    runners = [EngineRunner(pipe.target, None, 1), _BatchOneBaseline(EngineRunner(pipe.target, None, 1)),
+               EngineRunner(pipe.target, pipe.drafter, 4)]
+    plan = SuitePlan(concurrency=(1, 2), settings=(Setting(0.0, None),), max_new_tokens=5, warmup=False)
+    runs = run_suite(runners, {"maths": SAMPLES["maths"]}, pipe.tokenizer, plan, progress=False)
+    md = write_report(runs, tmp_path, {}).markdown
+    assert "| Task | Concurrency | AR | PLD (speedup) | DFlash b4 (speedup) | τ b4 |" in md
+    row_c1 = next(line for line in md.splitlines() if line.startswith("| maths | 1 |"))
+    row_c2 = next(line for line in md.splitlines() if line.startswith("| maths | 2 |"))
+    assert "x)" in row_c1.split("|")[4]  # PLD rate with its ratio to AR
+    assert row_c2.split("|")[4].strip() == "–"

@@ -11,7 +11,7 @@ from blockspec.bench.baselines import (
     reference_available,
     reference_drafter_from,
 )
-from blockspec.bench.runner import Request, SpecRunner
+from blockspec.bench.runner import Request, EngineRunner
 from blockspec.config import SamplingParams
 
 PROMPTS = ["Janet has 16 ducks and sells the eggs.", "def add(a, b):\n    return a + b"]
@@ -37,7 +37,7 @@ def requests(pipe):
 
 @pytest.fixture(scope="module")
 def ar_outputs(pipe, requests):
-    return SpecRunner(pipe.decoder, 1).run(requests, 1)
+    return EngineRunner(pipe.target, None, 1).run(requests, 1)
 
 
 def test_hf_generate_baseline_runs_and_matches_our_ar(pipe, hf_model, requests, ar_outputs):

@@ -216,12 +216,15 @@ def _ordered(values: Sequence) -> list:
 
 
 def _main_table(summaries: Sequence[Summary]) -> list[str]:
-    """`Task | Concurrency | AR | DFlash bN (speedup) | tau bN` (one pair per block size)."""
+    """`Task | Concurrency | AR | [PLD (speedup)] | DFlash bN (speedup) | tau bN` (one pair per
+    block size). Prompt lookup, a training-free speculative baseline, runs at batch 1 only
+    (transformers supports no more), so its column is empty at higher concurrency."""
     by = {(s.run.task, s.run.concurrency, s.run.runner): s for s in summaries}
     dflash = _ordered(s.run.runner for s in summaries if s.run.method == "dflash")
+    pld = _ordered(s.run.runner for s in summaries if s.run.method == "pld")
     tasks = _ordered(s.run.task for s in summaries)
     levels = sorted({s.run.concurrency for s in summaries if s.run.method in ("ar", "dflash")})
-    header = ["Task", "Concurrency", "AR"]
+    header = ["Task", "Concurrency", "AR"] + [f"PLD ({n}) (speedup)" if len(pld) > 1 else "PLD (speedup)" for n in pld]
     for name in dflash:
         b = name.split()[-1]
         header += [f"DFlash {b} (speedup)", f"τ {b}"]
@@ -230,14 +233,14 @@ def _main_table(summaries: Sequence[Summary]) -> list[str]:
         for c in levels:
             if task == "all":
                 runs = {n: [s for s in summaries if s.run.runner == n and s.run.concurrency == c]
-                        for n in ["ar", *dflash]}
+                        for n in ["ar", *pld, *dflash]}
                 if len(tasks) < 2 or not runs["ar"]:
                     continue
                 rate = {n: _pooled_rate(v) for n, v in runs.items()}
                 tau = {n: _pooled_tau(v) for n, v in runs.items()}
                 label = "**all**"
             else:
-                cells = {n: by.get((task, c, n)) for n in ["ar", *dflash]}
+                cells = {n: by.get((task, c, n)) for n in ["ar", *pld, *dflash]}
                 if cells["ar"] is None and not any(cells.values()):
                     continue
                 rate = {n: (v.tokens_per_s if v else None) for n, v in cells.items()}
@@ -245,6 +248,9 @@ def _main_table(summaries: Sequence[Summary]) -> list[str]:
                 label = task
             ar = rate["ar"]
             row = [label, str(c), _fmt_rate(ar) if ar else "–"]
+            for n in pld:
+                r = rate[n]
+                row.append("–" if not r else f"{_fmt_rate(r)}" + (f" ({r / ar:.2f}x)" if ar else ""))
             for n in dflash:
                 r = rate[n]
                 if r is None:

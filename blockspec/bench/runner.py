@@ -17,7 +17,6 @@ from typing import Protocol
 
 from blockspec.config import SamplingParams
 from blockspec.errors import ConfigError
-from blockspec.spec.decode import SpecDecoder
 from blockspec.text import encode_prompt
 
 Progress = Callable[[int], None]  # called with the number of requests just finished
@@ -60,45 +59,63 @@ class Runner(Protocol):
     def run(self, requests: Sequence[Request], concurrency: int, progress: Progress | None = None) -> list[Output]: ...
 
 
-class SpecRunner:
-    """Our SpecDecoder in process: block_size 1 is plain autoregressive decoding on the same target.
+class EngineRunner:
+    """The continuous batching engine in process (what `blockspec serve` runs): `concurrency`
+    requests in flight, a finished one replaced by the next waiting one at the following step.
 
-    Requests go through in static batches of `concurrency` (each batch runs until its last row is
-    done); the continuous batching engine will replace this with a runner that keeps
-    `concurrency` requests in flight.
+    block_size 1 is plain autoregressive decoding on the same target; `adaptive` lets the engine
+    pick each step's block size (at most `block_size`). One engine per concurrency level is kept
+    for the runner's life, so adaptive calibrations and cache storage are paid once.
     """
 
     max_concurrency = None
 
-    def __init__(self, decoder: SpecDecoder, block_size: int) -> None:
-        if block_size > 1 and decoder.drafter is None:
+    def __init__(self, target: object, drafter: object | None, block_size: int, *, adaptive: bool = False) -> None:
+        if block_size > 1 and drafter is None:
             raise ConfigError("a DFlash runner needs a drafter; load one or use block_size=1")
-        self.decoder = decoder
+        if adaptive and block_size < 2:
+            raise ConfigError("adaptive block size needs a drafter block size >= 2")
+        self.target, self.drafter = target, drafter if block_size > 1 else None
         self.block_size = block_size
+        self.adaptive = adaptive
         self.method = "ar" if block_size == 1 else "dflash"
-        self.name = "ar" if block_size == 1 else f"dflash b{block_size}"
+        self.name = "ar" if block_size == 1 else (f"dflash auto<=b{block_size}" if adaptive else f"dflash b{block_size}")
+        self._engines: dict[int, object] = {}
+
+    def _engine(self, concurrency: int) -> object:
+        from blockspec.engine import Engine, EngineConfig
+
+        if concurrency not in self._engines:
+            cfg = EngineConfig(max_batch=concurrency, max_queue=1 << 20, block_size=self.block_size,
+                               adaptive_block=self.adaptive)
+            self._engines[concurrency] = Engine(self.target, self.drafter, cfg)
+        return self._engines[concurrency]
+
+    def close(self) -> None:
+        """Stops the engine threads (they idle between calls otherwise)."""
+        for engine in self._engines.values():
+            engine.stop()
+        self._engines.clear()
 
     def run(self, requests: Sequence[Request], concurrency: int, progress: Progress | None = None) -> list[Output]:
+        engine = self._engine(concurrency)
+        handles = [engine.submit(list(r.prompt_ids), r.params) for r in requests]
         outputs: list[Output] = []
-        for start in range(0, len(requests), concurrency):
-            batch = requests[start : start + concurrency]
-            results = self.decoder.generate(
-                [list(r.prompt_ids) for r in batch], [r.params for r in batch], block_size=self.block_size
-            )
-            for res in results:
-                st = res.stats
-                speculative = self.block_size > 1
-                outputs.append(Output(
-                    token_ids=list(res.token_ids),
-                    finish_reason=res.finish_reason,
-                    latency_s=st.prefill_s + st.decode_s,
-                    prefill_s=st.prefill_s,
-                    steps=st.steps,
-                    acceptance_lengths=list(st.acceptance_lengths) if speculative else None,
-                    accepted_by_position=list(st.accepted_by_position) if speculative else None,
-                ))
+        speculative = self.block_size > 1
+        for handle in handles:
+            res = handle.result()
+            st = res.stats
+            outputs.append(Output(
+                token_ids=list(res.token_ids),
+                finish_reason=res.finish_reason,
+                latency_s=st.prefill_s + st.decode_s,
+                prefill_s=st.prefill_s,
+                steps=st.steps,
+                acceptance_lengths=list(st.acceptance_lengths) if speculative else None,
+                accepted_by_position=list(st.accepted_by_position) if speculative else None,
+            ))
             if progress is not None:
-                progress(len(batch))
+                progress(1)
         return outputs
 
 
@@ -134,9 +151,10 @@ class SuitePlan:
     seed: int = 0
     warmup: bool = True
     warmup_tokens: int = 32
-    # Every runner takes its turn on each round of `concurrency` prompts before the next round,
-    # so load from other processes on a shared machine drifts over all runners alike.
+    # Every runner takes its turn on each round of prompts (round_batches x concurrency) before
+    # the next round, so load from other processes on a shared machine drifts over all runners alike.
     interleave: bool = True
+    round_batches: int = 4  # a round is this many times `concurrency` prompts
     # "wall": throughput per second of wall-clock time; "cpu": per second of this process's CPU
     # time (steadier on a machine shared with other jobs; pair it with one torch thread).
     clock: str = "wall"
@@ -146,6 +164,8 @@ class SuitePlan:
             raise ConfigError(f"clock must be one of {', '.join(CLOCKS)}, got {self.clock!r}")
         if not self.concurrency or any(not isinstance(c, int) or c < 1 for c in self.concurrency):
             raise ConfigError(f"concurrency must be integers >= 1, e.g. 1,4,8; got {self.concurrency!r}")
+        if not isinstance(self.round_batches, int) or self.round_batches < 1:
+            raise ConfigError(f"round_batches must be an integer >= 1, got {self.round_batches!r}")
         if not self.settings:
             raise ConfigError("give at least one setting (temperature / thinking)")
         if self.max_new_tokens < 1:
@@ -344,7 +364,8 @@ def run_suite(
                     level = {r.name: 1 if r.max_concurrency == 1 else conc for r in active}
                     here = {r.name: RunRecord(r.name, r.method, r.block_size, task, level[r.name],
                                               setting.temperature, setting.thinking) for r in active}
-                    step = conc if plan.interleave else len(samples)
+                    # Rounds of several batches' worth, so the engine can refill freed slots.
+                    step = conc * plan.round_batches if plan.interleave else len(samples)
                     for start in range(0, len(samples), step):
                         for r in active:
                             bar.set_postfix_str(f"{task} c{level[r.name]} {r.name} {setting.key}")

@@ -81,6 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed for --shuffle and for sampling (default 0)")
     parser.add_argument("--block-sizes", type=_ints, default=None,
                         help="comma-separated DFlash block sizes (default: the drafter's)")
+    parser.add_argument("--adaptive", action="store_true",
+                        help="also run DFlash with adaptive block size (the engine picks each step's block, "
+                             "up to the largest --block-sizes)")
     parser.add_argument("--concurrency", type=_ints, default=(1,),
                         help="comma-separated numbers of requests decoded together, e.g. 1,4,8 (default 1)")
     parser.add_argument("--temperature", type=_floats, default=(0.0,),
@@ -203,6 +206,8 @@ def command_line(args: argparse.Namespace) -> str:
         parts += ["--block-sizes", joined(args.block_sizes)]
     parts += ["--concurrency", joined(args.concurrency), "--temperature", joined(args.temperature),
               "--max-new-tokens", str(args.max_new_tokens), "--thinking", args.thinking]
+    if args.adaptive:
+        parts.append("--adaptive")
     if args.baselines:
         parts += ["--baselines", joined(args.baselines)]
         if "pld" in args.baselines:
@@ -219,7 +224,7 @@ def command_line(args: argparse.Namespace) -> str:
 def run(args: argparse.Namespace) -> int:
     from blockspec.api import load
     from blockspec.bench.report import write_report
-    from blockspec.bench.runner import Setting, SpecRunner, SuitePlan, count_requests, run_suite
+    from blockspec.bench.runner import EngineRunner, Setting, SuitePlan, count_requests, run_suite
     from blockspec.errors import ConfigError
 
     if args.drafter == "none":
@@ -249,7 +254,9 @@ def run(args: argparse.Namespace) -> int:
     block_sizes = args.block_sizes or (pipe.drafter.block_size,)
     if 1 in block_sizes:
         raise ConfigError("--block-sizes lists DFlash block sizes (>= 2); plain decoding always runs as AR")
-    runners = [SpecRunner(pipe.decoder, 1)] + [SpecRunner(pipe.decoder, b) for b in block_sizes]
+    runners = [EngineRunner(pipe.target, None, 1)] + [EngineRunner(pipe.target, pipe.drafter, b) for b in block_sizes]
+    if args.adaptive:
+        runners.append(EngineRunner(pipe.target, pipe.drafter, max(block_sizes), adaptive=True))
     runners += _baseline_runners(args, pipe, block_sizes, notes)
     thinking = _thinking_modes(args.thinking, pipe.tokenizer, notes)
     settings = tuple(Setting(t, th) for t in args.temperature for th in thinking)
@@ -262,7 +269,12 @@ def run(args: argparse.Namespace) -> int:
 
     load_at_start = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
     log = (lambda line: print(line, file=sys.stderr)) if not args.progress else None
-    runs = run_suite(runners, datasets, pipe.tokenizer, plan, progress=args.progress, log=log)
+    try:
+        runs = run_suite(runners, datasets, pipe.tokenizer, plan, progress=args.progress, log=log)
+    finally:
+        for r in runners:
+            if isinstance(r, EngineRunner):
+                r.close()
 
     out = Path(args.out or f"runs/bench-{_dt.datetime.now():%Y%m%d-%H%M%S}")
     meta = {
