@@ -32,6 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="spec", choices=["spec", "hf"],
                    help="spec: our SpecDecoder; hf: transformers generate (reference path)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--features-for", default=None, metavar="IDS",
+                   help="comma list of target layer ids (the drafter's target_layer_ids, e.g. 1,14,27): keep "
+                        "their features while generating, so `blockspec train` skips its feature pass")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,6 +55,12 @@ def run(args: argparse.Namespace) -> int:
         if not n.isdigit():
             raise ConfigError(f"--limit wants SOURCE=N, got {item!r}")
         limits[name] = int(n)
+    layer_ids: tuple[int, ...] = ()
+    if args.features_for:
+        try:
+            layer_ids = tuple(int(x) for x in args.features_for.split(","))
+        except ValueError:
+            raise ConfigError(f"--features-for wants comma-separated layer ids, e.g. 1,14,27; got {args.features_for!r}") from None
     prompts = load_prompts(args.sources.split(","), data_dir=args.data_dir, limits=limits,
                            holdout=args.holdout, seed=args.seed)
     # "spec" runs on the native Llama-family code where it applies (static KV, no padding work),
@@ -66,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         block_size=args.block_size or (drafter.block_size if drafter is not None else 1),
         batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
         max_prompt_tokens=args.max_prompt_tokens, temperature=args.temperature, seed=args.seed,
-        shard_size=args.shard_size, backend=args.backend,
+        shard_size=args.shard_size, backend=args.backend, feature_layer_ids=layer_ids,
     )
     print(json.dumps({"prompts": len(prompts), **summary}))
     return 0

@@ -81,6 +81,9 @@ class GenerationResult:
     token_ids: list[int]
     finish_reason: str  # "stop" | "length"
     stats: RequestStats
+    # With capture_layer_ids: target features [prompt + generated, L*H] (CPU, float32), the last
+    # row zero (the last token is never fed to the target); what training uses as context.
+    features: torch.Tensor | None = None
 
 
 RowStopCheck = Callable[[list[int]], int | None]
@@ -101,6 +104,7 @@ class Row:
     # tries[k]: steps in which proposal k (0-based) was verified with proposals 0..k-1 accepted.
     tries: list[int] = field(default_factory=list)
     decode_t0: float = 0.0
+    captured: list[torch.Tensor] | None = None  # feature chunks of fed positions (capture mode)
 
     @property
     def remaining(self) -> int:
@@ -173,8 +177,13 @@ class SpecDecoder:
         block_size: int | None = None,
         on_tokens: OnTokens | None = None,
         stop_check: StopCheck | None = None,
+        capture_layer_ids: tuple[int, ...] = (),
     ) -> list[GenerationResult]:
-        """Generates for every prompt; returns results in prompt order."""
+        """Generates for every prompt; returns results in prompt order.
+
+        capture_layer_ids: also return the target features of these layers for every position
+        (what drafter training needs), for free from the passes decoding makes anyway.
+        """
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
@@ -187,7 +196,7 @@ class SpecDecoder:
         for p, sp in zip(prompts, params):
             self.check_prompt(p, sp)
         batch = DecodeBatch(self.target, self.drafter if block > 1 else None, max_block=block,
-                            compact_ratio=self.spec.compact_ratio)
+                            compact_ratio=self.spec.compact_ratio, capture_layer_ids=capture_layer_ids)
         eos = self.target.info.eos_token_ids
         rows = []
         for i, (p, sp) in enumerate(zip(prompts, params)):
@@ -201,7 +210,8 @@ class SpecDecoder:
                     if r.new_tokens:
                         on_tokens(r.key, r.new_tokens)
             for r in batch.retire():
-                results[r.key] = GenerationResult(list(r.generated), r.finish_reason, r.stats)
+                results[r.key] = GenerationResult(list(r.generated), r.finish_reason, r.stats,
+                                                  _captured_features(r))
 
         t0 = time.perf_counter()
         batch.join(prompts, rows)
@@ -240,6 +250,7 @@ class DecodeBatch:
         max_block: int,
         compact_ratio: float = 0.25,
         static_draft: bool = True,
+        capture_layer_ids: tuple[int, ...] = (),
     ) -> None:
         self.target = target
         self.drafter = drafter if max_block > 1 else None
@@ -249,7 +260,11 @@ class DecodeBatch:
         if self.drafter is not None:
             use_static = static_draft and has_standard_forward(self.drafter)
             self.draft = StaticDrafter(self.drafter) if use_static else self.drafter
-        self.layer_ids = self.drafter.target_layer_ids if self.drafter is not None else ()
+        self.layer_ids = self.drafter.target_layer_ids if self.drafter is not None else tuple(capture_layer_ids)
+        if capture_layer_ids and tuple(capture_layer_ids) != tuple(self.layer_ids):
+            raise ConfigError(f"capture_layer_ids {tuple(capture_layer_ids)} differ from the drafter's "
+                              f"target_layer_ids {tuple(self.layer_ids)}; capture those, or decode without a drafter")
+        self.capture = bool(capture_layer_ids)
         self.embed_scale = self.drafter.cfg.input_embedding_scale if self.drafter is not None else 1.0
         self.device = target.embed(torch.zeros(1, 1, dtype=torch.long)).device
         self.offsets = torch.arange(max(1, self.max_block), device=self.device)
@@ -351,6 +366,10 @@ class DecodeBatch:
         if self.drafter is not None:
             self._add_pending(feats, positions, joining=True)
             self.draft_top = max(self.draft_top, longest)
+        if self.capture:
+            host_feats = feats.float().cpu()
+            for i, r in enumerate(rows):
+                r.captured = [host_feats[i, longest - lengths[i]:]]
         now = time.perf_counter()
         for r, t in zip(rows, first_host):
             r.decode_t0 = now
@@ -444,6 +463,10 @@ class DecodeBatch:
             kept_pos = torch.where(keep, positions, torch.full_like(positions, EMPTY))
             self._add_pending(feats, kept_pos, joining=False)
             self.draft_top = max(self.draft_top, top)
+        if self.capture:  # block slots 0..n-1 were fed tokens that stay: their features are final
+            host_feats = feats.float().cpu()
+            for i, (r, n) in enumerate(zip(rows, n_host)):
+                r.captured.append(host_feats[i, :n])
         self.last = committed.gather(1, (n_new - 1)[:, None])[:, 0]
         self.cur = self.cur + n_new
         self.cur_host = [c + n for c, n in zip(self.cur_host, n_host)]
@@ -505,6 +528,16 @@ class DecodeBatch:
             if self.dcache is not None:
                 self.dcache.compact(self.compact_ratio)
         return gone
+
+
+def _captured_features(r: Row) -> torch.Tensor | None:
+    """[prompt + generated, L*H]: the fed positions' features (cut where a stop ended the row
+    inside a block), then a zero row for the last token, which was never fed."""
+    if r.captured is None:
+        return None
+    total = r.stats.prompt_tokens + len(r.generated)
+    fed = torch.cat(r.captured)[: total - 1]
+    return torch.cat([fed, fed.new_zeros(1, fed.shape[1])])
 
 
 def _swap_remove_order(n: int, removed: list[int]) -> list[int]:

@@ -15,8 +15,10 @@ from pathlib import Path
 import torch
 
 from blockspec.config import SamplingParams, SpecConfig
+from blockspec.errors import ConfigError
 from blockspec.text import encode_prompt
 from blockspec.train.data import Example, Prompt, ShardWriter
+from blockspec.train.features import write_part
 
 
 def _seed_of(prompt_id: str, seed: int) -> int:
@@ -39,12 +41,20 @@ def regenerate(
     shard_size: int = 1000,
     progress: bool = True,
     backend: str = "spec",
+    feature_layer_ids: Sequence[int] = (),
 ) -> dict:
     """Generates target responses for the prompts not yet in `out_dir`; returns a summary.
 
     backend "spec": our SpecDecoder (block_size=1 or with a drafter); "hf": transformers'
     `generate` on the target model (left-padded batches), a reference path.
+    feature_layer_ids: also keep the target features of these layers (backend "spec"), so
+    training does not pay a second target pass over the data (`out_dir/features/parts`).
     """
+    if feature_layer_ids and backend != "spec":
+        raise ConfigError("capturing features needs backend 'spec'; drop --features-for or use --backend spec")
+    n_layers = target.info.num_layers
+    if any(not 0 <= i < n_layers for i in feature_layer_ids):
+        raise ConfigError(f"feature layer ids must be in [0, {n_layers}) for this target, got {list(feature_layer_ids)}")
     from tqdm import tqdm
 
     from blockspec.spec.decode import SpecDecoder
@@ -76,11 +86,18 @@ def regenerate(
                 SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=_seed_of(p.id, seed))
                 for p, _ in batch
             ]
+            feats = None
             if backend == "hf":
                 outs = _hf_generate(target, [ids for _, ids in batch], max_new_tokens, temperature,
                                     _seed_of(batch[0][0].id, seed))
             else:
-                outs = [list(r.token_ids) for r in decoder.generate([ids for _, ids in batch], params)]
+                results = decoder.generate([ids for _, ids in batch], params,
+                                           capture_layer_ids=tuple(feature_layer_ids))
+                outs = [list(r.token_ids) for r in results]
+                if feature_layer_ids:
+                    feats = [r.features for r in results]
+            if feats is not None:  # before the shard line: a written example always has its part
+                write_part(Path(out_dir) / "features", feature_layer_ids, [p.id for p, _ in batch], feats)
             examples = []
             for (p, ids), gen in zip(batch, outs):
                 examples.append(Example(p.id, ids + gen, [0] * len(ids) + [1] * len(gen)))

@@ -46,8 +46,60 @@ def target_features(
     return out
 
 
+def _layers_tag(layer_ids: Sequence[int]) -> str:
+    return "layers-" + "-".join(str(i) for i in layer_ids)
+
+
 def _cache_name(shard: Path, layer_ids: Sequence[int]) -> str:
-    return f"{shard.stem}.layers-{'-'.join(str(i) for i in layer_ids)}.safetensors"
+    return f"{shard.stem}.{_layers_tag(layer_ids)}.safetensors"
+
+
+def parts_dir(cache_dir: str | Path, layer_ids: Sequence[int]) -> Path:
+    """Where datagen leaves the features it captured while generating, one file per batch."""
+    return Path(cache_dir) / "parts" / _layers_tag(layer_ids)
+
+
+def write_part(cache_dir: str | Path, layer_ids: Sequence[int], ids: Sequence[str], feats: Sequence[torch.Tensor],
+               dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Stores the captured features of one datagen batch (atomic), for FeatureStore.build to use."""
+    import hashlib
+
+    from safetensors.torch import save_file
+
+    folder = parts_dir(cache_dir, layer_ids)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"part-{hashlib.sha256('|'.join(ids).encode()).hexdigest()[:16]}.safetensors"
+    offsets = torch.tensor([0] + [f.shape[0] for f in feats]).cumsum(0)
+    tmp = path.with_suffix(".tmp")
+    save_file({"features": torch.cat(list(feats)).to(dtype).contiguous(), "offsets": offsets}, str(tmp),
+              metadata={"ids": json.dumps(list(ids)), "layer_ids": json.dumps(list(layer_ids))})
+    tmp.replace(path)
+    return path
+
+
+class _Parts:
+    """Index of captured-feature parts: id -> features, read on demand."""
+
+    def __init__(self, folder: Path) -> None:
+        from safetensors import safe_open
+
+        self._where: dict[str, tuple[object, int, int]] = {}
+        for path in sorted(folder.glob("part-*.safetensors")) if folder.is_dir() else []:
+            try:
+                f = safe_open(str(path), "pt")
+                ids = json.loads(f.metadata()["ids"])
+                offsets = f.get_tensor("offsets").tolist()
+            except Exception:  # a part cut short by an interrupted datagen: recompute those
+                continue
+            for j, ex_id in enumerate(ids):
+                self._where[ex_id] = (f, offsets[j], offsets[j + 1])
+
+    def get(self, ex_id: str, length: int) -> torch.Tensor | None:
+        found = self._where.get(ex_id)
+        if found is None or found[2] - found[1] != length:
+            return None
+        f, a, b = found
+        return f.get_slice("features")[a:b]
 
 
 class FeatureStore:
@@ -68,6 +120,7 @@ class FeatureStore:
         from tqdm import tqdm
 
         self.cache_dir.mkdir(parents=True, exist_ok=True)
+        captured = _Parts(parts_dir(self.cache_dir, self.layer_ids))
         made = 0
         for shard in shard_files(self.data_dir):
             examples = read_shard(shard)
@@ -75,6 +128,9 @@ class FeatureStore:
             if self._valid(path, examples):
                 continue
             old = self._reusable(path)  # a shard that grew keeps the features it already had
+            for e in examples:  # features datagen captured while generating cost nothing more
+                if e.id not in old and (got := captured.get(e.id, len(e.input_ids))) is not None:
+                    old[e.id] = got
             todo = [e for e in examples if e.id not in old]
             fresh: dict[str, torch.Tensor] = {}
             step = max(batch_size * 8, 1)
