@@ -169,3 +169,42 @@ def test_target_drafter_mismatch_errors() -> None:
                          target_layer_ids=(1, 9))
     with pytest.raises(CompatibilityError, match=r"target_layer_ids \[9\] are out of range"):
         SpecDecoder(target, deeper)
+
+
+def test_draft_vocabulary_restricts_proposals_and_round_trips(tmp_path: Path) -> None:
+    """Only the listed tokens can be proposed; their logits equal the full head's; the file
+    survives save/load, can be ignored, and the reference package still loads the directory."""
+    from dflash.model import DFlashDraftModel
+
+    target = make_tiny_target("llama", dtype=torch.float32, seed=9)
+    drafter = new_drafter_for_target(target.config, mask_token_id=47, num_layers=1, block_size=8, seed=2)
+    head = target.get_output_embeddings()
+    hidden = torch.randn(2, 7, 32, generator=torch.Generator().manual_seed(1))
+    full = drafter.logits(hidden, head)
+    vocab = [3, 5, 8, 13, 21, 34, 47]
+    drafter.set_draft_vocab(vocab, drafter.cfg.vocab_size)
+    restricted = drafter.logits(hidden, head)
+    torch.testing.assert_close(restricted[..., vocab], full[..., vocab])
+    others = [t for t in range(full.shape[-1]) if t not in vocab]
+    assert torch.isinf(restricted[..., others]).all()
+    assert set(restricted.argmax(-1).flatten().tolist()) <= set(vocab)
+    path = save_drafter(drafter, tmp_path / "d")
+    assert load_drafter(path).draft_vocab.tolist() == vocab
+    assert load_drafter(path, draft_vocab=False).draft_vocab is None
+    DFlashDraftModel.from_pretrained(str(path))  # the extra file does not disturb other loaders
+    drafter.set_draft_vocab(None)
+    save_drafter(drafter, path)
+    assert not (path / "draft_vocab.safetensors").exists()  # a stale vocabulary is removed
+    with pytest.raises(ConfigError, match="draft vocabulary"):
+        drafter.set_draft_vocab([1, 999], drafter.cfg.vocab_size)
+
+
+def test_draft_vocabulary_keeps_greedy_output_identical(tmp_path: Path) -> None:
+    target = make_tiny_target("qwen3", dtype=torch.float32, seed=10)
+    drafter = new_drafter_for_target(target.config, mask_token_id=47, num_layers=1, block_size=8, seed=3)
+    plain = SpecDecoder(HFTarget(target), None, SpecConfig(block_size=1))
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 3], list(range(10, 30))]
+    truth = [r.token_ids for r in plain.generate(prompts, SamplingParams(max_new_tokens=30))]
+    drafter.set_draft_vocab(sorted({t for row in truth for t in row})[::2], drafter.cfg.vocab_size)
+    dec = SpecDecoder(HFTarget(target), drafter, SpecConfig(block_size=8))
+    assert [r.token_ids for r in dec.generate(prompts, SamplingParams(max_new_tokens=30))] == truth

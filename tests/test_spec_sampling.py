@@ -72,13 +72,16 @@ def sample_many(dec: SpecDecoder, sp: SamplingParams, n: int, batch: int) -> tor
     [dict(temperature=1.0), dict(temperature=0.7, top_k=4), dict(temperature=1.3, top_p=0.8)],
     ids=["temperature", "top_k", "top_p"],
 )
-@pytest.mark.parametrize("drafter_kind", ["random", "scripted"])
+@pytest.mark.parametrize("drafter_kind", ["random", "scripted", "draft_vocab"])
 def test_sampled_tokens_follow_target_distribution(shape: dict, drafter_kind: str) -> None:
     model = make_tiny_target("llama", vocab_size=VOCAB, seed=1)
     sp = SamplingParams(max_new_tokens=3, ignore_eos=True, **shape)
     joint = exact_joint(model, sp)
     if drafter_kind == "random":
         drafter = new_drafter_for_target(model.config, mask_token_id=VOCAB - 1, num_layers=1, dtype=torch.float64)
+    elif drafter_kind == "draft_vocab":  # q is zero outside half the vocabulary
+        drafter = new_drafter_for_target(model.config, mask_token_id=VOCAB - 1, num_layers=1, dtype=torch.float64)
+        drafter.set_draft_vocab(list(range(0, VOCAB, 2)), VOCAB)
     else:  # proposes the most likely continuation: many acceptances, and rejections where it is wrong
         greedy = [[int(joint.sum((1, 2)).argmax()), 0, 0]]
         drafter = ScriptedDrafter(model.config, [PROMPT] * 400, greedy * 400, error_rate=0.3)

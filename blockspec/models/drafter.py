@@ -24,6 +24,10 @@ from blockspec.models.slots import EMPTY, SlotTable, gather_slots
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
+# Optional, next to the published files (other loaders ignore it): the token ids the drafter
+# proposes from. Training with a restricted loss vocabulary writes it; drafting then scores only
+# those rows of the head, which is most of a draft pass on CPU. Verification is untouched.
+DRAFT_VOCAB_NAME = "draft_vocab.safetensors"
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -328,6 +332,22 @@ class DFlashDrafter(nn.Module):
         hf = cfg.hf_rope_config() if cfg.rope_scaling else None
         inv_freq, scaling = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, hf)
         self.rotary = Rotary(inv_freq, scaling)
+        self.register_buffer("draft_vocab", None, persistent=False)  # [Vd] sorted token ids, or None
+        self._head_rows: tuple | None = None  # (key, weight [Vd, H], bias [Vd] | None)
+
+    def set_draft_vocab(self, token_ids: torch.Tensor | list[int] | None, vocab_size: int | None = None) -> None:
+        """Restricts proposals to these token ids (None: the whole vocabulary)."""
+        self._head_rows = None
+        if token_ids is None:
+            self.draft_vocab = None
+            return
+        ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
+        if ids.numel() == 0:
+            raise ConfigError("a draft vocabulary needs at least one token id")
+        ids = torch.unique(ids)  # sorted
+        if int(ids[0]) < 0 or (vocab_size is not None and int(ids[-1]) >= vocab_size):
+            raise ConfigError(f"draft vocabulary ids must lie in [0, {vocab_size}); got {int(ids[0])}..{int(ids[-1])}")
+        self.draft_vocab = ids.to(self.fc.weight.device)
 
     @property
     def block_size(self) -> int:
@@ -396,8 +416,25 @@ class DFlashDrafter(nn.Module):
         return self.norm(h)
 
     def logits(self, hidden: torch.Tensor, head: nn.Module) -> torch.Tensor:
-        """Draft logits from hidden states with the target's output head [.., V]."""
-        logits = head(hidden)
+        """Draft logits from hidden states with the target's output head [.., V]; -inf outside
+        the draft vocabulary when one is set (only those head rows are computed)."""
+        if self.draft_vocab is None:
+            return self._shape_logits(head(hidden))
+        weight, bias = self._restricted_head(head)
+        sub = self._shape_logits(F.linear(hidden, weight, bias))  # [.., Vd]
+        full = sub.new_full((*sub.shape[:-1], head.weight.shape[0]), float("-inf"))
+        return full.index_copy_(-1, self.draft_vocab, sub)
+
+    def _restricted_head(self, head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+        w = head.weight
+        key = (w.data_ptr(), w.dtype, w.device, self.draft_vocab.data_ptr())
+        if self._head_rows is None or self._head_rows[0] != key:  # the target head is frozen
+            bias = getattr(head, "bias", None)
+            rows = w.detach()[self.draft_vocab].contiguous()
+            self._head_rows = (key, rows, None if bias is None else bias.detach()[self.draft_vocab])
+        return self._head_rows[1], self._head_rows[2]
+
+    def _shape_logits(self, logits: torch.Tensor) -> torch.Tensor:
         if self.cfg.output_multiplier != 1.0:
             logits = logits * self.cfg.output_multiplier
         cap = self.cfg.final_logit_softcapping
@@ -528,8 +565,10 @@ def save_drafter(model: DFlashDrafter, path: str | Path, *, max_shard_bytes: int
             size = 0
         shards[-1][name] = tensor
         size += nbytes
-    for stale in list(path.glob("model*.safetensors")) + [path / INDEX_NAME]:
+    for stale in list(path.glob("model*.safetensors")) + [path / INDEX_NAME, path / DRAFT_VOCAB_NAME]:
         stale.unlink(missing_ok=True)
+    if model.draft_vocab is not None:
+        save_file({"token_ids": model.draft_vocab.detach().cpu().contiguous()}, str(path / DRAFT_VOCAB_NAME))
     if len(shards) == 1:
         save_file(shards[0], str(path / WEIGHTS_NAME), metadata={"format": "pt"})
         return path
@@ -572,8 +611,11 @@ def _read_state(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_drafter(path: str | Path, *, dtype: torch.dtype | None = None, device: str = "cpu") -> DFlashDrafter:
-    """Loads a drafter in the published DFlash format from a local directory."""
+def load_drafter(
+    path: str | Path, *, dtype: torch.dtype | None = None, device: str = "cpu", draft_vocab: bool = True
+) -> DFlashDrafter:
+    """Loads a drafter in the published DFlash format from a local directory; `draft_vocab`
+    False ignores a draft_vocab.safetensors beside it (propose from the whole vocabulary)."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"drafter directory {path} does not exist")
@@ -602,6 +644,15 @@ def load_drafter(path: str | Path, *, dtype: torch.dtype | None = None, device: 
             raise CheckpointError(f"weight {name} has shape {tuple(tensor.shape)}, config implies {tuple(want)}")
     stored = next(iter(state.values())).dtype
     model.load_state_dict(state)
+    if draft_vocab and (path / DRAFT_VOCAB_NAME).exists():
+        from safetensors.torch import load_file
+
+        try:
+            ids = load_file(str(path / DRAFT_VOCAB_NAME))["token_ids"]
+            model.set_draft_vocab(ids, cfg.vocab_size)
+        except (KeyError, ConfigError, OSError) as e:
+            raise CheckpointError(f"{path / DRAFT_VOCAB_NAME} is not a valid draft vocabulary ({e}); "
+                                  f"delete it to draft from the whole vocabulary") from e
     return model.to(device=device, dtype=dtype or stored).eval()
 
 
