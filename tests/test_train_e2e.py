@@ -164,3 +164,25 @@ def test_output_loads_in_reference_package(trained):
         mine = ours(ctx, pos[:, :7], block, pos[:, 7:])
         theirs = ref(position_ids=pos, noise_embedding=block, target_hidden=ctx)
     assert torch.allclose(mine, theirs, atol=1e-5), (mine - theirs).abs().max()
+
+
+def test_data_vocabulary_training_ships_a_draft_vocabulary(tmp_path):
+    """--loss-vocab data: the saved drafter proposes only from the tokens it was trained to rank,
+    and decoding with it stays identical to plain decoding."""
+    from blockspec.config import SamplingParams, SpecConfig
+    from blockspec.spec.decode import SpecDecoder
+
+    target = predictable_target()
+    regenerate(target, CharTokenizer(), prompts(4), tmp_path / "d", max_new_tokens=16, progress=False)
+    examples = read_examples(tmp_path / "d")
+    labels = sorted({t for e in examples for t, m in zip(e.input_ids, e.loss_mask) if m})
+    cfg = TrainConfig(out=str(tmp_path / "o"), num_layers=1, block_size=4, mask_token_id=63, anchors=8,
+                      batch_seqs=2, max_steps=2, lr=1e-2, warmup=0.0, init="random", loss_vocab="data",
+                      save_dtype="float32")
+    Trainer(cfg, target, examples, log_fn=lambda *a: None).train()
+    drafter = load_drafter(tmp_path / "o" / "drafter")
+    assert drafter.draft_vocab.tolist() == labels and len(labels) < 64
+    prompt = [[5, 9, 12, 7]]
+    plain = SpecDecoder(target, None, SpecConfig(block_size=1)).generate(prompt, SamplingParams(max_new_tokens=12))
+    spec = SpecDecoder(target, drafter, SpecConfig(block_size=4)).generate(prompt, SamplingParams(max_new_tokens=12))
+    assert spec[0].token_ids == plain[0].token_ids

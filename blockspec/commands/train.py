@@ -1,7 +1,8 @@
 """`blockspec train`: train a DFlash drafter for a target on `blockspec datagen` shards.
 
 Single process: `blockspec train --target T --data D --out O`. Data parallel:
-`torchrun --nproc-per-node N -m blockspec.cli train ...` (gloo on CPU, nccl on GPU).
+`torchrun --nproc-per-node N -m blockspec.cli train ...` (gloo on CPU, nccl on GPU); add
+`--parallel fsdp` to shard the drafter instead of replicating it.
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loss-vocab", default="full", choices=["full", "data"],
                    help="full: the published loss; data: softmax over the label tokens of the data only "
                         "(cheaper; the exact full loss is still logged at every eval)")
+    p.add_argument("--parallel", default="ddp", choices=["ddp", "fsdp"],
+                   help="with torchrun: ddp replicates the drafter on every rank; fsdp shards drafter "
+                        "parameters, gradients and optimizer state across ranks, for drafters too large "
+                        "to replicate (same updates either way)")
     p.add_argument("--time-limit", type=float, default=None, help="stop (and save) after this many seconds")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
     p.add_argument("--data-dir", default=None, help="where the data sets live (for eval prompts)")
@@ -116,9 +121,11 @@ def run(args: argparse.Namespace) -> int:
         max_seq_len=args.max_seq_len, seed=args.seed, log_every=args.log_every, eval_every=args.eval_every,
         eval_max_new_tokens=args.eval_max_new_tokens, save_every=args.save_every, save_dtype=args.save_dtype,
         head_chunk=args.head_chunk, time_limit_s=args.time_limit, loss_vocab=args.loss_vocab,
+        parallel=args.parallel,
     )
     trainer = Trainer(cfg, target, examples, features=store, eval_prompts=eval_prompts, resume=args.resume)
     result = trainer.train()
     if trainer.dist.main:
         print(json.dumps(result, default=str))
+    trainer.dist.close()
     return 0

@@ -4,7 +4,9 @@ position-decayed cross-entropy, warmup + cosine schedule, checkpoints, JSONL log
 Data parallel over `torchrun` processes (gloo on CPU, nccl on GPU): every global step takes
 `batch_seqs` sequences, each rank handles its share, the loss is normalised by the GLOBAL weight
 sum and gradients are summed across ranks, so N processes compute exactly the update one process
-computes for the same step (up to float summation order).
+computes for the same step (up to float summation order). `parallel="ddp"` replicates the drafter
+and all-reduces gradients; `parallel="fsdp"` shards parameters, gradients and optimizer state with
+FSDP2 (`fully_shard`) and gathers full tensors only to save and evaluate on rank 0.
 """
 
 from __future__ import annotations
@@ -64,6 +66,9 @@ class TrainConfig:
     # full-vocabulary loss is then still measured and logged at every eval ("loss_full").
     loss_vocab: str = "full"
     time_limit_s: float | None = None
+    # "ddp": every rank holds the whole drafter; "fsdp": parameters, gradients and optimizer state
+    # are sharded across ranks (for drafters too large to replicate). Same update either way.
+    parallel: str = "ddp"
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -75,6 +80,9 @@ class TrainConfig:
             raise ConfigError(f"--precision must be fp32 or bf16, got {self.precision!r}")
         if self.save_dtype not in DTYPES:
             raise ConfigError(f"--save-dtype must be one of {sorted(DTYPES)}, got {self.save_dtype!r}")
+        if self.parallel not in ("ddp", "fsdp"):
+            raise ConfigError(f"--parallel must be 'ddp' (replicated drafter) or 'fsdp' (sharded), "
+                              f"got {self.parallel!r}")
         for name in ("num_layers", "anchors", "batch_seqs", "max_seq_len", "head_chunk"):
             if int(getattr(self, name)) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)!r}")
@@ -107,21 +115,65 @@ class DistInfo:
         self.rank = int(os.environ.get("RANK", "0"))
         self.active = self.world > 1
         if self.active and not dist.is_initialized():
-            backend = "nccl" if torch.cuda.is_available() and os.environ.get("BLOCKSPEC_BACKEND") != "gloo" else "gloo"
-            dist.init_process_group(backend)
+            gpu = torch.cuda.is_available() and os.environ.get("BLOCKSPEC_BACKEND") != "gloo"
+            # CUDA tensors (gradients, FSDP shards) over nccl; the small CPU tensors (weight sums,
+            # stats, flags) need gloo beside it: a plain "nccl" group has no CPU backend
+            dist.init_process_group("cpu:gloo,cuda:nccl" if gpu else "gloo")
 
     def sum_(self, t: torch.Tensor) -> torch.Tensor:
         if self.active:
             dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return t
 
+    def max_(self, t: torch.Tensor) -> torch.Tensor:
+        if self.active:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t
+
     def barrier(self) -> None:
         if self.active:
             dist.barrier()
 
+    def close(self) -> None:
+        """Tears the process group down; call once at the end of the program: a gloo group still
+        alive at interpreter exit can abort the process ("terminate called without an active
+        exception")."""
+        if self.active and dist.is_initialized():
+            dist.destroy_process_group()
+
     @property
     def main(self) -> bool:
         return self.rank == 0
+
+
+def shard_drafter(drafter: DFlashDrafter, device: torch.device | str) -> DFlashDrafter:
+    """Shards the drafter in place with FSDP2 over all ranks: one group per draft layer, then the
+    rest (fc, norms) at the root. Gradients are SUMMED across ranks, not averaged: the trainer
+    already normalises the loss by the global weight sum."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    mesh = init_device_mesh(torch.device(device).type, (dist.get_world_size(),))
+    for layer in drafter.layers:
+        # DFlashDrafter.forward calls a layer's parts, never the layer itself, and FSDP gathers on
+        # forward calls: so the layer's group is the list of its parts
+        fully_shard(list(layer.children()), mesh=mesh)
+    fully_shard(drafter, mesh=mesh)
+    for m in drafter.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            # plain SUM collectives: gloo cannot run the PREMUL_SUM a custom factor would use
+            m.set_force_sum_reduction_for_comms(True)
+    return drafter
+
+
+def _optimizer_state_by_name(state: dict, names: list[str]) -> dict:
+    """An `optimizer.state_dict()` (parameters as indices) keyed by parameter names instead, the
+    layout `set_optimizer_state_dict` takes: lets an FSDP run resume a replicated run's checkpoint."""
+    return {
+        "state": {names[i]: v for i, v in state["state"].items()},
+        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]],
+    }
 
 
 @dataclass
@@ -243,12 +295,18 @@ class Trainer:
         else:
             self.drafter = self._new_drafter()
         self.drafter.train()
+        # a single process has nothing to shard: "fsdp" then trains the plain drafter
+        self.fsdp = cfg.parallel == "fsdp" and self.dist.active
+        self._gathered: tuple[int, dict] | None = None  # (step, full weights) under FSDP, rank 0
+        if self.fsdp:
+            shard_drafter(self.drafter, self.device)
+            self.log_fn(f"drafter sharded over {self.dist.world} ranks (FSDP2)")
         self.optimizer = torch.optim.AdamW(
             self.drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
         )
         if resume and (ckpt / "trainer_state.pt").exists():
             state = torch.load(ckpt / "trainer_state.pt", map_location=self.device, weights_only=False)
-            self.optimizer.load_state_dict(state["optimizer"])
+            self._load_optimizer(state)
             self.step = int(state["step"])
             self.log_fn(f"resumed from {ckpt} at step {self.step}")
         self.candidates, self.candidate_head = None, None
@@ -263,7 +321,24 @@ class Trainer:
                     self.candidate_head.bias.copy_(full.bias[self.candidates])
             self.candidate_head.requires_grad_(False).to(self.device)
             self.log_fn(f"loss over {len(toks)} candidate tokens (of {target.info.vocab_size}) seen in the data")
+            # the drafter only learns to rank these tokens: it proposes from them too (saved as
+            # draft_vocab.safetensors; verification is unchanged, so output stays lossless)
+            self.drafter.set_draft_vocab(self.candidates, target.info.vocab_size)
         self._stop = False
+
+    def _load_optimizer(self, state: dict) -> None:
+        """Optimizer state from a checkpoint of either kind: "optimizer" (a replicated run's
+        state_dict) or "optimizer_full" (an FSDP run's full tensors keyed by parameter name)."""
+        if "optimizer_full" not in state and not self.fsdp:
+            self.optimizer.load_state_dict(state["optimizer"])
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        full = state.get("optimizer_full")
+        if full is None:
+            full = _optimizer_state_by_name(state["optimizer"], [n for n, _ in self.drafter.named_parameters()])
+        # every rank holds the whole file and keeps its own shard of it
+        set_optimizer_state_dict(self.drafter, self.optimizer, full, options=StateDictOptions(full_state_dict=True))
 
     def _check_resumable(self) -> None:
         c = self.drafter.cfg
@@ -316,6 +391,7 @@ class Trainer:
     def train_step(self, step: int) -> dict:
         cfg = self.cfg
         t0 = time.perf_counter()
+        self._gathered = None  # the weights are about to change
         todo = self._step_examples(step)[self.dist.rank :: self.dist.world]
         seqs = []
         for epoch, i in todo:
@@ -326,6 +402,9 @@ class Trainer:
                 seqs.append(s)
         local_w = torch.tensor([sum(s.weight_sum for s in seqs)], dtype=torch.float64)
         global_w = float(self.dist.sum_(local_w.clone())[0])
+        passes = len(seqs)
+        if self.fsdp:  # every forward/backward gathers and reduces shards: all ranks make as many
+            passes = int(self.dist.max_(torch.tensor([passes], dtype=torch.float64))[0])
         for g in self.optimizer.param_groups:
             g["lr"] = cfg.lr * lr_factor(step, self.total_steps, cfg.warmup, cfg.min_lr_ratio)
         self.optimizer.zero_grad(set_to_none=False)
@@ -339,6 +418,8 @@ class Trainer:
             )
             if global_w > 0:
                 (total / global_w).backward()
+            elif self.fsdp:
+                (total * 0).backward()  # FSDP reduces gradients in backward: every rank takes part
             valid = (s.weights > 0).to(correct.device)
             hit = (correct & valid).cpu()
             stats[0] += float(total.detach())
@@ -347,8 +428,10 @@ class Trainer:
             stats[2] += float((hit.long().cumprod(1).sum(1) + 1).sum())
             stats[3 : 3 + B1] += hit.sum(0).double()
             stats[3 + B1 :] += valid.cpu().sum(0).double()
+        for _ in range(passes - len(seqs)):
+            self._idle_pass()
         grads = [p.grad for p in self.drafter.parameters() if p.grad is not None]
-        if self.dist.active and grads:
+        if self.dist.active and not self.fsdp and grads:  # FSDP has reduce-scattered them already
             flat = torch.cat([g.reshape(-1) for g in grads])
             self.dist.sum_(flat)
             o = 0
@@ -356,6 +439,8 @@ class Trainer:
                 g.copy_(flat[o : o + g.numel()].view_as(g))
                 o += g.numel()
         norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip)
+        if hasattr(norm, "full_tensor"):  # FSDP: a replicated DTensor holding the global norm
+            norm = norm.full_tensor()
         if global_w > 0:
             self.optimizer.step()
         self.dist.sum_(stats)
@@ -373,6 +458,41 @@ class Trainer:
             "step_s": round(time.perf_counter() - t0, 3),
         }
 
+    def _idle_pass(self) -> None:
+        """A forward and backward that adds zero to every gradient: under FSDP a rank with fewer
+        sequences than another in this step must still join each pass's collectives."""
+        d = self.drafter
+        H, B = d.cfg.hidden_size, d.block_size
+        dtype = d.fc.weight.dtype
+        feats = torch.zeros(1, 1, len(d.target_layer_ids) * H, dtype=dtype, device=self.device)  # [1, 1, L*H]
+        embeds = torch.zeros(1, B, H, dtype=dtype, device=self.device)  # [1, B, H]
+        ctx_pos = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        blk_pos = torch.arange(1, B + 1, device=self.device)[None]
+        with torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16, enabled=self.cfg.precision == "bf16"):
+            hidden = d(feats, ctx_pos, embeds, blk_pos)  # [1, B, H]
+        (hidden.float().sum() * 0).backward()
+
+    def unsharded_drafter(self, device: torch.device | str | None = None) -> DFlashDrafter | None:
+        """The drafter as a plain module with the current weights: `self.drafter` itself when it is
+        replicated; under FSDP a copy built on rank 0 from the gathered shards (None on the other
+        ranks), so under FSDP EVERY rank must call this together."""
+        if not self.fsdp:
+            return self.drafter
+        if self._gathered is None or self._gathered[0] != self.step:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            full = get_model_state_dict(self.drafter, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            self._gathered = (self.step, full if self.dist.main else {})
+        if not self.dist.main:
+            return None
+        with torch.device("meta"):  # no throwaway initialisation: the weights come from the gather
+            model = DFlashDrafter(self.drafter.cfg)
+        model.load_state_dict(self._gathered[1], assign=True)
+        for name, buf in self.drafter.named_buffers():  # buffers are not sharded, and not all are saved
+            owner, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(owner), leaf, buf.detach().clone())
+        return model.to(device or self.device).train(self.drafter.training)
+
     def _evaluate_and_log(self, t_start: float) -> dict | None:
         """Runs the quick tau evaluation and logs it (rank 0 gets a result; others None)."""
         result = self.evaluate()
@@ -383,36 +503,52 @@ class Trainer:
         return result
 
     def evaluate(self) -> dict | None:
-        if not self.eval_prompts or not self.dist.main:
+        """Quick tau and the full loss on rank 0 (every rank must call it: FSDP gathers)."""
+        if not self.eval_prompts:
+            return None
+        drafter = self.unsharded_drafter()
+        if not self.dist.main:
             return None
         from blockspec.train.evaluate import quick_tau
 
-        res = quick_tau(self.target, self.drafter, self.eval_prompts, max_new_tokens=self.cfg.eval_max_new_tokens)
-        return {"type": "eval", "step": self.step, "loss_full": self.full_loss(), **res}
+        res = quick_tau(self.target, drafter, self.eval_prompts, max_new_tokens=self.cfg.eval_max_new_tokens)
+        return {"type": "eval", "step": self.step, "loss_full": self.full_loss(drafter=drafter), **res}
 
     @torch.no_grad()
-    def full_loss(self, n: int = 4) -> float:
+    def full_loss(self, n: int = 4, drafter: DFlashDrafter | None = None) -> float:
         """The exact published loss (full vocabulary) on the first n training sequences, with
-        fixed anchors: comparable across steps and runs whatever `loss_vocab` trains with."""
+        fixed anchors: comparable across steps and runs whatever `loss_vocab` trains with.
+        `drafter` defaults to `self.drafter`; pass `unsharded_drafter()` under FSDP."""
+        drafter = drafter if drafter is not None else self.drafter
         tot, wsum = 0.0, 0.0
         for i, ex in enumerate(self.examples[:n]):
             s = prepare_sequence(ex, self.cfg.block_size, self.cfg.anchors, self.cfg.max_seq_len,
                                  self.pos_weights, _seed(self.cfg.seed, "fixed", i))
             if s is None:
                 continue
-            total, _ = sequence_forward(self.drafter, self.target, s, self._features(ex, s.ids.numel()),
+            total, _ = sequence_forward(drafter, self.target, s, self._features(ex, s.ids.numel()),
                                         head_chunk=self.cfg.head_chunk)
             tot, wsum = tot + float(total), wsum + s.weight_sum
         return tot / max(wsum, 1e-12)
 
     def save_checkpoint(self) -> None:
+        """fp32 drafter + optimizer state to OUT/checkpoint (every rank must call it: FSDP gathers
+        full tensors to rank 0, which writes them)."""
+        if self.fsdp:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+            model = self.unsharded_drafter("cpu")
+            optim = {"optimizer_full": get_optimizer_state_dict(
+                self.drafter, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))}
+        else:
+            model = self.drafter
+            optim = {"optimizer": self.optimizer.state_dict()} if self.dist.main else {}
         if not self.dist.main:
             return
         ckpt = self.out / "checkpoint"
         tmp = self.out / "checkpoint.tmp"
-        save_drafter(self.drafter, tmp)
-        torch.save({"optimizer": self.optimizer.state_dict(), "step": self.step, "config": asdict(self.cfg)},
-                   tmp / "trainer_state.pt")
+        save_drafter(model, tmp)
+        torch.save({**optim, "step": self.step, "config": asdict(self.cfg)}, tmp / "trainer_state.pt")
         if ckpt.exists():
             for f in ckpt.iterdir():
                 f.unlink()
@@ -420,12 +556,15 @@ class Trainer:
         tmp.rename(ckpt)
 
     def save_final(self) -> Path:
+        """The published-format drafter in `save_dtype` to OUT/drafter (every rank must call it)."""
         final = self.out / "drafter"
+        model = self.unsharded_drafter("cpu")
         if self.dist.main:
             import copy
 
-            model = copy.deepcopy(self.drafter).to(DTYPES[self.cfg.save_dtype])
-            save_drafter(model, final)
+            if not self.fsdp:  # under FSDP `model` is already a copy
+                model = copy.deepcopy(model)
+            save_drafter(model.to(DTYPES[self.cfg.save_dtype]), final)
         return final
 
     def _log(self, record: dict) -> None:
@@ -494,7 +633,9 @@ class Trainer:
                 signal.signal(s, h)
         self.save_checkpoint()
         final = self.save_final()
-        if self.eval_prompts and self.step > first_step and not self._stop:  # a signal wants a quick exit
+        # a signal on any rank wants a quick exit; all ranks must agree (FSDP evals gather on all)
+        quick_exit = bool(self.dist.sum_(torch.tensor([1.0 if self._stop else 0.0]))[0] > 0)
+        if self.eval_prompts and self.step > first_step and not quick_exit:
             last_eval = self._evaluate_and_log(t_start)
         self.dist.barrier()
         return {"train": last_train, "eval": last_eval, "drafter": str(final), "steps": self.step}
