@@ -1,0 +1,141 @@
+"""Cost of one DFlash step over one plain decoding step, on a model of a given SHAPE.
+
+    python -m blockspec.engine.stepcost --shape qwen3-8b --draft-layers 5 --batch 1,8,32 --device cuda
+
+The target and drafter get random weights: the cost of a step depends on the shapes, not on the
+values (with random weights nothing is accepted, so every step commits one token and the context
+grows alike on both paths). A DFlash step is a draft pass over the block plus the target's verify
+pass over it; a plain step is a one-token target pass. The ratio is the price of a step: with
+acceptance length tau, DFlash is tau / ratio times faster than plain decoding. The published
+6.08x at tau 7.87 on Qwen3-8B implies a ratio of about 1.29.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from blockspec.config import SamplingParams
+from blockspec.errors import ConfigError
+from blockspec.models.target import DTYPES
+
+# Shapes of public models (config.json of each), and a tiny one for tests.
+SHAPES: dict[str, dict] = {
+    "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                     max_position_embeddings=40960, rope_theta=1_000_000.0, tie_word_embeddings=False),
+    "qwen3-4b": dict(model_type="qwen3", hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                     max_position_embeddings=40960, rope_theta=1_000_000.0, tie_word_embeddings=True),
+    "tiny": dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
+                 max_position_embeddings=4096, rope_theta=10_000.0, tie_word_embeddings=False),
+}
+
+
+def random_target(shape: str, *, device: str, dtype: torch.dtype, seed: int = 0) -> object:
+    """A NativeTarget of the named shape with N(0, 0.02) weights, built directly on `device`."""
+    from transformers import AutoConfig
+
+    from blockspec.models.native.config import native_config
+    from blockspec.models.native.llama import NativeLlama, NativeTarget
+    from blockspec.models.rope import Rotary, rope_inv_freq
+
+    if shape not in SHAPES:
+        raise ConfigError(f"unknown shape {shape!r}; choose one of {', '.join(SHAPES)}")
+    spec = dict(SHAPES[shape])
+    hf_config = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    cfg = native_config(hf_config)
+    with torch.device("meta"):  # no throwaway CPU initialisation of a multi-GB model
+        net = NativeLlama(cfg, hf_config)
+    net = net.to_empty(device=device).to(dtype)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in net.named_parameters():
+            if p.dim() == 1:  # norms
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    if cfg.tie_word_embeddings:
+        net.lm_head.weight = net.embed.weight
+    inv_freq, scaling = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, hf_config)
+    net.rotary = Rotary(inv_freq.to(device), scaling)
+    net.prepare_single_token_weights(torch.device(device).type == "cpu")
+    return NativeTarget(net, (), hf_config)
+
+
+def _sync(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+@torch.inference_mode()
+def step_seconds(target: object, drafter: object | None, block: int, batch: int, context: int, steps: int,
+                 device: str, seed: int = 0) -> float:
+    """Median seconds of one decode step (block 1 without drafter: plain) for `batch` rows that
+    each hold `context` tokens; the first steps are warm-up."""
+    from blockspec.spec.decode import DecodeBatch, make_row
+
+    vocab = target.info.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, vocab - 1, (batch, context), generator=g).tolist()
+    total = steps + 3
+    params = SamplingParams(max_new_tokens=total * block + 1, ignore_eos=True)
+    dec = DecodeBatch(target, drafter if block > 1 else None, max_block=block)
+    dec.join(prompts, [make_row(i, context, params, (), block) for i in range(batch)])
+    times = []
+    for i in range(total):
+        _sync(device)
+        t0 = time.perf_counter()
+        dec.step(block)
+        _sync(device)
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
+    ap.add_argument("--draft-layers", type=int, default=5)
+    ap.add_argument("--block", type=int, default=16)
+    ap.add_argument("--batch", default="1,8,32", help="comma-separated batch sizes")
+    ap.add_argument("--context", type=int, default=512, help="tokens already in each row's cache")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, help="default bfloat16 on CUDA, float32 on CPU")
+    ap.add_argument("--cuda-graphs", action="store_true", help="replay captured CUDA graphs (native target)")
+    args = ap.parse_args(argv)
+    from blockspec.models.drafter import new_drafter_for_target
+
+    dtype = DTYPES[args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")]
+    batches = [int(b) for b in args.batch.split(",")]
+    target = random_target(args.shape, device=args.device, dtype=dtype)
+    if args.cuda_graphs:
+        target.enable_cuda_graphs(max_block=args.block)
+    drafter = new_drafter_for_target(target.config, mask_token_id=target.info.vocab_size - 1,
+                                     num_layers=args.draft_layers, block_size=args.block, dtype=dtype)
+    drafter = drafter.to(args.device).eval()
+    rows = []
+    for b in batches:
+        plain = step_seconds(target, None, 1, b, args.context, args.steps, args.device)
+        spec = step_seconds(target, drafter, args.block, b, args.context, args.steps, args.device)
+        rows.append({"batch": b, "plain_ms": round(plain * 1e3, 3), "dflash_ms": round(spec * 1e3, 3),
+                     "ratio": round(spec / plain, 3)})
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    print(f"shape {args.shape}, {args.draft_layers}-layer drafter, block {args.block}, context {args.context}, "
+          f"{str(dtype).removeprefix('torch.')}, {device}{', CUDA graphs' if args.cuda_graphs else ''}\n")
+    print("| batch | plain step (ms) | DFlash step (ms) | DFlash / plain |")
+    print("|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['batch']} | {r['plain_ms']:.2f} | {r['dflash_ms']:.2f} | {r['ratio']:.2f} |")
+    print(json.dumps({"shape": args.shape, "device": device, "dtype": str(dtype), "rows": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,35 @@
+"""The GPU step-cost benchmark (DFlash step / plain step on a model shape) runs end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from blockspec.engine import stepcost
+from blockspec.errors import ConfigError
+
+
+def test_stepcost_runs_on_a_tiny_shape(capsys) -> None:
+    assert stepcost.main(["--shape", "tiny", "--draft-layers", "1", "--batch", "1,2", "--context", "16",
+                          "--steps", "2", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "| batch | plain step (ms) | DFlash step (ms) | DFlash / plain |" in out
+    rows = json.loads(out.strip().splitlines()[-1])["rows"]
+    assert [r["batch"] for r in rows] == [1, 2]
+    assert all(r["plain_ms"] > 0 and r["dflash_ms"] > 0 and r["ratio"] == pytest.approx(
+        r["dflash_ms"] / r["plain_ms"], rel=1e-2) for r in rows)
+
+
+def test_random_target_has_the_named_shape() -> None:
+    from transformers import AutoConfig
+
+    from blockspec.models.native.config import native_config
+
+    spec = dict(stepcost.SHAPES["qwen3-8b"])
+    cfg = native_config(AutoConfig.for_model(spec.pop("model_type"), **spec))
+    assert (cfg.hidden_size, cfg.num_layers, cfg.vocab_size) == (4096, 36, 151936)
+    target = stepcost.random_target("tiny", device="cpu", dtype=__import__("torch").float32)
+    assert target.info.num_layers == 4 and target.info.vocab_size == 256
+    with pytest.raises(ConfigError, match="unknown shape"):
+        stepcost.random_target("gpt-9", device="cpu", dtype=None)
