@@ -127,3 +127,21 @@ def test_two_gloo_processes_match_one(runs, parallel):
     _assert_same_weights(runs["tmp"] / "one" / "checkpoint", runs["tmp"] / parallel / "checkpoint")
     state = torch.load(runs["tmp"] / parallel / "checkpoint" / "trainer_state.pt", weights_only=False)
     assert ("optimizer_full" if parallel == "fsdp" else "optimizer") in state and state["step"] == 5
+
+
+def test_a_rank_without_usable_sequences_still_joins_the_gradient_sum(tmp_path):
+    """One long sequence among ones too short for a block: at each step one rank has nothing to
+    backpropagate (no gradients yet at the start or after a resume) and must still take part in
+    the all-reduce, or the ranks deadlock / mismatch."""
+    g = torch.Generator().manual_seed(1)
+    exs = [Example("long", torch.randint(0, 64, (24,), generator=g).tolist(), [0] * 4 + [1] * 20)]
+    for i in range(3):
+        exs.append(Example(f"short{i}", torch.randint(0, 64, (5,), generator=g).tolist(), [0] * 3 + [1] * 2))
+    ShardWriter(tmp_path / "data").write(exs)
+    script = tmp_path / "run.py"
+    script.write_text(SCRIPT.replace("batch_seqs=5", "batch_seqs=2").format(
+        tests=str(Path(__file__).parent), data=str(tmp_path / "data")))
+    one = _launch(script, tmp_path / "one", "ddp", 1)
+    two = _launch(script, tmp_path / "two", "ddp", 2)
+    _assert_close(one["loss"], two["loss"])
+    assert any(x > 0 for x in one["loss"])

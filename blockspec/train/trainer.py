@@ -430,6 +430,11 @@ class Trainer:
             stats[3 + B1 :] += valid.cpu().sum(0).double()
         for _ in range(passes - len(seqs)):
             self._idle_pass()
+        if self.dist.active and not self.fsdp:
+            # a rank whose sequences were all too short made no backward: it still joins the sum
+            for p in self.drafter.parameters():
+                if p.grad is None and p.requires_grad:
+                    p.grad = torch.zeros_like(p)
         grads = [p.grad for p in self.drafter.parameters() if p.grad is not None]
         if self.dist.active and not self.fsdp and grads:  # FSDP has reduce-scattered them already
             flat = torch.cat([g.reshape(-1) for g in grads])
