@@ -157,6 +157,28 @@ def test_engine_runner_keeps_concurrency_in_flight_and_is_lossless(pipe):
         EngineRunner(pipe.target, None, 4)
 
 
+def test_each_concurrency_engine_is_ready_before_its_timed_rounds(pipe):
+    """The adaptive engine of every concurrency level calibrates during the warm-up, not inside a
+    measured round (what made it lose to AR at concurrency >= 8 in a real run)."""
+    runner = EngineRunner(pipe.target, pipe.drafter, 4, adaptive=True)
+    seen: list[tuple[int, bool]] = []
+    timed = runner.run
+
+    def run(requests, concurrency, progress=None):
+        engine = runner._engines.get(concurrency)
+        seen.append((concurrency, engine is not None and engine.adaptive.costs.known(concurrency)))
+        return timed(requests, concurrency, progress)
+
+    runner.run = run
+    plan = SuitePlan(concurrency=(1, 2), settings=(Setting(0.0, None),), max_new_tokens=4, warmup_tokens=2)
+    try:
+        run_suite([runner], {"maths": SAMPLES["maths"]}, pipe.tokenizer, plan, progress=False)
+    finally:
+        runner.close()
+    assert {c for c, _ in seen} == {1, 2}
+    assert all(ready for _, ready in seen[1:]), seen  # seen[0] is the warm-up call itself
+
+
 class _BatchOneBaseline:
     """A stand-in for transformers' prompt lookup (method "pld", batch 1 only)."""
 

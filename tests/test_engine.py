@@ -11,7 +11,7 @@ from test_spec_lossless import reference_greedy
 
 from blockspec.config import SamplingParams
 from blockspec.engine import AdaptiveBlock, CostModel, Engine, EngineConfig, QueueFullError
-from blockspec.engine.adaptive import expected_tokens
+from blockspec.engine.adaptive import buckets_up_to, calibration_sizes, expected_tokens
 from blockspec.errors import ContextLengthError
 from blockspec.models.drafter import DFlashDrafter, DraftCache, new_drafter_for_target
 from blockspec.models.native import load_native_target
@@ -138,12 +138,33 @@ def test_adaptive_block_size_never_changes_the_output(setup) -> None:
         engine = Engine(target, drafter, EngineConfig(max_batch=4, block_size=8, adaptive_block=True))
         try:
             assert run_with_joins(engine, prompts, SamplingParams(max_new_tokens=30)) == truths
+            assert sorted(engine.adaptive.costs.costs) == [1, 2, 4]  # every bucket, calibrated at start
             used = engine.metrics.block_sizes
             assert len(used) > 1  # it did adapt
             favourite = max(used, key=used.get)
             assert favourite > 2 if drafter is good else favourite == 1
         finally:
             engine.stop()
+
+
+def test_wide_drafts_verified_narrow_stay_lossless(setup) -> None:
+    """step(block, draft_width): the drafter sees its full width, only `block` tokens are verified."""
+    from blockspec.spec.decode import DecodeBatch, make_row
+
+    model, target, prompts, truths = setup
+    drafter = new_drafter_for_target(model.config, mask_token_id=47, num_layers=1, block_size=8, dtype=torch.float64)
+    batch = DecodeBatch(target, drafter, max_block=8)
+    params = SamplingParams(max_new_tokens=30)
+    rows = [make_row(i, len(p), params, (), 8) for i, p in enumerate(prompts[:3])]
+    batch.join(prompts[:3], rows)
+    widths, verified = [], []
+    draft, logits = batch.draft, batch.drafter.logits
+    batch.draft = lambda f, fp, emb, pos, cache: (widths.append(emb.shape[1]), draft(f, fp, emb, pos, cache))[1]
+    batch.drafter.logits = lambda h, head: (verified.append(h.shape[1]), logits(h, head))[1]
+    while any(r.finish_reason is None for r in rows):
+        batch.step(3, draft_width=8)
+    assert [r.generated for r in rows] == truths[:3]
+    assert set(widths) == {8} and set(verified) <= {1, 2}  # 2 proposals; 1 when a row nears its end
 
 
 def test_adaptive_choice_follows_acceptance_and_cost() -> None:
@@ -157,6 +178,11 @@ def test_adaptive_choice_follows_acceptance_and_cost() -> None:
     assert max(poor, key=poor.get) == 1  # ...with a poor one plain decoding does
     costs.observe(1, 1, 2.0)
     assert costs.cost(1, 1) > 1.0 and costs.cost(1, 16) > 2.05  # measurements move all sizes
+
+
+def test_calibration_covers_every_bucket_and_block_end() -> None:
+    assert buckets_up_to(1) == [1] and buckets_up_to(5) == [1, 2, 4, 8] and buckets_up_to(32)[-1] == 32
+    assert calibration_sizes(16) == [1, 2, 4, 8, 16] and calibration_sizes(10) == [1, 2, 4, 8, 10]
 
 
 def test_adaptive_policy_probes_while_plain_decoding_wins() -> None:

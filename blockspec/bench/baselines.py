@@ -61,12 +61,40 @@ def load_hf_model(path: str | Path, dtype: torch.dtype = torch.float32, device: 
     return model.to(device).eval()
 
 
-class HFGenerateRunner:
+class _PromptByPrompt:
+    """The batch-1 loop the baselines share: one `_generate(ids [1, P], params) -> [1, P + N]`
+    call per request, timed, with the target's forward passes counted."""
+
+    max_concurrency = 1
+    model: nn.Module
+    eos: frozenset[int]
+
+    def _generate(self, ids: torch.Tensor, params: object) -> torch.Tensor:
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def run(self, requests: Sequence[Request], concurrency: int, progress: Progress | None = None) -> list[Output]:
+        outputs = []
+        device = self.model.get_input_embeddings().weight.device
+        for req in requests:
+            ids = torch.tensor([list(req.prompt_ids)], device=device)
+            _seed(req.params)
+            with _ForwardCounter(self.model) as counter:
+                t0 = time.perf_counter()
+                out = self._generate(ids, req.params)
+                elapsed = time.perf_counter() - t0
+            gen = out[0, ids.shape[1]:].tolist()
+            outputs.append(Output(gen, _finish_reason(gen, self.eos), elapsed, steps=max(0, counter.calls - 1)))
+            if progress is not None:
+                progress(1)
+        return outputs
+
+
+class HFGenerateRunner(_PromptByPrompt):
     """`model.generate` on the target, batch 1. prompt_lookup_num_tokens > 0 turns on prompt-lookup
     decoding (candidates copied from n-gram matches in the prompt, verified by the target)."""
 
     block_size = 1
-    max_concurrency = 1
 
     def __init__(self, model: nn.Module, eos_token_ids: Sequence[int], *, prompt_lookup_num_tokens: int = 0,
                  pad_token_id: int | None = None) -> None:
@@ -93,23 +121,8 @@ class HFGenerateRunner:
             kwargs.update(prompt_lookup_num_tokens=self.pld)
         return GenerationConfig(**kwargs)
 
-    @torch.inference_mode()
-    def run(self, requests: Sequence[Request], concurrency: int, progress: Progress | None = None) -> list[Output]:
-        outputs = []
-        device = self.model.get_input_embeddings().weight.device
-        for req in requests:
-            ids = torch.tensor([list(req.prompt_ids)], device=device)
-            config = self._config(req.params)
-            _seed(req.params)
-            with _ForwardCounter(self.model) as counter:
-                t0 = time.perf_counter()
-                out = self.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
-                elapsed = time.perf_counter() - t0
-            gen = out[0, ids.shape[1]:].tolist()
-            outputs.append(Output(gen, _finish_reason(gen, self.eos), elapsed, steps=max(0, counter.calls - 1)))
-            if progress is not None:
-                progress(1)
-        return outputs
+    def _generate(self, ids: torch.Tensor, params: object) -> torch.Tensor:
+        return self.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=self._config(params))
 
 
 def reference_available() -> bool:
@@ -140,11 +153,10 @@ def reference_drafter_from(drafter: nn.Module, dtype: torch.dtype = torch.float3
         return load_reference_drafter(tmp, dtype=dtype, device=device)
 
 
-class ReferenceRunner:
+class ReferenceRunner(_PromptByPrompt):
     """`dflash.model.dflash_generate` from the reference package, batch 1, same target weights."""
 
     method = "reference"
-    max_concurrency = 1
 
     def __init__(self, ref_drafter: nn.Module, model: nn.Module, eos_token_ids: Sequence[int], block_size: int) -> None:
         self.drafter = ref_drafter
@@ -153,24 +165,9 @@ class ReferenceRunner:
         self.block_size = block_size
         self.name = f"reference b{block_size}"
 
-    @torch.inference_mode()
-    def run(self, requests: Sequence[Request], concurrency: int, progress: Progress | None = None) -> list[Output]:
+    def _generate(self, ids: torch.Tensor, params: object) -> torch.Tensor:
         from dflash.model import dflash_generate
 
-        outputs = []
-        device = self.model.get_input_embeddings().weight.device
-        for req in requests:
-            ids = torch.tensor([list(req.prompt_ids)], device=device)
-            p = req.params
-            _seed(p)
-            with _ForwardCounter(self.model) as counter:
-                t0 = time.perf_counter()
-                out = dflash_generate(self.drafter, self.model, ids, p.max_new_tokens, sorted(self.eos) or None,
-                                      temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
-                                      block_size=self.block_size)
-                elapsed = time.perf_counter() - t0
-            gen = out[0, ids.shape[1]:].tolist()
-            outputs.append(Output(gen, _finish_reason(gen, self.eos), elapsed, steps=max(0, counter.calls - 1)))
-            if progress is not None:
-                progress(1)
-        return outputs
+        return dflash_generate(self.drafter, self.model, ids, params.max_new_tokens, sorted(self.eos) or None,
+                               temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                               block_size=self.block_size)

@@ -91,6 +91,11 @@ class EngineRunner:
             self._engines[concurrency] = Engine(self.target, self.drafter, cfg)
         return self._engines[concurrency]
 
+    def prepare(self, concurrency: int) -> None:
+        """Creates and starts this concurrency's engine and waits for its start-up (the adaptive
+        cost calibration), which would otherwise land inside the first measured round."""
+        self._engine(concurrency).wait_ready()
+
     def close(self) -> None:
         """Stops the engine threads (they idle between calls otherwise)."""
         for engine in self._engines.values():
@@ -364,6 +369,10 @@ def run_suite(
                     level = {r.name: 1 if r.max_concurrency == 1 else conc for r in active}
                     here = {r.name: RunRecord(r.name, r.method, r.block_size, task, level[r.name],
                                               setting.temperature, setting.thinking) for r in active}
+                    if plan.warmup:  # start-up of this concurrency's engines stays out of the timings
+                        for r in active:
+                            if hasattr(r, "prepare"):
+                                r.prepare(level[r.name])
                     # Rounds of several batches' worth, so the engine can refill freed slots.
                     step = conc * plan.round_batches if plan.interleave else len(samples)
                     for start in range(0, len(samples), step):

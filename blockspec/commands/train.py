@@ -21,12 +21,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="compute and cache the target features of every shard, then exit")
     p.add_argument("--no-feature-cache", action="store_true", help="compute target features on the fly")
     p.add_argument("--feature-cache-dir", default=None, help="default: DATA/features")
-    p.add_argument("--num-layers", type=int, default=1, help="draft layers")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-layers", type=int, default=None, help="draft layers (default 1, or --init's)")
+    p.add_argument("--block-size", type=int, default=None, help="default 16, or --init's")
     p.add_argument("--target-layer-ids", default=None, help="comma list (default: spread like the published drafters)")
     p.add_argument("--mask-token-id", type=int, default=None)
-    p.add_argument("--init", default="target", choices=["target", "random"],
-                   help="target: draft layers start as copies of the target layers after the last fused one")
+    p.add_argument("--init", default="target",
+                   help="target: draft layers start as copies of the target layers after the last fused one; "
+                        "random; or a drafter directory (published format) to continue training from, e.g. "
+                        "to fine-tune a published drafter on your data (its shape and layers are kept)")
     p.add_argument("--anchors", type=int, default=512, help="max anchors (blocks) per sequence")
     p.add_argument("--batch-seqs", type=int, default=4, help="sequences per optimizer step (global)")
     p.add_argument("--epochs", type=float, default=1.0)
@@ -69,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
 
     from blockspec.api import pick_mask_token, resolve_target_dir
     from blockspec.errors import ConfigError
-    from blockspec.models.drafter import default_target_layer_ids
+    from blockspec.models.drafter import default_target_layer_ids, read_drafter_config
     from blockspec.models.target import load_hf_target
     from blockspec.text import encode_prompt
     from blockspec.train.data import heldout_prompts, read_examples
@@ -84,10 +86,21 @@ def run(args: argparse.Namespace) -> int:
         torch.cuda.set_device(device)
     target, tokenizer = load_hf_target(resolve_target_dir(args.target), dtype=args.dtype, device=device)
     n_layers = target.info.num_layers
+    start = None
+    if args.init not in ("target", "random"):
+        if not os.path.isdir(args.init):
+            raise ConfigError(f"--init must be 'target', 'random' or a drafter directory; {args.init!r} is none")
+        start = read_drafter_config(args.init)
+    num_layers = args.num_layers if args.num_layers is not None else (start.num_hidden_layers if start else 1)
+    block_size = args.block_size if args.block_size is not None else (start.block_size if start else 16)
+    mask_token_id = args.mask_token_id if args.mask_token_id is not None else (
+        start.mask_token_id if start else pick_mask_token(tokenizer, target.info.vocab_size))
     if args.target_layer_ids:
         layer_ids = tuple(int(x) for x in args.target_layer_ids.split(","))
+    elif start is not None:
+        layer_ids = tuple(start.target_layer_ids)
     else:
-        layer_ids = default_target_layer_ids(n_layers, args.num_layers)
+        layer_ids = default_target_layer_ids(n_layers, num_layers)
     store = None if args.no_feature_cache else FeatureStore(args.data, layer_ids, args.feature_cache_dir)
     if args.cache_features:
         made = store.build(target)
@@ -112,9 +125,8 @@ def run(args: argparse.Namespace) -> int:
         eval_prompts = [encode_prompt(tokenizer, list(p.messages), chat=True)
                         for p in heldout_prompts(args.eval_prompts, data_dir=args.data_dir)]
     cfg = TrainConfig(
-        out=args.out, num_layers=args.num_layers, block_size=args.block_size, target_layer_ids=layer_ids,
-        mask_token_id=args.mask_token_id if args.mask_token_id is not None
-        else pick_mask_token(tokenizer, target.info.vocab_size),
+        out=args.out, num_layers=num_layers, block_size=block_size, target_layer_ids=layer_ids,
+        mask_token_id=mask_token_id,
         init=args.init, anchors=args.anchors, batch_seqs=args.batch_seqs, epochs=args.epochs,
         max_steps=args.max_steps, lr=args.lr, warmup=args.warmup, min_lr_ratio=args.min_lr_ratio,
         weight_decay=args.weight_decay, grad_clip=args.grad_clip, precision=args.precision, gamma=args.gamma,

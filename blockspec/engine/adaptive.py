@@ -1,8 +1,10 @@
 """Adaptive block size: pick the block that maximises expected committed tokens per second.
 
 Cost side: the wall time of one step verifying n tokens at batch size b, first calibrated (a
-target forward of n tokens plus, for n > 1, a draft pass, timed on a throwaway cache and cached
-per batch-size bucket), then tracked with the measured time of every real step.
+target forward of n tokens plus, for n > 1, a draft pass, timed on a throwaway cache per
+batch-size bucket, for every bucket up to the engine's max_batch before the first request runs,
+so no calibration lands in the middle of serving), then tracked with the measured time of every
+real step.
 Gain side: each row's expected tokens for block n,
     E(n) = 1 + sum_{k=1}^{n-1} prod_{j<k} a_j,
 from per-position conditional acceptance rates a_j (the row's own counts shrunk towards the
@@ -10,7 +12,10 @@ batch-wide rates), capped by the row's remaining tokens.
 Block 1 (plain decoding, no draft pass) is always a candidate, so a weak drafter, a hard prompt
 or a large batch falls back to plain decoding instead of losing to it. While block 1 wins, a
 small probe block runs now and then (backing off exponentially) to notice when drafting pays
-again. The choice never changes greedy output: verification is exact for any block size.
+again. Every drafting step drafts the full max_block width and verifies the chosen prefix of
+it, so a proposal's acceptance does not depend on the choice and the measured rates stay valid
+for every block size. The choice never changes greedy output: verification is exact for any
+block size.
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ class CostModel:
         for i in range(len(table)):
             if i != block - 1:
                 table[i] *= ratio
+        table[:] = monotone(table)
 
 
 def expected_tokens(rates: list[float], block: int, remaining: int) -> float:
@@ -77,11 +83,25 @@ def expected_tokens(rates: list[float], block: int, remaining: int) -> float:
 
 def calibration_sizes(max_block: int) -> list[int]:
     """Block sizes timed by `calibrate`; the others are interpolated (costs are near linear)."""
-    return sorted({n for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if n <= max_block} | {max_block})
+    return sorted({n for n in (1, 2, 4, 8, 16, 32, 64) if n <= max_block} | {max_block})
+
+
+def buckets_up_to(max_batch: int) -> list[int]:
+    """Every batch-size bucket a batch of at most `max_batch` rows can fall in."""
+    return sorted({bucket(b) for b in range(1, max_batch + 1)})
+
+
+def monotone(costs: list[float]) -> list[float]:
+    """Verifying more tokens never costs less: a noisy timing is raised to its predecessors'."""
+    out, top = [], 0.0
+    for c in costs:
+        top = max(top, c)
+        out.append(top)
+    return out
 
 
 def interpolate(points: dict[int, float], max_block: int) -> list[float]:
-    """Piecewise-linear costs for 1..max_block from measured points."""
+    """Piecewise-linear, non-decreasing costs for 1..max_block from measured points."""
     xs = sorted(points)
     out = []
     for n in range(1, max_block + 1):
@@ -89,16 +109,17 @@ def interpolate(points: dict[int, float], max_block: int) -> list[float]:
         lo = max(x for x in xs if x <= n)
         t = 0.0 if hi == lo else (n - lo) / (hi - lo)
         out.append(points[lo] + t * (points[hi] - points[lo]))
-    return out
+    return monotone(out)
 
 
 @torch.inference_mode()
-def calibrate(batch: DecodeBatch, size: int, max_block: int, context: int = 32, repeats: int = 1) -> list[float]:
+def calibrate(batch: DecodeBatch, size: int, max_block: int, context: int = 8, repeats: int = 2) -> list[float]:
     """Times one step's model work (target forward of n tokens, plus a draft pass for n > 1) at
     batch size `size` for the block sizes of `calibration_sizes`, interpolating the rest.
 
-    Runs the target (and drafter) on throwaway caches with `context` dummy tokens per row;
-    returns the best of `repeats` timings per block size (after a warm-up run), in seconds.
+    Runs the target (and drafter) on throwaway caches with `context` dummy tokens per row (kept
+    short: the prefill of size x context tokens is pure overhead); returns the best of `repeats`
+    timings per block size (after a warm-up run), in seconds.
     """
     target, d = batch.target, batch.device
     layer_ids = batch.layer_ids
@@ -110,6 +131,9 @@ def calibrate(batch: DecodeBatch, size: int, max_block: int, context: int = 32, 
     _, feats = target.forward(ids, positions, tcache, layer_ids, last_logits_only=True)
     dcache = batch.draft.new_cache(size) if batch.draft is not None else None
     out: dict[int, float] = {}
+    # Steps draft the full max_block width whatever they verify (see DecodeBatch.step).
+    draft_ids = torch.zeros(size, max_block, dtype=torch.long, device=d)
+    draft_pos = context + torch.arange(max_block, device=d).expand(size, max_block)
     for n in calibration_sizes(max_block):
         block_ids = torch.zeros(size, n, dtype=torch.long, device=d)
         block_pos = context + torch.arange(n, device=d).expand(size, n)
@@ -118,10 +142,10 @@ def calibrate(batch: DecodeBatch, size: int, max_block: int, context: int = 32, 
             t0 = time.perf_counter()
             if n > 1 and batch.draft is not None:
                 if hasattr(dcache, "reserve"):
-                    dcache.reserve(context + n, context + n)
+                    dcache.reserve(context + max_block, context + max_block)
                 ctx_pos = torch.full_like(positions[:, :1], EMPTY)
-                hidden = batch.draft(feats[:, :1], ctx_pos, target.embed(block_ids), block_pos, dcache)
-                batch.drafter.logits(hidden[:, 1:], target.head()).argmax(dim=-1).tolist()
+                hidden = batch.draft(feats[:, :1], ctx_pos, target.embed(draft_ids), draft_pos, dcache)
+                batch.drafter.logits(hidden[:, 1:n], target.head()).argmax(dim=-1).tolist()
             if hasattr(tcache, "reserve"):
                 tcache.reserve(context + n)
             logits, _ = target.forward(block_ids, block_pos, tcache, layer_ids)
@@ -169,6 +193,14 @@ class AdaptiveBlock:
         prior = self.global_rates()
         return sum(expected_tokens(r.acceptance_rates(prior), block, r.remaining) for r in rows)
 
+    def calibrate_all(self, batch: DecodeBatch, max_batch: int) -> None:
+        """Calibrates every batch-size bucket up to `max_batch` that is not known yet."""
+        if self.max_block <= 1 or batch.drafter is None:
+            return
+        for size in buckets_up_to(max_batch):
+            if not self.costs.known(size):
+                self.costs.set(size, calibrate(batch, size, self.max_block))
+
     def choose(self, batch: DecodeBatch) -> int:
         """The block size for the next step of `batch` (calibrating its batch size if new)."""
         if self.max_block <= 1 or batch.drafter is None:
@@ -199,7 +231,7 @@ class AdaptiveBlock:
         before = [(list(r.stats.accepted_by_position), list(r.tries)) for r in batch.rows]
         b = len(batch.rows)
         t0 = time.perf_counter()
-        used = batch.step(block)
+        used = batch.step(block, draft_width=self.max_block)
         self.costs.observe(b, used, time.perf_counter() - t0)
         self.record(batch.rows, before)
         return used

@@ -611,11 +611,8 @@ def _read_state(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_drafter(
-    path: str | Path, *, dtype: torch.dtype | None = None, device: str = "cpu", draft_vocab: bool = True
-) -> DFlashDrafter:
-    """Loads a drafter in the published DFlash format from a local directory; `draft_vocab`
-    False ignores a draft_vocab.safetensors beside it (propose from the whole vocabulary)."""
+def read_drafter_config(path: str | Path) -> DrafterConfig:
+    """The config.json of a drafter directory in the published format."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"drafter directory {path} does not exist")
@@ -626,7 +623,16 @@ def load_drafter(
         raw = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{cfg_file} is not valid JSON ({e}); re-download the drafter") from e
-    cfg = DrafterConfig.from_dict(raw)
+    return DrafterConfig.from_dict(raw)
+
+
+def load_drafter(
+    path: str | Path, *, dtype: torch.dtype | None = None, device: str = "cpu", draft_vocab: bool = True
+) -> DFlashDrafter:
+    """Loads a drafter in the published DFlash format from a local directory; `draft_vocab`
+    False ignores a draft_vocab.safetensors beside it (propose from the whole vocabulary)."""
+    path = Path(path)
+    cfg = read_drafter_config(path)
     state = _read_state(path)
     model = DFlashDrafter(cfg)
     expected = set(model.state_dict())

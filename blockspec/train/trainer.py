@@ -17,7 +17,7 @@ import math
 import os
 import signal
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -41,7 +41,9 @@ class TrainConfig:
     block_size: int = 16
     target_layer_ids: tuple[int, ...] | None = None
     mask_token_id: int | None = None
-    init: str = "target"  # "target": copy target layers (init.py); "random"
+    # "target": copy target layers (init.py); "random"; or a drafter directory in the published
+    # format to continue from (fine-tuning a published drafter, or a longer run on more data)
+    init: str = "target"
     anchors: int = 512  # max anchors per sequence
     batch_seqs: int = 4  # sequences per optimizer step (all ranks together)
     epochs: float = 1.0
@@ -69,11 +71,11 @@ class TrainConfig:
     # "ddp": every rank holds the whole drafter; "fsdp": parameters, gradients and optimizer state
     # are sharded across ranks (for drafters too large to replicate). Same update either way.
     parallel: str = "ddp"
-    extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
-        if self.init not in ("target", "random"):
-            raise ConfigError(f"--init must be 'target' or 'random', got {self.init!r}")
+        if self.init not in ("target", "random") and not (Path(self.init) / "config.json").is_file():
+            raise ConfigError(f"--init must be 'target', 'random' or a drafter directory with a config.json, "
+                              f"got {self.init!r}")
         if self.loss_vocab not in ("full", "data"):
             raise ConfigError(f"--loss-vocab must be 'full' or 'data', got {self.loss_vocab!r}")
         if self.precision not in ("fp32", "bf16"):
@@ -270,11 +272,10 @@ class Trainer:
         resume: bool = False,
         log_fn=print,
     ) -> None:
-        if cfg.precision == "bf16" and cfg.extra.get("warned") is None:
-            pass
         self.cfg = cfg
         self.target = target
         self.examples = examples
+        self.examples_by_id = {e.id: e for e in examples}
         self.features = features
         self.eval_prompts = eval_prompts or []
         self.dist = DistInfo()
@@ -354,6 +355,8 @@ class Trainer:
         if cfg.mask_token_id is None:
             raise ConfigError("a mask token id is needed (--mask-token-id)")
         torch.manual_seed(cfg.seed)
+        if cfg.init not in ("target", "random"):
+            return self._drafter_from(Path(cfg.init))
         drafter = new_drafter_for_target(
             self.target.model.config, mask_token_id=cfg.mask_token_id, num_layers=cfg.num_layers,
             block_size=cfg.block_size, target_layer_ids=cfg.target_layer_ids, seed=cfg.seed,
@@ -365,6 +368,26 @@ class Trainer:
             src = init_from_target(drafter, self.target.model, calibration_ids=calib)
             self.log_fn(f"draft layers initialised from target layers {src}")
         return drafter
+
+    def _drafter_from(self, path: Path) -> DFlashDrafter:
+        """A drafter directory as the starting point; its shape must be the run's."""
+        from blockspec.models.drafter import check_compatible
+
+        cfg = self.cfg
+        drafter = load_drafter(path, dtype=torch.float32, device=str(self.device), draft_vocab=False)
+        d = drafter.cfg
+        tcfg = getattr(self.target.model.config, "text_config", None) or self.target.model.config
+        check_compatible(d, hidden_size=int(tcfg.hidden_size), vocab_size=int(tcfg.vocab_size),
+                         num_layers=int(tcfg.num_hidden_layers))
+        wanted = {"--num-layers": (d.num_hidden_layers, cfg.num_layers), "--block-size": (d.block_size, cfg.block_size),
+                  "--mask-token-id": (d.mask_token_id, cfg.mask_token_id),
+                  "--target-layer-ids": (tuple(d.target_layer_ids), cfg.target_layer_ids or tuple(d.target_layer_ids))}
+        for flag, (have, want) in wanted.items():
+            if have != want:
+                raise ConfigError(f"--init {path}: the drafter has {flag} {have}, the run asks for {want}; "
+                                  f"drop {flag} (it is read from the drafter) or start from 'target'/'random'")
+        self.log_fn(f"draft weights initialised from {path}")
+        return drafter.train()
 
     # ------------------------------------------------------------------ data order
 
@@ -585,7 +608,6 @@ class Trainer:
     def train(self) -> dict:
         """Runs until the step budget, the time limit or SIGTERM/SIGINT; returns the last records."""
         cfg = self.cfg
-        self.examples_by_id = {e.id: e for e in self.examples}
         if self.dist.main:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2, default=str) + "\n")
