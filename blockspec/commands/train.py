@@ -76,8 +76,9 @@ def run(args: argparse.Namespace) -> int:
     from blockspec.text import encode_prompt
     from blockspec.train.data import heldout_prompts, read_examples
     from blockspec.train.features import FeatureStore
-    from blockspec.train.trainer import TrainConfig, Trainer
+    from blockspec.train.trainer import TrainConfig, Trainer, init_source
 
+    source = init_source(args.init)  # before the target loads: a wrong path fails at once
     if args.threads:
         torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -86,11 +87,7 @@ def run(args: argparse.Namespace) -> int:
         torch.cuda.set_device(device)
     target, tokenizer = load_hf_target(resolve_target_dir(args.target), dtype=args.dtype, device=device)
     n_layers = target.info.num_layers
-    start = None
-    if args.init not in ("target", "random"):
-        if not os.path.isdir(args.init):
-            raise ConfigError(f"--init must be 'target', 'random' or a drafter directory; {args.init!r} is none")
-        start = read_drafter_config(args.init)
+    start = read_drafter_config(source) if source is not None else None
     num_layers = args.num_layers if args.num_layers is not None else (start.num_hidden_layers if start else 1)
     block_size = args.block_size if args.block_size is not None else (start.block_size if start else 16)
     mask_token_id = args.mask_token_id if args.mask_token_id is not None else (

@@ -73,9 +73,7 @@ class TrainConfig:
     parallel: str = "ddp"
 
     def __post_init__(self) -> None:
-        if self.init not in ("target", "random") and not (Path(self.init) / "config.json").is_file():
-            raise ConfigError(f"--init must be 'target', 'random' or a drafter directory with a config.json, "
-                              f"got {self.init!r}")
+        init_source(self.init)
         if self.loss_vocab not in ("full", "data"):
             raise ConfigError(f"--loss-vocab must be 'full' or 'data', got {self.loss_vocab!r}")
         if self.precision not in ("fp32", "bf16"):
@@ -94,6 +92,16 @@ class TrainConfig:
             raise ConfigError("--lr and --epochs must be positive")
         if not 0 <= self.warmup < 1 or not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError("--warmup must be in [0, 1) and --min-lr-ratio in [0, 1]")
+
+
+def init_source(init: str) -> Path | None:
+    """The drafter directory `--init` names, or None for "target" / "random"."""
+    if init in ("target", "random"):
+        return None
+    if not (Path(init) / "config.json").is_file():
+        raise ConfigError(f"--init must be 'target', 'random' or a drafter directory with a config.json, "
+                          f"got {init!r}")
+    return Path(init)
 
 
 def lr_factor(step: int, total: int, warmup: float, min_ratio: float) -> float:
@@ -355,8 +363,9 @@ class Trainer:
         if cfg.mask_token_id is None:
             raise ConfigError("a mask token id is needed (--mask-token-id)")
         torch.manual_seed(cfg.seed)
-        if cfg.init not in ("target", "random"):
-            return self._drafter_from(Path(cfg.init))
+        source = init_source(cfg.init)
+        if source is not None:
+            return self._drafter_from(source)
         drafter = new_drafter_for_target(
             self.target.model.config, mask_token_id=cfg.mask_token_id, num_layers=cfg.num_layers,
             block_size=cfg.block_size, target_layer_ids=cfg.target_layer_ids, seed=cfg.seed,
