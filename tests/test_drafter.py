@@ -188,6 +188,11 @@ def test_draft_vocabulary_restricts_proposals_and_round_trips(tmp_path: Path) ->
     others = [t for t in range(full.shape[-1]) if t not in vocab]
     assert torch.isinf(restricted[..., others]).all()
     assert set(restricted.argmax(-1).flatten().tolist()) <= set(vocab)
+    # The greedy shortcut (no full-vocabulary logits) proposes the same tokens, with or without.
+    assert torch.equal(drafter.greedy_tokens(hidden, head), restricted.argmax(-1))
+    drafter.set_draft_vocab(None)
+    assert torch.equal(drafter.greedy_tokens(hidden, head), full.argmax(-1))
+    drafter.set_draft_vocab(vocab, drafter.cfg.vocab_size)
     path = save_drafter(drafter, tmp_path / "d")
     assert load_drafter(path).draft_vocab.tolist() == vocab
     assert load_drafter(path, draft_vocab=False).draft_vocab is None

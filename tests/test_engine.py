@@ -182,7 +182,7 @@ def test_adaptive_choice_follows_acceptance_and_cost() -> None:
 
 def test_calibration_covers_every_bucket_and_block_end() -> None:
     assert buckets_up_to(1) == [1] and buckets_up_to(5) == [1, 2, 4, 8] and buckets_up_to(32)[-1] == 32
-    assert calibration_sizes(16) == [1, 2, 4, 8, 16] and calibration_sizes(10) == [1, 2, 4, 8, 10]
+    assert calibration_sizes(16) == [1, 2, 3, 4, 6, 8, 12, 16] and calibration_sizes(10) == [1, 2, 3, 4, 6, 8, 10]
 
 
 def test_adaptive_policy_probes_while_plain_decoding_wins() -> None:

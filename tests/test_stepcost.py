@@ -11,12 +11,17 @@ from blockspec.errors import ConfigError
 
 
 def test_stepcost_runs_on_a_tiny_shape(capsys) -> None:
-    assert stepcost.main(["--shape", "tiny", "--draft-layers", "1", "--batch", "1,2", "--context", "16",
-                          "--steps", "2", "--device", "cpu"]) == 0
+    assert stepcost.main(["--shape", "tiny", "--draft-layers", "1", "--batch", "1,2", "--block", "4,16",
+                          "--context", "16", "--steps", "2", "--device", "cpu", "--small-rows", "1"]) == 0
     out = capsys.readouterr().out
-    assert "| batch | plain step (ms) | DFlash step (ms) | DFlash / plain |" in out
+    assert "| batch | block | plain step (ms) | DFlash step (ms) | DFlash / plain |" in out
     rows = json.loads(out.strip().splitlines()[-1])["rows"]
-    assert [r["batch"] for r in rows] == [1, 2]
+    assert [(r["batch"], r["block"]) for r in rows] == [(1, 4), (1, 16), (2, 4), (2, 16)]
+    from blockspec.models import linear
+
+    assert linear.SMALL_ROWS == 64  # --small-rows applies to that run only
+    with pytest.raises(ConfigError, match="--block"):
+        stepcost.main(["--shape", "tiny", "--block", "1"])
     assert all(r["plain_ms"] > 0 and r["dflash_ms"] > 0 and r["ratio"] == pytest.approx(
         r["dflash_ms"] / r["plain_ms"], rel=1e-2) for r in rows)
 

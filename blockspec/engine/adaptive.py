@@ -74,16 +74,25 @@ class CostModel:
 
 def expected_tokens(rates: list[float], block: int, remaining: int) -> float:
     """E(block) for one row: 1 + sum over k < block-1 of prod_{j<=k} rates[j], capped."""
-    total, p = 1.0, 1.0
-    for k in range(min(block - 1, len(rates))):
-        p *= rates[k]
-        total += p
-    return min(total, float(max(1, remaining)))
+    return expected_by_block(rates, block, remaining)[-1]
+
+
+def expected_by_block(rates: list[float], max_block: int, remaining: int) -> list[float]:
+    """[E(1), ..., E(max_block)] for one row, in one pass."""
+    out, total, p = [1.0], 1.0, 1.0
+    cap = float(max(1, remaining))
+    for k in range(max_block - 1):
+        if k < len(rates):
+            p *= rates[k]
+            total += p
+        out.append(total)
+    return [min(e, cap) for e in out]
 
 
 def calibration_sizes(max_block: int) -> list[int]:
-    """Block sizes timed by `calibrate`; the others are interpolated (costs are near linear)."""
-    return sorted({n for n in (1, 2, 4, 8, 16, 32, 64) if n <= max_block} | {max_block})
+    """Block sizes timed by `calibrate`; the others are interpolated. Dense at small sizes: on a
+    CPU the cost is flat up to a few rows and then jumps (models/linear.py)."""
+    return sorted({n for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if n <= max_block} | {max_block})
 
 
 def buckets_up_to(max_batch: int) -> list[int]:
@@ -145,7 +154,7 @@ def calibrate(batch: DecodeBatch, size: int, max_block: int, context: int = 8, r
                     dcache.reserve(context + max_block, context + max_block)
                 ctx_pos = torch.full_like(positions[:, :1], EMPTY)
                 hidden = batch.draft(feats[:, :1], ctx_pos, target.embed(draft_ids), draft_pos, dcache)
-                batch.drafter.logits(hidden[:, 1:n], target.head()).argmax(dim=-1).tolist()
+                batch.drafter.greedy_tokens(hidden[:, 1:n], target.head()).tolist()
             if hasattr(tcache, "reserve"):
                 tcache.reserve(context + n)
             logits, _ = target.forward(block_ids, block_pos, tcache, layer_ids)
@@ -189,9 +198,14 @@ class AdaptiveBlock:
                 self.global_accepted[k] += r.stats.accepted_by_position[k] - acc0[k]
                 self.global_tries[k] += r.tries[k] - tries0[k]
 
-    def expected(self, rows: list[Row], block: int) -> float:
+    def expected(self, rows: list[Row]) -> list[float]:
+        """Expected committed tokens of the whole batch for block sizes 1..max_block."""
         prior = self.global_rates()
-        return sum(expected_tokens(r.acceptance_rates(prior), block, r.remaining) for r in rows)
+        totals = [0.0] * self.max_block
+        for r in rows:
+            for i, e in enumerate(expected_by_block(r.acceptance_rates(prior), self.max_block, r.remaining)):
+                totals[i] += e
+        return totals
 
     def calibrate_all(self, batch: DecodeBatch, max_batch: int) -> None:
         """Calibrates every batch-size bucket up to `max_batch` that is not known yet."""
@@ -209,8 +223,8 @@ class AdaptiveBlock:
         if not self.costs.known(b):
             self.costs.set(b, calibrate(batch, bucket(b), self.max_block))
         best, best_rate = 1, -1.0
-        for n in range(1, self.max_block + 1):
-            rate = self.expected(batch.rows, n) / self.costs.cost(b, n)
+        for n, tokens in enumerate(self.expected(batch.rows), start=1):
+            rate = tokens / self.costs.cost(b, n)
             if rate > best_rate:
                 best, best_rate = n, rate
         if best == 1:

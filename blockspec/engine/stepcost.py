@@ -1,6 +1,7 @@
 """Cost of one DFlash step over one plain decoding step, on a model of a given SHAPE.
 
     python -m blockspec.engine.stepcost --shape qwen3-8b --draft-layers 5 --batch 1,8,32 --device cuda
+    python -m blockspec.engine.stepcost --shape smollm2-135m --draft-layers 2 --block 2,4,8,16 --batch 1,8,16
 
 The target and drafter get random weights: the cost of a step depends on the shapes, not on the
 values (with random weights nothing is accepted, so every step commits one token and the context
@@ -31,6 +32,9 @@ SHAPES: dict[str, dict] = {
     "qwen3-4b": dict(model_type="qwen3", hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                      max_position_embeddings=40960, rope_theta=1_000_000.0, tie_word_embeddings=True),
+    "smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152,
+                         max_position_embeddings=8192, rope_theta=100_000.0, tie_word_embeddings=True),
     "tiny": dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
                  max_position_embeddings=4096, rope_theta=10_000.0, tie_word_embeddings=False),
@@ -102,37 +106,58 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
     ap.add_argument("--draft-layers", type=int, default=5)
-    ap.add_argument("--block", type=int, default=16)
+    ap.add_argument("--block", default="16", help="comma-separated block sizes of the DFlash steps")
     ap.add_argument("--batch", default="1,8,32", help="comma-separated batch sizes")
     ap.add_argument("--context", type=int, default=512, help="tokens already in each row's cache")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="default bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--cuda-graphs", action="store_true", help="replay captured CUDA graphs (native target)")
+    ap.add_argument("--small-rows", type=int, default=None,
+                    help="CPU: largest row count of the small-row matmul path (models/linear.py); 1 turns it off")
     args = ap.parse_args(argv)
+    from blockspec.models import linear
+
+    saved = linear.SMALL_ROWS
+    if args.small_rows is not None:
+        linear.SMALL_ROWS = args.small_rows
+    try:
+        return _run(args)
+    finally:
+        linear.SMALL_ROWS = saved
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        blocks = [int(b) for b in args.block.split(",")]
+        batches = [int(b) for b in args.batch.split(",")]
+    except ValueError:
+        raise ConfigError(f"--block and --batch take comma-separated integers, got {args.block!r} and {args.batch!r}") from None
+    if not blocks or min(blocks) < 2 or not batches or min(batches) < 1:
+        raise ConfigError("--block sizes must be >= 2 (1 is the plain step) and --batch sizes >= 1")
     from blockspec.models.drafter import new_drafter_for_target
 
     dtype = DTYPES[args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")]
-    batches = [int(b) for b in args.batch.split(",")]
     target = random_target(args.shape, device=args.device, dtype=dtype)
     if args.cuda_graphs:
-        target.enable_cuda_graphs(max_block=args.block)
+        target.enable_cuda_graphs(max_block=max(blocks))
     drafter = new_drafter_for_target(target.config, mask_token_id=target.info.vocab_size - 1,
-                                     num_layers=args.draft_layers, block_size=args.block, dtype=dtype)
+                                     num_layers=args.draft_layers, block_size=max(blocks), dtype=dtype)
     drafter = drafter.to(args.device).eval()
     rows = []
     for b in batches:
         plain = step_seconds(target, None, 1, b, args.context, args.steps, args.device)
-        spec = step_seconds(target, drafter, args.block, b, args.context, args.steps, args.device)
-        rows.append({"batch": b, "plain_ms": round(plain * 1e3, 3), "dflash_ms": round(spec * 1e3, 3),
-                     "ratio": round(spec / plain, 3)})
+        for block in blocks:
+            spec = step_seconds(target, drafter, block, b, args.context, args.steps, args.device)
+            rows.append({"batch": b, "block": block, "plain_ms": round(plain * 1e3, 3),
+                         "dflash_ms": round(spec * 1e3, 3), "ratio": round(spec / plain, 3)})
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
-    print(f"shape {args.shape}, {args.draft_layers}-layer drafter, block {args.block}, context {args.context}, "
+    print(f"shape {args.shape}, {args.draft_layers}-layer drafter, context {args.context}, "
           f"{str(dtype).removeprefix('torch.')}, {device}{', CUDA graphs' if args.cuda_graphs else ''}\n")
-    print("| batch | plain step (ms) | DFlash step (ms) | DFlash / plain |")
-    print("|---|---|---|---|")
+    print("| batch | block | plain step (ms) | DFlash step (ms) | DFlash / plain |")
+    print("|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['batch']} | {r['plain_ms']:.2f} | {r['dflash_ms']:.2f} | {r['ratio']:.2f} |")
+        print(f"| {r['batch']} | {r['block']} | {r['plain_ms']:.2f} | {r['dflash_ms']:.2f} | {r['ratio']:.2f} |")
     print(json.dumps({"shape": args.shape, "device": device, "dtype": str(dtype), "rows": rows}))
     return 0
 

@@ -18,6 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from blockspec.errors import CheckpointError, CompatibilityError, ConfigError
+from blockspec.models.linear import linear
 from blockspec.models.rope import Rotary, apply_rope, rope_inv_freq
 from blockspec.models.slots import EMPTY, SlotTable, gather_slots
 
@@ -421,9 +422,18 @@ class DFlashDrafter(nn.Module):
         if self.draft_vocab is None:
             return self._shape_logits(head(hidden))
         weight, bias = self._restricted_head(head)
-        sub = self._shape_logits(F.linear(hidden, weight, bias))  # [.., Vd]
+        sub = self._shape_logits(linear(hidden, weight, bias))  # [.., Vd]
         full = sub.new_full((*sub.shape[:-1], head.weight.shape[0]), float("-inf"))
         return full.index_copy_(-1, self.draft_vocab, sub)
+
+    def greedy_tokens(self, hidden: torch.Tensor, head: nn.Module) -> torch.Tensor:
+        """argmax of `logits(hidden, head)` [..] without building full-vocabulary logits."""
+        if self.draft_vocab is None:
+            return self.logits(hidden, head).argmax(dim=-1)
+        weight, bias = self._restricted_head(head)
+        sub = self._shape_logits(linear(hidden, weight, bias))  # [.., Vd]
+        # draft_vocab is sorted, so ties break towards the lower token id as a full argmax would.
+        return self.draft_vocab[sub.argmax(dim=-1)]
 
     def _restricted_head(self, head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
         w = head.weight

@@ -441,10 +441,10 @@ class DecodeBatch:
                 self.dcache.reserve(top - q + w, self.draft_top)
             draft_pos = positions if w == q else self.cur[:, None] + self.offsets[:w]  # [b, w]
             hidden = self.draft(self.pending_feats, self.pending_pos, embeds, draft_pos, self.dcache)
-            draft_logits = self.drafter.logits(hidden[:, 1:q], self.target.head())  # [b, q-1, V]
             if greedy:
-                block_ids[:, 1:] = draft_logits.argmax(dim=-1)
+                block_ids[:, 1:] = self.drafter.greedy_tokens(hidden[:, 1:q], self.target.head())  # [b, q-1]
             else:
+                draft_logits = self.drafter.logits(hidden[:, 1:q], self.target.head())  # [b, q-1, V]
                 draft_probs = self._probs(draft_logits)
                 block_ids[:, 1:] = sample_from(draft_probs, self.random.uniforms(q - 1).to(d))
             self.pending_feats = None

@@ -2,7 +2,8 @@
 
 Numerically the same computation as the Hugging Face modeling code (RMSNorm in fp32, RoPE angles
 in fp32, SDPA attention), arranged for speed: q/k/v projections are fused into one matmul, one-token
-forwards use transposed [in, out] copies of the widest matrices (faster GEMV on CPU), K/V go
+forwards use transposed [in, out] copies of the widest matrices (faster GEMV on CPU), blocks of a
+few tokens the CPU path of models/linear.py, K/V go
 straight into the preallocated cache (models/native/cache.py), and grouped query heads attend
 as [kv_heads, groups * q] so the cache is never repeated per query head.
 """
@@ -15,6 +16,7 @@ from torch.nn import functional as F
 
 from blockspec.models.native.cache import KVStore, StaticCache, attention_mask
 from blockspec.models.native.config import NativeConfig
+from blockspec.models.linear import linear
 from blockspec.models.rope import Rotary, rope_inv_freq
 from blockspec.models.slots import EMPTY
 from blockspec.models.target import TargetInfo
@@ -135,7 +137,7 @@ class NativeLlama(nn.Module):
         single = self.single if b * q == 1 else None
         for i, layer in enumerate(self.layers):
             y = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
-            qkv = layer.qkv(y) if single is None else _matmul(y, single[i][0], layer.qkv.bias)
+            qkv = linear(y, layer.qkv.weight, layer.qkv.bias) if single is None else _matmul(y, single[i][0], layer.qkv.bias)
             qs, ks, vs = qkv.split(self._split, dim=-1)
             qs = qs.view(b, q, h, d)
             ks = ks.view(b, q, kvh, d)
@@ -155,13 +157,13 @@ class NativeLlama(nn.Module):
                 scale=self.scale,
             )
             out = out.view(b, kvh, g, q, d).permute(0, 3, 1, 2, 4).reshape(b, q, h * d)
-            x = x + layer.o(out)
+            x = x + linear(out, layer.o.weight, layer.o.bias)
             y = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
             if single is None:
-                gate, up = layer.gate(y), layer.up(y)
+                gate, up = linear(y, layer.gate.weight, layer.gate.bias), linear(y, layer.up.weight, layer.up.bias)
             else:
                 gate, up = _matmul(y, single[i][1], single[i][2]).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
+            x = x + linear(F.silu(gate) * up, layer.down.weight, layer.down.bias)
             if i in wanted and i != last:
                 captured[i] = x
         cache.note_written(positions)
@@ -173,7 +175,7 @@ class NativeLlama(nn.Module):
         if self.single_head is not None and x.shape[0] * x.shape[1] == 1:
             logits = x @ self.single_head
         else:
-            logits = self.lm_head(x)
+            logits = linear(x, self.lm_head.weight, self.lm_head.bias)
         return logits, features
 
 
