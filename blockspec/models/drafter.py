@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from blockspec.errors import CheckpointError, CompatibilityError, ConfigError
-from blockspec.models.linear import linear
+from blockspec.models.linear import linear, project
 from blockspec.models.rope import Rotary, apply_rope, rope_inv_freq
 from blockspec.models.slots import EMPTY, SlotTable, gather_slots
 
@@ -308,7 +308,7 @@ class DraftMLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return project(self.down_proj, F.silu(project(self.gate_proj, x)) * project(self.up_proj, x))
 
 
 class DraftLayer(nn.Module):
@@ -421,8 +421,7 @@ class DFlashDrafter(nn.Module):
         the draft vocabulary when one is set (only those head rows are computed)."""
         if self.draft_vocab is None:
             return self._shape_logits(head(hidden))
-        weight, bias = self._restricted_head(head)
-        sub = self._shape_logits(linear(hidden, weight, bias))  # [.., Vd]
+        sub = self._draft_vocab_logits(hidden, head)  # [.., Vd]
         full = sub.new_full((*sub.shape[:-1], head.weight.shape[0]), float("-inf"))
         return full.index_copy_(-1, self.draft_vocab, sub)
 
@@ -430,10 +429,12 @@ class DFlashDrafter(nn.Module):
         """argmax of `logits(hidden, head)` [..] without building full-vocabulary logits."""
         if self.draft_vocab is None:
             return self.logits(hidden, head).argmax(dim=-1)
-        weight, bias = self._restricted_head(head)
-        sub = self._shape_logits(linear(hidden, weight, bias))  # [.., Vd]
         # draft_vocab is sorted, so ties break towards the lower token id as a full argmax would.
-        return self.draft_vocab[sub.argmax(dim=-1)]
+        return self.draft_vocab[self._draft_vocab_logits(hidden, head).argmax(dim=-1)]
+
+    def _draft_vocab_logits(self, hidden: torch.Tensor, head: nn.Module) -> torch.Tensor:
+        weight, bias = self._restricted_head(head)
+        return self._shape_logits(linear(hidden, weight, bias))  # [.., Vd]
 
     def _restricted_head(self, head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
         w = head.weight

@@ -16,12 +16,8 @@ from torch import nn
 
 from blockspec.models.drafter import DFlashDrafter
 from blockspec.models.native.cache import KVStore, StaticCache, attention_mask
-from blockspec.models.linear import linear
+from blockspec.models.linear import project
 from blockspec.models.native.llama import rope_bqhd
-
-
-def _proj(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return linear(x, module.weight, module.bias)
 
 
 def has_standard_forward(drafter: nn.Module) -> bool:
@@ -104,7 +100,7 @@ class StaticDrafter:
         if not cache.fresh:
             cache.reserve(int(block_positions.max()) + 1)
         horizon = cache.horizon
-        ctx = m.hidden_norm(_proj(m.fc, ctx_features))  # [b, c, H]
+        ctx = m.hidden_norm(project(m.fc, ctx_features))  # [b, c, H]
         dtype = block_embeds.dtype
         cos_b, sin_b = (t[:, :, None] for t in m.rotary(block_positions, dtype))  # [b, q, 1, d]
         cos_c, sin_c = (t[:, :, None] for t in m.rotary(ctx_positions, dtype))
@@ -118,13 +114,13 @@ class StaticDrafter:
             if kind not in masks:
                 masks[kind] = None if (b == 1 and self.plain) else self._mask(kind, block_positions, horizon, g)
             y = layer.input_layernorm(x)
-            qs = rope_bqhd(attn.q_norm(_proj(attn.q_proj, y).view(b, q, h, d)), cos_b, sin_b)
-            kb = rope_bqhd(attn.k_norm(_proj(attn.k_proj, y).view(b, q, kvh, d)), cos_b, sin_b)
-            vb = _proj(attn.v_proj, y).view(b, q, kvh, d)
+            qs = rope_bqhd(attn.q_norm(project(attn.q_proj, y).view(b, q, h, d)), cos_b, sin_b)
+            kb = rope_bqhd(attn.k_norm(project(attn.k_proj, y).view(b, q, kvh, d)), cos_b, sin_b)
+            vb = project(attn.v_proj, y).view(b, q, kvh, d)
             k_cache, v_cache = cache.layer(i)
             if c:
-                k_cache[rows, :, ctx_slots] = rope_bqhd(attn.k_norm(_proj(attn.k_proj, ctx).view(b, c, kvh, d)), cos_c, sin_c)
-                v_cache[rows, :, ctx_slots] = _proj(attn.v_proj, ctx).view(b, c, kvh, d)
+                k_cache[rows, :, ctx_slots] = rope_bqhd(attn.k_norm(project(attn.k_proj, ctx).view(b, c, kvh, d)), cos_c, sin_c)
+                v_cache[rows, :, ctx_slots] = project(attn.v_proj, ctx).view(b, c, kvh, d)
             k_cache[rows, :, block_positions] = kb  # after the context: block K/V win in their slots
             v_cache[rows, :, block_positions] = vb
             qg = qs.view(b, q, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * q, d)
@@ -132,9 +128,7 @@ class StaticDrafter:
                 qg, k_cache[:, :, :horizon], v_cache[:, :, :horizon], attn_mask=masks[kind]
             )
             out = out.view(b, kvh, g, q, d).permute(0, 3, 1, 2, 4).reshape(b, q, h * d)
-            x = x + _proj(attn.o_proj, out)
-            y = layer.post_attention_layernorm(x)
-            mlp = layer.mlp
-            x = x + _proj(mlp.down_proj, torch.nn.functional.silu(_proj(mlp.gate_proj, y)) * _proj(mlp.up_proj, y))
+            x = x + project(attn.o_proj, out)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
         cache.fresh = False
         return m.norm(x)
