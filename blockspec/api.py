@@ -65,6 +65,7 @@ class Pipeline:
         drafter: DFlashDrafter | None,
         *,
         block_size: int | None = None,
+        adaptive_block: bool = False,
         drafter_source: str = "",
         target_source: str = "",
     ) -> None:
@@ -72,13 +73,18 @@ class Pipeline:
         self.tokenizer = tokenizer
         self.drafter = drafter
         size = block_size or (drafter.block_size if drafter is not None else 1)
-        self.decoder = SpecDecoder(target, drafter, SpecConfig(block_size=size))
+        self.decoder = SpecDecoder(target, drafter, SpecConfig(block_size=size, adaptive=adaptive_block and size > 1))
         self.drafter_source = drafter_source
         self.target_source = target_source
 
     @property
     def block_size(self) -> int:
+        """The block size, or with adaptive_block the largest one a step may use."""
         return self.decoder.spec.block_size
+
+    @property
+    def adaptive_block(self) -> bool:
+        return self.decoder.spec.adaptive
 
     def encode(self, prompt: str | Messages, *, chat: bool | None = None, **template_kwargs: object) -> list[int]:
         return encode_prompt(self.tokenizer, prompt, chat=chat, chat_template_kwargs=template_kwargs or None)
@@ -181,6 +187,7 @@ def load(
     dtype: str = "float32",
     device: str = "cpu",
     block_size: int | None = None,
+    adaptive_block: bool = False,
     drafter_layers: int = 1,
     seed: int = 0,
     backend: str = "auto",
@@ -193,6 +200,9 @@ def load(
     without a drafter (plain autoregressive).
     backend: "native" (own Llama/Qwen2/Qwen3 code, static KV cache), "hf" (any transformers
     causal LM) or "auto" (native when the architecture is supported).
+    block_size: the block size (default: the drafter's); with adaptive_block, the largest block
+    a step may use: each step then takes the size that maximises expected tokens per second from
+    the step costs measured on this machine (a CPU favours short blocks) and the acceptance so far.
     draft_vocab: use the drafter's draft_vocab.safetensors when it has one (proposals from the
     tokens it was trained on; cheaper drafting, same output); False drafts from every token.
     """
@@ -224,5 +234,5 @@ def load(
         ).to(device)
     else:
         draft = load_drafter(drafter, dtype=torch_dtype, device=device, draft_vocab=draft_vocab)
-    return Pipeline(hf_target, tokenizer, draft, block_size=block_size, drafter_source=source,
-                    target_source=str(target))
+    return Pipeline(hf_target, tokenizer, draft, block_size=block_size, adaptive_block=adaptive_block,
+                    drafter_source=source, target_source=str(target))

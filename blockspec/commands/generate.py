@@ -22,6 +22,12 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=None, help="block size (default: the drafter's)")
 
 
+def add_adaptive_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--adaptive-block", action="store_true",
+                   help="choose each step's block size (up to --block-size) from step costs measured on this "
+                        "machine and the acceptance so far; same output, usually faster on a CPU")
+
+
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -33,6 +39,7 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
+    add_adaptive_argument(p)
     add_sampling_arguments(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="user message (chat template applied unless --raw)")
@@ -73,13 +80,16 @@ def run(args: argparse.Namespace) -> int:
 
     sampling = sampling_from_args(args)
     SamplingParams(**sampling)  # validate before the slow model load
-    pipe = load(args.target, args.drafter, dtype=args.dtype, device=args.device, block_size=args.block_size)
+    pipe = load(args.target, args.drafter, dtype=args.dtype, device=args.device, block_size=args.block_size,
+                adaptive_block=args.adaptive_block)
     kwargs = {"enable_thinking": args.thinking == "on"} if args.thinking else {}
     ids = pipe.encode(prompt_from_args(args), chat=not args.raw, **kwargs)
     params = SamplingParams(**sampling)
     stream = not (args.no_stream or args.json)
     out = run_one(pipe, ids, params, stream=stream)
     report = {"text": out.text, "finish_reason": out.finish_reason, "dflash": out.stats.as_dict(len(out.token_ids))}
+    if pipe.adaptive_block:
+        report["block_choices"] = pipe.decoder.block_choices
     if args.compare:
         plain = pipe.generate_ids([ids], params, block_size=1)[0]
         report["plain"] = plain.stats.as_dict(len(plain.token_ids))
@@ -90,8 +100,17 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if not stream:
         print(out.text)
-    print_summary(out, report, pipe.block_size, args.compare)
+    print_summary(out, report, block_label(pipe), args.compare)
     return 0
+
+
+def block_label(pipe) -> str:
+    """'block 16', or for the adaptive policy the sizes its steps used so far."""
+    if not pipe.adaptive_block:
+        return f"block {pipe.block_size}"
+    used = pipe.decoder.block_choices
+    most = ", ".join(f"{b}: {n}" for b, n in sorted(used.items(), key=lambda kv: -kv[1])[:4])
+    return f"adaptive block <= {pipe.block_size}; steps per block size {most or 'none yet'}"
 
 
 def run_one(pipe, ids: list[int], params, *, stream: bool):
@@ -111,11 +130,11 @@ def run_one(pipe, ids: list[int], params, *, stream: bool):
     return out
 
 
-def print_summary(out, report: dict, block_size: int, compare: bool) -> None:
+def print_summary(out, report: dict, block: str, compare: bool) -> None:
     s = out.stats
     err = sys.stderr
     print(f"\n[dflash] {len(out.token_ids)} tokens, {out.tokens_per_s:.1f} tok/s, mean tau {s.mean_tau:.2f} "
-          f"(block {block_size}), prefill {s.prefill_s * 1000:.0f} ms, finish: {out.finish_reason}", file=err)
+          f"({block}), prefill {s.prefill_s * 1000:.0f} ms, finish: {out.finish_reason}", file=err)
     if compare:
         p = report["plain"]
         same = "identical" if report["identical"] else "DIFFERENT (lossless check failed!)"

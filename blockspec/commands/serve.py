@@ -28,6 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
     parser.add_argument("--device", default="cpu", help="cpu | cuda[:N] | mps (default cpu)")
     parser.add_argument("--block-size", type=int, default=None, help="speculation block size (default: the drafter's)")
+    parser.add_argument("--adaptive-block", action="store_true",
+                        help="choose each step's block size (up to --block-size) from measured step costs and "
+                             "acceptance, so drafting never costs more than it buys under load (same output)")
     parser.add_argument("--max-batch", type=int, default=16, help="requests decoded together per step (default 16)")
     parser.add_argument("--max-queue", type=int, default=64,
                         help="waiting requests beyond the batch; more get HTTP 429 (default 64)")
@@ -44,12 +47,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         pipeline = load(args.target, args.drafter, dtype=args.dtype, device=args.device,
                         block_size=args.block_size)
-        config = EngineConfig(max_batch=args.max_batch, max_queue=args.max_queue, block_size=pipeline.block_size)
+        config = EngineConfig(max_batch=args.max_batch, max_queue=args.max_queue, block_size=pipeline.block_size,
+                              adaptive_block=args.adaptive_block)
         app = create_app(pipeline, engine_config=config, served_model_name=args.served_model_name,
                          api_key=args.api_key)
         state = app.state.blockspec
         drafter = pipeline.drafter_source or ("none" if pipeline.drafter is None else "fresh")
-        print(f"serving {state.served_model_name!r} (drafter: {drafter}, block size {pipeline.block_size}) "
+        print(f"serving {state.served_model_name!r} (drafter: {drafter}, block size "
+              f"{'adaptive, up to ' if args.adaptive_block else ''}{pipeline.block_size}) "
               f"at {url_of(sock)}/v1", flush=True)
         if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
             print("warning: listening beyond loopback without --api-key", file=sys.stderr, flush=True)

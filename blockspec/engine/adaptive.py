@@ -21,6 +21,7 @@ block size.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -39,37 +40,86 @@ def bucket(batch: int) -> int:
 
 @dataclass
 class CostModel:
-    """Seconds per step by (batch bucket, block size)."""
+    """Seconds per step by (batch bucket, block size): calibrated, then corrected by real steps.
+
+    A calibration runs on a short throwaway context, so its shape can be off at serving time
+    (attention over a long context adds cost per verified token; other work on the machine adds
+    cost per step). Real steps therefore override it: each block size that has run keeps its own
+    moving average, and a block size that has not run yet is estimated from its calibrated cost
+    times the measured/calibrated ratio of the nearest block sizes that have (interpolated), so
+    one step's surprise never leaks into plain decoding's cost as a whole. A repeat measurement
+    of a block size that drifted (longer contexts, machine load) moves the others' averages by a
+    damped share of the drift, since such drift hits every block size alike.
+    """
 
     max_block: int
     smoothing: float = 0.2
-    costs: dict[int, list[float]] = field(default_factory=dict)
+    calibrated: dict[int, list[float]] = field(default_factory=dict)
+    measured: dict[int, dict[int, float]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.max_block < 1:
+            raise ValueError(f"max_block must be >= 1, got {self.max_block}")
+        if not 0 < self.smoothing <= 1:
+            raise ValueError(f"smoothing must be in (0, 1], got {self.smoothing}")
 
     def known(self, batch: int) -> bool:
-        return bucket(batch) in self.costs
-
-    def cost(self, batch: int, block: int) -> float:
-        return self.costs[bucket(batch)][block - 1]
+        return bucket(batch) in self.calibrated
 
     def set(self, batch: int, costs: list[float]) -> None:
+        """Stores a calibration (seconds for block sizes 1..max_block) and forgets measurements."""
         if len(costs) != self.max_block:
             raise ValueError(f"need {self.max_block} costs, got {len(costs)}")
-        self.costs[bucket(batch)] = list(costs)
+        self.calibrated[bucket(batch)] = list(costs)
+        self.measured.pop(bucket(batch), None)
+
+    def table(self, batch: int) -> list[float]:
+        """Estimated seconds of a step at block sizes 1..max_block (non-decreasing)."""
+        base = self.calibrated[bucket(batch)]
+        seen = self.measured.get(bucket(batch), {})
+        ratios = {n: t / base[n - 1] for n, t in seen.items() if base[n - 1] > 0}
+        out = []
+        for n in range(1, self.max_block + 1):
+            if n in seen:
+                out.append(seen[n])
+            elif ratios:
+                out.append(base[n - 1] * _interpolated(ratios, n))
+            else:
+                out.append(base[n - 1])
+        return monotone(out)
+
+    def cost(self, batch: int, block: int) -> float:
+        return self.table(batch)[block - 1]
 
     def observe(self, batch: int, block: int, seconds: float) -> None:
-        """Moves the estimate towards a measured step; neighbours scale with it."""
-        table = self.costs.get(bucket(batch))
-        if table is None or seconds <= 0:
+        """Adds the measured time of one real step."""
+        b = bucket(batch)
+        if b not in self.calibrated or seconds <= 0:
             return
-        old = table[block - 1]
+        seen = self.measured.setdefault(b, {})
+        old = seen.get(block)
+        if old is None:
+            seen[block] = seconds
+            return
         new = (1 - self.smoothing) * old + self.smoothing * seconds
-        table[block - 1] = new
-        # Context growth and machine load shift all block sizes alike: share a damped ratio.
-        ratio = 1 + 0.25 * (new / old - 1) if old > 0 else 1.0
-        for i in range(len(table)):
-            if i != block - 1:
-                table[i] *= ratio
-        table[:] = monotone(table)
+        drift = 1 + 0.25 * (new / old - 1)
+        for n in seen:
+            seen[n] = new if n == block else seen[n] * drift
+
+
+def _interpolated(ratios: dict[int, float], n: int) -> float:
+    """Linear interpolation of measured/calibrated ratios at block size n (flat beyond the ends)."""
+    lower = [m for m in ratios if m <= n]
+    upper = [m for m in ratios if m >= n]
+    if not lower:
+        return ratios[min(upper)]
+    if not upper:
+        return ratios[max(lower)]
+    lo, hi = max(lower), min(upper)
+    if lo == hi:
+        return ratios[lo]
+    t = (n - lo) / (hi - lo)
+    return ratios[lo] + t * (ratios[hi] - ratios[lo])
 
 
 def expected_tokens(rates: list[float], block: int, remaining: int) -> float:
@@ -184,6 +234,7 @@ class AdaptiveBlock:
         self.probe_every = probe_every
         self.plain_streak = 0
         self.last_choice = 1
+        self.used: Counter[int] = Counter()  # steps run at each block size
 
     def global_rates(self) -> list[float]:
         weight = 8.0
@@ -223,8 +274,9 @@ class AdaptiveBlock:
         if not self.costs.known(b):
             self.costs.set(b, calibrate(batch, bucket(b), self.max_block))
         best, best_rate = 1, -1.0
+        costs = self.costs.table(b)
         for n, tokens in enumerate(self.expected(batch.rows), start=1):
-            rate = tokens / self.costs.cost(b, n)
+            rate = tokens / costs[n - 1]
             if rate > best_rate:
                 best, best_rate = n, rate
         if best == 1:
@@ -247,5 +299,6 @@ class AdaptiveBlock:
         t0 = time.perf_counter()
         used = batch.step(block, draft_width=self.max_block)
         self.costs.observe(b, used, time.perf_counter() - t0)
+        self.used[used] += 1
         self.record(batch.rows, before)
         return used

@@ -420,7 +420,7 @@ class DFlashDrafter(nn.Module):
         """Draft logits from hidden states with the target's output head [.., V]; -inf outside
         the draft vocabulary when one is set (only those head rows are computed)."""
         if self.draft_vocab is None:
-            return self._shape_logits(head(hidden))
+            return self._shape_logits(project(head, hidden) if isinstance(head, nn.Linear) else head(hidden))
         sub = self._draft_vocab_logits(hidden, head)  # [.., Vd]
         full = sub.new_full((*sub.shape[:-1], head.weight.shape[0]), float("-inf"))
         return full.index_copy_(-1, self.draft_vocab, sub)

@@ -148,6 +148,19 @@ class SpecDecoder:
             )
         elif self.spec.block_size > 1:
             raise ConfigError("block_size > 1 needs a drafter; pass one, or use block_size=1 for plain decoding")
+        self._adaptive = None  # the adaptive block policy: step costs measured here, kept across calls
+
+    @property
+    def block_choices(self) -> dict[int, int]:
+        """Steps run at each block size by the adaptive policy so far (empty when it is off)."""
+        return dict(self._adaptive.used) if self._adaptive is not None else {}
+
+    def _adaptive_policy(self, block: int) -> object:
+        from blockspec.engine.adaptive import AdaptiveBlock  # the engine package builds on this module
+
+        if self._adaptive is None or self._adaptive.max_block != block:
+            self._adaptive = AdaptiveBlock(block)
+        return self._adaptive
 
     def check_request(self, prompt_len: int, params: SamplingParams) -> None:
         """Raises ContextLengthError if a request cannot fit the target's context."""
@@ -180,6 +193,9 @@ class SpecDecoder:
         capture_layer_ids: tuple[int, ...] = (),
     ) -> list[GenerationResult]:
         """Generates for every prompt; returns results in prompt order.
+
+        block_size: a fixed block size for this call; None takes the SpecConfig's (adaptive
+        when `spec.adaptive`: each step's block size up to spec.block_size is chosen by cost).
 
         capture_layer_ids: also return the target features of these layers for every position
         (what drafter training needs), for free from the passes decoding makes anyway.
@@ -219,9 +235,13 @@ class SpecDecoder:
         for r in rows:
             r.stats.prefill_s = prefill_s
         report()
+        policy = self._adaptive_policy(block) if self.spec.adaptive and block_size is None and block > 1 else None
         t1 = time.perf_counter()
         while batch.rows:
-            batch.step(block)
+            if policy is not None:
+                policy.step(batch)
+            else:
+                batch.step(block)
             now = time.perf_counter()
             for r in batch.rows:
                 r.stats.decode_s = now - t1

@@ -16,7 +16,7 @@ from torch.nn import functional as F
 
 from blockspec.models.native.cache import KVStore, StaticCache, attention_mask
 from blockspec.models.native.config import NativeConfig
-from blockspec.models.linear import linear
+from blockspec.models.linear import project
 from blockspec.models.rope import Rotary, rope_inv_freq
 from blockspec.models.slots import EMPTY
 from blockspec.models.target import TargetInfo
@@ -137,7 +137,7 @@ class NativeLlama(nn.Module):
         single = self.single if b * q == 1 else None
         for i, layer in enumerate(self.layers):
             y = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
-            qkv = linear(y, layer.qkv.weight, layer.qkv.bias) if single is None else _matmul(y, single[i][0], layer.qkv.bias)
+            qkv = project(layer.qkv, y) if single is None else _matmul(y, single[i][0], layer.qkv.bias)
             qs, ks, vs = qkv.split(self._split, dim=-1)
             qs = qs.view(b, q, h, d)
             ks = ks.view(b, q, kvh, d)
@@ -157,13 +157,13 @@ class NativeLlama(nn.Module):
                 scale=self.scale,
             )
             out = out.view(b, kvh, g, q, d).permute(0, 3, 1, 2, 4).reshape(b, q, h * d)
-            x = x + linear(out, layer.o.weight, layer.o.bias)
+            x = x + project(layer.o, out)
             y = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
             if single is None:
-                gate, up = linear(y, layer.gate.weight, layer.gate.bias), linear(y, layer.up.weight, layer.up.bias)
+                gate, up = project(layer.gate, y), project(layer.up, y)
             else:
                 gate, up = _matmul(y, single[i][1], single[i][2]).chunk(2, dim=-1)
-            x = x + linear(F.silu(gate) * up, layer.down.weight, layer.down.bias)
+            x = x + project(layer.down, F.silu(gate) * up)
             if i in wanted and i != last:
                 captured[i] = x
         cache.note_written(positions)
@@ -175,7 +175,7 @@ class NativeLlama(nn.Module):
         if self.single_head is not None and x.shape[0] * x.shape[1] == 1:
             logits = x @ self.single_head
         else:
-            logits = linear(x, self.lm_head.weight, self.lm_head.bias)
+            logits = project(self.lm_head, x)
         return logits, features
 
 
