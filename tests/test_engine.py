@@ -180,24 +180,28 @@ def test_spec_decoder_adaptive_block_is_lossless_and_adapts(setup) -> None:
         assert decoder.block_choices == used  # an explicit block size bypasses the policy
 
 
-def test_wide_drafts_verified_narrow_stay_lossless(setup) -> None:
-    """step(block, draft_width): the drafter sees its full width, only `block` tokens are verified."""
+def test_adaptive_steps_draft_only_the_chosen_width(setup) -> None:
+    """A short adaptive block costs what a fixed short block costs: the drafter sees exactly the
+    chosen width (not the max block), and the output stays the target's own."""
     from blockspec.spec.decode import DecodeBatch, make_row
 
     model, target, prompts, truths = setup
-    drafter = new_drafter_for_target(model.config, mask_token_id=47, num_layers=1, block_size=8, dtype=torch.float64)
+    drafter = OracleDrafter(model, target, prompts, truths, wrong_every=3)  # favours small blocks
     batch = DecodeBatch(target, drafter, max_block=8)
     params = SamplingParams(max_new_tokens=30)
     rows = [make_row(i, len(p), params, (), 8) for i, p in enumerate(prompts[:3])]
     batch.join(prompts[:3], rows)
-    widths, verified = [], []
-    draft, logits = batch.draft, batch.drafter.logits
+    policy = AdaptiveBlock(8, costs=_FixedCosts(max_block=8))
+    policy.calibrate_all(batch, 4)  # before counting: calibration drafts every width itself
+    widths, chosen = [], []
+    draft = batch.draft
     batch.draft = lambda f, fp, emb, pos, cache: (widths.append(emb.shape[1]), draft(f, fp, emb, pos, cache))[1]
-    batch.drafter.logits = lambda h, head: (verified.append(h.shape[1]), logits(h, head))[1]
-    while any(r.finish_reason is None for r in rows):
-        batch.step(3, draft_width=8)
+    while len(batch):
+        chosen.append(policy.step(batch))
+        batch.retire()
     assert [r.generated for r in rows] == truths[:3]
-    assert set(widths) == {8} and set(verified) <= {1, 2}  # 2 proposals; 1 when a row nears its end
+    drafting = [n for n in chosen if n > 1]
+    assert widths == drafting and drafting and max(drafting) < 8, (chosen, widths)
 
 
 def test_adaptive_choice_follows_acceptance_and_cost() -> None:

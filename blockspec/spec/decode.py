@@ -428,19 +428,15 @@ class DecodeBatch:
         return probabilities(logits, self.temperature, self.top_k, self.top_p)
 
     @torch.inference_mode()
-    def step(self, block: int, draft_width: int | None = None) -> int:
+    def step(self, block: int) -> int:
         """Drafts (block > 1), verifies and commits for every row; returns the block size used.
 
-        draft_width > block drafts that many positions (last token + masks) and verifies only
-        the first `block`: the drafter then always sees the block width it was trained with, so
-        the acceptance of a proposal does not depend on how many are verified (what the adaptive
-        block size relies on). The only host synchronisation is the read-back of committed tokens.
+        The only host synchronisation is the read-back of committed tokens.
         """
         rows = self.rows
         b = len(rows)
         remaining = [r.remaining for r in rows]
         q = max(1, min(block, self.max_block, max(remaining)))
-        w = max(q, min(draft_width or q, self.max_block))  # drafted positions
         d = self.device
         offsets = self.offsets[:q]
         positions = self.cur[:, None] + offsets  # [b, q]
@@ -452,15 +448,14 @@ class DecodeBatch:
         greedy = self.all_greedy
         draft_probs = None
         if q > 1:
-            draft_ids = torch.full((b, w), self.drafter.mask_token_id, dtype=torch.long, device=d)
+            draft_ids = torch.full((b, q), self.drafter.mask_token_id, dtype=torch.long, device=d)
             draft_ids[:, 0] = self.last
-            embeds = self.target.embed(draft_ids)  # [b, w, H]
+            embeds = self.target.embed(draft_ids)  # [b, q, H]
             if self.embed_scale != 1.0:
                 embeds = embeds * self.embed_scale
             if _static_cache(self.dcache):
-                self.dcache.reserve(top - q + w, self.draft_top)
-            draft_pos = positions if w == q else self.cur[:, None] + self.offsets[:w]  # [b, w]
-            hidden = self.draft(self.pending_feats, self.pending_pos, embeds, draft_pos, self.dcache)
+                self.dcache.reserve(top, self.draft_top)
+            hidden = self.draft(self.pending_feats, self.pending_pos, embeds, positions, self.dcache)
             if greedy:
                 block_ids[:, 1:] = self.drafter.greedy_tokens(hidden[:, 1:q], self.target.head())  # [b, q-1]
             else:
