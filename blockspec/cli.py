@@ -16,6 +16,7 @@ VERBS: dict[str, str] = {
     "bench": "blockspec.commands.bench",
     "datagen": "blockspec.commands.datagen",
     "train": "blockspec.commands.train",
+    "evaluate": "blockspec.commands.evaluate",
     "serve": "blockspec.commands.serve",
     "demo": "blockspec.commands.demo",
 }
@@ -26,6 +27,7 @@ _SHORT_HELP = {
     "bench": "benchmark DFlash against autoregressive decoding on standard prompt sets",
     "datagen": "regenerate training responses with the target model itself",
     "train": "train a DFlash drafter for a target model",
+    "evaluate": "held-out acceptance length (tau) of drafters: the training recipe's shipping check",
     "serve": "OpenAI-compatible HTTP server with continuous batching",
     "demo": "run the built-in demo: a small real model with DFlash, showing the speedup",
 }

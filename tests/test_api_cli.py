@@ -134,3 +134,28 @@ def test_cli_bad_input_is_one_clear_line(tiny_model_dir: Path) -> None:
     assert r.stderr.strip().startswith("error: temperature must be") and "Traceback" not in r.stderr
     r = _cli("generate", "--target", "/nonexistent/model", "--prompt", "x")
     assert r.returncode == 2 and "Traceback" not in r.stderr
+
+
+def test_cli_evaluate_compares_drafters_on_heldout_prompts(tiny_model_dir: Path, tiny_drafter_dir: Path,
+                                                            tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    with open(data / "gsm8k_train.jsonl", "w") as f:
+        for i in range(5):
+            f.write(json.dumps({"question": f"Tom has {i + 3} apples and eats {i}. How many are left?",
+                                "answer": f"#### {3}"}) + "\n")
+    args = ("evaluate", "--target", str(tiny_model_dir), "--drafter", str(tiny_drafter_dir), "--drafter",
+            str(tiny_drafter_dir), "--prompts", "3", "--max-new-tokens", "8", "--data-dir", str(data))
+    r = _cli(*args, "--json")
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert len(rows) == 2 and all(row["prompts"] == 3 and row["block_size"] == 4 for row in rows)
+    assert 0 < rows[0]["generated_tokens"] <= 3 * 8 and rows[0]["steps"] >= rows[0]["generated_tokens"] / 4
+    # the prefill makes each prompt's first token; every step after it commits tau tokens on average
+    assert 1.0 <= rows[0]["tau"] <= 4.0 and rows[0]["tau"] * rows[0]["steps"] + 3 >= rows[0]["generated_tokens"]
+    assert rows[0]["tau"] == rows[1]["tau"]  # greedy: the same drafter scores the same
+    r = _cli(*args[:5], "--prompts", "2", "--max-new-tokens", "4", "--data-dir", str(data), "--block-size", "2")
+    assert r.returncode == 0, r.stderr
+    assert "held-out gsm8k TRAIN prompts: 2" in r.stdout and str(tiny_drafter_dir) in r.stdout
+    r = _cli(*args[:5], "--prompts", "0")
+    assert r.returncode == 2 and r.stderr.strip() == "error: --prompts must be >= 1, got 0"

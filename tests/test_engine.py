@@ -256,6 +256,29 @@ def test_adaptive_policy_probes_while_plain_decoding_wins() -> None:
     assert choices == [1, 1, 1, 3, 1, 1, 1, 1, 1, 1, 1, 3]  # probes back off: after 4, then 8
 
 
+def test_adaptive_policy_measures_plain_decoding_while_drafting_wins() -> None:
+    class Row:
+        remaining = 100
+
+        def acceptance_rates(self, prior):
+            return [0.9] * 7
+
+    class Batch:
+        drafter = object()
+        rows = [Row()]
+
+    costs = CostModel(max_block=8)
+    costs.set(1, [1.0] + [1.1] * 7)  # drafting pays on the calibration's word
+    policy = AdaptiveBlock(8, costs=costs, plain_every=3)
+    choices = [policy.choose(Batch) for _ in range(12)]
+    # a plain step first, then after 2 and 5 drafting steps: the check backs off
+    assert choices == [1, 8, 8, 1, 8, 8, 8, 8, 8, 1, 8, 8]
+    costs.observe(1, 8, 8.0)  # long contexts make wide blocks cost far more than calibrated...
+    assert policy.choose(Batch) > 1  # ...but unmeasured plain decoding is assumed to scale alike
+    costs.observe(1, 1, 1.0)  # what the plain check measures: plain decoding did not get dearer
+    assert policy.choose(Batch) == 1
+
+
 def test_cancel_frees_the_slot(setup) -> None:
     _, target, prompts, truths = setup
     engine = Engine(target, None, EngineConfig(max_batch=1, block_size=1))

@@ -12,7 +12,11 @@ batch-wide rates), capped by the row's remaining tokens.
 Block 1 (plain decoding, no draft pass) is always a candidate, so a weak drafter, a hard prompt
 or a large batch falls back to plain decoding instead of losing to it. While block 1 wins, a
 small probe block runs now and then (backing off exponentially) to notice when drafting pays
-again. A drafting step drafts only the chosen block's width, so a short block costs what a
+again. The other way round, while drafting wins, a plain step runs first and then now and then
+(also backing off) in each batch-size bucket: otherwise plain decoding's cost would only ever be
+the calibration's guess scaled like the drafting sizes, and the calibration's short context hides
+what a long context adds per verified token (at concurrency 16 that guess let block 3 run at a
+loss). A drafting step drafts only the chosen block's width, so a short block costs what a
 fixed short block costs; the per-position rates are shared by all widths, since a trained
 drafter's first positions are accepted about as often in a narrow block as in a wide one (stage-3
 SmolLM2 drafter, GSM8K-64: k=1..3 0.52/0.27/0.13 at block 4, 0.51/0.26/0.12 at block 16). The
@@ -221,7 +225,7 @@ class AdaptiveBlock:
     """Chooses each step's block size for a DecodeBatch (see the module docstring)."""
 
     def __init__(self, max_block: int, *, prior: float = 0.5, probe_block: int = 4, probe_every: int = 8,
-                 costs: CostModel | None = None) -> None:
+                 plain_every: int = 16, costs: CostModel | None = None) -> None:
         self.max_block = max_block
         self.costs = costs or CostModel(max_block)
         self.global_accepted = [0] * max(0, max_block - 1)
@@ -232,6 +236,8 @@ class AdaptiveBlock:
         self.probe_every = probe_every
         self.plain_streak = 0
         self.last_choice = 1
+        self.base_plain_every = plain_every
+        self.plain_checks: dict[int, tuple[int, int]] = {}  # bucket -> (drafting steps since, interval)
         self.used: Counter[int] = Counter()  # steps run at each block size
 
     def global_rates(self) -> list[float]:
@@ -286,7 +292,20 @@ class AdaptiveBlock:
         else:
             self.plain_streak = 0
             self.probe_every = self.base_probe_every
+            best = self._check_plain(bucket(b), best)
         self.last_choice = best
+        return best
+
+    def _check_plain(self, key: int, best: int) -> int:
+        """`best`, or 1 when plain decoding's real cost in this bucket is due a measurement."""
+        if key not in self.plain_checks:
+            self.plain_checks[key] = (0, self.base_plain_every)
+            return 1
+        since, every = self.plain_checks[key]
+        if since + 1 >= every:
+            self.plain_checks[key] = (0, min(every * 2, 256))
+            return 1
+        self.plain_checks[key] = (since + 1, every)
         return best
 
     def step(self, batch: DecodeBatch) -> int:
