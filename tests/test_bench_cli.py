@@ -42,6 +42,17 @@ def test_bench_command_writes_report(tmp_path, tiny_model_dir, tiny_drafter_dir,
     assert (out / "plot.png").stat().st_size > 1000
 
 
+def test_bench_adaptive_only_runs_plain_and_adaptive(tmp_path, tiny_model_dir, tiny_drafter_dir, capsys):
+    rc, out = _bench(tmp_path, tiny_model_dir, tiny_drafter_dir, "--datasets", "gsm8k", "--block-sizes", "4",
+                     "--adaptive-only", "--concurrency", "1,2")
+    assert rc == 0, capsys.readouterr().err
+    data = json.loads((out / "results.json").read_text())
+    assert sorted({s["runner"] for s in data["summaries"]}) == ["ar", "dflash auto<=b4"]
+    assert sorted({s["concurrency"] for s in data["summaries"]}) == [1, 2]
+    assert data["lossless"]["passed"] is True and "--adaptive-only" in data["meta"]["command"]
+    assert "| Task | Concurrency | AR | DFlash auto<=b4 (speedup) | τ auto<=b4 |" in (out / "report.md").read_text()
+
+
 def test_bench_needs_a_drafter(tmp_path, tiny_model_dir, capsys):
     rc = main(["bench", "--target", str(tiny_model_dir), "--drafter", "none", "--out", str(tmp_path)])
     assert rc == 2

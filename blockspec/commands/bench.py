@@ -84,6 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adaptive", action="store_true",
                         help="also run DFlash with adaptive block size (the engine picks each step's block, "
                              "up to the largest --block-sizes)")
+    parser.add_argument("--adaptive-only", action="store_true",
+                        help="run plain decoding (AR) and the adaptive runner only, no fixed block sizes "
+                             "(implies --adaptive)")
     parser.add_argument("--concurrency", type=_ints, default=(1,),
                         help="comma-separated numbers of requests decoded together, e.g. 1,4,8 (default 1)")
     parser.add_argument("--temperature", type=_floats, default=(0.0,),
@@ -206,7 +209,9 @@ def command_line(args: argparse.Namespace) -> str:
         parts += ["--block-sizes", joined(args.block_sizes)]
     parts += ["--concurrency", joined(args.concurrency), "--temperature", joined(args.temperature),
               "--max-new-tokens", str(args.max_new_tokens), "--thinking", args.thinking]
-    if args.adaptive:
+    if args.adaptive_only:
+        parts.append("--adaptive-only")
+    elif args.adaptive:
         parts.append("--adaptive")
     if args.baselines:
         parts += ["--baselines", joined(args.baselines)]
@@ -254,8 +259,10 @@ def run(args: argparse.Namespace) -> int:
     block_sizes = args.block_sizes or (pipe.drafter.block_size,)
     if 1 in block_sizes:
         raise ConfigError("--block-sizes lists DFlash block sizes (>= 2); plain decoding always runs as AR")
-    runners = [EngineRunner(pipe.target, None, 1)] + [EngineRunner(pipe.target, pipe.drafter, b) for b in block_sizes]
-    if args.adaptive:
+    runners = [EngineRunner(pipe.target, None, 1)]
+    if not args.adaptive_only:
+        runners += [EngineRunner(pipe.target, pipe.drafter, b) for b in block_sizes]
+    if args.adaptive or args.adaptive_only:
         runners.append(EngineRunner(pipe.target, pipe.drafter, max(block_sizes), adaptive=True))
     runners += _baseline_runners(args, pipe, block_sizes, notes)
     thinking = _thinking_modes(args.thinking, pipe.tokenizer, notes)
