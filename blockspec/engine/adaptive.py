@@ -35,6 +35,9 @@ from blockspec.models.slots import EMPTY
 from blockspec.spec.decode import DecodeBatch, Row
 
 
+MAX_INTERVAL = 256  # steps: the longest back-off of both checks (a probe, a plain step)
+
+
 def bucket(batch: int) -> int:
     """Batch sizes share calibrations by power-of-two bucket."""
     size = 1
@@ -287,7 +290,7 @@ class AdaptiveBlock:
             self.plain_streak += 1
             if self.plain_streak >= self.probe_every:
                 self.plain_streak = 0
-                self.probe_every = min(self.probe_every * 2, 256)
+                self.probe_every = min(self.probe_every * 2, MAX_INTERVAL)
                 best = self.probe_block
         else:
             self.plain_streak = 0
@@ -303,7 +306,7 @@ class AdaptiveBlock:
             return 1
         since, every = self.plain_checks[key]
         if since + 1 >= every:
-            self.plain_checks[key] = (0, min(every * 2, 256))
+            self.plain_checks[key] = (0, min(every * 2, MAX_INTERVAL))
             return 1
         self.plain_checks[key] = (since + 1, every)
         return best
