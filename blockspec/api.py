@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from blockspec.config import SamplingParams, SpecConfig
+from blockspec.engine.openmp import release_thread_pool
 from blockspec.errors import CheckpointError, ConfigError
 from blockspec.models.drafter import DFlashDrafter, load_drafter, new_drafter_for_target
 from blockspec.models.target import DTYPES, Target
@@ -156,6 +157,7 @@ class Pipeline:
             except BaseException as e:  # re-raised in the consumer's thread
                 events.put(e)
 
+        release_thread_pool()  # this thread only waits now; its OpenMP team would slow `work` (engine/openmp.py)
         threading.Thread(target=work, daemon=True).start()
         while True:
             item = events.get()

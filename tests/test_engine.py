@@ -12,7 +12,7 @@ from test_spec_lossless import reference_greedy
 from blockspec.config import SamplingParams
 from blockspec.engine import AdaptiveBlock, CostModel, Engine, EngineConfig, QueueFullError
 from blockspec.engine.adaptive import buckets_up_to, calibration_sizes, expected_tokens
-from blockspec.errors import ContextLengthError
+from blockspec.errors import ConfigError, ContextLengthError
 from blockspec.models.drafter import DFlashDrafter, DraftCache, new_drafter_for_target
 from blockspec.models.native import load_native_target
 from blockspec.models.target import HFTarget
@@ -401,3 +401,27 @@ def test_stop_cancels_queued_and_running(setup) -> None:
     engine.stop()
     assert running.result(timeout=10).finish_reason == "cancelled"
     assert queued.result(timeout=10).finish_reason == "cancelled"
+
+
+def test_engine_without_own_thread_decodes_on_the_callers_thread(setup) -> None:
+    model, target, prompts, truths = setup
+    drafter = OracleDrafter(model, target, prompts, truths, wrong_every=5)
+    engine = Engine(target, drafter, EngineConfig(max_batch=2, block_size=6, adaptive_block=True,
+                                                  own_thread=False))
+    engine.adaptive.costs = _FixedCosts(max_block=6)
+    assert engine.wait_ready()  # calibrates here, on this thread
+    assert sorted(engine.adaptive.costs.calibrated) == [1, 2]
+    handles = [engine.submit(p, SamplingParams(max_new_tokens=30)) for p in prompts]
+    assert not engine.running and not any(h.done for h in handles)  # nothing decodes on its own
+    finished: list[int] = []
+    engine.run_until_idle(finished.append)
+    assert not engine.running
+    assert sum(finished) == len(prompts) and len(finished) > 1  # progress came step by step
+    assert [h.result(timeout=0).token_ids for h in handles] == truths
+    assert engine.metrics.requests_running == 0 and engine.metrics.queue_depth == 0
+    engine.run_until_idle()  # nothing left: returns at once
+    with pytest.raises(ConfigError, match="run_until_idle"):
+        engine.start()
+    threaded = Engine(target, drafter, EngineConfig(max_batch=2, block_size=6))
+    with pytest.raises(ConfigError, match="own_thread=False"):
+        threaded.run_until_idle()

@@ -65,7 +65,9 @@ class EngineRunner:
 
     block_size 1 is plain autoregressive decoding on the same target; `adaptive` lets the engine
     pick each step's block size (at most `block_size`). One engine per concurrency level is kept
-    for the runner's life, so adaptive calibrations and cache storage are paid once.
+    for the runner's life, so adaptive calibrations and cache storage are paid once. The engines
+    decode on the benchmark's own thread (no engine threads), like every baseline: idle engine
+    threads would each keep an OpenMP team, which slows the busy one (engine/openmp.py).
     """
 
     max_concurrency = None
@@ -87,17 +89,17 @@ class EngineRunner:
 
         if concurrency not in self._engines:
             cfg = EngineConfig(max_batch=concurrency, max_queue=1 << 20, block_size=self.block_size,
-                               adaptive_block=self.adaptive)
+                               adaptive_block=self.adaptive, own_thread=False)
             self._engines[concurrency] = Engine(self.target, self.drafter, cfg)
         return self._engines[concurrency]
 
     def prepare(self, concurrency: int) -> None:
-        """Creates and starts this concurrency's engine and waits for its start-up (the adaptive
-        cost calibration), which would otherwise land inside the first measured round."""
+        """Creates this concurrency's engine and runs its start-up (the adaptive cost
+        calibration), which would otherwise land inside the first measured round."""
         self._engine(concurrency).wait_ready()
 
     def close(self) -> None:
-        """Stops the engine threads (they idle between calls otherwise)."""
+        """Drops the engines (and their caches)."""
         for engine in self._engines.values():
             engine.stop()
         self._engines.clear()
@@ -105,6 +107,7 @@ class EngineRunner:
     def run(self, requests: Sequence[Request], concurrency: int, progress: Progress | None = None) -> list[Output]:
         engine = self._engine(concurrency)
         handles = [engine.submit(list(r.prompt_ids), r.params) for r in requests]
+        engine.run_until_idle(progress)
         outputs: list[Output] = []
         speculative = self.block_size > 1
         for handle in handles:
@@ -119,8 +122,6 @@ class EngineRunner:
                 acceptance_lengths=list(st.acceptance_lengths) if speculative else None,
                 accepted_by_position=list(st.accepted_by_position) if speculative else None,
             ))
-            if progress is not None:
-                progress(1)
         return outputs
 
 

@@ -1,4 +1,4 @@
-"""Continuous-batching engine over the speculative decoding step (see notes/ENGINE_API.md)."""
+"""Continuous-batching engine over the speculative decoding step (blockspec/engine/engine.py)."""
 
 from blockspec.engine.adaptive import AdaptiveBlock, CostModel
 from blockspec.engine.engine import Engine, EngineConfig

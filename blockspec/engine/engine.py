@@ -1,10 +1,20 @@
-"""The continuous-batching engine: one background thread stepping one DecodeBatch.
+"""The continuous-batching engine: one thread stepping one DecodeBatch.
 
 Between steps, finished and cancelled requests leave and waiting ones join (prefilled into free
 rows of the running batch's caches), so requests of any length share the target's forward
 passes. Each request keeps its own sampling parameters, seed, stop conditions and statistics,
 and streams its committed tokens as TokenEvents. Greedy output of a request does not depend on
 its batch mates: rows never see each other's cache entries and verification is exact.
+
+    engine = Engine(target, drafter, EngineConfig(max_batch=8, adaptive_block=True))
+    handle = engine.submit(prompt_ids, SamplingParams(max_new_tokens=64))  # any thread
+    for event in handle.events(): ...   # or handle.result(), or `async for` handle.aevents()
+    engine.stop()
+
+By default the engine decodes on a thread of its own, started by the first submit (a server).
+With EngineConfig(own_thread=False) nothing decodes until the owner calls run_until_idle() on
+its own thread (a benchmark). Either way one thread does all the torch work, which on CPU is what
+keeps its small matrix products fast (engine/openmp.py).
 """
 
 from __future__ import annotations
@@ -14,6 +24,7 @@ import threading
 import time
 import traceback
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +32,7 @@ import torch
 from blockspec.config import MAX_BLOCK_SIZE, SamplingParams, SpecConfig
 from blockspec.engine.adaptive import AdaptiveBlock
 from blockspec.engine.metrics import EngineMetrics, MetricsRecorder
+from blockspec.engine.openmp import release_thread_pool
 from blockspec.engine.request import Request, RequestHandle, StopCheck, TokenEvent
 from blockspec.engine.scheduler import Scheduler
 from blockspec.errors import ConfigError
@@ -39,6 +51,9 @@ class EngineConfig:
     adaptive_block: bool = False  # choose each step's block size from measured costs/acceptance
     compact_ratio: float = 0.25  # Hugging Face adapter caches only (see SpecConfig)
     idle_wait_s: float = 0.05  # how long the idle thread sleeps between checks
+    # True: decode on the engine's own thread, started by the first submit (a server). False: the
+    # owner decodes on its own thread with run_until_idle() (a benchmark: no second OpenMP team).
+    own_thread: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_batch, int) or self.max_batch < 1:
@@ -50,7 +65,7 @@ class EngineConfig:
 
 
 class Engine:
-    """Serves token-id requests from a background thread (see ENGINE_API.md)."""
+    """Serves token-id requests, decoding them together (see the module docstring)."""
 
     def __init__(self, target: Target, drafter: DFlashDrafter | None, config: EngineConfig | None = None, *,
                  tokenizer: object = None) -> None:
@@ -78,11 +93,17 @@ class Engine:
 
     # ---- public API ------------------------------------------------------------------------------
     def start(self) -> None:
-        """Starts the decode thread (idempotent)."""
+        """Starts the decode thread (idempotent; not with EngineConfig(own_thread=False))."""
+        if not self.config.own_thread:
+            raise ConfigError("this engine has no thread of its own (EngineConfig(own_thread=False)): "
+                              "decode the submitted requests with engine.run_until_idle()")
         with self._lock:
             if self._thread is not None and self._thread.is_alive():
                 return
             self._stopping.clear()
+            # The thread that hands over (it loaded the models) keeps an idle OpenMP team that
+            # would slow the decode thread's parallel regions down (engine/openmp.py).
+            release_thread_pool()
             self._thread = threading.Thread(target=self._loop, name="blockspec-engine", daemon=True)
             self._thread.start()
 
@@ -99,9 +120,32 @@ class Engine:
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Starts the decode thread and waits until it takes requests (adaptive block size:
-        every batch-size bucket calibrated). Benchmarks call it to keep start-up out of timings."""
+        every batch-size bucket calibrated). Benchmarks call it to keep start-up out of timings.
+        Without a thread of its own, the engine calibrates on the calling thread."""
+        if not self.config.own_thread:
+            if not self._ready.is_set():
+                self._calibrate()
+            return True
         self.start()
         return self._ready.wait(timeout)
+
+    @torch.inference_mode()
+    def run_until_idle(self, on_finished: Callable[[int], None] | None = None) -> None:
+        """Decodes on the calling thread until nothing is waiting or running, for an engine made
+        with EngineConfig(own_thread=False); the submitted requests' handles then hold results.
+        on_finished(n) hears after each step how many requests ended in it (progress bars)."""
+        if self.config.own_thread:
+            raise ConfigError("run_until_idle() is for engines made with EngineConfig(own_thread=False); "
+                              "this one decodes on its own thread: wait on the request handles")
+        if not self._ready.is_set():
+            self._calibrate()
+        left = self.scheduler.depth + len(self._requests)
+        while left:
+            self._tick()
+            now = self.scheduler.depth + len(self._requests)
+            if on_finished is not None and now < left:
+                on_finished(left - now)
+            left = now
 
     @property
     def running(self) -> bool:
@@ -110,7 +154,8 @@ class Engine:
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                stop_check: StopCheck | None = None) -> RequestHandle:
         """Queues a request; validates it now (ContextLengthError, ConfigError) and raises
-        QueueFullError when the queue is full. Never waits for the decode loop."""
+        QueueFullError when the queue is full. Never waits for the decode loop (own_thread=False:
+        nothing decodes until the owner calls run_until_idle())."""
         prompt_ids = [int(t) for t in prompt_ids]
         if not isinstance(params, SamplingParams):
             raise ConfigError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -124,7 +169,8 @@ class Engine:
         request = Request(rid, prompt_ids, params, stop_check)
         self.scheduler.submit(request)
         self.recorder.submitted()
-        self.start()
+        if self.config.own_thread:
+            self.start()
         return RequestHandle(request)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, timeout: float | None = None) -> GenerationResult:
@@ -136,26 +182,40 @@ class Engine:
         return self.recorder.snapshot(len(self._requests), self.scheduler.depth)
 
     # ---- the loop ------------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def _loop(self) -> None:
+    def _calibrate(self) -> None:
         if self.adaptive is not None:
             try:  # before the first request, so no calibration pass lands inside a measured step
                 self.adaptive.calibrate_all(self.batch, self.config.max_batch)
             except Exception as e:  # the costs are then calibrated lazily per batch size
                 self._note_error(e)
         self._ready.set()
+
+    @torch.inference_mode()
+    def _loop(self) -> None:
+        self._calibrate()
+        idle_released = False
         while not self._stopping.is_set():
-            try:
-                self._admit()
-                if not self.batch.rows:
-                    self.scheduler.wait_for_work(self.config.idle_wait_s)
-                    continue
-                self._drop_cancelled()
-                if self.batch.rows:
-                    self._step()
-            except Exception as e:  # a bug outside the model calls: fail the batch, keep serving
-                self._fail_all(e)
+            if self._tick():
+                idle_released = False
+                continue
+            if not idle_released:  # an idle engine's team would slow a busy one down (openmp.py)
+                release_thread_pool()
+                idle_released = True
+            self.scheduler.wait_for_work(self.config.idle_wait_s)
         self._drop_all("cancelled")
+
+    def _tick(self) -> bool:
+        """Admits waiting requests and runs one step; False when there was nothing to run."""
+        try:
+            self._admit()
+            if not self.batch.rows:
+                return False
+            self._drop_cancelled()
+            if self.batch.rows:
+                self._step()
+        except Exception as e:  # a bug outside the model calls: fail the batch, keep serving
+            self._fail_all(e)
+        return True
 
     def _admit(self) -> None:
         joining = [r for r in self.scheduler.admit(len(self.batch.rows)) if not self._skip_cancelled(r)]

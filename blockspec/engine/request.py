@@ -1,4 +1,4 @@
-"""A request as the engine sees it: token ids in, token events out (ENGINE_API.md)."""
+"""A request as the engine sees it: token ids in, token events out (see engine.py)."""
 
 from __future__ import annotations
 

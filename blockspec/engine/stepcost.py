@@ -2,6 +2,7 @@
 
     python -m blockspec.engine.stepcost --shape qwen3-8b --draft-layers 5 --batch 1,8,32 --device cuda
     python -m blockspec.engine.stepcost --shape smollm2-135m --draft-layers 2 --block 2,4,8,16 --batch 1,8,16
+    python -m blockspec.engine.stepcost --shape smollm2-135m --draft-layers 1 --block 2,4 --batch 1 --thread worker
 
 The target and drafter get random weights: the cost of a step depends on the shapes, not on the
 values (with random weights nothing is accepted, so every step commits one token and the context
@@ -16,7 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import threading
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -72,6 +75,35 @@ def random_target(shape: str, *, device: str, dtype: torch.dtype, seed: int = 0)
     return NativeTarget(net, (), hf_config)
 
 
+THREADS = ("main", "worker", "worker-released")
+
+
+def on_thread(fn: Callable[[], float], thread: str) -> float:
+    """fn() on the calling thread ("main") or on a second one (see --thread)."""
+    if thread not in THREADS:
+        raise ConfigError(f"thread must be one of {', '.join(THREADS)}, got {thread!r}")
+    if thread == "main":
+        return fn()
+    if thread == "worker-released":
+        from blockspec.engine.openmp import release_thread_pool
+
+        release_thread_pool()
+    out: list = []
+
+    def work() -> None:
+        try:
+            out.append(fn())
+        except BaseException as e:  # re-raised on the caller's thread
+            out.append(e)
+
+    worker = threading.Thread(target=work, name="stepcost-worker")
+    worker.start()
+    worker.join()
+    if isinstance(out[0], BaseException):
+        raise out[0]
+    return out[0]
+
+
 def _sync(device: str) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
@@ -113,6 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="default bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--cuda-graphs", action="store_true", help="replay captured CUDA graphs (native target)")
+    ap.add_argument("--thread", default="main", choices=THREADS,
+                    help="where the steps run: main = the thread that built the models; worker = a second "
+                         "thread while the main one keeps its OpenMP team; worker-released = a second thread "
+                         "after the main one released its team (what the engine does; engine/openmp.py)")
     ap.add_argument("--small-rows", type=int, default=None,
                     help="CPU: largest row count of the small-row matmul path (models/linear.py); 1 turns it off")
     args = ap.parse_args(argv)
@@ -146,19 +182,22 @@ def _run(args: argparse.Namespace) -> int:
     drafter = drafter.to(args.device).eval()
     rows = []
     for b in batches:
-        plain = step_seconds(target, None, 1, b, args.context, args.steps, args.device)
+        plain = on_thread(lambda: step_seconds(target, None, 1, b, args.context, args.steps, args.device), args.thread)
         for block in blocks:
-            spec = step_seconds(target, drafter, block, b, args.context, args.steps, args.device)
+            spec = on_thread(lambda: step_seconds(target, drafter, block, b, args.context, args.steps, args.device),
+                             args.thread)
             rows.append({"batch": b, "block": block, "plain_ms": round(plain * 1e3, 3),
                          "dflash_ms": round(spec * 1e3, 3), "ratio": round(spec / plain, 3)})
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     print(f"shape {args.shape}, {args.draft_layers}-layer drafter, context {args.context}, "
-          f"{str(dtype).removeprefix('torch.')}, {device}{', CUDA graphs' if args.cuda_graphs else ''}\n")
+          f"{str(dtype).removeprefix('torch.')}, {device}{', CUDA graphs' if args.cuda_graphs else ''}, "
+          f"{args.thread} thread\n")
     print("| batch | block | plain step (ms) | DFlash step (ms) | DFlash / plain |")
     print("|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['batch']} | {r['block']} | {r['plain_ms']:.2f} | {r['dflash_ms']:.2f} | {r['ratio']:.2f} |")
-    print(json.dumps({"shape": args.shape, "device": device, "dtype": str(dtype), "rows": rows}))
+    print(json.dumps({"shape": args.shape, "device": device, "dtype": str(dtype), "thread": args.thread,
+                      "rows": rows}))
     return 0
 
 
