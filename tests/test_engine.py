@@ -420,8 +420,11 @@ def test_engine_without_own_thread_decodes_on_the_callers_thread(setup) -> None:
     assert [h.result(timeout=0).token_ids for h in handles] == truths
     assert engine.metrics.requests_running == 0 and engine.metrics.queue_depth == 0
     engine.run_until_idle()  # nothing left: returns at once
+    assert engine.generate(prompts[0], SamplingParams(max_new_tokens=30)).token_ids == truths[0]
     with pytest.raises(ConfigError, match="run_until_idle"):
         engine.start()
+    with pytest.raises(ConfigError, match="own_thread must be True or False"):
+        EngineConfig(own_thread="no")
     threaded = Engine(target, drafter, EngineConfig(max_batch=2, block_size=6))
     with pytest.raises(ConfigError, match="own_thread=False"):
         threaded.run_until_idle()

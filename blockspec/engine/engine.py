@@ -62,6 +62,8 @@ class EngineConfig:
             raise ConfigError(f"max_queue must be an integer >= 0, got {self.max_queue!r}")
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= MAX_BLOCK_SIZE:
             raise ConfigError(f"block_size must be an integer in [1, {MAX_BLOCK_SIZE}], got {self.block_size!r}")
+        if not isinstance(self.own_thread, bool):
+            raise ConfigError(f"own_thread must be True or False, got {self.own_thread!r}")
 
 
 class Engine:
@@ -174,8 +176,11 @@ class Engine:
         return RequestHandle(request)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, timeout: float | None = None) -> GenerationResult:
-        """Submits one request and waits for its result."""
-        return self.submit(prompt_ids, params).result(timeout)
+        """Submits one request and waits for its result (own_thread=False: decodes it here)."""
+        handle = self.submit(prompt_ids, params)
+        if not self.config.own_thread:
+            self.run_until_idle()
+        return handle.result(timeout)
 
     @property
     def metrics(self) -> EngineMetrics:
