@@ -139,8 +139,7 @@ class Engine:
         if self.config.own_thread:
             raise ConfigError("run_until_idle() is for engines made with EngineConfig(own_thread=False); "
                               "this one decodes on its own thread: wait on the request handles")
-        if not self._ready.is_set():
-            self._calibrate()
+        self.wait_ready()
         left = self.scheduler.depth + len(self._requests)
         while left:
             self._tick()
