@@ -11,7 +11,7 @@ from test_spec_lossless import ragged_prompts, reference_greedy
 from blockspec.config import SamplingParams, SpecConfig
 from blockspec.errors import ConfigError
 from blockspec.models.drafter import init_drafter_weights, new_drafter_for_target
-from blockspec.models.linear import SMALL_ROWS, linear
+from blockspec.models.linear import CPU_MATMULS, SMALL_ROWS, linear, onednn_available, set_cpu_matmul
 from blockspec.models.native import load_native_target, load_target, unsupported_reason
 from blockspec.models.native.draft import StaticDrafter
 from blockspec.models.slots import EMPTY
@@ -60,12 +60,19 @@ def test_native_matches_hf_logits_and_features(family: str) -> None:
     cache = target.new_cache(2)
     chunks = [target.forward(ids[:, a:b], positions[:, a:b], cache)[0] for a, b in ((0, 23), (23, 39), (39, 40))]
     torch.testing.assert_close(torch.cat(chunks, dim=1), ref.logits, atol=1e-6, rtol=1e-6)
-    # Batch 1, one token at a time: the single-token weight layout (CPU default).
-    assert target.net.single is not None
-    cache = target.new_cache(1)
-    target.forward(ids[:1, :37], positions[:1, :37], cache)
-    steps = [target.forward(ids[:1, i : i + 1], positions[:1, i : i + 1], cache)[0] for i in range(37, 40)]
-    torch.testing.assert_close(torch.cat(steps, dim=1), ref.logits[:1, 37:], atol=1e-6, rtol=1e-6)
+    # Batch 1, one token at a time, with each CPU kernel (small-rows keeps transposed single-token
+    # copies of the weights; oneDNN needs none).
+    for kind in [k for k in CPU_MATMULS if k != "onednn" or onednn_available()]:
+        previous = set_cpu_matmul(kind)
+        try:
+            target.net.prepare_single_token_weights(True)
+            assert (target.net.single is None) == (kind == "onednn")
+            cache = target.new_cache(1)
+            target.forward(ids[:1, :37], positions[:1, :37], cache)
+            steps = [target.forward(ids[:1, i : i + 1], positions[:1, i : i + 1], cache)[0] for i in range(37, 40)]
+            torch.testing.assert_close(torch.cat(steps, dim=1), ref.logits[:1, 37:], atol=1e-6, rtol=1e-6)
+        finally:
+            set_cpu_matmul(previous)
 
 
 def test_rejected_tail_is_overwritten_without_cleanup() -> None:
@@ -97,9 +104,40 @@ def test_left_padded_ragged_prefill_matches_single_rows() -> None:
         torch.testing.assert_close(logits[row, -1], ref, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("kind", CPU_MATMULS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 16, SMALL_ROWS, SMALL_ROWS + 1])
-def test_small_row_linear_equals_f_linear(rows: int) -> None:
-    """The CPU small-row path gives linear's numbers for any input layout, with or without bias."""
+def test_cpu_linear_kernels_equal_f_linear(rows: int, kind: str) -> None:
+    """Every CPU kernel of linear gives F.linear's numbers for any input layout, with or without
+    bias, chained, and under autograd."""
+    if kind == "onednn" and not onednn_available():
+        pytest.skip("this PyTorch build has no oneDNN linear")  # the other kernels still run
+    previous = set_cpu_matmul(kind)
+    try:
+        _check_linear(rows)
+    finally:
+        set_cpu_matmul(previous)
+
+
+def test_cpu_matmul_choice_is_validated() -> None:
+    with pytest.raises(ValueError, match="cpu matmul must be one of"):
+        set_cpu_matmul("blas")
+
+
+def test_onednn_linear_keeps_bfloat16_close() -> None:
+    if not onednn_available():
+        pytest.skip("this PyTorch build has no oneDNN linear")
+    previous = set_cpu_matmul("onednn")
+    try:
+        g = torch.Generator().manual_seed(0)
+        x, w = torch.randn(6, 64, generator=g).bfloat16(), torch.randn(32, 64, generator=g).bfloat16()
+        got = linear(x, w)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), x.float() @ w.float().t(), atol=0.1, rtol=0.02)
+    finally:
+        set_cpu_matmul(previous)
+
+
+def _check_linear(rows: int) -> None:
     g = torch.Generator().manual_seed(rows)
     weight, bias = torch.randn(40, 24, generator=g), torch.randn(40, generator=g)
     x = torch.randn(rows, 24, generator=g)

@@ -12,14 +12,17 @@ from blockspec.errors import ConfigError
 
 def test_stepcost_runs_on_a_tiny_shape(capsys) -> None:
     assert stepcost.main(["--shape", "tiny", "--draft-layers", "1", "--batch", "1,2", "--block", "4,16",
-                          "--context", "16", "--steps", "2", "--device", "cpu", "--small-rows", "1"]) == 0
+                          "--context", "16", "--steps", "2", "--device", "cpu", "--small-rows", "1",
+                          "--cpu-matmul", "mkl"]) == 0
     out = capsys.readouterr().out
     assert "| batch | block | plain step (ms) | DFlash step (ms) | DFlash / plain |" in out
     rows = json.loads(out.strip().splitlines()[-1])["rows"]
     assert [(r["batch"], r["block"]) for r in rows] == [(1, 4), (1, 16), (2, 4), (2, 16)]
     from blockspec.models import linear
 
-    assert linear.SMALL_ROWS == 64  # --small-rows applies to that run only
+    assert json.loads(out.strip().splitlines()[-1])["cpu_matmul"] == "mkl"
+    assert linear.SMALL_ROWS == 64  # --small-rows and --cpu-matmul apply to that run only
+    assert linear.CPU_MATMUL == ("onednn" if linear.onednn_available() else "small-rows")
     with pytest.raises(ConfigError, match="--block"):
         stepcost.main(["--shape", "tiny", "--block", "1"])
     assert all(r["plain_ms"] > 0 and r["dflash_ms"] > 0 and r["ratio"] == pytest.approx(

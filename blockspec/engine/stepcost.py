@@ -3,6 +3,7 @@
     python -m blockspec.engine.stepcost --shape qwen3-8b --draft-layers 5 --batch 1,8,32 --device cuda
     python -m blockspec.engine.stepcost --shape smollm2-135m --draft-layers 2 --block 2,4,8,16 --batch 1,8,16
     python -m blockspec.engine.stepcost --shape smollm2-135m --draft-layers 1 --block 2,4 --batch 1 --thread worker
+    python -m blockspec.engine.stepcost --shape smollm2-135m --draft-layers 2 --block 4,16 --batch 1 --cpu-matmul mkl
 
 The target and drafter get random weights: the cost of a step depends on the shapes, not on the
 values (with random weights nothing is accepted, so every step commits one token and the context
@@ -104,6 +105,12 @@ def on_thread(fn: Callable[[], float], thread: str) -> float:
     return out[0]
 
 
+def linear_kind() -> str:
+    from blockspec.models import linear
+
+    return linear.CPU_MATMUL
+
+
 def _sync(device: str) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
@@ -151,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
                          "after the main one released its team (what the engine does; engine/openmp.py)")
     ap.add_argument("--small-rows", type=int, default=None,
                     help="CPU: largest row count of the small-row matmul path (models/linear.py); 1 turns it off")
+    ap.add_argument("--cpu-matmul", default=None, choices=("onednn", "small-rows", "mkl"),
+                    help="CPU kernel of the projections (models/linear.py); default: the library's choice")
     args = ap.parse_args(argv)
     from blockspec.models import linear
 
@@ -158,9 +167,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.small_rows is not None:
         linear.SMALL_ROWS = args.small_rows
     try:
+        saved_kind = linear.set_cpu_matmul(args.cpu_matmul) if args.cpu_matmul else None
+    except ValueError as e:
+        raise ConfigError(f"--cpu-matmul: {e}") from None
+    try:
         return _run(args)
     finally:
         linear.SMALL_ROWS = saved
+        if saved_kind is not None:
+            linear.set_cpu_matmul(saved_kind)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -191,13 +206,13 @@ def _run(args: argparse.Namespace) -> int:
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     print(f"shape {args.shape}, {args.draft_layers}-layer drafter, context {args.context}, "
           f"{str(dtype).removeprefix('torch.')}, {device}{', CUDA graphs' if args.cuda_graphs else ''}, "
-          f"{args.thread} thread\n")
+          f"{args.thread} thread, CPU matmul {linear_kind()}\n")
     print("| batch | block | plain step (ms) | DFlash step (ms) | DFlash / plain |")
     print("|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['batch']} | {r['block']} | {r['plain_ms']:.2f} | {r['dflash_ms']:.2f} | {r['ratio']:.2f} |")
     print(json.dumps({"shape": args.shape, "device": device, "dtype": str(dtype), "thread": args.thread,
-                      "rows": rows}))
+                      "cpu_matmul": linear_kind(), "rows": rows}))
     return 0
 
 

@@ -1,13 +1,19 @@
-"""The projections of the native models, with a faster CPU path for a few rows.
+"""The projections of the native models, with faster CPU kernels than `F.linear`'s.
 
-`linear(x, w, b)` equals `F.linear(x, w, b)` up to float rounding. On a CPU, for 2..SMALL_ROWS
-rows it computes `(w @ x^T)^T` instead: MKL then streams the [out, in] weight once past the few
-columns of x, where linear's GEMM runs a compute kernel that, on the 2-core AVX2 machine this was
-developed on, made 2 rows cost twice 1 row. There, the projections of a SmolLM2-135M-sized stack
-took 19 ms instead of 46-49 ms for 2-4 rows and 40 ms instead of 52 ms for 16, so verifying a
-short block costs about what one token does; speculative decoding on a CPU lives on that.
-`python -m blockspec.engine.stepcost --small-rows 1` turns the path off for a comparison
-(BENCHMARKS.md, session 4). GPUs keep `F.linear` (cuBLAS picks its kernel by shape).
+`linear(x, w, b)` equals `F.linear(x, w, b)` up to float rounding. On a CPU, `F.linear` runs
+MKL's GEMM, whose kernels for a handful of rows are poor: on the 2-core machine this was developed
+on, 2 rows cost twice 1 row and a block of 16 cost 2.7 plain decoding steps. Two faster paths:
+
+- "onednn" (default where PyTorch has it): oneDNN's matmul (`torch.ops.mkldnn._linear_pointwise`,
+  the kernel `torch.compile` emits for CPU linears) on the dense [out, in] weight. It streams the
+  weight once for any row count: measured 2.1x faster than MKL for one row of the LM head,
+  flat from 1 to ~17 rows, and 2-3x faster for 16-128 rows (BENCHMARKS.md, session 9).
+- "small-rows": for 2..SMALL_ROWS rows, `(w @ x^T)^T`, which makes MKL stream the weight past
+  the few columns of x (BENCHMARKS.md, session 4); the fallback where oneDNN is missing.
+
+Both run only without autograd (inference); training keeps `F.linear`. GPUs keep `F.linear`
+(cuBLAS picks its kernel by shape). `python -m blockspec.engine.stepcost --cpu-matmul mkl|small-rows|onednn`
+compares them.
 """
 
 from __future__ import annotations
@@ -16,13 +22,57 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-SMALL_ROWS = 64  # measured equal or faster up to 64 rows; beyond, the two paths are level
+SMALL_ROWS = 64  # small-rows path: measured equal or faster up to 64 rows; beyond, level with F.linear
+MKL_ROWS: frozenset[int] = frozenset({2, 3, 4})
+CPU_MATMULS = ("onednn", "small-rows", "mkl")
+_ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def onednn_available() -> bool:
+    """Whether this PyTorch build runs oneDNN's linear on the CPU (and agrees with F.linear)."""
+    try:
+        op = torch.ops.mkldnn._linear_pointwise
+    except (AttributeError, RuntimeError):
+        return False
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:  # one tiny product proves the op runs and agrees with F.linear on this build
+        x, w = torch.randn(3, 8), torch.randn(5, 8)
+        return bool(torch.allclose(op(x, w, None, "none", [], ""), F.linear(x, w), atol=1e-5))
+    except RuntimeError:
+        return False
+
+
+CPU_MATMUL = "onednn" if onednn_available() else "small-rows"
+
+
+def set_cpu_matmul(kind: str) -> str:
+    """Selects the CPU kernel of `linear` ("onednn", "small-rows" or "mkl"); returns the previous one."""
+    global CPU_MATMUL
+    if kind not in CPU_MATMULS:
+        raise ValueError(f"cpu matmul must be one of {', '.join(CPU_MATMULS)}, got {kind!r}")
+    if kind == "onednn" and not onednn_available():
+        raise ValueError("this PyTorch build has no usable oneDNN linear; choose 'small-rows' or 'mkl'")
+    previous, CPU_MATMUL = CPU_MATMUL, kind
+    return previous
+
+
+def fast_cpu_single_row() -> bool:
+    """Whether `linear` is already the fastest one-row product on this CPU (so the native target
+    needs no transposed copies of its weights for one-token forwards)."""
+    return CPU_MATMUL == "onednn"
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] @ weight[out, in]^T + bias -> [..., out] (see the module docstring)."""
+    if x.device.type != "cpu" or CPU_MATMUL == "mkl" or (
+        torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    ):
+        return F.linear(x, weight, bias)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if x.device.type != "cpu" or not 1 < rows <= SMALL_ROWS:
+    if CPU_MATMUL == "onednn" and x.dtype in _ONEDNN_DTYPES and weight.dtype == x.dtype and rows not in MKL_ROWS:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    if not 1 < rows <= SMALL_ROWS:
         return F.linear(x, weight, bias)
     # MKL takes the fast path only when x^T is a transposed view of a row-major x (a column-major
     # x, e.g. an earlier output of this function, would make x^T contiguous: the slow path).

@@ -2,8 +2,8 @@
 
 Numerically the same computation as the Hugging Face modeling code (RMSNorm in fp32, RoPE angles
 in fp32, SDPA attention), arranged for speed: q/k/v projections are fused into one matmul, one-token
-forwards use transposed [in, out] copies of the widest matrices (faster GEMV on CPU), blocks of a
-few tokens the CPU path of models/linear.py, K/V go
+forwards and blocks of tokens project through models/linear.py (oneDNN on a CPU; where that is
+missing, one-token forwards use transposed [in, out] copies of the widest matrices), K/V go
 straight into the preallocated cache (models/native/cache.py), and grouped query heads attend
 as [kv_heads, groups * q] so the cache is never repeated per query head.
 """
@@ -16,7 +16,7 @@ from torch.nn import functional as F
 
 from blockspec.models.native.cache import KVStore, StaticCache, attention_mask
 from blockspec.models.native.config import NativeConfig
-from blockspec.models.linear import project
+from blockspec.models.linear import fast_cpu_single_row, project
 from blockspec.models.rope import Rotary, rope_inv_freq
 from blockspec.models.slots import EMPTY
 from blockspec.models.target import TargetInfo
@@ -74,17 +74,18 @@ class NativeLlama(nn.Module):
         inv_freq, scaling = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, hf_config)
         self.rotary = Rotary(inv_freq, scaling)
         self.scale = cfg.head_dim**-0.5
-        # Transposed [in, out] copies of the widest matrices, used for single-token forwards: a
-        # CPU streams x @ W through memory faster than linear(x, W) for one row (measured ~1.4x
-        # on the AVX2 machine this was developed on), while the [out, in] originals stay faster
-        # for blocks of tokens. Costs memory; see `prepare_single_token_weights`.
+        # Transposed [in, out] copies of the widest matrices, used for single-token forwards where
+        # the CPU kernel of models/linear.py is MKL's: it streams x @ W through memory faster than
+        # linear(x, W) for one row (measured ~1.4x), while the [out, in] originals stay faster for
+        # blocks of tokens. Costs memory; see `prepare_single_token_weights`.
         self.single: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] | None = None
         self.single_head: torch.Tensor | None = None
         self._split = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim)
 
     def prepare_single_token_weights(self, enabled: bool = True) -> None:
-        """Keeps transposed copies of qkv, gate|up and the LM head for one-token forwards."""
-        if not enabled:
+        """Keeps transposed copies of qkv, gate|up and the LM head for one-token forwards, unless
+        models/linear.py's kernel is faster for one row already (oneDNN)."""
+        if not enabled or fast_cpu_single_row():
             self.single, self.single_head = None, None
             return
         with torch.no_grad():
