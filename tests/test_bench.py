@@ -148,6 +148,10 @@ def test_engine_runner_keeps_concurrency_in_flight_and_is_lossless(pipe):
             outs = runner.run(requests, 2, done.append)
             assert [o.token_ids for o in outs] == alone, runner.name
             assert sum(done) == len(requests)
+            used = runner.last_block_sizes  # engine steps per block size in this run
+            assert sum(used.values()) >= max(o.steps for o in outs) and set(used) <= set(range(1, 5))
+            if runner.block_size == 1:
+                assert set(used) == {1}
             again = runner.run(requests[:2], 2)  # the runner's engine serves the next round too
             assert [o.token_ids for o in again] == alone[:2]
         finally:

@@ -279,6 +279,46 @@ def test_adaptive_policy_measures_plain_decoding_while_drafting_wins() -> None:
     assert policy.choose(Batch) == 1
 
 
+def test_adaptive_policy_remeasures_the_sizes_next_to_its_choice() -> None:
+    class Row:
+        remaining = 100
+
+        def acceptance_rates(self, prior):
+            return [0.6] * 7
+
+    class Batch:
+        drafter = object()
+        rows = [Row()]
+
+    true = [1.0, 1.05, 1.1, 1.15, 2.0, 2.1, 2.2, 2.3]  # block 4 is the best buy
+    costs = CostModel(max_block=8)
+    costs.set(1, true)
+    policy = AdaptiveBlock(8, costs=costs, plain_every=1000, challenge_every=3)
+    for n, t in ((1, 1.0), (2, 1.05), (4, 2.0)):  # block 4's first step ran while the machine was busy
+        costs.observe(1, n, t)
+    choices = []
+    for _ in range(60):
+        n = policy.choose(Batch)
+        choices.append(n)
+        if n > 1:
+            costs.observe(1, n, true[n - 1])  # what the runs measure
+    assert choices[0] == 1 and choices[1] == 2  # the plain check, then block 2 on the costs as known
+    assert 3 in choices[:5]  # its neighbour gets measured, wins, and in turn its neighbour 4...
+    assert choices.index(4) < 15, choices  # ...which wins once its cost is known...
+    tail = choices[-20:]
+    assert tail.count(4) >= 18 and set(tail) <= {3, 4, 5}, choices  # ...save the backed-off re-checks
+
+
+def test_cost_model_trusts_faster_measurements_more() -> None:
+    costs = CostModel(max_block=2, smoothing=0.2)
+    costs.set(1, [1.0, 1.0])
+    costs.observe(1, 2, 2.0)
+    costs.observe(1, 2, 1.0)
+    assert costs.cost(1, 2) == pytest.approx(1.0)  # faster: believed at once
+    costs.observe(1, 2, 2.0)
+    assert costs.cost(1, 2) == pytest.approx(1.2)  # slower: averaged in with weight 0.2
+
+
 def test_cancel_frees_the_slot(setup) -> None:
     _, target, prompts, truths = setup
     engine = Engine(target, None, EngineConfig(max_batch=1, block_size=1))

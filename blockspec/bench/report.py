@@ -327,6 +327,19 @@ def _acceptance_tables(summaries: Sequence[Summary]) -> list[str]:
     return lines + _table(header, rows)
 
 
+def _block_size_table(summaries: Sequence[Summary]) -> list[str]:
+    runs = [s.run for s in summaries if s.run.runner.startswith("dflash auto") and s.run.block_sizes]
+    if not runs:
+        return []
+    sizes = sorted({n for r in runs for n in r.block_sizes})
+    rows = []
+    for r in runs:
+        total = sum(r.block_sizes.values())
+        rows.append([r.task, str(r.concurrency), r.runner, str(total)]
+                    + [f"{100 * r.block_sizes.get(n, 0) / total:.0f}%" for n in sizes])
+    return _table(["Task", "Concurrency", "Runner", "steps"] + [str(n) for n in sizes], rows)
+
+
 def lossless_lines(agreements: Sequence[Agreement]) -> list[str]:
     strict = [a for a in agreements if a.strict]
     if not strict:
@@ -387,6 +400,9 @@ def markdown(summaries: Sequence[Summary], agreements: Sequence[Agreement], meta
         acc = _acceptance_tables(part)
         if acc:
             lines += ["### Acceptance", ""] + acc + [""]
+        used = _block_size_table(part)
+        if used:
+            lines += ["### Block sizes the adaptive runner chose (share of steps)", ""] + used + [""]
     return "\n".join(lines).rstrip() + "\n"
 
 

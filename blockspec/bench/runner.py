@@ -83,6 +83,7 @@ class EngineRunner:
         self.method = "ar" if block_size == 1 else "dflash"
         self.name = "ar" if block_size == 1 else (f"dflash auto<=b{block_size}" if adaptive else f"dflash b{block_size}")
         self._engines: dict[int, object] = {}
+        self.last_block_sizes: dict[int, int] = {}  # steps per block size of the last `run`
 
     def _engine(self, concurrency: int) -> object:
         from blockspec.engine import Engine, EngineConfig
@@ -106,8 +107,11 @@ class EngineRunner:
 
     def run(self, requests: Sequence[Request], concurrency: int, progress: Progress | None = None) -> list[Output]:
         engine = self._engine(concurrency)
+        before = engine.metrics.block_sizes
         handles = [engine.submit(list(r.prompt_ids), r.params) for r in requests]
         engine.run_until_idle(progress)
+        after = engine.metrics.block_sizes
+        self.last_block_sizes = {n: c - before.get(n, 0) for n, c in sorted(after.items()) if c > before.get(n, 0)}
         outputs: list[Output] = []
         speculative = self.block_size > 1
         for handle in handles:
@@ -223,6 +227,7 @@ class RunRecord:
     requests: int = 0
     generated_tokens: int = 0
     wall_s: float = 0.0
+    block_sizes: dict[int, int] = field(default_factory=dict)  # engine steps per block size used
     records: list[RequestRecord] = field(default_factory=list)
 
     @property
@@ -301,6 +306,8 @@ def run_task(
         t0 = clock()
         outputs = runner.run(requests, concurrency, progress)
         run.wall_s += clock() - t0
+        for n, steps in getattr(runner, "last_block_sizes", {}).items():
+            run.block_sizes[n] = run.block_sizes.get(n, 0) + steps
         for i, req, out in zip(active, requests, outputs):
             text = _visible(tokenizer, out.token_ids)
             answers[i].append(text)

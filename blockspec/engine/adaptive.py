@@ -16,7 +16,9 @@ again. The other way round, while drafting wins, a plain step runs first and the
 (also backing off) in each batch-size bucket: otherwise plain decoding's cost would only ever be
 the calibration's guess scaled like the drafting sizes, and the calibration's short context hides
 what a long context adds per verified token (at concurrency 16 that guess let block 3 run at a
-loss). A drafting step drafts only the chosen block's width, so a short block costs what a
+loss). For the same reason the drafting sizes next to the chosen one are run now and then
+(alternately, backing off, per bucket): a size is only re-measured when it runs, so one slow step
+(outside load) could otherwise price a better size out for good. A drafting step drafts only the chosen block's width, so a short block costs what a
 fixed short block costs; the per-position rates are shared by all widths, since a trained
 drafter's first positions are accepted about as often in a narrow block as in a wide one (stage-3
 SmolLM2 drafter, GSM8K-64: k=1..3 0.52/0.27/0.13 at block 4, 0.51/0.26/0.12 at block 16). The
@@ -55,7 +57,8 @@ class CostModel:
     cost per step). Real steps therefore override it: each block size that has run keeps its own
     moving average, and a block size that has not run yet is estimated from its calibrated cost
     times the measured/calibrated ratio of the nearest block sizes that have (interpolated), so
-    one step's surprise never leaks into plain decoding's cost as a whole. A repeat measurement
+    one step's surprise never leaks into plain decoding's cost as a whole. A slower repeat
+    measurement is averaged in, a faster one replaces the estimate (see `observe`). A repeat measurement
     of a block size that drifted (longer contexts, machine load) moves the others' averages by a
     damped share of the drift, since such drift hits every block size alike.
     """
@@ -109,7 +112,9 @@ class CostModel:
         if old is None:
             seen[block] = seconds
             return
-        new = (1 - self.smoothing) * old + self.smoothing * seconds
+        # A faster step is believed at once: outside load only ever slows steps, and an estimate
+        # too low corrects itself (that size gets chosen, and measured), one too high never does.
+        new = seconds if seconds < old else (1 - self.smoothing) * old + self.smoothing * seconds
         drift = 1 + 0.25 * (new / old - 1)
         for n in seen:
             seen[n] = new if n == block else seen[n] * drift
@@ -228,7 +233,7 @@ class AdaptiveBlock:
     """Chooses each step's block size for a DecodeBatch (see the module docstring)."""
 
     def __init__(self, max_block: int, *, prior: float = 0.5, probe_block: int = 4, probe_every: int = 8,
-                 plain_every: int = 16, costs: CostModel | None = None) -> None:
+                 plain_every: int = 16, challenge_every: int = 16, costs: CostModel | None = None) -> None:
         self.max_block = max_block
         self.costs = costs or CostModel(max_block)
         self.global_accepted = [0] * max(0, max_block - 1)
@@ -241,6 +246,8 @@ class AdaptiveBlock:
         self.last_choice = 1
         self.base_plain_every = plain_every
         self.plain_checks: dict[int, tuple[int, int]] = {}  # bucket -> (drafting steps since, interval)
+        self.base_challenge_every = challenge_every
+        self.challenges: dict[int, tuple[int, int, int, int]] = {}  # bucket -> (since, interval, turn, best)
         self.used: Counter[int] = Counter()  # steps run at each block size
 
     def global_rates(self) -> list[float]:
@@ -280,12 +287,9 @@ class AdaptiveBlock:
         b = len(batch.rows)
         if not self.costs.known(b):
             self.costs.set(b, calibrate(batch, bucket(b), self.max_block))
-        best, best_rate = 1, -1.0
         costs = self.costs.table(b)
-        for n, tokens in enumerate(self.expected(batch.rows), start=1):
-            rate = tokens / costs[n - 1]
-            if rate > best_rate:
-                best, best_rate = n, rate
+        rates = [tokens / cost for tokens, cost in zip(self.expected(batch.rows), costs)]
+        best = max(range(1, self.max_block + 1), key=lambda n: (rates[n - 1], -n))
         if best == 1:
             self.plain_streak += 1
             if self.plain_streak >= self.probe_every:
@@ -296,8 +300,23 @@ class AdaptiveBlock:
             self.plain_streak = 0
             self.probe_every = self.base_probe_every
             best = self._check_plain(bucket(b), best)
+            if best > 1:
+                best = self._challenge(bucket(b), best)
         self.last_choice = best
         return best
+
+    def _challenge(self, key: int, best: int) -> int:
+        """`best`, or a drafting size next to it (best + 1 and best - 1 in turn) when one is due
+        a fresh measurement; a new best restarts the back-off."""
+        since, every, turn, last = self.challenges.get(key, (0, self.base_challenge_every, 0, best))
+        if best != last:
+            since, every = 0, self.base_challenge_every
+        if since + 1 < every:
+            self.challenges[key] = (since + 1, every, turn, best)
+            return best
+        self.challenges[key] = (0, min(every * 2, MAX_INTERVAL), turn + 1, best)
+        neighbours = [n for n in (best + 1, best - 1) if 2 <= n <= self.max_block]
+        return neighbours[turn % len(neighbours)] if neighbours else best
 
     def _check_plain(self, key: int, best: int) -> int:
         """`best`, or 1 when plain decoding's real cost in this bucket is due a measurement."""
