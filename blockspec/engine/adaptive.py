@@ -154,7 +154,7 @@ def expected_by_block(rates: list[float], max_block: int, remaining: int) -> lis
 
 def calibration_sizes(max_block: int) -> list[int]:
     """Block sizes timed by `calibrate`; the others are interpolated. Dense at small sizes: on a
-    CPU the cost is flat up to a few rows and then jumps (models/linear.py)."""
+    CPU the kernel, and so the cost, changes with the row count (models/linear.py)."""
     return sorted({n for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if n <= max_block} | {max_block})
 
 
