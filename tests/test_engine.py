@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -256,17 +257,14 @@ def test_adaptive_policy_probes_while_plain_decoding_wins() -> None:
     assert choices == [1, 1, 1, 3, 1, 1, 1, 1, 1, 1, 1, 3]  # probes back off: after 4, then 8
 
 
+def _one_row_batch(rate: float) -> object:
+    """What AdaptiveBlock.choose reads of a batch: one row whose drafts are accepted at `rate`."""
+    row = SimpleNamespace(remaining=100, acceptance_rates=lambda prior: [rate] * 7)
+    return SimpleNamespace(drafter=object(), rows=[row])
+
+
 def test_adaptive_policy_measures_plain_decoding_while_drafting_wins() -> None:
-    class Row:
-        remaining = 100
-
-        def acceptance_rates(self, prior):
-            return [0.9] * 7
-
-    class Batch:
-        drafter = object()
-        rows = [Row()]
-
+    Batch = _one_row_batch(0.9)
     costs = CostModel(max_block=8)
     costs.set(1, [1.0] + [1.1] * 7)  # drafting pays on the calibration's word
     policy = AdaptiveBlock(8, costs=costs, plain_every=3)
@@ -280,16 +278,7 @@ def test_adaptive_policy_measures_plain_decoding_while_drafting_wins() -> None:
 
 
 def test_adaptive_policy_remeasures_the_sizes_next_to_its_choice() -> None:
-    class Row:
-        remaining = 100
-
-        def acceptance_rates(self, prior):
-            return [0.6] * 7
-
-    class Batch:
-        drafter = object()
-        rows = [Row()]
-
+    Batch = _one_row_batch(0.6)
     true = [1.0, 1.05, 1.1, 1.15, 2.0, 2.1, 2.2, 2.3]  # block 4 is the best buy
     costs = CostModel(max_block=8)
     costs.set(1, true)

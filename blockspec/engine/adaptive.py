@@ -18,11 +18,12 @@ the calibration's guess scaled like the drafting sizes, and the calibration's sh
 what a long context adds per verified token (at concurrency 16 that guess let block 3 run at a
 loss). For the same reason the drafting sizes next to the chosen one are run now and then
 (alternately, backing off, per bucket): a size is only re-measured when it runs, so one slow step
-(outside load) could otherwise price a better size out for good. A drafting step drafts only the chosen block's width, so a short block costs what a
-fixed short block costs; the per-position rates are shared by all widths, since a trained
-drafter's first positions are accepted about as often in a narrow block as in a wide one (stage-3
-SmolLM2 drafter, GSM8K-64: k=1..3 0.52/0.27/0.13 at block 4, 0.51/0.26/0.12 at block 16). The
-choice never changes greedy output: verification is exact for any block size.
+(outside load) could otherwise price a better size out for good. A drafting step drafts only the
+chosen block's width, so a short block costs what a fixed short block costs; the per-position
+rates are shared by all widths, since a trained drafter's first positions are accepted about as
+often in a narrow block as in a wide one (stage-3 SmolLM2 drafter, GSM8K-64: k=1..3
+0.52/0.27/0.13 at block 4, 0.51/0.26/0.12 at block 16). The choice never changes greedy output:
+verification is exact for any block size.
 """
 
 from __future__ import annotations
@@ -58,9 +59,9 @@ class CostModel:
     moving average, and a block size that has not run yet is estimated from its calibrated cost
     times the measured/calibrated ratio of the nearest block sizes that have (interpolated), so
     one step's surprise never leaks into plain decoding's cost as a whole. A slower repeat
-    measurement is averaged in, a faster one replaces the estimate (see `observe`). A repeat measurement
-    of a block size that drifted (longer contexts, machine load) moves the others' averages by a
-    damped share of the drift, since such drift hits every block size alike.
+    measurement is averaged in, a faster one replaces the estimate (see `observe`). A repeat
+    measurement of a block size that drifted (longer contexts, machine load) moves the others'
+    averages by a damped share of the drift, since such drift hits every block size alike.
     """
 
     max_block: int
