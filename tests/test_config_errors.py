@@ -45,5 +45,7 @@ def test_prompt_plus_max_new_tokens_beyond_context() -> None:
         dec.generate([[]], SamplingParams(max_new_tokens=4))
     with pytest.raises(ConfigError, match="token ids must be in"):
         dec.generate([[1, 2, 999]], SamplingParams(max_new_tokens=4))
+    with pytest.raises(ConfigError, match="list of int token ids \\(tokenize text first\\); got str 'hello'"):
+        dec.generate([[1, "hello"]], SamplingParams(max_new_tokens=4))
     with pytest.raises(ConfigError, match="needs a drafter"):
         dec.generate([[1, 2]], SamplingParams(max_new_tokens=4), block_size=8)

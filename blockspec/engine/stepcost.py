@@ -26,6 +26,7 @@ import torch
 
 from blockspec.config import SamplingParams
 from blockspec.errors import ConfigError
+from blockspec.models.linear import CPU_MATMULS
 from blockspec.models.target import DTYPES
 
 # Shapes of public models (config.json of each), and a tiny one for tests.
@@ -158,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                          "after the main one released its team (what the engine does; engine/openmp.py)")
     ap.add_argument("--small-rows", type=int, default=None,
                     help="CPU: largest row count of the small-row matmul path (models/linear.py); 1 turns it off")
-    ap.add_argument("--cpu-matmul", default=None, choices=("onednn", "small-rows", "mkl"),
+    ap.add_argument("--cpu-matmul", default=None, choices=CPU_MATMULS,
                     help="CPU kernel of the projections (models/linear.py); default: the library's choice")
     args = ap.parse_args(argv)
     from blockspec.models import linear

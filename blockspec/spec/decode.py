@@ -178,9 +178,10 @@ class SpecDecoder:
         """check_request plus token-id range."""
         self.check_request(len(prompt), params)
         vocab = self.target.info.vocab_size
-        if not all(isinstance(t, int) for t in prompt):
-            bad = next(t for t in prompt if not isinstance(t, int))
-            raise ConfigError(f"a prompt must be a list of int token ids (tokenize text first); got {type(bad).__name__} {bad!r:.40}")
+        not_ids = [t for t in prompt if not isinstance(t, int)]
+        if not_ids:
+            raise ConfigError("a prompt must be a list of int token ids (tokenize text first); "
+                              f"got {type(not_ids[0]).__name__} {not_ids[0]!r:.40}")
         if any(not 0 <= t < vocab for t in prompt):
             raise ConfigError(f"prompt token ids must be in [0, {vocab}); got one outside")
 
