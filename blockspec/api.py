@@ -14,10 +14,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from blockspec.config import SamplingParams, SpecConfig
 from blockspec.engine.openmp import release_thread_pool
 from blockspec.errors import CheckpointError, ConfigError
 from blockspec.models.drafter import DFlashDrafter, load_drafter, new_drafter_for_target
+from blockspec.models.linear import cpu_bf16_matmul
 from blockspec.models.target import DTYPES, Target
 from blockspec.spec.decode import GenerationResult, RequestStats, SpecDecoder
 from blockspec.text import IncrementalDetokenizer, Messages, StopStrings, encode_prompt
@@ -182,6 +185,19 @@ def resolve_target_dir(target: str | Path) -> Path:
     return resolve_model(str(target))
 
 
+def resolve_drafter_dtype(drafter_dtype: str, target_dtype: str, device: str) -> torch.dtype:
+    """The drafter's torch dtype: explicit, or "auto" (the target's; bfloat16 beside a float32
+    target on a CPU whose oneDNN runs bf16 products: drafting streams half the bytes)."""
+    if drafter_dtype == "auto":
+        cpu = torch.device(device).type == "cpu"
+        if cpu and target_dtype == "float32" and cpu_bf16_matmul():
+            return torch.bfloat16
+        return DTYPES[target_dtype]
+    if drafter_dtype not in DTYPES:
+        raise ConfigError(f"drafter_dtype must be 'auto' or one of {sorted(DTYPES)}, got {drafter_dtype!r}")
+    return DTYPES[drafter_dtype]
+
+
 def load(
     target: str | Path,
     drafter: str | Path | None = None,
@@ -194,6 +210,7 @@ def load(
     seed: int = 0,
     backend: str = "auto",
     draft_vocab: bool = True,
+    drafter_dtype: str = "auto",
 ) -> Pipeline:
     """Loads a target (zoo name, directory or Hub id) and a drafter.
 
@@ -207,14 +224,17 @@ def load(
     the step costs measured on this machine (a CPU favours short blocks) and the acceptance so far.
     draft_vocab: use the drafter's draft_vocab.safetensors when it has one (proposals from the
     tokens it was trained on; cheaper drafting, same output); False drafts from every token.
+    drafter_dtype: the drafter's dtype; "auto" is the target's, except bfloat16 for a float32
+    target on a CPU that runs bf16 products (`resolve_drafter_dtype`). Verification by the target
+    keeps the output exact whatever the drafter computes in.
     """
     if dtype not in DTYPES:
         raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    draft_dtype = resolve_drafter_dtype(drafter_dtype, dtype, device)
     from blockspec.models.native.load import load_target
 
     target_dir = resolve_target_dir(target)
     hf_target, tokenizer = load_target(target_dir, backend=backend, dtype=dtype, device=device)
-    torch_dtype = DTYPES[dtype]
     source = str(drafter) if drafter is not None else ""
     draft: DFlashDrafter | None
     if drafter is None:
@@ -224,7 +244,7 @@ def load(
                 f"no drafter ships for target {target!r}; pass a DFlash drafter directory, "
                 f"drafter='{FRESH}' for an untrained one (lossless, no speedup), or 'none'"
             )
-        draft = load_drafter(shipped, dtype=torch_dtype, device=device, draft_vocab=draft_vocab)
+        draft = load_drafter(shipped, dtype=draft_dtype, device=device, draft_vocab=draft_vocab)
         source = str(shipped)
     elif str(drafter) == "none":
         draft = None
@@ -232,9 +252,9 @@ def load(
         info = hf_target.info
         draft = new_drafter_for_target(
             hf_target.config, mask_token_id=pick_mask_token(tokenizer, info.vocab_size),
-            num_layers=drafter_layers, seed=seed, dtype=torch_dtype,
+            num_layers=drafter_layers, seed=seed, dtype=draft_dtype,
         ).to(device)
     else:
-        draft = load_drafter(drafter, dtype=torch_dtype, device=device, draft_vocab=draft_vocab)
+        draft = load_drafter(drafter, dtype=draft_dtype, device=device, draft_vocab=draft_vocab)
     return Pipeline(hf_target, tokenizer, draft, block_size=block_size, adaptive_block=adaptive_block,
                     drafter_source=source, target_source=str(target))

@@ -213,3 +213,57 @@ def test_draft_vocabulary_keeps_greedy_output_identical(tmp_path: Path) -> None:
     drafter.set_draft_vocab(sorted({t for row in truth for t in row})[::2], drafter.cfg.vocab_size)
     dec = SpecDecoder(HFTarget(target), drafter, SpecConfig(block_size=8))
     assert [r.token_ids for r in dec.generate(prompts, SamplingParams(max_new_tokens=30))] == truth
+
+
+@pytest.mark.parametrize("vocab", [None, [3, 5, 8, 13, 21, 34, 47]])
+def test_bf16_drafter_beside_fp32_target(vocab: list[int] | None) -> None:
+    """The drafter casts what the target hands it (features, embeddings) to its own dtype, and
+    hands back logits in the head's dtype; both forwards agree; decoding stays exact."""
+    from blockspec.models.native.draft import StaticDrafter
+
+    target = make_tiny_target("qwen3", dtype=torch.float32, seed=11)
+    fp32 = new_drafter_for_target(target.config, mask_token_id=47, num_layers=2, block_size=8, seed=4)
+    bf16 = new_drafter_for_target(target.config, mask_token_id=47, num_layers=2, block_size=8, seed=4,
+                                  dtype=torch.bfloat16)
+    for d in (fp32, bf16):
+        d.set_draft_vocab(vocab, d.cfg.vocab_size)
+    head = target.get_output_embeddings()
+    g = torch.Generator().manual_seed(5)
+    feats = torch.randn(1, 6, len(fp32.target_layer_ids) * 32, generator=g)  # fp32, as the target produces them
+    embeds = torch.randn(1, 8, 32, generator=g)
+    ctx_pos, block_pos = torch.arange(6)[None], torch.arange(6, 14)[None]
+    with torch.inference_mode():
+        hidden = bf16(feats, ctx_pos, embeds, block_pos, bf16.new_cache(1))
+        same = bf16(feats.bfloat16(), ctx_pos, embeds.bfloat16(), block_pos, bf16.new_cache(1))
+        static = StaticDrafter(bf16)
+        cache = static.new_cache(1)
+        cache.reserve(14, 14)
+        hidden_static = static(feats, ctx_pos, embeds, block_pos, cache)
+        reference = fp32(feats, ctx_pos, embeds, block_pos, fp32.new_cache(1))
+    assert hidden.dtype == torch.bfloat16 and torch.equal(hidden, same)
+    torch.testing.assert_close(hidden_static.float(), hidden.float(), atol=0.05, rtol=0.05)
+    torch.testing.assert_close(hidden.float(), reference, atol=0.1, rtol=0.1)  # bf16 rounding only
+    logits = bf16.logits(hidden, head)
+    assert logits.dtype == torch.float32
+    assert torch.equal(bf16.greedy_tokens(hidden, head), logits.argmax(-1))
+    plain = SpecDecoder(HFTarget(target), None, SpecConfig(block_size=1))
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 3]]
+    truth = [r.token_ids for r in plain.generate(prompts, SamplingParams(max_new_tokens=20))]
+    dec = SpecDecoder(HFTarget(target), bf16, SpecConfig(block_size=8))
+    assert [r.token_ids for r in dec.generate(prompts, SamplingParams(max_new_tokens=20))] == truth
+    sampled = dec.generate(prompts, SamplingParams(max_new_tokens=20, temperature=0.8, seed=1))
+    assert all(len(r.token_ids) == 20 for r in sampled)
+
+
+def test_drafter_dtype_resolution() -> None:
+    from blockspec.api import resolve_drafter_dtype
+    from blockspec.models.linear import cpu_bf16_matmul
+
+    auto = torch.bfloat16 if cpu_bf16_matmul() else torch.float32
+    assert resolve_drafter_dtype("auto", "float32", "cpu") == auto
+    assert resolve_drafter_dtype("auto", "bfloat16", "cpu") == torch.bfloat16
+    assert resolve_drafter_dtype("auto", "float16", "cuda") == torch.float16
+    assert resolve_drafter_dtype("auto", "float32", "cuda") == torch.float32
+    assert resolve_drafter_dtype("float32", "float32", "cpu") == torch.float32
+    with pytest.raises(ConfigError, match="drafter_dtype must be 'auto' or one of"):
+        resolve_drafter_dtype("int8", "float32", "cpu")

@@ -1,0 +1,12 @@
+"""The `blockspec` CLI verbs, one module each; arguments several verbs share live here."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_drafter_dtype_argument(parser: argparse.ArgumentParser) -> None:
+    """--drafter-dtype, for the verbs that load a pipeline (see `blockspec.api.resolve_drafter_dtype`)."""
+    parser.add_argument("--drafter-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="the drafter's dtype; auto (default): bfloat16 beside a float32 target on a CPU "
+                             "with bf16 products, else the target's (the output is the same either way)")

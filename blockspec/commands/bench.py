@@ -18,6 +18,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from blockspec.commands import add_drafter_dtype_argument
+
 HELP = "benchmark DFlash against autoregressive decoding on standard prompt sets"
 
 BASELINE_NAMES = ("hf", "pld", "reference")
@@ -109,6 +111,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="target implementation for AR and DFlash: native (own Llama-family code), "
                              "hf (transformers) or auto (default)")
     parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
+    add_drafter_dtype_argument(parser)
     parser.add_argument("--device", default="cpu", help="cpu | cuda[:N] | mps (default cpu)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's choice; 1 is steadier on a shared machine)")
@@ -219,7 +222,8 @@ def command_line(args: argparse.Namespace) -> str:
             parts += ["--pld-tokens", str(args.pld_tokens)]
     if args.threads is not None:
         parts += ["--threads", str(args.threads)]
-    parts += ["--clock", args.clock, "--backend", args.backend, "--dtype", args.dtype, "--device", args.device,
+    parts += ["--clock", args.clock, "--backend", args.backend, "--dtype", args.dtype,
+              "--drafter-dtype", args.drafter_dtype, "--device", args.device,
               "--warmup" if args.warmup else "--no-warmup"]
     if args.out:
         parts += ["--out", str(args.out)]
@@ -255,7 +259,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {out / 'report.md'} and {out / 'results.json'}", file=sys.stderr)
         return 0
     pipe = load(args.target, args.drafter, dtype=args.dtype, device=args.device,
-                drafter_layers=args.drafter_layers, seed=args.seed, backend=args.backend)
+                drafter_layers=args.drafter_layers, seed=args.seed, backend=args.backend,
+                drafter_dtype=args.drafter_dtype)
     block_sizes = args.block_sizes or (pipe.drafter.block_size,)
     if 1 in block_sizes:
         raise ConfigError("--block-sizes lists DFlash block sizes (>= 2); plain decoding always runs as AR")
@@ -292,6 +297,7 @@ def run(args: argparse.Namespace) -> int:
         "drafter_block_size": pipe.drafter.block_size,
         "backend": f"{args.backend} ({type(pipe.target).__name__})",
         "dtype": args.dtype,
+        "drafter_dtype": str(next(pipe.drafter.parameters()).dtype).removeprefix("torch."),
         "device": args.device,
         "clock": args.clock,
         "max_new_tokens": args.max_new_tokens,

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from blockspec.commands import add_drafter_dtype_argument
+
 HELP = "held-out acceptance length (tau) of drafters: the training recipe's shipping check"
 
 
@@ -21,11 +23,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", type=int, default=32,
                    help="the first N gsm8k TRAIN prompts; keep N within datagen's --holdout (default 64), "
                         "the prompts it kept out of the training data")
+    p.add_argument("--heldout", default="gsm8k_train", choices=["gsm8k_train", "gsm8k_code"],
+                   help="those questions as maths prompts (default) or as HumanEval-style code stubs")
     p.add_argument("--block-size", type=int, default=None, help="block size (default: each drafter's)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=16, help="prompts decoded together")
     p.add_argument("--data-dir", default=None, help="where the data sets live (default: ../shared/data)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
+    add_drafter_dtype_argument(p)
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--json", action="store_true", help="print one JSON object per drafter")
@@ -46,11 +51,11 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    held = heldout_prompts(args.prompts, data_dir=args.data_dir)
+    held = heldout_prompts(args.prompts, data_dir=args.data_dir, source=args.heldout)
     rows = []
     for drafter in args.drafter:
         pipe = blockspec.load(args.target, drafter, dtype=args.dtype, device=args.device,
-                              block_size=args.block_size)
+                              block_size=args.block_size, drafter_dtype=args.drafter_dtype)
         prompts = [encode_prompt(pipe.tokenizer, list(p.messages), chat=True) for p in held]
         block = args.block_size or pipe.drafter.block_size
         res = quick_tau(pipe.decoder.target, pipe.drafter, prompts, block_size=block,
@@ -60,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(row), flush=True)
     if not args.json:
-        print(f"held-out gsm8k TRAIN prompts: {len(held)}, greedy, {args.max_new_tokens} new tokens")
+        print(f"held-out gsm8k TRAIN questions ({args.heldout} prompts): {len(held)}, greedy, "
+              f"{args.max_new_tokens} new tokens")
         print(f"{'tau':>6} {'steps':>6} {'block':>5}  drafter")
         for r in rows:
             print(f"{r['tau']:6.2f} {r['steps']:6d} {r['block_size']:5d}  {r['drafter']}")

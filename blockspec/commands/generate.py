@@ -7,6 +7,8 @@ import argparse
 import json
 import sys
 
+from blockspec.commands import add_drafter_dtype_argument
+
 HELP = "generate text with DFlash speculative decoding"
 
 
@@ -18,6 +20,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="DFlash drafter directory; default: the drafter shipped for a zoo target; "
                         "'fresh' = untrained (lossless, no speedup); 'none' = plain decoding")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
+    add_drafter_dtype_argument(p)
     p.add_argument("--device", default="cpu")
     p.add_argument("--block-size", type=int, default=None, help="block size (default: the drafter's)")
 
@@ -81,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     sampling = sampling_from_args(args)
     SamplingParams(**sampling)  # validate before the slow model load
     pipe = load(args.target, args.drafter, dtype=args.dtype, device=args.device, block_size=args.block_size,
-                adaptive_block=args.adaptive_block)
+                adaptive_block=args.adaptive_block, drafter_dtype=args.drafter_dtype)
     kwargs = {"enable_thinking": args.thinking == "on"} if args.thinking else {}
     ids = pipe.encode(prompt_from_args(args), chat=not args.raw, **kwargs)
     params = SamplingParams(**sampling)

@@ -11,6 +11,8 @@ import argparse
 import os
 import sys
 
+from blockspec.commands import add_drafter_dtype_argument
+
 HELP = "OpenAI-compatible HTTP server with continuous batching"
 
 
@@ -26,6 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="require 'Authorization: Bearer KEY' on every route but /health "
                              "(default: $BLOCKSPEC_API_KEY; unset = no key)")
     parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
+    add_drafter_dtype_argument(parser)
     parser.add_argument("--device", default="cpu", help="cpu | cuda[:N] | mps (default cpu)")
     parser.add_argument("--block-size", type=int, default=None, help="speculation block size (default: the drafter's)")
     parser.add_argument("--adaptive-block", action="store_true",
@@ -46,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     sock = bind(args.host, args.port)  # before loading: a busy port fails in a second, not a minute
     try:
         pipeline = load(args.target, args.drafter, dtype=args.dtype, device=args.device,
-                        block_size=args.block_size)
+                        block_size=args.block_size, drafter_dtype=args.drafter_dtype)
         config = EngineConfig(max_batch=args.max_batch, max_queue=args.max_queue, block_size=pipeline.block_size,
                               adaptive_block=args.adaptive_block)
         app = create_app(pipeline, engine_config=config, served_model_name=args.served_model_name,

@@ -4,6 +4,8 @@
     python -m blockspec.engine.stepcost --shape smollm2-135m --draft-layers 2 --block 2,4,8,16 --batch 1,8,16
     python -m blockspec.engine.stepcost --shape smollm2-135m --draft-layers 1 --block 2,4 --batch 1 --thread worker
     python -m blockspec.engine.stepcost --shape smollm2-135m --draft-layers 2 --block 4,16 --batch 1 --cpu-matmul mkl
+    python -m blockspec.engine.stepcost --shape smollm2-135m --draft-layers 2 --block 4,16 --batch 1 \
+        --draft-dtype float32,bfloat16 --draft-vocab 16385
 
 The target and drafter get random weights: the cost of a step depends on the shapes, not on the
 values (with random weights nothing is accepted, so every step commits one token and the context
@@ -159,6 +161,12 @@ def main(argv: list[str] | None = None) -> int:
                          "after the main one released its team (what the engine does; engine/openmp.py)")
     ap.add_argument("--small-rows", type=int, default=None,
                     help="CPU: largest row count of the small-row matmul path (models/linear.py); 1 turns it off")
+    ap.add_argument("--draft-dtype", default="auto",
+                    help="comma-separated drafter dtypes, measured side by side (auto: what `blockspec.load` "
+                         "picks beside the target's dtype on this device)")
+    ap.add_argument("--draft-vocab", type=int, default=0,
+                    help="restrict the drafter's head to this many token ids, as a shipped draft_vocab does "
+                         "(0: the whole vocabulary)")
     ap.add_argument("--cpu-matmul", default=None, choices=CPU_MATMULS,
                     help="CPU kernel of the projections (models/linear.py); default: the library's choice")
     args = ap.parse_args(argv)
@@ -180,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from blockspec.api import resolve_drafter_dtype
+
     try:
         blocks = [int(b) for b in args.block.split(",")]
         batches = [int(b) for b in args.batch.split(",")]
@@ -189,31 +199,46 @@ def _run(args: argparse.Namespace) -> int:
         raise ConfigError("--block sizes must be >= 2 (1 is the plain step) and --batch sizes >= 1")
     from blockspec.models.drafter import new_drafter_for_target
 
-    dtype = DTYPES[args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")]
+    dtype_name = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    if dtype_name not in DTYPES:
+        raise ConfigError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype_name!r}")
+    dtype = DTYPES[dtype_name]
+    draft_dtypes = [resolve_drafter_dtype(d.strip(), dtype_name, args.device) for d in args.draft_dtype.split(",")]
     target = random_target(args.shape, device=args.device, dtype=dtype)
     if args.cuda_graphs:
         target.enable_cuda_graphs(max_block=max(blocks))
-    drafter = new_drafter_for_target(target.config, mask_token_id=target.info.vocab_size - 1,
-                                     num_layers=args.draft_layers, block_size=max(blocks), dtype=dtype)
-    drafter = drafter.to(args.device).eval()
+    vocab = target.info.vocab_size
+    if not 0 <= args.draft_vocab <= vocab:
+        raise ConfigError(f"--draft-vocab must be in [0, {vocab}] for shape {args.shape}, got {args.draft_vocab}")
+    drafters = {}
+    for draft_dtype in dict.fromkeys(draft_dtypes):
+        drafter = new_drafter_for_target(target.config, mask_token_id=vocab - 1, num_layers=args.draft_layers,
+                                         block_size=max(blocks), dtype=draft_dtype).to(args.device).eval()
+        if args.draft_vocab:
+            ids = torch.randperm(vocab, generator=torch.Generator().manual_seed(0))[: args.draft_vocab]
+            drafter.set_draft_vocab(ids, vocab)
+        drafters[str(draft_dtype).removeprefix("torch.")] = drafter
     rows = []
     for b in batches:
         plain = on_thread(lambda: step_seconds(target, None, 1, b, args.context, args.steps, args.device), args.thread)
         for block in blocks:
-            spec = on_thread(lambda: step_seconds(target, drafter, block, b, args.context, args.steps, args.device),
-                             args.thread)
-            rows.append({"batch": b, "block": block, "plain_ms": round(plain * 1e3, 3),
-                         "dflash_ms": round(spec * 1e3, 3), "ratio": round(spec / plain, 3)})
+            for name, drafter in drafters.items():  # side by side: machine drift hits them alike
+                spec = on_thread(lambda: step_seconds(target, drafter, block, b, args.context, args.steps,
+                                                      args.device), args.thread)
+                rows.append({"batch": b, "block": block, "draft_dtype": name, "plain_ms": round(plain * 1e3, 3),
+                             "dflash_ms": round(spec * 1e3, 3), "ratio": round(spec / plain, 3)})
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
-    print(f"shape {args.shape}, {args.draft_layers}-layer drafter, context {args.context}, "
-          f"{str(dtype).removeprefix('torch.')}, {device}{', CUDA graphs' if args.cuda_graphs else ''}, "
+    head = f"draft vocabulary {args.draft_vocab}" if args.draft_vocab else "full-vocabulary draft head"
+    print(f"shape {args.shape}, {args.draft_layers}-layer drafter ({head}), context {args.context}, "
+          f"{dtype_name} target, {device}{', CUDA graphs' if args.cuda_graphs else ''}, "
           f"{args.thread} thread, CPU matmul {linear_kind()}\n")
-    print("| batch | block | plain step (ms) | DFlash step (ms) | DFlash / plain |")
-    print("|---|---|---|---|---|")
+    print("| batch | block | drafter dtype | plain step (ms) | DFlash step (ms) | DFlash / plain |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['batch']} | {r['block']} | {r['plain_ms']:.2f} | {r['dflash_ms']:.2f} | {r['ratio']:.2f} |")
+        print(f"| {r['batch']} | {r['block']} | {r['draft_dtype']} | {r['plain_ms']:.2f} | {r['dflash_ms']:.2f} "
+              f"| {r['ratio']:.2f} |")
     print(json.dumps({"shape": args.shape, "device": device, "dtype": str(dtype), "thread": args.thread,
-                      "cpu_matmul": linear_kind(), "rows": rows}))
+                      "cpu_matmul": linear_kind(), "draft_vocab": args.draft_vocab, "rows": rows}))
     return 0
 
 

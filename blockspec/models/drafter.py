@@ -383,6 +383,7 @@ class DFlashDrafter(nn.Module):
         packs many blocks into one pass and says itself who sees whom.
         """
         b, q, _ = block_embeds.shape
+        ctx_features, block_embeds = self.own_dtype(ctx_features), self.own_dtype(block_embeds)
         ctx = self.hidden_norm(self.fc(ctx_features))  # [b, c, H]
         slots = cache.slots if cache is not None else SlotTable(b, block_embeds.device)
         slots.append(ctx_positions)
@@ -416,12 +417,20 @@ class DFlashDrafter(nn.Module):
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h)
 
+    def own_dtype(self, x: torch.Tensor) -> torch.Tensor:
+        """x in this drafter's dtype: the target may run in another one (e.g. fp32 target, bf16
+        drafter on a CPU with bf16 units: drafting is cheaper, verification stays exact)."""
+        dtype = self.fc.weight.dtype
+        return x if x.dtype == dtype else x.to(dtype)
+
     def logits(self, hidden: torch.Tensor, head: nn.Module) -> torch.Tensor:
-        """Draft logits from hidden states with the target's output head [.., V]; -inf outside
-        the draft vocabulary when one is set (only those head rows are computed)."""
+        """Draft logits from hidden states with the target's output head [.., V], in the head's
+        dtype; -inf outside the draft vocabulary when one is set (only those head rows are computed)."""
         if self.draft_vocab is None:
-            return self._shape_logits(project(head, hidden) if isinstance(head, nn.Linear) else head(hidden))
-        sub = self._draft_vocab_logits(hidden, head)  # [.., Vd]
+            if isinstance(head, nn.Linear):  # the full head is the target's: never copied
+                return self._shape_logits(project(head, hidden.to(head.weight.dtype)))
+            return self._shape_logits(head(hidden))
+        sub = self._draft_vocab_logits(hidden, head).to(head.weight.dtype)  # [.., Vd]
         full = sub.new_full((*sub.shape[:-1], head.weight.shape[0]), float("-inf"))
         return full.index_copy_(-1, self.draft_vocab, sub)
 
@@ -434,15 +443,16 @@ class DFlashDrafter(nn.Module):
 
     def _draft_vocab_logits(self, hidden: torch.Tensor, head: nn.Module) -> torch.Tensor:
         weight, bias = self._restricted_head(head)
-        return self._shape_logits(linear(hidden, weight, bias))  # [.., Vd]
+        return self._shape_logits(linear(hidden.to(weight.dtype), weight, bias))  # [.., Vd]
 
     def _restricted_head(self, head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
         w = head.weight
-        key = (w.data_ptr(), w.dtype, w.device, self.draft_vocab.data_ptr())
+        dtype = self.fc.weight.dtype  # the rows are a copy anyway: keep them in the drafter's dtype
+        key = (w.data_ptr(), w.dtype, w.device, self.draft_vocab.data_ptr(), dtype)
         if self._head_rows is None or self._head_rows[0] != key:  # the target head is frozen
             bias = getattr(head, "bias", None)
-            rows = w.detach()[self.draft_vocab].contiguous()
-            self._head_rows = (key, rows, None if bias is None else bias.detach()[self.draft_vocab])
+            rows = w.detach()[self.draft_vocab].to(dtype).contiguous()
+            self._head_rows = (key, rows, None if bias is None else bias.detach()[self.draft_vocab].to(dtype))
         return self._head_rows[1], self._head_rows[2]
 
     def _shape_logits(self, logits: torch.Tensor) -> torch.Tensor:

@@ -63,6 +63,17 @@ def _gsm8k_train(data_dir: Path) -> list[Prompt]:
     return [Prompt(f"gsm8k_train:{i}", _user(MATH_TEMPLATE.format(question=r["question"]))) for i, r in enumerate(rows)]
 
 
+def _gsm8k_code(data_dir: Path) -> list[Prompt]:
+    """The gsm8k TRAIN questions as HumanEval-style stubs (a signature and a docstring to
+    complete): far more prompts for code than MBPP's train part has, in the form code benchmarks use."""
+    out = []
+    for i, r in enumerate(_jsonl(data_dir / "gsm8k_train.jsonl")):
+        question = " ".join(str(r["question"]).split())
+        stub = f'def solution() -> float:\n    """{question}\n    Return the answer as a number.\n    """\n'
+        out.append(Prompt(f"gsm8k_code:{i}", _user(CODE_TEMPLATE.format(prompt=stub))))
+    return out
+
+
 def _mbpp_train(data_dir: Path) -> list[Prompt]:
     """MBPP outside the test range, twice: as the plain task and HumanEval-style (signature +
     docstring), which is the form code benchmarks use."""
@@ -108,7 +119,7 @@ def _alpaca(data_dir: Path) -> list[Prompt]:
     return out
 
 
-_SOURCES = {"gsm8k_train": _gsm8k_train, "mbpp_train": _mbpp_train, "sharegpt": _sharegpt,
+_SOURCES = {"gsm8k_train": _gsm8k_train, "gsm8k_code": _gsm8k_code, "mbpp_train": _mbpp_train, "sharegpt": _sharegpt,
             "sharegpt_code": _sharegpt_code, "alpaca": _alpaca}
 
 
@@ -137,7 +148,7 @@ def load_prompts(
             if not path_hint.is_dir():
                 raise ConfigError(f"data directory {data_dir} not found; pass --data-dir")
             prompts = _SOURCES[src](data_dir)
-            if src == "gsm8k_train":
+            if src in ("gsm8k_train", "gsm8k_code"):  # the same questions: hold out the same ones
                 prompts = prompts[holdout:]
         elif Path(src).suffix == ".jsonl" and Path(src).exists():
             prompts = list(_file_prompts(Path(src)))
@@ -156,10 +167,16 @@ def load_prompts(
     return [p for p in out if not (p.id in seen or seen.add(p.id))]
 
 
-def heldout_prompts(n: int, *, data_dir: str | Path | None = None) -> list[Prompt]:
-    """The first n gsm8k TRAIN prompts: held out of datagen, used for the quick tau eval."""
+HELDOUT_SOURCES = ("gsm8k_train", "gsm8k_code")
+
+
+def heldout_prompts(n: int, *, data_dir: str | Path | None = None, source: str = "gsm8k_train") -> list[Prompt]:
+    """The first n gsm8k TRAIN questions, held out of datagen, for the quick tau eval: as maths
+    prompts (source "gsm8k_train") or as HumanEval-style code stubs ("gsm8k_code")."""
+    if source not in HELDOUT_SOURCES:
+        raise ConfigError(f"held-out prompts come from one of {', '.join(HELDOUT_SOURCES)}, got {source!r}")
     data_dir = Path(data_dir) if data_dir else default_data_dir()
-    return _gsm8k_train(data_dir)[:n]
+    return _SOURCES[source](data_dir)[:n]
 
 
 def _file_prompts(path: Path) -> Iterator[Prompt]:

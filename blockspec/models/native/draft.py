@@ -94,6 +94,7 @@ class StaticDrafter:
         m = self.module
         cfg = self.cfg
         b, q, _ = block_embeds.shape
+        ctx_features, block_embeds = m.own_dtype(ctx_features), m.own_dtype(block_embeds)
         h, kvh, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         g = h // kvh
         c = ctx_features.shape[1]
