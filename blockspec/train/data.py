@@ -27,6 +27,7 @@ MBPP_TEST_RANGE = range(11, 511)  # task ids 11..510 are MBPP's test split: neve
 # Sets named like benchmark test splits; refusing them by name is a cheap guard against leaks.
 TEST_FILES = ("gsm8k_test", "math500_test", "humaneval_test", "mtbench_questions")
 DEFAULT_SOURCES = ("gsm8k_train", "mbpp_train", "sharegpt", "alpaca")
+HELDOUT_SOURCES = ("gsm8k_train", "gsm8k_code")  # the same questions: the same first ones held out
 
 
 @dataclass(frozen=True)
@@ -119,8 +120,8 @@ def _alpaca(data_dir: Path) -> list[Prompt]:
     return out
 
 
-_SOURCES = {"gsm8k_train": _gsm8k_train, "gsm8k_code": _gsm8k_code, "mbpp_train": _mbpp_train, "sharegpt": _sharegpt,
-            "sharegpt_code": _sharegpt_code, "alpaca": _alpaca}
+_SOURCES = {"gsm8k_train": _gsm8k_train, "gsm8k_code": _gsm8k_code, "mbpp_train": _mbpp_train,
+            "sharegpt": _sharegpt, "sharegpt_code": _sharegpt_code, "alpaca": _alpaca}
 
 
 def load_prompts(
@@ -148,7 +149,7 @@ def load_prompts(
             if not path_hint.is_dir():
                 raise ConfigError(f"data directory {data_dir} not found; pass --data-dir")
             prompts = _SOURCES[src](data_dir)
-            if src in ("gsm8k_train", "gsm8k_code"):  # the same questions: hold out the same ones
+            if src in HELDOUT_SOURCES:
                 prompts = prompts[holdout:]
         elif Path(src).suffix == ".jsonl" and Path(src).exists():
             prompts = list(_file_prompts(Path(src)))
@@ -165,9 +166,6 @@ def load_prompts(
     random.Random(f"{seed}:mix").shuffle(out)
     seen: set[str] = set()  # sharegpt and sharegpt_code overlap: each prompt once
     return [p for p in out if not (p.id in seen or seen.add(p.id))]
-
-
-HELDOUT_SOURCES = ("gsm8k_train", "gsm8k_code")
 
 
 def heldout_prompts(n: int, *, data_dir: str | Path | None = None, source: str = "gsm8k_train") -> list[Prompt]:
