@@ -11,7 +11,14 @@ from test_spec_lossless import ragged_prompts, reference_greedy
 from blockspec.config import SamplingParams, SpecConfig
 from blockspec.errors import ConfigError
 from blockspec.models.drafter import init_drafter_weights, new_drafter_for_target
-from blockspec.models.linear import CPU_MATMULS, SMALL_ROWS, linear, onednn_available, set_cpu_matmul
+from blockspec.models.linear import (
+    CPU_MATMULS,
+    SMALL_ROWS,
+    linear,
+    onednn_available,
+    onednn_takes,
+    set_cpu_matmul,
+)
 from blockspec.models.native import load_native_target, load_target, unsupported_reason
 from blockspec.models.native.draft import StaticDrafter
 from blockspec.models.slots import EMPTY
@@ -129,10 +136,15 @@ def test_onednn_linear_keeps_bfloat16_close() -> None:
     previous = set_cpu_matmul("onednn")
     try:
         g = torch.Generator().manual_seed(0)
-        x, w = torch.randn(6, 64, generator=g).bfloat16(), torch.randn(32, 64, generator=g).bfloat16()
-        got = linear(x, w)
-        assert got.dtype == torch.bfloat16
-        torch.testing.assert_close(got.float(), x.float() @ w.float().t(), atol=0.1, rtol=0.02)
+        w = torch.randn(32, 64, generator=g).bfloat16()
+        for rows in (3, 6):  # 2-4 rows too: MKL's small-row path is for fp32 only
+            x = torch.randn(rows, 64, generator=g).bfloat16()
+            got = linear(x, w)
+            assert got.dtype == torch.bfloat16
+            torch.testing.assert_close(got.float(), x.float() @ w.float().t(), atol=0.1, rtol=0.02)
+        assert onednn_takes(3, torch.bfloat16, torch.bfloat16) and onednn_takes(6, torch.float32, torch.float32)
+        assert not onednn_takes(3, torch.float32, torch.float32)
+        assert not onednn_takes(3, torch.bfloat16, torch.float32)
     finally:
         set_cpu_matmul(previous)
 

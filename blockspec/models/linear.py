@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn import functional as F
 
 SMALL_ROWS = 64  # small-rows path: measured equal or faster up to 64 rows; beyond, level with F.linear
-MKL_ROWS: frozenset[int] = frozenset({2, 3, 4})
+MKL_ROWS: frozenset[int] = frozenset({2, 3, 4})  # fp32 only: in bf16, oneDNN wins here too (session 10)
 CPU_MATMULS = ("onednn", "small-rows", "mkl")
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -72,6 +72,13 @@ def fast_cpu_single_row() -> bool:
     return CPU_MATMUL == "onednn"
 
 
+def onednn_takes(rows: int, x_dtype: torch.dtype, w_dtype: torch.dtype) -> bool:
+    """Whether `linear` sends a CPU product of `rows` rows to oneDNN (no autograd)."""
+    if CPU_MATMUL != "onednn" or x_dtype not in _ONEDNN_DTYPES or w_dtype != x_dtype:
+        return False
+    return x_dtype != torch.float32 or rows not in MKL_ROWS
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] @ weight[out, in]^T + bias -> [..., out] (see the module docstring)."""
     if x.device.type != "cpu" or CPU_MATMUL == "mkl" or (
@@ -79,7 +86,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     ):
         return F.linear(x, weight, bias)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if CPU_MATMUL == "onednn" and x.dtype in _ONEDNN_DTYPES and weight.dtype == x.dtype and rows not in MKL_ROWS:
+    if onednn_takes(rows, x.dtype, weight.dtype):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     if not 1 < rows <= SMALL_ROWS:
         return F.linear(x, weight, bias)
