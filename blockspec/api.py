@@ -23,6 +23,7 @@ from blockspec.models.drafter import DFlashDrafter, load_drafter, new_drafter_fo
 from blockspec.models.linear import cpu_bf16_matmul
 from blockspec.models.target import DTYPES, Target
 from blockspec.spec.decode import GenerationResult, RequestStats, SpecDecoder
+from blockspec.spec.lookup import LookupConfig
 from blockspec.text import IncrementalDetokenizer, Messages, StopStrings, encode_prompt
 
 FRESH = "fresh"  # drafter argument: a randomly initialised drafter (lossless, but tau ~ 1)
@@ -70,6 +71,7 @@ class Pipeline:
         *,
         block_size: int | None = None,
         adaptive_block: bool = False,
+        lookup: LookupConfig | None = None,
         drafter_source: str = "",
         target_source: str = "",
     ) -> None:
@@ -77,7 +79,9 @@ class Pipeline:
         self.tokenizer = tokenizer
         self.drafter = drafter
         size = block_size or (drafter.block_size if drafter is not None else 1)
-        self.decoder = SpecDecoder(target, drafter, SpecConfig(block_size=size, adaptive=adaptive_block and size > 1))
+        lookup = lookup if size > 1 else None
+        self.decoder = SpecDecoder(target, drafter, SpecConfig(block_size=size, adaptive=adaptive_block and size > 1,
+                                                               lookup=lookup))
         self.drafter_source = drafter_source
         self.target_source = target_source
 
@@ -89,6 +93,11 @@ class Pipeline:
     @property
     def adaptive_block(self) -> bool:
         return self.decoder.spec.adaptive
+
+    @property
+    def lookup(self) -> LookupConfig | None:
+        """The n-gram lookup proposals' settings, None when every proposal is drafted."""
+        return self.decoder.spec.lookup
 
     def encode(self, prompt: str | Messages, *, chat: bool | None = None, **template_kwargs: object) -> list[int]:
         return encode_prompt(self.tokenizer, prompt, chat=chat, chat_template_kwargs=template_kwargs or None)
@@ -211,6 +220,7 @@ def load(
     backend: str = "auto",
     draft_vocab: bool = True,
     drafter_dtype: str = "auto",
+    lookup: bool | LookupConfig = True,
 ) -> Pipeline:
     """Loads a target (zoo name, directory or Hub id) and a drafter.
 
@@ -227,9 +237,14 @@ def load(
     drafter_dtype: the drafter's dtype; "auto" is the target's, except bfloat16 for a float32
     target on a CPU that runs bf16 products (`resolve_drafter_dtype`). Verification by the target
     keeps the output exact whatever the drafter computes in.
+    lookup: where a sequence's last tokens occurred before (prompt or output), propose what
+    followed them instead of the drafted block (n-gram lookup, spec/lookup.py: targets copy
+    names, numbers and code from the prompt, which a small drafter predicts poorly); True takes
+    LookupConfig(), False drafts every proposal (pure DFlash). Same output either way.
     """
     if dtype not in DTYPES:
         raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    resolve_lookup(lookup)  # a bad value fails before the slow load
     draft_dtype = resolve_drafter_dtype(drafter_dtype, dtype, device)
     from blockspec.models.native.load import load_target
 
@@ -257,4 +272,13 @@ def load(
     else:
         draft = load_drafter(drafter, dtype=draft_dtype, device=device, draft_vocab=draft_vocab)
     return Pipeline(hf_target, tokenizer, draft, block_size=block_size, adaptive_block=adaptive_block,
-                    drafter_source=source, target_source=str(target))
+                    lookup=resolve_lookup(lookup), drafter_source=source, target_source=str(target))
+
+
+def resolve_lookup(lookup: bool | LookupConfig | None) -> LookupConfig | None:
+    """`load`'s lookup argument as a LookupConfig (True: the defaults) or None (off)."""
+    if isinstance(lookup, LookupConfig) or lookup is None:
+        return lookup
+    if isinstance(lookup, bool):
+        return LookupConfig() if lookup else None
+    raise ConfigError(f"lookup must be True, False or a LookupConfig, got {lookup!r}")

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from blockspec.errors import ConfigError
+from blockspec.spec.lookup import LookupConfig
 
 MAX_BLOCK_SIZE = 64
 
@@ -87,8 +88,15 @@ class SpecConfig:
     # Choose each step's block size (up to block_size) from measured step costs and acceptance
     # (engine/adaptive.py); the output is the same for any choice.
     adaptive: bool = False
+    # Propose a row's n-gram lookup continuation instead of the drafted block where its last
+    # tokens occurred before (spec/lookup.py); None drafts every proposal.
+    lookup: LookupConfig | None = None
 
     def __post_init__(self) -> None:
+        _require(
+            self.lookup is None or isinstance(self.lookup, LookupConfig),
+            f"lookup must be None or a LookupConfig, got {type(self.lookup).__name__}",
+        )
         _require(
             isinstance(self.block_size, int) and 1 <= self.block_size <= MAX_BLOCK_SIZE,
             f"block_size must be an integer in [1, {MAX_BLOCK_SIZE}], got {self.block_size!r}",

@@ -82,6 +82,8 @@ def test_load_errors(tiny_model_dir: Path, tmp_path: Path) -> None:
         blockspec.load(str(tiny_model_dir), str(tmp_path / "missing"))
     with pytest.raises(ConfigError, match="dtype must be"):
         blockspec.load(str(tiny_model_dir), "none", dtype="int8")
+    with pytest.raises(ConfigError, match="lookup must be True, False or a LookupConfig"):
+        blockspec.load(str(tiny_model_dir), "none", lookup="yes")
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -97,6 +99,16 @@ def test_cli_generate_compare_json(tiny_model_dir: Path, tiny_drafter_dir: Path)
     assert report["identical"] is True
     assert report["dflash"]["block_size"] == 4 and report["plain"]["block_size"] == 1
     assert report["speedup"] > 0 and report["dflash"]["generated_tokens"] >= 1
+
+
+def test_cli_generate_lookup_on_by_default_and_off_on_request(tiny_model_dir: Path, tiny_drafter_dir: Path) -> None:
+    base = ("generate", "--target", str(tiny_model_dir), "--drafter", str(tiny_drafter_dir),
+            "--prompt", "one two three one two three one two", "--max-new-tokens", "40", "--compare", "--json")
+    on, off = _cli(*base), _cli(*base, "--no-lookup")
+    assert on.returncode == 0 and off.returncode == 0, on.stderr + off.stderr
+    on, off = json.loads(on.stdout), json.loads(off.stdout)
+    assert on["identical"] and off["identical"] and on["text"] == off["text"]
+    assert on["dflash"]["lookup_steps"] > 0 and off["dflash"]["lookup_steps"] == 0
 
 
 def test_cli_generate_adaptive_block(tiny_model_dir: Path, tiny_drafter_dir: Path) -> None:

@@ -47,15 +47,27 @@ def test_bench_adaptive_only_runs_plain_and_adaptive(tmp_path, tiny_model_dir, t
                      "--adaptive-only", "--concurrency", "1,2")
     assert rc == 0, capsys.readouterr().err
     data = json.loads((out / "results.json").read_text())
-    assert sorted({s["runner"] for s in data["summaries"]}) == ["ar", "dflash auto<=b4"]
+    # --lookup both (the default): each DFlash runner without and with n-gram lookup proposals
+    assert sorted({s["runner"] for s in data["summaries"]}) == ["ar", "dflash auto<=b4", "dflash+lookup auto<=b4"]
     assert sorted({s["concurrency"] for s in data["summaries"]}) == [1, 2]
     assert data["lossless"]["passed"] is True and "--adaptive-only" in data["meta"]["command"]
+    assert "--lookup both" in data["meta"]["command"]
     for s in data["summaries"]:  # engine steps per block size, recorded for every run
         assert sum(s["block_sizes"].values()) > 0
         assert set(s["block_sizes"]) == {"1"} if s["runner"] == "ar" else set(s["block_sizes"]) <= {"1", "2", "3", "4"}
     md = (out / "report.md").read_text()
-    assert "| Task | Concurrency | AR | DFlash auto<=b4 (speedup) | τ auto<=b4 |" in md
+    assert ("| Task | Concurrency | AR | DFlash auto<=b4 (speedup) | τ auto<=b4 | DFlash+lookup auto<=b4 (speedup) "
+            "| τ +lookup auto<=b4 |") in md
     assert "### Block sizes the adaptive runner chose (share of steps)" in md and "| gsm8k | 2 | dflash auto<=b4 |" in md
+    assert "| gsm8k | 2 | dflash+lookup auto<=b4 |" in md
+
+
+def test_bench_lookup_off_runs_the_drafter_alone(tmp_path, tiny_model_dir, tiny_drafter_dir, capsys):
+    rc, out = _bench(tmp_path, tiny_model_dir, tiny_drafter_dir, "--datasets", "gsm8k", "--block-sizes", "4",
+                     "--lookup", "off")
+    assert rc == 0, capsys.readouterr().err
+    data = json.loads((out / "results.json").read_text())
+    assert sorted({s["runner"] for s in data["summaries"]}) == ["ar", "dflash b4"]
 
 
 def test_bench_needs_a_drafter(tmp_path, tiny_model_dir, capsys):

@@ -131,6 +131,26 @@ def test_requests_joining_mid_flight_get_the_same_output_as_alone(setup, backend
         engine.stop()
 
 
+def test_engine_with_lookup_is_lossless_for_joining_requests(setup) -> None:
+    """n-gram lookup proposals in the continuous-batching engine: rows join mid-flight, each has
+    its own token index, and the output is each request's own."""
+    from blockspec.spec.lookup import LookupConfig
+
+    model, target, prompts, truths = setup
+    drafter = new_drafter_for_target(model.config, mask_token_id=47, num_layers=1, dtype=torch.float64)
+    engine = Engine(target, drafter, EngineConfig(max_batch=3, block_size=6, lookup=LookupConfig(min_ngram=2)))
+    try:
+        params = SamplingParams(max_new_tokens=30)
+        handles = [engine.submit(p, params) for p in prompts[:2]]
+        next(iter(handles[0].events(timeout=60)))
+        handles += [engine.submit(p, params) for p in prompts[2:]]
+        results = [h.result(timeout=120) for h in handles]
+        assert [r.token_ids for r in results] == truths
+        assert sum(r.stats.lookup_steps for r in results) > 0
+    finally:
+        engine.stop()
+
+
 class _FixedCosts(CostModel):
     """Step costs that real timings do not move, so the test does not depend on machine load:
     a calibration is recorded (its bucket) but its timings are replaced by verify-cost-like ones."""

@@ -15,15 +15,17 @@ PROMPTS = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend,drafter_dtype", [("native", "float32"), ("native", "bfloat16"), ("hf", "auto")])
-def test_dflash_greedy_equals_transformers_generate(smollm2_dir, backend: str, drafter_dtype: str) -> None:
+@pytest.mark.parametrize("backend,drafter_dtype,lookup", [("native", "float32", False), ("native", "bfloat16", False),
+                                                          ("hf", "auto", False), ("native", "auto", True)])
+def test_dflash_greedy_equals_transformers_generate(smollm2_dir, backend: str, drafter_dtype: str,
+                                                    lookup: bool) -> None:
     from transformers import AutoModelForCausalLM
 
     from blockspec.api import default_drafter_for
 
     drafter = default_drafter_for("smollm2-135m-instruct")
     assert drafter is not None, "the shipped SmolLM2 drafter is missing from the package"
-    pipe = blockspec.load(str(smollm2_dir), str(drafter), backend=backend, drafter_dtype=drafter_dtype)
+    pipe = blockspec.load(str(smollm2_dir), str(drafter), backend=backend, drafter_dtype=drafter_dtype, lookup=lookup)
     model = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32).eval()
     prompts = [pipe.encode([{"role": "user", "content": p}]) for p in PROMPTS]
     ours = pipe.generate_ids(prompts, blockspec.SamplingParams(max_new_tokens=24))
@@ -33,3 +35,6 @@ def test_dflash_greedy_equals_transformers_generate(smollm2_dir, backend: str, d
     assert "Paris" in ours[0].text
     # The trained drafter gets blocks accepted in either dtype (a broken cast would leave tau ~1).
     assert sum(r.stats.mean_tau for r in ours) / len(ours) > 1.2, [r.stats.mean_tau for r in ours]
+    looked = sum(r.stats.lookup_steps for r in ours)
+    # the maths answer repeats the question's words: with lookup some steps propose from it
+    assert looked > 0 if lookup else looked == 0

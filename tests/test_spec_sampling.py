@@ -14,6 +14,7 @@ from blockspec.config import SamplingParams, SpecConfig
 from blockspec.models.drafter import new_drafter_for_target
 from blockspec.models.target import HFTarget
 from blockspec.spec.decode import SpecDecoder
+from blockspec.spec.lookup import LookupConfig
 from blockspec.spec.sampling import probabilities
 from blockspec.spec.verify import verify_greedy, verify_sampled
 
@@ -72,7 +73,7 @@ def sample_many(dec: SpecDecoder, sp: SamplingParams, n: int, batch: int) -> tor
     [dict(temperature=1.0), dict(temperature=0.7, top_k=4), dict(temperature=1.3, top_p=0.8)],
     ids=["temperature", "top_k", "top_p"],
 )
-@pytest.mark.parametrize("drafter_kind", ["random", "scripted", "draft_vocab"])
+@pytest.mark.parametrize("drafter_kind", ["random", "scripted", "draft_vocab", "lookup"])
 def test_sampled_tokens_follow_target_distribution(shape: dict, drafter_kind: str) -> None:
     model = make_tiny_target("llama", vocab_size=VOCAB, seed=1)
     sp = SamplingParams(max_new_tokens=3, ignore_eos=True, **shape)
@@ -82,11 +83,18 @@ def test_sampled_tokens_follow_target_distribution(shape: dict, drafter_kind: st
     elif drafter_kind == "draft_vocab":  # q is zero outside half the vocabulary
         drafter = new_drafter_for_target(model.config, mask_token_id=VOCAB - 1, num_layers=1, dtype=torch.float64)
         drafter.set_draft_vocab(list(range(0, VOCAB, 2)), VOCAB)
-    else:  # proposes the most likely continuation: many acceptances, and rejections where it is wrong
+    elif drafter_kind == "scripted":  # proposes the most likely continuation: many acceptances, and rejections
         greedy = [[int(joint.sum((1, 2)).argmax()), 0, 0]]
         drafter = ScriptedDrafter(model.config, [PROMPT] * 400, greedy * 400, error_rate=0.3)
-    dec = SpecDecoder(HFTarget(model), drafter, SpecConfig(block_size=4))
+    lookup = None
+    if drafter_kind == "lookup":  # x1 in PROMPT: the deterministic lookup proposals (one-hot q) replace drafted ones
+        drafter = new_drafter_for_target(model.config, mask_token_id=VOCAB - 1, num_layers=1, dtype=torch.float64)
+        lookup = LookupConfig(min_ngram=1, max_ngram=2)
+    dec = SpecDecoder(HFTarget(model), drafter, SpecConfig(block_size=4, lookup=lookup))
     counts = sample_many(dec, sp, n=4000, batch=400)
+    if lookup is not None:
+        looked = sum(r.stats.lookup_steps for r in dec.generate([PROMPT] * 50, [sp.with_(seed=i) for i in range(50)]))
+        assert looked > 5, looked
     assert chi2_pvalue(counts.sum((1, 2)), joint.sum((1, 2))) > 1e-3  # x1 comes from the prefill
     assert chi2_pvalue(counts.sum(0), joint.sum(0)) > 1e-3  # (x2, x3): drafted and verified
     assert chi2_pvalue(counts, joint) > 1e-3

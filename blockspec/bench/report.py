@@ -215,6 +215,11 @@ def _ordered(values: Sequence) -> list:
     return list(dict.fromkeys(values))
 
 
+def _column(runner: str) -> str:
+    """'dflash b16' -> 'DFlash b16', 'dflash+lookup auto<=b16' -> 'DFlash+lookup auto<=b16'."""
+    return "DFlash" + runner.removeprefix("dflash")
+
+
 def _main_table(summaries: Sequence[Summary]) -> list[str]:
     """`Task | Concurrency | AR | [PLD (speedup)] | DFlash bN (speedup) | tau bN` (one pair per
     block size). Prompt lookup, a training-free speculative baseline, runs at batch 1 only
@@ -226,8 +231,7 @@ def _main_table(summaries: Sequence[Summary]) -> list[str]:
     levels = sorted({s.run.concurrency for s in summaries if s.run.method in ("ar", "dflash")})
     header = ["Task", "Concurrency", "AR"] + [f"PLD ({n}) (speedup)" if len(pld) > 1 else "PLD (speedup)" for n in pld]
     for name in dflash:
-        b = name.split()[-1]
-        header += [f"DFlash {b} (speedup)", f"τ {b}"]
+        header += [f"{_column(name)} (speedup)", f"τ {name.removeprefix('dflash').strip()}"]
     rows = []
     for task in tasks + ["all"]:
         for c in levels:
@@ -284,7 +288,7 @@ def _baseline_table(summaries: Sequence[Summary], agreements: dict[str, Agreemen
             if s.run.method in ("ar", "dflash") and s.run.concurrency == 1}
     dflash = _ordered(s.run.runner for s in summaries if s.run.method == "dflash")
     header = ["Task", "Baseline", "tokens/s", "τ", "AR (ours) ÷ baseline"]
-    header += [f"DFlash {n.split()[-1]} (ours) ÷ baseline" for n in dflash]
+    header += [f"{_column(n)} (ours) ÷ baseline" for n in dflash]
     header += ["same tokens as AR"]
     rows = []
     for s in base:
@@ -328,7 +332,7 @@ def _acceptance_tables(summaries: Sequence[Summary]) -> list[str]:
 
 
 def _block_size_table(summaries: Sequence[Summary]) -> list[str]:
-    runs = [s.run for s in summaries if s.run.runner.startswith("dflash auto") and s.run.block_sizes]
+    runs = [s.run for s in summaries if " auto<=" in s.run.runner and s.run.block_sizes]
     if not runs:
         return []
     sizes = sorted({n for r in runs for n in r.block_sizes})

@@ -64,7 +64,8 @@ class EngineRunner:
     requests in flight, a finished one replaced by the next waiting one at the following step.
 
     block_size 1 is plain autoregressive decoding on the same target; `adaptive` lets the engine
-    pick each step's block size (at most `block_size`). One engine per concurrency level is kept
+    pick each step's block size (at most `block_size`); `lookup` adds n-gram lookup proposals
+    (runner names then read 'dflash+lookup'). One engine per concurrency level is kept
     for the runner's life, so adaptive calibrations and cache storage are paid once. The engines
     decode on the benchmark's own thread (no engine threads), like every baseline: idle engine
     threads would each keep an OpenMP team, which slows the busy one (engine/openmp.py).
@@ -72,7 +73,8 @@ class EngineRunner:
 
     max_concurrency = None
 
-    def __init__(self, target: object, drafter: object | None, block_size: int, *, adaptive: bool = False) -> None:
+    def __init__(self, target: object, drafter: object | None, block_size: int, *, adaptive: bool = False,
+                 lookup: object | None = None) -> None:
         if block_size > 1 and drafter is None:
             raise ConfigError("a DFlash runner needs a drafter; load one or use block_size=1")
         if adaptive and block_size < 2:
@@ -80,8 +82,10 @@ class EngineRunner:
         self.target, self.drafter = target, drafter if block_size > 1 else None
         self.block_size = block_size
         self.adaptive = adaptive
+        self.lookup = lookup if block_size > 1 else None
         self.method = "ar" if block_size == 1 else "dflash"
-        self.name = "ar" if block_size == 1 else (f"dflash auto<=b{block_size}" if adaptive else f"dflash b{block_size}")
+        kind = "dflash+lookup" if self.lookup is not None else "dflash"
+        self.name = "ar" if block_size == 1 else (f"{kind} auto<=b{block_size}" if adaptive else f"{kind} b{block_size}")
         self._engines: dict[int, object] = {}
         self.last_block_sizes: dict[int, int] = {}  # steps per block size of the last `run`
 
@@ -90,7 +94,7 @@ class EngineRunner:
 
         if concurrency not in self._engines:
             cfg = EngineConfig(max_batch=concurrency, max_queue=1 << 20, block_size=self.block_size,
-                               adaptive_block=self.adaptive, own_thread=False)
+                               adaptive_block=self.adaptive, own_thread=False, lookup=self.lookup)
             self._engines[concurrency] = Engine(self.target, self.drafter, cfg)
         return self._engines[concurrency]
 
@@ -124,7 +128,9 @@ class EngineRunner:
                 prefill_s=st.prefill_s,
                 steps=st.steps,
                 acceptance_lengths=list(st.acceptance_lengths) if speculative else None,
-                accepted_by_position=list(st.accepted_by_position) if speculative else None,
+                # proposal k accepted, drafted or looked up: the report's share of steps per position
+                accepted_by_position=[a + b for a, b in zip(st.accepted_by_position, st.lookup_accepted_by_position)]
+                if speculative else None,
             ))
         return outputs
 

@@ -10,3 +10,10 @@ def add_drafter_dtype_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="the drafter's dtype; auto (default): bfloat16 beside a float32 target on a CPU "
                              "with bf16 products, else the target's (the output is the same either way)")
+
+
+def add_lookup_argument(parser: argparse.ArgumentParser) -> None:
+    """--no-lookup, for the verbs that decode with a pipeline (see `blockspec.spec.lookup`)."""
+    parser.add_argument("--no-lookup", action="store_true",
+                        help="draft every proposal with the drafter (pure DFlash); by default a sequence whose "
+                             "last tokens occurred before proposes what followed them (n-gram lookup; same output)")

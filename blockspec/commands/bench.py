@@ -89,6 +89,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adaptive-only", action="store_true",
                         help="run plain decoding (AR) and the adaptive runner only, no fixed block sizes "
                              "(implies --adaptive)")
+    parser.add_argument("--lookup", choices=("off", "on", "both"), default="both",
+                        help="n-gram lookup proposals (spec/lookup.py) in the DFlash runners: off = the drafter "
+                             "alone (its own tau), on = as `generate`/`serve` decode by default, both (default): "
+                             "each DFlash runner twice, without and with ('dflash+lookup')")
     parser.add_argument("--concurrency", type=_ints, default=(1,),
                         help="comma-separated numbers of requests decoded together, e.g. 1,4,8 (default 1)")
     parser.add_argument("--temperature", type=_floats, default=(0.0,),
@@ -216,6 +220,7 @@ def command_line(args: argparse.Namespace) -> str:
         parts.append("--adaptive-only")
     elif args.adaptive:
         parts.append("--adaptive")
+    parts += ["--lookup", args.lookup]
     if args.baselines:
         parts += ["--baselines", joined(args.baselines)]
         if "pld" in args.baselines:
@@ -235,6 +240,7 @@ def run(args: argparse.Namespace) -> int:
     from blockspec.bench.report import write_report
     from blockspec.bench.runner import EngineRunner, Setting, SuitePlan, count_requests, run_suite
     from blockspec.errors import ConfigError
+    from blockspec.spec.lookup import LookupConfig
 
     if args.drafter == "none":
         raise ConfigError("bench compares DFlash with plain decoding, so it needs a drafter: pass a "
@@ -265,10 +271,12 @@ def run(args: argparse.Namespace) -> int:
     if 1 in block_sizes:
         raise ConfigError("--block-sizes lists DFlash block sizes (>= 2); plain decoding always runs as AR")
     runners = [EngineRunner(pipe.target, None, 1)]
-    if not args.adaptive_only:
-        runners += [EngineRunner(pipe.target, pipe.drafter, b) for b in block_sizes]
-    if args.adaptive or args.adaptive_only:
-        runners.append(EngineRunner(pipe.target, pipe.drafter, max(block_sizes), adaptive=True))
+    lookups = {"off": (None,), "on": (LookupConfig(),), "both": (None, LookupConfig())}[args.lookup]
+    for lookup in lookups:
+        if not args.adaptive_only:
+            runners += [EngineRunner(pipe.target, pipe.drafter, b, lookup=lookup) for b in block_sizes]
+        if args.adaptive or args.adaptive_only:
+            runners.append(EngineRunner(pipe.target, pipe.drafter, max(block_sizes), adaptive=True, lookup=lookup))
     runners += _baseline_runners(args, pipe, block_sizes, notes)
     thinking = _thinking_modes(args.thinking, pipe.tokenizer, notes)
     settings = tuple(Setting(t, th) for t in args.temperature for th in thinking)

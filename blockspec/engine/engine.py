@@ -39,6 +39,7 @@ from blockspec.errors import ConfigError
 from blockspec.models.drafter import DFlashDrafter
 from blockspec.models.target import Target
 from blockspec.spec.decode import DecodeBatch, GenerationResult, Row, SpecDecoder, make_row
+from blockspec.spec.lookup import LookupConfig
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,8 @@ class EngineConfig:
     # True: decode on the engine's own thread, started by the first submit (a server). False: the
     # owner decodes on its own thread with run_until_idle() (a benchmark: no second OpenMP team).
     own_thread: bool = True
+    # Rows whose last tokens occurred before propose what followed them (spec/lookup.py).
+    lookup: LookupConfig | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_batch, int) or self.max_batch < 1:
@@ -62,6 +65,8 @@ class EngineConfig:
             raise ConfigError(f"max_queue must be an integer >= 0, got {self.max_queue!r}")
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= MAX_BLOCK_SIZE:
             raise ConfigError(f"block_size must be an integer in [1, {MAX_BLOCK_SIZE}], got {self.block_size!r}")
+        if self.lookup is not None and not isinstance(self.lookup, LookupConfig):
+            raise ConfigError(f"lookup must be None or a LookupConfig, got {type(self.lookup).__name__}")
         if not isinstance(self.own_thread, bool):
             raise ConfigError(f"own_thread must be True or False, got {self.own_thread!r}")
 
@@ -81,7 +86,7 @@ class Engine:
         self.block = block
         self._checker = SpecDecoder(target, drafter, SpecConfig(block_size=block))
         self.batch = DecodeBatch(target, drafter if block > 1 else None, max_block=block,
-                                 compact_ratio=self.config.compact_ratio)
+                                 compact_ratio=self.config.compact_ratio, lookup=self.config.lookup)
         self.adaptive = AdaptiveBlock(block) if self.config.adaptive_block and block > 1 else None
         self.scheduler = Scheduler(self.config.max_batch, self.config.max_queue)
         self.recorder = MetricsRecorder()

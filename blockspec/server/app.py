@@ -70,12 +70,12 @@ def create_app(
     """An app serving `pipeline` (a loaded `blockspec.api.Pipeline`).
 
     engine: an Engine to serve (the caller stops it); None builds one from the pipeline with
-    `engine_config` (an EngineConfig; default: the pipeline's block size), started and stopped
+    `engine_config` (an EngineConfig; default: the pipeline's block size and lookup), started and stopped
     with the app.
     """
     owns = engine is None
     if engine is None:
-        config = engine_config or EngineConfig(block_size=pipeline.block_size)
+        config = engine_config or EngineConfig(block_size=pipeline.block_size, lookup=pipeline.lookup)
         engine = Engine(pipeline.target, pipeline.drafter, config, tokenizer=pipeline.tokenizer)
     info = pipeline.target.info
     state = ServerState(

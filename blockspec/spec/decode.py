@@ -27,6 +27,7 @@ from blockspec.models.drafter import DFlashDrafter, check_compatible
 from blockspec.models.native.draft import StaticDrafter, has_standard_forward
 from blockspec.models.slots import EMPTY
 from blockspec.models.target import Target
+from blockspec.spec.lookup import LookupConfig, TokenIndex
 from blockspec.spec.sampling import RowRandom, probabilities, sample_from
 from blockspec.spec.verify import verify_greedy, verify_sampled
 
@@ -46,6 +47,10 @@ class RequestStats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     block_size: int = 1
+    # Steps that proposed an n-gram lookup continuation, and how often its proposal k was
+    # accepted; accepted_by_position counts the drafter's proposals only.
+    lookup_steps: int = 0
+    lookup_accepted_by_position: list[int] = field(default_factory=list)
 
     @property
     def steps(self) -> int:
@@ -68,6 +73,8 @@ class RequestStats:
             "mean_tau": round(self.mean_tau, 4),
             "acceptance_lengths": list(self.acceptance_lengths),
             "accepted_by_position": list(self.accepted_by_position),
+            "lookup_steps": self.lookup_steps,
+            "lookup_accepted_by_position": list(self.lookup_accepted_by_position),
             "prefill_s": round(self.prefill_s, 6),
             "decode_s": round(self.decode_s, 6),
             "tokens_per_s": round(self.tokens_per_s(generated), 3),
@@ -105,16 +112,20 @@ class Row:
     tries: list[int] = field(default_factory=list)
     decode_t0: float = 0.0
     captured: list[torch.Tensor] | None = None  # feature chunks of fed positions (capture mode)
+    index: TokenIndex | None = None  # prompt + generated, for n-gram lookup proposals
+    lookup_tries: list[int] = field(default_factory=list)  # as `tries`, for lookup proposals
 
     @property
     def remaining(self) -> int:
         return self.params.max_new_tokens - len(self.generated)
 
-    def acceptance_rates(self, prior: list[float], weight: float = 4.0) -> list[float]:
-        """Per-position conditional acceptance estimates, shrunk towards `prior`."""
-        acc = self.stats.accepted_by_position
+    def acceptance_rates(self, prior: list[float], weight: float = 4.0, *, lookup: bool = False) -> list[float]:
+        """Per-position conditional acceptance estimates of the drafter's proposals (or with
+        lookup=True of lookup proposals), shrunk towards `prior`."""
+        acc = self.stats.lookup_accepted_by_position if lookup else self.stats.accepted_by_position
+        tries = self.lookup_tries if lookup else self.tries
         return [
-            (acc[k] + weight * prior[k]) / (self.tries[k] + weight) if k < len(self.tries) else prior[k]
+            (acc[k] + weight * prior[k]) / (tries[k] + weight) if k < len(tries) else prior[k]
             for k in range(len(prior))
         ]
 
@@ -130,8 +141,10 @@ def make_row(key: object, prompt_len: int, params: SamplingParams, eos: tuple[in
              stop_check: RowStopCheck | None = None) -> Row:
     """A Row with fresh statistics for a request of `prompt_len` tokens."""
     positions = max(0, max_block - 1)
-    stats = RequestStats(prompt_tokens=prompt_len, block_size=max_block, accepted_by_position=[0] * positions)
-    return Row(key, params, _stop_ids(params, eos), stats, stop_check, tries=[0] * positions)
+    stats = RequestStats(prompt_tokens=prompt_len, block_size=max_block, accepted_by_position=[0] * positions,
+                         lookup_accepted_by_position=[0] * positions)
+    return Row(key, params, _stop_ids(params, eos), stats, stop_check, tries=[0] * positions,
+               lookup_tries=[0] * positions)
 
 
 class SpecDecoder:
@@ -216,7 +229,8 @@ class SpecDecoder:
         for p, sp in zip(prompts, params):
             self.check_prompt(p, sp)
         batch = DecodeBatch(self.target, self.drafter if block > 1 else None, max_block=block,
-                            compact_ratio=self.spec.compact_ratio, capture_layer_ids=capture_layer_ids)
+                            compact_ratio=self.spec.compact_ratio, capture_layer_ids=capture_layer_ids,
+                            lookup=self.spec.lookup)
         eos = self.target.info.eos_token_ids
         rows = []
         for i, (p, sp) in enumerate(zip(prompts, params)):
@@ -275,8 +289,10 @@ class DecodeBatch:
         compact_ratio: float = 0.25,
         static_draft: bool = True,
         capture_layer_ids: tuple[int, ...] = (),
+        lookup: LookupConfig | None = None,
     ) -> None:
         self.target = target
+        self.lookup = lookup
         self.drafter = drafter if max_block > 1 else None
         self.max_block = max_block if self.drafter is not None else 1
         self.compact_ratio = compact_ratio
@@ -316,6 +332,7 @@ class DecodeBatch:
         self.temperature = torch.zeros(0, dtype=torch.float32, device=d)
         self.top_k = torch.zeros(0, dtype=torch.long, device=d)
         self.top_p = torch.zeros(0, dtype=torch.float32, device=d)
+        self._plan: list[list[int]] | None = None
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -395,7 +412,11 @@ class DecodeBatch:
             for i, r in enumerate(rows):
                 r.captured = [host_feats[i, longest - lengths[i]:]]
         now = time.perf_counter()
-        for r, t in zip(rows, first_host):
+        self._plan = None
+        for r, t, p in zip(rows, first_host, prompts):
+            if self.lookup is not None and self.drafter is not None:
+                r.index = TokenIndex()
+                r.index.extend(p)
             r.decode_t0 = now
             r.new_tokens = []
             self._commit(r, [t])
@@ -451,6 +472,7 @@ class DecodeBatch:
         block_ids[:, 0] = self.last
         greedy = self.all_greedy
         draft_probs = None
+        from_lookup = [0] * b
         if q > 1:
             draft_ids = torch.full((b, q), self.drafter.mask_token_id, dtype=torch.long, device=d)
             draft_ids[:, 0] = self.last
@@ -467,6 +489,8 @@ class DecodeBatch:
                 draft_probs = self._probs(draft_logits)
                 block_ids[:, 1:] = sample_from(draft_probs, self.random.uniforms(q - 1).to(d))
             self.pending_feats = None
+            if self.lookup is not None:
+                from_lookup = self._lookup_proposals(block_ids, draft_probs)
         logits, feats = self.target.forward(block_ids, positions, self.tcache, self.layer_ids)
         proposals = block_ids[:, 1:]
         if greedy:
@@ -495,17 +519,50 @@ class DecodeBatch:
         self.last = committed.gather(1, (n_new - 1)[:, None])[:, 0]
         self.cur = self.cur + n_new
         self.cur_host = [c + n for c, n in zip(self.cur_host, n_host)]
-        for r, h, n in zip(rows, host, n_host):
+        self._plan = None
+        for r, h, n, looked in zip(rows, host, n_host, from_lookup):
             a = h[-1]
             r.stats.acceptance_lengths.append(n)
-            acc, tries = r.stats.accepted_by_position, r.tries
-            for k in range(min(a, len(acc))):
+            if looked:  # drafted proposals after a lookup prefix are counted nowhere
+                r.stats.lookup_steps += 1
+                acc, tries, last = r.stats.lookup_accepted_by_position, r.lookup_tries, looked
+            else:
+                acc, tries, last = r.stats.accepted_by_position, r.tries, q - 1
+            for k in range(min(a, last, len(acc))):
                 acc[k] += 1
-            for k in range(min(a + 1, q - 1, len(tries))):
+            for k in range(min(a + 1, last, len(tries))):
                 tries[k] += 1
             r.new_tokens = []
             self._commit(r, h[:n])
         return q
+
+    def lookup_plan(self) -> list[list[int]]:
+        """Per row, the n-gram lookup continuation (up to max_block - 1 ids) the next step will
+        propose in place of drafted ones; [] for rows without one, or when lookup is off."""
+        if self._plan is None:
+            cfg, width = self.lookup, self.max_block - 1
+            self._plan = [r.index.continuation(cfg, width)[1] if r.index is not None and cfg is not None else []
+                          for r in self.rows]
+        return self._plan
+
+    def _lookup_proposals(self, block_ids: torch.Tensor, draft_probs: torch.Tensor | None) -> list[int]:
+        """Writes each row's lookup continuation over its drafted proposals (spec/lookup.py);
+        returns how many proposals per row came from lookup. A lookup proposal is deterministic,
+        so its draft distribution is one-hot (rejection sampling stays exact)."""
+        q = block_ids.shape[1]
+        plan = [cont[: q - 1] for cont in self.lookup_plan()]
+        rows_i = [i for i, cont in enumerate(plan) for _ in cont]
+        if not rows_i:
+            return [0] * len(plan)
+        cols = [k for cont in plan for k in range(1, 1 + len(cont))]
+        vals = [t for cont in plan for t in cont]
+        d = block_ids.device
+        ri, ci, v = (torch.tensor(x, dtype=torch.long, device=d) for x in (rows_i, cols, vals))
+        block_ids[ri, ci] = v
+        if draft_probs is not None:
+            draft_probs[ri, ci - 1] = 0.0
+            draft_probs[ri, ci - 1, v] = 1.0
+        return [len(cont) for cont in plan]
 
     def _commit(self, r: Row, new: list[int]) -> None:
         """Appends tokens, applying stop tokens, stop strings and the length limit."""
@@ -524,6 +581,8 @@ class DecodeBatch:
         if r.finish_reason is None and len(r.generated) >= r.params.max_new_tokens:
             r.finish_reason = "length"
         r.new_tokens = r.generated[start:]
+        if r.index is not None and r.finish_reason is None:
+            r.index.extend(r.new_tokens)
 
     # ---- leaving -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -531,6 +590,8 @@ class DecodeBatch:
         """Removes rows with a finish_reason (set one to cancel a row); returns them."""
         done = [i for i, r in enumerate(self.rows) if r.finish_reason is not None]
         gone = [self.rows[i] for i in done]
+        if done:
+            self._plan = None
         if len(done) == len(self.rows) and done:
             self._reset()
             return gone
