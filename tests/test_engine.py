@@ -291,7 +291,11 @@ def test_adaptive_policy_measures_plain_decoding_while_drafting_wins() -> None:
     choices = [policy.choose(Batch) for _ in range(12)]
     # a plain step first, then after 2 and 5 drafting steps: the check backs off
     assert choices == [1, 8, 8, 1, 8, 8, 8, 8, 8, 1, 8, 8]
-    costs.observe(1, 8, 8.0)  # long contexts make wide blocks cost far more than calibrated...
+    costs.observe(1, 8, 8.0)  # a first timing this far above the estimate counts as at most 2x it
+    assert costs.cost(1, 8) == pytest.approx(2.2)
+    for _ in range(9):  # repeated, it is believed: long contexts make wide blocks cost far more...
+        costs.observe(1, 8, 8.0)
+    assert costs.cost(1, 8) > 7.0
     assert policy.choose(Batch) > 1  # ...but unmeasured plain decoding is assumed to scale alike
     costs.observe(1, 1, 1.0)  # what the plain check measures: plain decoding did not get dearer
     assert policy.choose(Batch) == 1
@@ -316,6 +320,16 @@ def test_adaptive_policy_remeasures_the_sizes_next_to_its_choice() -> None:
     assert choices.index(4) < 15, choices  # ...which wins once its cost is known...
     tail = choices[-20:]
     assert tail.count(4) >= 18 and set(tail) <= {3, 4, 5}, choices  # ...save the backed-off re-checks
+
+
+def test_cost_model_caps_an_outlying_first_timing() -> None:
+    costs = CostModel(max_block=4)
+    costs.set(16, [0.07, 0.09, 0.11, 0.12])
+    costs.observe(16, 2, 0.47)  # one step slowed 5x by outside load
+    assert costs.cost(16, 2) == pytest.approx(0.18)  # at most twice the estimate
+    assert costs.cost(16, 4) < 0.47
+    costs.observe(16, 3, 0.15)  # within twice the estimate: believed
+    assert costs.cost(16, 3) == pytest.approx(0.18)  # (monotone: not below block 2's)
 
 
 def test_cost_model_trusts_faster_measurements_more() -> None:

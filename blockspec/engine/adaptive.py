@@ -8,7 +8,9 @@ real step.
 Gain side: each row's expected tokens for block n,
     E(n) = 1 + sum_{k=1}^{n-1} prod_{j<k} a_j,
 from per-position conditional acceptance rates a_j (the row's own counts shrunk towards the
-batch-wide rates), capped by the row's remaining tokens.
+batch-wide rates), capped by the row's remaining tokens. A row that will propose an n-gram lookup
+continuation of m tokens next (DecodeBatch.lookup_plan) takes lookup's own per-position rates for
+those m proposals instead, and expects nothing beyond them.
 Block 1 (plain decoding, no draft pass) is always a candidate, so a weak drafter, a hard prompt
 or a large batch falls back to plain decoding instead of losing to it. While block 1 wins, a
 small probe block runs now and then (backing off exponentially) to notice when drafting pays
@@ -39,6 +41,7 @@ from blockspec.spec.decode import DecodeBatch, Row
 
 
 MAX_INTERVAL = 256  # steps: the longest back-off of both checks (a probe, a plain step)
+FIRST_TIMING_CAP = 2.0  # a size's first real timing counts for at most this many times its estimate
 
 
 def bucket(batch: int) -> int:
@@ -111,7 +114,11 @@ class CostModel:
         seen = self.measured.setdefault(b, {})
         old = seen.get(block)
         if old is None:
-            seen[block] = seconds
+            # A first timing far above the estimate is more likely a burst of outside load than
+            # the size's cost; believed whole, it would price this size (and, costs being
+            # monotone, every larger one) out until it happened to run again, which it then
+            # would not (seen at concurrency 16: one 471 ms step against ~90 ms ones).
+            seen[block] = min(seconds, FIRST_TIMING_CAP * self.table(batch)[block - 1])
             return
         # A faster step is believed at once: outside load only ever slows steps, and an estimate
         # too low corrects itself (that size gets chosen, and measured), one too high never does.

@@ -6,7 +6,8 @@ runs one fixed batch through it; the engine (blockspec/engine) adds and removes 
 steps. Each row accepts its own number of tokens per step: the Hugging Face adapter's caches keep
 per-slot positions (models/slots.py), native caches index slots by position (models/native/
 cache.py), so nothing is padded to a common length or recomputed. Block size 1 skips the drafter
-and is plain autoregressive decoding through the same code.
+and is plain autoregressive decoding through the same code. With a LookupConfig, a row whose last
+tokens occurred before proposes what followed them instead of its drafted tokens (spec/lookup.py).
 
 Cache protocol used here (HFCache, DraftCache, native StaticCache): `reject(keep [b, q])` after a
 verification, `compact(ratio)`, `select_rows(rows)`; to take joining rows `merge(other)`
