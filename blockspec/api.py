@@ -244,7 +244,7 @@ def load(
     """
     if dtype not in DTYPES:
         raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    resolve_lookup(lookup)  # a bad value fails before the slow load
+    lookup_cfg = resolve_lookup(lookup)  # a bad value fails before the slow load
     draft_dtype = resolve_drafter_dtype(drafter_dtype, dtype, device)
     from blockspec.models.native.load import load_target
 
@@ -272,7 +272,7 @@ def load(
     else:
         draft = load_drafter(drafter, dtype=draft_dtype, device=device, draft_vocab=draft_vocab)
     return Pipeline(hf_target, tokenizer, draft, block_size=block_size, adaptive_block=adaptive_block,
-                    lookup=resolve_lookup(lookup), drafter_source=source, target_source=str(target))
+                    lookup=lookup_cfg, drafter_source=source, target_source=str(target))
 
 
 def resolve_lookup(lookup: bool | LookupConfig | None) -> LookupConfig | None:

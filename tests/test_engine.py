@@ -270,6 +270,10 @@ def test_adaptive_policy_probes_while_plain_decoding_wins() -> None:
         drafter = object()
         rows = []
 
+        @staticmethod
+        def lookup_plan() -> list[list[int]]:
+            return []
+
     costs = CostModel(max_block=8)
     costs.set(1, [1.0] + [10.0] * 7)  # drafting never pays
     policy = AdaptiveBlock(8, costs=costs, probe_block=3, probe_every=4)
@@ -280,7 +284,7 @@ def test_adaptive_policy_probes_while_plain_decoding_wins() -> None:
 def _one_row_batch(rate: float) -> object:
     """What AdaptiveBlock.choose reads of a batch: one row whose drafts are accepted at `rate`."""
     row = SimpleNamespace(remaining=100, acceptance_rates=lambda prior: [rate] * 7)
-    return SimpleNamespace(drafter=object(), rows=[row])
+    return SimpleNamespace(drafter=object(), rows=[row], lookup_plan=lambda: [[]])  # no lookup proposals
 
 
 def test_adaptive_policy_measures_plain_decoding_while_drafting_wins() -> None:

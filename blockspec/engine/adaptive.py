@@ -307,8 +307,7 @@ class AdaptiveBlock:
         if not self.costs.known(b):
             self.costs.set(b, calibrate(batch, bucket(b), self.max_block))
         costs = self.costs.table(b)
-        plan = batch.lookup_plan() if getattr(batch, "lookup", None) is not None else None
-        expected = self.expected(batch.rows, plan)
+        expected = self.expected(batch.rows, batch.lookup_plan())
         rates = [tokens / cost for tokens, cost in zip(expected, costs)]
         best = max(range(1, self.max_block + 1), key=lambda n: (rates[n - 1], -n))
         if best == 1:
