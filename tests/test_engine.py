@@ -155,7 +155,7 @@ class _FixedCosts(CostModel):
     """Step costs that real timings do not move, so the test does not depend on machine load:
     a calibration is recorded (its bucket) but its timings are replaced by verify-cost-like ones."""
 
-    def set(self, batch: int, costs: list[float]) -> None:
+    def set(self, batch: int, costs: list[float], drafting: list[float] | None = None) -> None:
         super().set(batch, [1.0 + 0.1 * (n - 1) for n in range(1, self.max_block + 1)])
 
     def observe(self, batch: int, block: int, seconds: float) -> None:
@@ -201,28 +201,106 @@ def test_spec_decoder_adaptive_block_is_lossless_and_adapts(setup) -> None:
         assert decoder.block_choices == used  # an explicit block size bypasses the policy
 
 
-def test_adaptive_steps_draft_only_the_chosen_width(setup) -> None:
+class _CheapDrafts(_FixedCosts):
+    """_FixedCosts whose calibration also timed the draft passes: 0.01 at every width."""
+
+    def set(self, batch: int, costs: list[float], drafting: list[float] | None = None) -> None:
+        CostModel.set(self, batch, [1.0 + 0.1 * (n - 1) for n in range(1, self.max_block + 1)],
+                      [0.0] + [0.01] * (self.max_block - 1))
+
+
+def test_adaptive_steps_draft_the_chosen_width_unless_wider_is_cheap(setup) -> None:
     """A short adaptive block costs what a fixed short block costs: the drafter sees exactly the
-    chosen width (not the max block), and the output stays the target's own."""
+    chosen width, unless a lone row's step can draft wider for next to nothing; then it drafts
+    the whole block and verifies what the drafts' confidences earn. The output is the target's."""
     from blockspec.spec.decode import DecodeBatch, make_row
 
     model, target, prompts, truths = setup
-    drafter = OracleDrafter(model, target, prompts, truths, wrong_every=3)  # favours small blocks
-    batch = DecodeBatch(target, drafter, max_block=8)
-    params = SamplingParams(max_new_tokens=30)
-    rows = [make_row(i, len(p), params, (), 8) for i, p in enumerate(prompts[:3])]
-    batch.join(prompts[:3], rows)
-    policy = AdaptiveBlock(8, costs=_FixedCosts(max_block=8))
-    policy.calibrate_all(batch, 4)  # before counting: calibration drafts every width itself
-    widths, chosen = [], []
-    draft = batch.draft
-    batch.draft = lambda f, fp, emb, pos, cache: (widths.append(emb.shape[1]), draft(f, fp, emb, pos, cache))[1]
-    while len(batch):
-        chosen.append(policy.step(batch))
-        batch.retire()
-    assert [r.generated for r in rows] == truths[:3]
-    drafting = [n for n in chosen if n > 1]
-    assert widths == drafting and drafting and max(drafting) < 8, (chosen, widths)
+    for costs, n in ((_FixedCosts(max_block=8), 3), (_CheapDrafts(max_block=8), 3), (_CheapDrafts(max_block=8), 1)):
+        drafter = OracleDrafter(model, target, prompts, truths, wrong_every=3)  # favours small blocks
+        batch = DecodeBatch(target, drafter, max_block=8)
+        params = SamplingParams(max_new_tokens=30)
+        rows = [make_row(i, len(p), params, (), 8) for i, p in enumerate(prompts[:n])]
+        batch.join(prompts[:n], rows)
+        policy = AdaptiveBlock(8, costs=costs)
+        policy.calibrate_all(batch, 4)  # before counting: calibration drafts every width itself
+        widths, chosen = [], []
+        draft = batch.draft
+        batch.draft = lambda f, fp, emb, pos, cache: (widths.append(emb.shape[1]), draft(f, fp, emb, pos, cache))[1]
+        while len(batch):
+            chosen.append(policy.step(batch))
+            batch.retire()
+        assert [r.generated for r in rows] == truths[:n]
+        drafting = [k for k in chosen if k > 1]
+        if n == 1:  # cheap wide drafts for a lone row; the oracle is sure of each: all verified
+            assert widths.count(8) > len(widths) // 2, widths
+        else:  # no timed draft passes, or a batch of rows: exactly the chosen width
+            assert widths == drafting and drafting and max(drafting) < 8, (chosen, widths)
+
+
+def test_trimmed_verify_never_changes_the_output(setup) -> None:
+    """Steps that draft a block and verify only part of it, down to one token, commit the
+    target's own tokens (the native cache must not read the slots past a trimmed block)."""
+    import random
+
+    from blockspec.spec.decode import DecodeBatch, make_row
+
+    model, target, prompts, truths = setup
+    rng = random.Random(0)
+    bad = new_drafter_for_target(model.config, mask_token_id=47, num_layers=1, dtype=torch.float64)
+    oracle = OracleDrafter(model, target, prompts, truths, wrong_every=6)
+    # one row alone too: a lone query's forward reads every slot up to the horizon unmasked
+    for drafter, n in ((oracle, 3), (bad, 3), (bad, 1)):
+        batch = DecodeBatch(target, drafter, max_block=8)
+        rows = [make_row(i, len(p), SamplingParams(max_new_tokens=30), (), 8) for i, p in enumerate(prompts[:n])]
+        batch.join(prompts[:n], rows)
+        lengths: list[int] = []
+
+        def trim(confidence, looked):  # alone: a long verify (stale slots), then one token, often
+            width = len(confidence[0]) + 1
+            lengths.append(rng.randint(1, width) if n > 1 else (width, 1, 1, 3, 1)[len(lengths) % 5])
+            return lengths[-1]
+
+        while len(batch):
+            batch.step(8, trim)
+            batch.retire()
+        assert [r.generated for r in rows] == truths[:n]
+        assert 1 in lengths and max(lengths) > 4, lengths
+
+
+def _confident_row(lookup_rate: float = 0.5) -> SimpleNamespace:
+    return SimpleNamespace(remaining=100, acceptance_rates=lambda prior, lookup=False: [lookup_rate] * 7)
+
+
+def test_adaptive_policy_widens_cheap_drafts_and_trims_by_confidence() -> None:
+    costs = CostModel(max_block=8)
+    for rows in (1, 2):
+        costs.set(rows, [1.0 + 0.05 * (n - 1) for n in range(1, 9)], [0.0] + [0.02] * 7)
+    costs.set(16, [1.0 + 0.5 * (n - 1) for n in range(1, 9)], [0.0] + [0.2 * n for n in range(2, 9)])
+    policy = AdaptiveBlock(8, costs=costs)
+    assert policy.widen(1, 3) == 8  # drafting 8 wide costs what drafting 3 does
+    assert policy.widen(16, 3) == 3  # at 16 rows every extra drafted token costs 4% of the step
+    assert policy.widen(1, 1) == 1 and AdaptiveBlock(8, costs=_FixedCosts(max_block=8)).widen(1, 3) == 3
+    trim = policy.trimmer(SimpleNamespace(rows=[_confident_row()]))
+    assert trim([[0.97] * 7], [0]) == 8  # confident drafts: verify them all
+    assert trim([[0.9, 0.9, 0.02, 0.9, 0.9, 0.9, 0.9]], [0]) == 3  # up to the unlikely one
+    assert trim([[0.0] * 7], [0]) == 1  # hopeless drafts: a plain step (the draft is paid anyway)
+    looked = policy.trimmer(SimpleNamespace(rows=[_confident_row(lookup_rate=0.8)]))
+    assert looked([[0.0] * 7], [7]) == 8  # lookup proposals: lookup's rates (0.8), not the drafter's
+    assert trim([[0.97] * 3], [0]) == 4  # a draft clipped by the rows' limits
+    two = policy.trimmer(SimpleNamespace(rows=[_confident_row(), _confident_row()]))
+    assert two([[0.97] * 7, [0.0] * 7], [0, 0]) == 8  # one length for the batch: the sum decides
+
+
+def test_calibration_times_the_draft_pass_apart(setup) -> None:
+    from blockspec.engine.adaptive import calibrate
+    from blockspec.spec.decode import DecodeBatch
+
+    model, target, _, _ = setup
+    drafter = new_drafter_for_target(model.config, mask_token_id=47, num_layers=1, dtype=torch.float64)
+    totals, drafting = calibrate(DecodeBatch(target, drafter, max_block=4), 2, 4)
+    assert len(totals) == len(drafting) == 4 and drafting[0] == 0.0
+    assert all(0 < d < t for d, t in zip(drafting[1:], totals[1:]))
 
 
 def test_adaptive_choice_follows_acceptance_and_cost() -> None:

@@ -17,7 +17,7 @@ from blockspec.spec.lookup import LookupConfig, TokenIndex
 
 
 class FixedCosts(CostModel):
-    def set(self, batch: int, costs: list[float]) -> None:
+    def set(self, batch: int, costs: list[float], drafting: list[float] | None = None) -> None:
         super().set(batch, [1.0 + 0.1 * (n - 1) for n in range(1, self.max_block + 1)])
 
     def observe(self, batch: int, block: int, seconds: float) -> None:

@@ -154,3 +154,57 @@ def test_chi_square_detects_a_lossy_verifier(monkeypatch: pytest.MonkeyPatch) ->
     dec = SpecDecoder(HFTarget(model), drafter, SpecConfig(block_size=4))
     counts = sample_many(dec, sp, n=2000, batch=400)
     assert chi2_pvalue(counts.sum(0), joint.sum(0)) < 1e-6
+
+
+def _trimmed_steps(monkeypatch: pytest.MonkeyPatch, trim) -> None:
+    """Every drafted step of a SpecDecoder verifies only `trim(...)` tokens of its block."""
+    import blockspec.spec.decode as decode
+
+    plain = decode.DecodeBatch.step
+    monkeypatch.setattr(decode.DecodeBatch, "step", lambda self, block, _=None: plain(self, block, trim))
+
+
+def _trim_sampling_setup():
+    model = make_tiny_target("llama", vocab_size=VOCAB, seed=1)
+    sp = SamplingParams(max_new_tokens=3, ignore_eos=True, temperature=0.3)  # peaked: q and p differ
+    drafter = new_drafter_for_target(model.config, mask_token_id=VOCAB - 1, num_layers=1, dtype=torch.float64)
+    return model, sp, exact_joint(model, sp), SpecDecoder(HFTarget(model), drafter, SpecConfig(block_size=4))
+
+
+def test_a_verify_length_chosen_from_draft_peaks_keeps_sampling_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Adaptive steps verify as many drafted tokens as the drafts' confidences make worth it
+    (AdaptiveBlock.trimmer); decided from the draft distributions' peaks, the output stays exact."""
+    seen: list[int] = []
+
+    def trim(confidence, looked):  # any function of the peaks (x2 drafted: verify 1 or 2 tokens)
+        seen.append(1 + int(confidence[0][0] * 997) % 2)
+        return seen[-1]
+
+    _trimmed_steps(monkeypatch, trim)
+    _, sp, joint, dec = _trim_sampling_setup()
+    counts = sample_many(dec, sp, n=1600, batch=1)
+    assert set(seen) == {1, 2} and min(seen.count(1), seen.count(2)) > 150  # both lengths, often
+    assert chi2_pvalue(counts.sum(0), joint.sum(0)) > 1e-3  # (x2, x3): x2 drafted, verified or not
+
+
+def test_chi_square_detects_a_verify_length_chosen_from_the_samples(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control for the test above: verifying a sampled proposal only when the drafter
+    gave that sample a high probability biases the output towards such samples, and fails."""
+    import blockspec.spec.decode as decode
+
+    last = {}
+    sample = decode.sample_from
+
+    def remembering(probs, u):
+        last["probs"], last["ids"] = probs, sample(probs, u)
+        return last["ids"]
+
+    def trim(confidence, looked):  # reads the sampled proposal: lossy
+        q_of_sample = float(last["probs"][0, 0, last["ids"][0, 0]])
+        return 2 if q_of_sample >= confidence[0][0] else 1  # only the drafter's favourite
+
+    monkeypatch.setattr(decode, "sample_from", remembering)
+    _trimmed_steps(monkeypatch, trim)
+    _, sp, joint, dec = _trim_sampling_setup()
+    counts = sample_many(dec, sp, n=1600, batch=1)
+    assert chi2_pvalue(counts.sum(0), joint.sum(0)) < 1e-6

@@ -20,12 +20,17 @@ the calibration's guess scaled like the drafting sizes, and the calibration's sh
 what a long context adds per verified token (at concurrency 16 that guess let block 3 run at a
 loss). For the same reason the drafting sizes next to the chosen one are run now and then
 (alternately, backing off, per bucket): a size is only re-measured when it runs, so one slow step
-(outside load) could otherwise price a better size out for good. A drafting step drafts only the
-chosen block's width, so a short block costs what a fixed short block costs; the per-position
-rates are shared by all widths, since a trained drafter's first positions are accepted about as
-often in a narrow block as in a wide one (stage-3 SmolLM2 drafter, GSM8K-64: k=1..3
-0.52/0.27/0.13 at block 4, 0.51/0.26/0.12 at block 16). The choice never changes greedy output:
-verification is exact for any block size.
+(outside load) could otherwise price a better size out for good. The per-position rates are
+shared by all widths, since a trained drafter's first positions are accepted about as often in a
+narrow block as in a wide one (stage-3 SmolLM2 drafter, GSM8K-64: k=1..3 0.52/0.27/0.13 at
+block 4, 0.51/0.26/0.12 at block 16).
+For a lone row, the averages only decide whether to draft and roughly how much: a drafting step
+drafts wider than that while the wider draft pass is nearly free (`widen`: batch 1 on a CPU), then
+verifies as many of the drafted tokens as the drafts' own confidences make worth it (`trimmer`:
+a confident draft runs long, a doubtful one short, a hopeless one as a plain step). Without
+timed draft passes it drafts the chosen width, so a short block costs what a fixed short block
+costs. None of this changes the output: which tokens get verified is decided from the drafts
+alone, and verification is exact for any length.
 """
 
 from __future__ import annotations
@@ -37,11 +42,17 @@ from dataclasses import dataclass, field
 import torch
 
 from blockspec.models.slots import EMPTY
-from blockspec.spec.decode import DecodeBatch, Row
+from blockspec.spec.decode import DecodeBatch, Row, Trim
 
 
 MAX_INTERVAL = 256  # steps: the longest back-off of both checks (a probe, a plain step)
 FIRST_TIMING_CAP = 2.0  # a size's first real timing counts for at most this many times its estimate
+WIDEN_SHARE = 0.05  # a step drafts past its chosen block while that costs at most this share of it
+# Widening and trimming run for batches of at most this many rows. A batch verifies one length for
+# all its rows, so their confidences average out, and a wider draft costs more per step (held-out
+# GSM8K at concurrency 8, SmolLM2 on 2 cores: 1.23-1.26x plain with them against 1.29-1.38x
+# without; at batch 1 they gained 2-7%).
+TRIM_MAX_ROWS = 1
 
 
 def bucket(batch: int) -> int:
@@ -71,6 +82,7 @@ class CostModel:
     smoothing: float = 0.2
     calibrated: dict[int, list[float]] = field(default_factory=dict)
     measured: dict[int, dict[int, float]] = field(default_factory=dict)
+    drafting: dict[int, list[float]] = field(default_factory=dict)  # calibrated draft passes alone
 
     def __post_init__(self) -> None:
         if self.max_block < 1:
@@ -81,12 +93,27 @@ class CostModel:
     def known(self, batch: int) -> bool:
         return bucket(batch) in self.calibrated
 
-    def set(self, batch: int, costs: list[float]) -> None:
-        """Stores a calibration (seconds for block sizes 1..max_block) and forgets measurements."""
-        if len(costs) != self.max_block:
-            raise ValueError(f"need {self.max_block} costs, got {len(costs)}")
+    def set(self, batch: int, costs: list[float], drafting: list[float] | None = None) -> None:
+        """Stores a calibration (seconds for block sizes 1..max_block; `drafting`: the draft
+        pass's part of each, if timed) and forgets measurements."""
+        for name, values in (("costs", costs), ("drafting costs", drafting)):
+            if values is not None and len(values) != self.max_block:
+                raise ValueError(f"need {self.max_block} {name}, got {len(values)}")
         self.calibrated[bucket(batch)] = list(costs)
         self.measured.pop(bucket(batch), None)
+        if drafting is None:
+            self.drafting.pop(bucket(batch), None)
+        else:
+            self.drafting[bucket(batch)] = list(drafting)
+
+    def draft_table(self, batch: int) -> list[float] | None:
+        """Estimated seconds of the draft pass alone at block sizes 1..max_block (0 at 1): its
+        calibrated share of each step's current estimate; None when it was not timed."""
+        cal = self.drafting.get(bucket(batch))
+        if cal is None:
+            return None
+        base = self.calibrated[bucket(batch)]
+        return [t * (c / b if b > 0 else 0.0) for t, c, b in zip(self.table(batch), cal, base)]
 
     def table(self, batch: int) -> list[float]:
         """Estimated seconds of a step at block sizes 1..max_block. Not forced non-decreasing: on
@@ -188,13 +215,15 @@ def interpolate(points: dict[int, float], max_block: int) -> list[float]:
 
 
 @torch.inference_mode()
-def calibrate(batch: DecodeBatch, size: int, max_block: int, context: int = 8, repeats: int = 2) -> list[float]:
+def calibrate(batch: DecodeBatch, size: int, max_block: int, context: int = 8,
+              repeats: int = 2) -> tuple[list[float], list[float]]:
     """Times one step's model work (target forward of n tokens, plus a draft pass for n > 1) at
     batch size `size` for the block sizes of `calibration_sizes`, interpolating the rest.
 
     Runs the target (and drafter) on throwaway caches with `context` dummy tokens per row (kept
     short: the prefill of size x context tokens is pure overhead); returns the best of `repeats`
-    timings per block size (after a warm-up run), in seconds.
+    timings per block size (after a warm-up run), in seconds: whole steps, and their draft passes
+    alone (0 for block 1).
     """
     target, d = batch.target, batch.device
     layer_ids = batch.layer_ids
@@ -206,10 +235,11 @@ def calibrate(batch: DecodeBatch, size: int, max_block: int, context: int = 8, r
     _, feats = target.forward(ids, positions, tcache, layer_ids, last_logits_only=True)
     dcache = batch.draft.new_cache(size) if batch.draft is not None else None
     out: dict[int, float] = {}
+    drafting: dict[int, float] = {}
     for n in calibration_sizes(max_block):
         block_ids = torch.zeros(size, n, dtype=torch.long, device=d)  # drafted and verified alike
         block_pos = context + torch.arange(n, device=d).expand(size, n)
-        best = float("inf")
+        best = best_draft = float("inf")
         for _ in range(repeats + 1):  # the first run warms up
             t0 = time.perf_counter()
             if n > 1 and batch.draft is not None:
@@ -217,7 +247,8 @@ def calibrate(batch: DecodeBatch, size: int, max_block: int, context: int = 8, r
                     dcache.reserve(context + n, context + n)
                 ctx_pos = torch.full_like(positions[:, :1], EMPTY)
                 hidden = batch.draft(feats[:, :1], ctx_pos, target.embed(block_ids), block_pos, dcache)
-                batch.drafter.greedy_tokens(hidden[:, 1:n], target.head()).tolist()
+                batch.drafter.greedy_with_confidence(hidden[:, 1:n], target.head())[1].tolist()
+            t1 = time.perf_counter()
             if hasattr(tcache, "reserve"):
                 tcache.reserve(context + n)
             logits, _ = target.forward(block_ids, block_pos, tcache, layer_ids)
@@ -228,8 +259,10 @@ def calibrate(batch: DecodeBatch, size: int, max_block: int, context: int = 8, r
             if dcache is not None and not hasattr(dcache, "reserve"):
                 dcache = batch.draft.new_cache(size)  # dynamic caches grew: start over
             best = min(best, elapsed)
+            best_draft = min(best_draft, t1 - t0)
         out[n] = best
-    return interpolate(out, max_block)
+        drafting[n] = best_draft if n > 1 else 0.0
+    return interpolate(out, max_block), interpolate(drafting, max_block)
 
 
 class AdaptiveBlock:
@@ -253,7 +286,9 @@ class AdaptiveBlock:
         self.plain_checks: dict[int, tuple[int, int]] = {}  # bucket -> (drafting steps since, interval)
         self.base_challenge_every = challenge_every
         self.challenges: dict[int, tuple[int, int, int, int]] = {}  # bucket -> (since, interval, turn, best)
-        self.used: Counter[int] = Counter()  # steps run at each block size
+        self.used: Counter[int] = Counter()  # steps run at each block size (tokens verified)
+        self.forced = False  # the last choice was a check (probe, plain step, neighbour), not the best
+        self._drafted: int | None = None  # the width the last trimmed step drafted
 
     def global_rates(self, *, lookup: bool = False) -> list[float]:
         weight = 8.0
@@ -292,7 +327,7 @@ class AdaptiveBlock:
             return
         for size in buckets_up_to(max_batch):
             if not self.costs.known(size):
-                self.costs.set(size, calibrate(batch, size, self.max_block))
+                self.costs.set(size, *calibrate(batch, size, self.max_block))
 
     def choose(self, batch: DecodeBatch) -> int:
         """The block size for the next step of `batch` (calibrating its batch size if new)."""
@@ -300,11 +335,11 @@ class AdaptiveBlock:
             return 1
         b = len(batch.rows)
         if not self.costs.known(b):
-            self.costs.set(b, calibrate(batch, bucket(b), self.max_block))
+            self.costs.set(b, *calibrate(batch, bucket(b), self.max_block))
         costs = self.costs.table(b)
         expected = self.expected(batch.rows, batch.lookup_plan())
         rates = [tokens / cost for tokens, cost in zip(expected, costs)]
-        best = max(range(1, self.max_block + 1), key=lambda n: (rates[n - 1], -n))
+        best = planned = max(range(1, self.max_block + 1), key=lambda n: (rates[n - 1], -n))
         if best == 1:
             self.plain_streak += 1
             if self.plain_streak >= self.probe_every:
@@ -318,7 +353,45 @@ class AdaptiveBlock:
             if best > 1:
                 best = self._challenge(bucket(b), best)
         self.last_choice = best
+        self.forced = best != planned
         return best
+
+    def widen(self, batch_size: int, block: int) -> int:
+        """How wide a step whose best block is `block` drafts: wider while the extra drafting
+        costs at most WIDEN_SHARE of the step, as the drafts' own confidences then choose how
+        many tokens to verify (`trimmer`). Batch 1 on a CPU: a 16-wide draft costs ~1 ms more
+        than a 4-wide one in a ~35 ms step; at batch 16 it would cost ~12% more, so it stays
+        narrow there. Without timed draft passes, `block` itself."""
+        drafts = self.costs.draft_table(batch_size)
+        if drafts is None or block < 2:
+            return block
+        budget = WIDEN_SHARE * self.costs.cost(batch_size, block)
+        return max(w for w in range(block, self.max_block + 1) if drafts[w - 1] - drafts[block - 1] <= budget)
+
+    def trimmer(self, batch: DecodeBatch) -> Trim:
+        """The verify length of a drafted step, chosen like the block size but from each row's
+        drafts: a proposal's draft probability stands for its chance of acceptance (on held-out
+        GSM8K the stage-7 drafter's first proposal with probability 0.2-0.3 was accepted 30% of
+        the time, 0.5-0.6: 51%, 0.9-1: 97%), lookup proposals keep lookup's rates. The draft is
+        paid by then, so only the verify part of each size's cost differs."""
+        rows = list(batch.rows)
+        table = self.costs.table(len(rows))
+        drafts = self.costs.draft_table(len(rows)) or [0.0] * self.max_block
+        lookup_prior = self.global_rates(lookup=True)
+
+        def trim(confidence: list[list[float]], looked: list[int]) -> int:
+            width = len(confidence[0]) + 1 if confidence else 1
+            self._drafted = width
+            totals = [0.0] * width
+            for r, conf, m in zip(rows, confidence, looked):
+                rates = r.acceptance_rates(lookup_prior, lookup=True)[:m] if m else conf
+                for j, e in enumerate(expected_by_block(rates, width, r.remaining)):
+                    totals[j] += e
+            sunk = drafts[width - 1]
+            return max(range(1, width + 1),
+                       key=lambda n: (totals[n - 1] / (sunk + table[n - 1] - drafts[n - 1]), -n))
+
+        return trim
 
     def _challenge(self, key: int, best: int) -> int:
         """`best`, or a drafting size next to it (best + 1 and best - 1 in turn) when one is due
@@ -346,14 +419,24 @@ class AdaptiveBlock:
         return best
 
     def step(self, batch: DecodeBatch) -> int:
-        """Chooses, runs and measures one step; returns the block size used."""
+        """Chooses, runs and measures one step; returns the block size used (tokens verified).
+        The policy's own choices for a lone row draft wider (`widen`) and verify what their
+        drafts make worth it (`trimmer`); its checks run the size they check, whole."""
         block = self.choose(batch)
+        b = len(batch.rows)
+        trim = None
+        if block > 1 and not self.forced and b <= TRIM_MAX_ROWS:
+            block, trim = self.widen(b, block), self.trimmer(batch)
+        self._drafted = None  # set by `trim` (a step clipped to one token by its rows' limits drafts nothing)
         before = [(list(r.stats.accepted_by_position), list(r.tries), list(r.stats.lookup_accepted_by_position),
                    list(r.lookup_tries)) for r in batch.rows]
-        b = len(batch.rows)
         t0 = time.perf_counter()
-        used = batch.step(block)
-        self.costs.observe(b, used, time.perf_counter() - t0)
+        used = batch.step(block, trim)
+        seconds = time.perf_counter() - t0
+        drafts = self.costs.draft_table(b)
+        if drafts is not None and self._drafted not in (None, used):  # priced as if it had drafted only `used`
+            seconds += drafts[used - 1] - drafts[self._drafted - 1]
+        self.costs.observe(b, used, seconds)
         self.used[used] += 1
         self.record(batch.rows, before)
         return used

@@ -441,6 +441,15 @@ class DFlashDrafter(nn.Module):
         # draft_vocab is sorted, so ties break towards the lower token id as a full argmax would.
         return self.draft_vocab[self._draft_vocab_logits(hidden, head).argmax(dim=-1)]
 
+    def greedy_with_confidence(self, hidden: torch.Tensor, head: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """`greedy_tokens` [..] and the draft probability of each [..] (float32): how likely
+        the drafter thinks its proposal is, which is what an adaptive step trims its verify by."""
+        logits = self._draft_vocab_logits(hidden, head) if self.draft_vocab is not None else self.logits(hidden, head)
+        top = logits.argmax(dim=-1, keepdim=True)  # the same argmax as greedy_tokens
+        conf = torch.softmax(logits.float(), dim=-1).gather(-1, top)[..., 0]
+        ids = self.draft_vocab[top[..., 0]] if self.draft_vocab is not None else top[..., 0]
+        return ids, conf
+
     def _draft_vocab_logits(self, hidden: torch.Tensor, head: nn.Module) -> torch.Tensor:
         weight, bias = self._restricted_head(head)
         return self._shape_logits(linear(hidden.to(weight.dtype), weight, bias))  # [.., Vd]

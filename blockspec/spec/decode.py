@@ -95,6 +95,14 @@ class GenerationResult:
 
 
 RowStopCheck = Callable[[list[int]], int | None]
+# A step's verify length from its drafts: (per row, the peak probability of the draft
+# distribution at each proposal position; per row, how many leading proposals came from n-gram
+# lookup instead) -> tokens to verify, in 1..block. It sees the draft distributions only, never
+# the target nor the sampled proposals: whether a sampled proposal is verified must not depend
+# on the proposal itself (verifying only the likely-looking samples would bias the output
+# towards them), and the peaks are fixed before any sample is drawn. Greedy, the peak is the
+# proposal's own probability.
+Trim = Callable[[list[list[float]], list[int]], int]
 
 
 @dataclass
@@ -454,10 +462,12 @@ class DecodeBatch:
         return probabilities(logits, self.temperature, self.top_k, self.top_p)
 
     @torch.inference_mode()
-    def step(self, block: int) -> int:
+    def step(self, block: int, trim: Trim | None = None) -> int:
         """Drafts (block > 1), verifies and commits for every row; returns the block size used.
 
-        The only host synchronisation is the read-back of committed tokens.
+        `trim` (block > 1) sees the drafts' confidences and picks how many tokens of the drafted
+        block to verify (see Trim); without it the whole block is verified. The only host
+        synchronisation is the read-back of committed tokens (and with `trim`, of confidences).
         """
         rows = self.rows
         b = len(rows)
@@ -467,8 +477,6 @@ class DecodeBatch:
         offsets = self.offsets[:q]
         positions = self.cur[:, None] + offsets  # [b, q]
         top = max(self.cur_host) + q
-        if _static_cache(self.tcache):
-            self.tcache.reserve(top)
         block_ids = torch.empty(b, q, dtype=torch.long, device=d)
         block_ids[:, 0] = self.last
         greedy = self.all_greedy
@@ -483,15 +491,31 @@ class DecodeBatch:
             if _static_cache(self.dcache):
                 self.dcache.reserve(top, self.draft_top)
             hidden = self.draft(self.pending_feats, self.pending_pos, embeds, positions, self.dcache)
-            if greedy:
+            conf = None
+            if greedy and trim is not None:
+                block_ids[:, 1:], conf = self.drafter.greedy_with_confidence(hidden[:, 1:q], self.target.head())
+            elif greedy:
                 block_ids[:, 1:] = self.drafter.greedy_tokens(hidden[:, 1:q], self.target.head())  # [b, q-1]
             else:
                 draft_logits = self.drafter.logits(hidden[:, 1:q], self.target.head())  # [b, q-1, V]
                 draft_probs = self._probs(draft_logits)
                 block_ids[:, 1:] = sample_from(draft_probs, self.random.uniforms(q - 1).to(d))
+                if trim is not None:
+                    conf = draft_confidence(draft_probs)  # [b, q-1]
             self.pending_feats = None
             if self.lookup is not None:
                 from_lookup = self._lookup_proposals(block_ids, draft_probs)
+            if trim is not None:
+                drafted, q = q, max(1, min(q, int(trim(conf.tolist(), from_lookup))))
+                if q < drafted:  # verify only the first q tokens of the drafted block
+                    block_ids, positions, offsets = block_ids[:, :q].contiguous(), positions[:, :q].contiguous(), offsets[:q]
+                    if draft_probs is not None:
+                        draft_probs = draft_probs[:, : q - 1]
+                    from_lookup = [min(m, q - 1) for m in from_lookup]
+        if _static_cache(self.tcache):
+            # the attention horizon of the tokens verified (a trimmed block reads fewer slots:
+            # those beyond it hold stale keys of rejected tokens)
+            self.tcache.reserve(max(self.cur_host) + q)
         logits, feats = self.target.forward(block_ids, positions, self.tcache, self.layer_ids)
         proposals = block_ids[:, 1:]
         if greedy:
@@ -615,6 +639,12 @@ class DecodeBatch:
             if self.dcache is not None:
                 self.dcache.compact(self.compact_ratio)
         return gone
+
+
+def draft_confidence(draft_probs: torch.Tensor) -> torch.Tensor:
+    """The peak of each draft distribution [b, n, V] -> [b, n]: what a sampled step's verify
+    length is chosen by (see Trim; not the sampled proposals' own probabilities)."""
+    return draft_probs.max(dim=-1).values
 
 
 def _captured_features(r: Row) -> torch.Tensor | None:
