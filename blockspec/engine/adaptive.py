@@ -363,8 +363,8 @@ class AdaptiveBlock:
         """How wide a step whose best block is `block` drafts: wider while the extra drafting
         costs at most WIDEN_SHARE of the step, as the drafts' own confidences then choose how
         many tokens to verify (`trimmer`). Batch 1 on a CPU: a 16-wide draft costs ~1 ms more
-        than a 4-wide one in a ~35 ms step; at batch 16 it would cost ~12% more, so it stays
-        narrow there. Without timed draft passes, `block` itself."""
+        than a 4-wide one in a ~35 ms step. `step` widens lone rows only (TRIM_MAX_ROWS).
+        Without timed draft passes, `block` itself."""
         drafts = self.costs.draft_table(batch_size)
         if drafts is None or block < 2:
             return block
