@@ -69,11 +69,11 @@ def test_native_matches_hf_logits_and_features(family: str) -> None:
     torch.testing.assert_close(torch.cat(chunks, dim=1), ref.logits, atol=1e-6, rtol=1e-6)
     # Batch 1, one token at a time, with each CPU kernel (small-rows keeps transposed single-token
     # copies of the weights; oneDNN needs none).
-    for kind in [k for k in CPU_MATMULS if k != "onednn" or onednn_available()]:
+    for kind in [k for k in CPU_MATMULS if k not in ("native", "onednn") or onednn_available()]:
         previous = set_cpu_matmul(kind)
         try:
             target.net.prepare_single_token_weights(True)
-            assert (target.net.single is None) == (kind == "onednn")
+            assert (target.net.single is None) == (kind in ("native", "onednn"))
             cache = target.new_cache(1)
             target.forward(ids[:1, :37], positions[:1, :37], cache)
             steps = [target.forward(ids[:1, i : i + 1], positions[:1, i : i + 1], cache)[0] for i in range(37, 40)]
@@ -116,7 +116,7 @@ def test_left_padded_ragged_prefill_matches_single_rows() -> None:
 def test_cpu_linear_kernels_equal_f_linear(rows: int, kind: str) -> None:
     """Every CPU kernel of linear gives F.linear's numbers for any input layout, with or without
     bias, chained, and under autograd."""
-    if kind == "onednn" and not onednn_available():
+    if kind in ("native", "onednn") and not onednn_available():
         pytest.skip("this PyTorch build has no oneDNN linear")  # the other kernels still run
     previous = set_cpu_matmul(kind)
     try:

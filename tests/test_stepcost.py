@@ -22,7 +22,7 @@ def test_stepcost_runs_on_a_tiny_shape(capsys) -> None:
 
     assert json.loads(out.strip().splitlines()[-1])["cpu_matmul"] == "mkl"
     assert linear.SMALL_ROWS == 64  # --small-rows and --cpu-matmul apply to that run only
-    assert linear.CPU_MATMUL == ("onednn" if linear.onednn_available() else "small-rows")
+    assert linear.CPU_MATMUL == ("native" if linear.onednn_available() else "small-rows")
     with pytest.raises(ConfigError, match="--block"):
         stepcost.main(["--shape", "tiny", "--block", "1"])
     assert all(r["plain_ms"] > 0 and r["dflash_ms"] > 0 and r["ratio"] == pytest.approx(

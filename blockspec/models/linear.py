@@ -2,9 +2,12 @@
 
 `linear(x, w, b)` equals `F.linear(x, w, b)` up to float rounding. On a CPU, `F.linear` runs
 MKL's GEMM, whose kernels for a handful of rows are poor: on the 2-core machine this was developed
-on, 2 rows cost twice 1 row and a block of 16 cost 2.7 plain decoding steps. Two faster paths:
+on, 2 rows cost twice 1 row and a block of 16 cost 2.7 plain decoding steps. Faster paths:
 
-- "onednn" (default where PyTorch has it): oneDNN's matmul (`torch.ops.mkldnn._linear_pointwise`,
+- "native" (default where a C compiler builds it): fp32 products of 1..NATIVE_ROWS rows run
+  models/kernels/rows.c (models/rowmatmul.py), which streams the weights once and is batch
+  invariant; everything else goes the "onednn" way.
+- "onednn" (default where PyTorch has it and the native kernel does not build): oneDNN's matmul (`torch.ops.mkldnn._linear_pointwise`,
   the kernel `torch.compile` emits for CPU linears) on the dense [out, in] weight. It streams the
   weight once for any row count: measured 2.1x faster than MKL for one row of the LM head,
   flat from 1 to ~17 rows, and 2-3x faster for 16-128 rows (BENCHMARKS.md, session 9).
@@ -22,9 +25,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from blockspec.models import rowmatmul
+
+NATIVE_ROWS = 8  # native kernel: measured faster than oneDNN/MKL up to 8 fp32 rows (session 13)
 SMALL_ROWS = 64  # small-rows path: measured equal or faster up to 64 rows; beyond, level with F.linear
 MKL_ROWS: frozenset[int] = frozenset({2, 3, 4})  # fp32 only: in bf16, oneDNN wins here too (session 10)
-CPU_MATMULS = ("onednn", "small-rows", "mkl")
+CPU_MATMULS = ("native", "onednn", "small-rows", "mkl")
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -43,7 +49,7 @@ def onednn_available() -> bool:
         return False
 
 
-CPU_MATMUL = "onednn" if onednn_available() else "small-rows"
+CPU_MATMUL = "native" if onednn_available() else "small-rows"  # native falls back to onednn
 
 
 def cpu_bf16_matmul() -> bool:
@@ -56,12 +62,13 @@ def cpu_bf16_matmul() -> bool:
 
 
 def set_cpu_matmul(kind: str) -> str:
-    """Selects the CPU kernel of `linear` ("onednn", "small-rows" or "mkl"); returns the previous one."""
+    """Selects the CPU kernel of `linear` (one of CPU_MATMULS); returns the previous one."""
     global CPU_MATMUL
     if kind not in CPU_MATMULS:
         raise ValueError(f"cpu matmul must be one of {', '.join(CPU_MATMULS)}, got {kind!r}")
-    if kind == "onednn" and not onednn_available():
-        raise ValueError("this PyTorch build has no usable oneDNN linear; choose 'small-rows' or 'mkl'")
+    if kind in ("native", "onednn") and not onednn_available():
+        raise ValueError(f"this PyTorch build has no usable oneDNN linear (which {kind!r} relies on); "
+                         "choose 'small-rows' or 'mkl'")
     previous, CPU_MATMUL = CPU_MATMUL, kind
     return previous
 
@@ -69,12 +76,21 @@ def set_cpu_matmul(kind: str) -> str:
 def fast_cpu_single_row() -> bool:
     """Whether `linear` is already the fastest one-row product on this CPU (so the native target
     needs no transposed copies of its weights for one-token forwards)."""
-    return CPU_MATMUL == "onednn"
+    return CPU_MATMUL in ("native", "onednn")
+
+
+def native_takes(rows: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether `linear` sends a CPU product (no autograd) to the native kernel."""
+    return (
+        CPU_MATMUL == "native" and 0 < rows <= NATIVE_ROWS and x.dtype == weight.dtype == torch.float32
+        and weight.is_contiguous() and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
+        and rowmatmul.kernel() is not None
+    )
 
 
 def onednn_takes(rows: int, x_dtype: torch.dtype, w_dtype: torch.dtype) -> bool:
     """Whether `linear` sends a CPU product of `rows` rows to oneDNN (no autograd)."""
-    if CPU_MATMUL != "onednn" or x_dtype not in _ONEDNN_DTYPES or w_dtype != x_dtype:
+    if CPU_MATMUL not in ("native", "onednn") or x_dtype not in _ONEDNN_DTYPES or w_dtype != x_dtype:
         return False
     return x_dtype != torch.float32 or rows not in MKL_ROWS
 
@@ -86,6 +102,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     ):
         return F.linear(x, weight, bias)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if native_takes(rows, x, weight, bias):
+        out = rowmatmul.rows_matmul(x.reshape(rows, x.shape[-1]).contiguous(), weight, bias)  # [rows, out]
+        return out.reshape(*x.shape[:-1], weight.shape[0])
     if onednn_takes(rows, x.dtype, weight.dtype):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     if not 1 < rows <= SMALL_ROWS:

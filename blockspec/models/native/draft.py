@@ -13,16 +13,22 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
-from blockspec.models.drafter import DFlashDrafter
+from blockspec.models.drafter import DFlashDrafter, RMSNorm
 from blockspec.models.native.cache import KVStore, StaticCache, attention_mask
-from blockspec.models.linear import project
-from blockspec.models.native.llama import rope_bqhd
+from blockspec.models.linear import linear, project
+from blockspec.models.native.llama import rms_norm, rope_bqhd
 
 
 def has_standard_forward(drafter: nn.Module) -> bool:
     """True for DFlashDrafter instances whose forward was not replaced (e.g. by a test double)."""
     return isinstance(drafter, DFlashDrafter) and type(drafter).forward is DFlashDrafter.forward
+
+
+def _norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """The drafter's RMSNorm through the fused kernel (fp32 statistics, as the module computes)."""
+    return rms_norm(x, norm.weight, norm.eps)
 
 
 class StaticDrafter:
@@ -36,6 +42,27 @@ class StaticDrafter:
         self.cfg = cfg
         self.layer_kinds = [(layer.self_attn.causal, layer.self_attn.sliding_window) for layer in drafter.layers]
         self.plain = all(not causal and window is None for causal, window in self.layer_kinds)
+        self._fused: tuple[tuple, list] | None = None  # (weight versions, per layer weights)
+
+    def _fused_weights(self) -> list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]:
+        """Per layer: q/k/v weights stacked [(h + 2 kvh) d, H] (and bias), gate/up stacked
+        [2 I, H]. Fewer, larger products: the draft pass at batch 1 is dominated by per-call
+        overhead, not arithmetic. Rebuilt when a weight changes (training evaluates a live drafter)."""
+        params = [p for layer in self.module.layers for p in (
+            layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight, layer.self_attn.v_proj.weight,
+            layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight)]
+        key = tuple((p.data_ptr(), p._version) for p in params)
+        if self._fused is None or self._fused[0] != key:
+            fused = []
+            for layer in self.module.layers:
+                a, mlp = layer.self_attn, layer.mlp
+                projs = (a.q_proj, a.k_proj, a.v_proj)
+                w_qkv = torch.cat([p.weight.detach() for p in projs])
+                b_qkv = torch.cat([p.bias.detach() for p in projs]) if a.q_proj.bias is not None else None
+                w_gate_up = torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()])
+                fused.append((w_qkv, b_qkv, w_gate_up))
+            self._fused = (key, fused)
+        return self._fused[1]
 
     @property
     def block_size(self) -> int:
@@ -101,35 +128,46 @@ class StaticDrafter:
         if not cache.fresh:
             cache.reserve(int(block_positions.max()) + 1)
         horizon = cache.horizon
-        ctx = m.hidden_norm(project(m.fc, ctx_features))  # [b, c, H]
+        fused = self._fused_weights()
+        ctx = _norm(m.hidden_norm, project(m.fc, ctx_features))  # [b, c, H]
         dtype = block_embeds.dtype
-        cos_b, sin_b = (t[:, :, None] for t in m.rotary(block_positions, dtype))  # [b, q, 1, d]
-        cos_c, sin_c = (t[:, :, None] for t in m.rotary(ctx_positions, dtype))
+        # context and block rows go through each layer's K/V projection together: [b, c + q]
+        all_pos = torch.cat([ctx_positions, block_positions], dim=1)
+        cos, sin = (t[:, :, None] for t in m.rotary(all_pos, dtype))  # [b, c + q, 1, d]
+        cos_b, sin_b = cos[:, c:], sin[:, c:]
+        # context slots at or past the block's start would be overwritten by the block's K/V in
+        # the same write, in no defined order: send them to the scratch slot (the block wins)
         ctx_slots = cache.write_index(ctx_positions)  # [b, c]
+        start = block_positions[:, :1]
+        overlap = (ctx_slots >= start) & (ctx_slots < start + q)
+        ctx_slots = torch.where(overlap, torch.full_like(ctx_slots, cache.scratch), ctx_slots)
+        slots = torch.cat([ctx_slots, block_positions], dim=1)  # [b, c + q]
         rows = torch.arange(b, device=block_embeds.device)[:, None]
         masks: dict[tuple[bool, int | None], torch.Tensor | None] = {}
         x = block_embeds
+        nq = h * d
         for i, layer in enumerate(m.layers):
             attn = layer.self_attn
             kind = self.layer_kinds[i]
             if kind not in masks:
                 masks[kind] = None if (b == 1 and self.plain) else self._mask(kind, block_positions, horizon, g)
-            y = layer.input_layernorm(x)
-            qs = rope_bqhd(attn.q_norm(project(attn.q_proj, y).view(b, q, h, d)), cos_b, sin_b)
-            kb = rope_bqhd(attn.k_norm(project(attn.k_proj, y).view(b, q, kvh, d)), cos_b, sin_b)
-            vb = project(attn.v_proj, y).view(b, q, kvh, d)
+            w_qkv, b_qkv, w_gate_up = fused[i]
+            y = _norm(layer.input_layernorm, x)
+            # one projection for the block's q/k/v and the context's k/v (its q columns unused)
+            qkv = linear(torch.cat([ctx, y], dim=1), w_qkv, b_qkv)  # [b, c + q, (h + 2 kvh) d]
+            qs = rope_bqhd(_norm(attn.q_norm, qkv[:, c:, :nq].reshape(b, q, h, d)), cos_b, sin_b)
+            ks = rope_bqhd(_norm(attn.k_norm, qkv[:, :, nq : nq + kvh * d].reshape(b, c + q, kvh, d)), cos, sin)
+            vs = qkv[:, :, nq + kvh * d :].reshape(b, c + q, kvh, d)
             k_cache, v_cache = cache.layer(i)
-            if c:
-                k_cache[rows, :, ctx_slots] = rope_bqhd(attn.k_norm(project(attn.k_proj, ctx).view(b, c, kvh, d)), cos_c, sin_c)
-                v_cache[rows, :, ctx_slots] = project(attn.v_proj, ctx).view(b, c, kvh, d)
-            k_cache[rows, :, block_positions] = kb  # after the context: block K/V win in their slots
-            v_cache[rows, :, block_positions] = vb
+            k_cache[rows, :, slots] = ks
+            v_cache[rows, :, slots] = vs
             qg = qs.view(b, q, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * q, d)
             out = torch.nn.functional.scaled_dot_product_attention(
                 qg, k_cache[:, :, :horizon], v_cache[:, :, :horizon], attn_mask=masks[kind]
             )
             out = out.view(b, kvh, g, q, d).permute(0, 3, 1, 2, 4).reshape(b, q, h * d)
             x = x + project(attn.o_proj, out)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            gate, up = linear(_norm(layer.post_attention_layernorm, x), w_gate_up).chunk(2, dim=-1)
+            x = x + project(layer.mlp.down_proj, F.silu(gate) * up)
         cache.fresh = False
-        return m.norm(x)
+        return _norm(m.norm, x)

@@ -1,0 +1,114 @@
+"""A native CPU kernel for fp32 products of a few rows: `kernels/rows.c`, compiled at first use.
+
+A decoding step multiplies 1-8 rows by every weight matrix, and on a CPU its time is the time to
+stream the weights from memory once. PyTorch's kernels do not manage that for so few rows
+(BENCHMARKS.md, session 13: a one-row product through oneDNN took 1.5x the kernel's time on
+SmolLM2-135M's matrices, five to eight rows 1.2-1.9x). The kernel is also batch invariant: a row
+gets the same bits alone or beside others, so a verified block's projections equal those of
+decoding its tokens one by one.
+
+Built with the system C compiler (`$CC`, else cc/gcc/clang; -O3 -march=native -fopenmp) into
+the blockspec cache (`$BLOCKSPEC_CACHE/kernels`, default ~/.cache/blockspec/kernels), keyed by the
+source, the compiler and the CPU. Without a working compiler, or with BLOCKSPEC_CPU_KERNELS=0,
+`kernel()` is None and models/linear.py keeps PyTorch's kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+from blockspec.zoo import cache_root
+
+SOURCE = Path(__file__).parent / "kernels" / "rows.c"
+DISABLE_ENV = "BLOCKSPEC_CPU_KERNELS"
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+
+_UNTRIED = object()
+_kernel: object = _UNTRIED
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _cpu_id() -> str:
+    """What -march=native depends on: the CPU model and its feature flags."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags", "Features"))]
+        return "\n".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def build(cc: str, out_dir: Path) -> Path:
+    """Compiles the kernel (if not cached) and returns the shared library's path."""
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, " ".join(_FLAGS), _cpu_id()]).encode())
+    lib = out_dir / f"rows-{key.hexdigest()[:16]}.so"
+    if lib.exists():
+        return lib
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        tmp_lib = Path(tmp) / lib.name
+        subprocess.run([cc, *_FLAGS, str(SOURCE), "-o", str(tmp_lib)], capture_output=True, text=True, check=True)
+        os.replace(tmp_lib, lib)  # atomic: concurrent processes (torchrun) never load half a file
+    return lib
+
+
+def _load() -> object | None:
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return None
+    cc = _compiler()
+    if cc is None:
+        return None
+    try:
+        lib = ctypes.CDLL(str(build(cc, cache_root() / "kernels")))
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", None) or str(e)
+        warnings.warn(f"blockspec: the native CPU kernel did not build ({detail.strip()[:300]}); "
+                      f"using PyTorch's kernels (set {DISABLE_ENV}=0 to skip the attempt)")
+        return None
+    fn = lib.bs_rows_matmul
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+    fn.restype = ctypes.c_int
+    return fn if _agrees(fn) else None
+
+
+def _agrees(fn: object) -> bool:
+    """One small product proves the build runs and agrees with F.linear."""
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(3, 37, generator=g), torch.randn(5, 37, generator=g), torch.randn(5, generator=g)
+    y = torch.empty(3, 5)
+    fn(x.data_ptr(), w.data_ptr(), b.data_ptr(), y.data_ptr(), 3, 37, 5)
+    return bool(torch.allclose(y, torch.nn.functional.linear(x, w, b), atol=1e-5, rtol=1e-5))
+
+
+def kernel() -> object | None:
+    """The compiled kernel (built and checked on the first call), or None where unavailable."""
+    global _kernel
+    if _kernel is _UNTRIED:
+        _kernel = _load()
+    return _kernel
+
+
+def rows_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [n, in] @ weight[out, in]^T + bias -> [n, out]; fp32, contiguous, CPU, `kernel()` set."""
+    n, k = x.shape
+    out = torch.empty(n, weight.shape[0], dtype=x.dtype)
+    kernel()(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
+             n, k, weight.shape[0])
+    return out

@@ -1,0 +1,88 @@
+"""The native few-row CPU kernel (models/kernels/rows.c via models/rowmatmul.py)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from blockspec.models import linear as linear_mod
+from blockspec.models import rowmatmul
+from blockspec.models.drafter import argmax_and_peak
+
+
+def test_the_kernel_builds_where_a_compiler_exists() -> None:
+    """This suite runs on machines with a C compiler: there the kernel must build and load (a
+    silent fallback would hide a broken build behind slower numbers)."""
+    assert shutil.which("cc") or shutil.which("gcc"), "these tests expect a C compiler on the machine"
+    assert rowmatmul.kernel() is not None
+    assert linear_mod.CPU_MATMUL == "native"
+
+
+@pytest.mark.parametrize("n", range(1, 17))
+def test_kernel_matches_f_linear_and_is_batch_invariant(n: int) -> None:
+    """Any row count (including past the 8-row tile), widths off the 16-lane vector, with and
+    without bias: F.linear's numbers, and each row's bits equal that row computed alone."""
+    g = torch.Generator().manual_seed(n)
+    for k, out in ((37, 5), (64, 33), (200, 19)):
+        x, w, b = torch.randn(n, k, generator=g), torch.randn(out, k, generator=g), torch.randn(out, generator=g)
+        for bias in (None, b):
+            got = rowmatmul.rows_matmul(x, w, bias)
+            torch.testing.assert_close(got, torch.nn.functional.linear(x, w, bias), atol=1e-5, rtol=1e-5)
+            for r in range(n):
+                assert torch.equal(got[r : r + 1], rowmatmul.rows_matmul(x[r : r + 1].clone(), w, bias))
+
+
+def test_linear_routes_few_fp32_rows_to_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    real = rowmatmul.rows_matmul
+
+    def spy(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return real(x, w, b)
+
+    monkeypatch.setattr(rowmatmul, "rows_matmul", spy)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(24, 40, generator=g)
+    with torch.inference_mode():
+        for rows in (1, 3, linear_mod.NATIVE_ROWS, linear_mod.NATIVE_ROWS + 1):
+            x = torch.randn(2, rows, 40, generator=g)[:1]  # 3-D, a slice: the kernel gets a contiguous copy
+            torch.testing.assert_close(linear_mod.linear(x, w), x @ w.t(), atol=1e-5, rtol=1e-5)
+        linear_mod.linear(torch.randn(2, 40).bfloat16(), w.bfloat16())  # bf16: not the kernel's
+        linear_mod.linear(torch.randn(2, 24), w.t())  # a transposed weight view: not either
+    assert calls == [1, 3, linear_mod.NATIVE_ROWS]
+
+
+def test_without_a_compiler_linear_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> None:
+    """BLOCKSPEC_CPU_KERNELS=0 skips the build; a compiler that fails warns once and falls back."""
+    monkeypatch.setenv("BLOCKSPEC_CACHE", str(tmp_path))
+    monkeypatch.setenv(rowmatmul.DISABLE_ENV, "0")
+    assert rowmatmul._load() is None
+    monkeypatch.delenv(rowmatmul.DISABLE_ENV)
+    monkeypatch.setenv("CC", "false")  # exists, and fails whatever it is asked
+    with pytest.warns(UserWarning, match="did not build"):
+        assert rowmatmul._load() is None
+    monkeypatch.setattr(rowmatmul, "_kernel", None)  # as a process without a compiler sees it
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(3, 16, generator=g), torch.randn(8, 16, generator=g)
+    with torch.inference_mode():
+        torch.testing.assert_close(linear_mod.linear(x, w), x @ w.t(), atol=1e-5, rtol=1e-5)
+
+
+def test_a_fresh_cache_builds_the_kernel_once(monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> None:
+    cc = shutil.which("cc") or shutil.which("gcc")
+    assert cc
+    lib = rowmatmul.build(cc, tmp_path / "kernels")
+    stamp = lib.stat().st_mtime_ns
+    assert rowmatmul.build(cc, tmp_path / "kernels") == lib and lib.stat().st_mtime_ns == stamp
+    assert [p.name for p in (tmp_path / "kernels").iterdir()] == [lib.name]  # no temporary left
+
+
+def test_argmax_and_peak_equals_argmax_and_softmax() -> None:
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(2, 5, 300, generator=g)
+    logits[0, 1, 7] = logits[0, 1, 250] = 40.0  # a tie: the first index wins, as in argmax
+    top, peak = argmax_and_peak(logits.clone())
+    assert torch.equal(top, logits.argmax(-1)) and top[0, 1] == 7
+    torch.testing.assert_close(peak, torch.softmax(logits, -1).amax(-1))
