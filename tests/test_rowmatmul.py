@@ -86,3 +86,17 @@ def test_argmax_and_peak_equals_argmax_and_softmax() -> None:
     top, peak = argmax_and_peak(logits.clone())
     assert torch.equal(top, logits.argmax(-1)) and top[0, 1] == 7
     torch.testing.assert_close(peak, torch.softmax(logits, -1).amax(-1))
+
+
+def test_kernel_bits_do_not_depend_on_the_thread_count() -> None:
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(5, 300, generator=g), torch.randn(301, 300, generator=g)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = rowmatmul.rows_matmul(x, w, None)
+        torch.set_num_threads(2)
+        two = rowmatmul.rows_matmul(x, w, None)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)

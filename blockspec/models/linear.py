@@ -4,18 +4,18 @@
 MKL's GEMM, whose kernels for a handful of rows are poor: on the 2-core machine this was developed
 on, 2 rows cost twice 1 row and a block of 16 cost 2.7 plain decoding steps. Faster paths:
 
-- "native" (default where a C compiler builds it): fp32 products of 1..NATIVE_ROWS rows run
-  models/kernels/rows.c (models/rowmatmul.py), which streams the weights once and is batch
-  invariant; everything else goes the "onednn" way.
-- "onednn" (default where PyTorch has it and the native kernel does not build): oneDNN's matmul (`torch.ops.mkldnn._linear_pointwise`,
-  the kernel `torch.compile` emits for CPU linears) on the dense [out, in] weight. It streams the
-  weight once for any row count: measured 2.1x faster than MKL for one row of the LM head,
-  flat from 1 to ~17 rows, and 2-3x faster for 16-128 rows (BENCHMARKS.md, session 9).
+- "native" (the default; where no C compiler builds the kernel it acts as "onednn"): fp32
+  products of 1..NATIVE_ROWS rows run models/kernels/rows.c (models/rowmatmul.py), which
+  streams the weights once and is batch invariant: a one-token SmolLM2-135M forward 1.7x faster
+  than through oneDNN (BENCHMARKS.md, session 13). Everything else goes the "onednn" way.
+- "onednn": oneDNN's matmul (`torch.ops.mkldnn._linear_pointwise`, the kernel `torch.compile`
+  emits for CPU linears) on the dense [out, in] weight: measured 2.1x faster than MKL for one row
+  of the LM head, and 2-3x faster for 16-128 rows (BENCHMARKS.md, session 9).
 - "small-rows": for 2..SMALL_ROWS rows, `(w @ x^T)^T`, which makes MKL stream the weight past
   the few columns of x (BENCHMARKS.md, session 4); the fallback where oneDNN is missing.
 
-Both run only without autograd (inference); training keeps `F.linear`. GPUs keep `F.linear`
-(cuBLAS picks its kernel by shape). `python -m blockspec.engine.stepcost --cpu-matmul mkl|small-rows|onednn`
+All run only without autograd (inference); training keeps `F.linear`. GPUs keep `F.linear`
+(cuBLAS picks its kernel by shape). `python -m blockspec.engine.stepcost --cpu-matmul KIND`
 compares them.
 """
 

@@ -2,10 +2,9 @@
 
 A decoding step multiplies 1-8 rows by every weight matrix, and on a CPU its time is the time to
 stream the weights from memory once. PyTorch's kernels do not manage that for so few rows
-(BENCHMARKS.md, session 13: a one-row product through oneDNN took 1.5x the kernel's time on
-SmolLM2-135M's matrices, five to eight rows 1.2-1.9x). The kernel is also batch invariant: a row
-gets the same bits alone or beside others, so a verified block's projections equal those of
-decoding its tokens one by one.
+(BENCHMARKS.md, session 13: the projections of SmolLM2-135M for one row took 1.6x the kernel's
+time through oneDNN, for five or six rows 1.5-2x; from eight rows on they are level). The kernel
+is also batch invariant: a row gets the same bits alone or beside others.
 
 Built with the system C compiler (`$CC`, else cc/gcc/clang; -O3 -march=native -fopenmp) into
 the blockspec cache (`$BLOCKSPEC_CACHE/kernels`, default ~/.cache/blockspec/kernels), keyed by the
@@ -83,7 +82,7 @@ def _load() -> object | None:
                       f"using PyTorch's kernels (set {DISABLE_ENV}=0 to skip the attempt)")
         return None
     fn = lib.bs_rows_matmul
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     fn.restype = ctypes.c_int
     return fn if _agrees(fn) else None
 
@@ -93,7 +92,7 @@ def _agrees(fn: object) -> bool:
     g = torch.Generator().manual_seed(0)
     x, w, b = torch.randn(3, 37, generator=g), torch.randn(5, 37, generator=g), torch.randn(5, generator=g)
     y = torch.empty(3, 5)
-    fn(x.data_ptr(), w.data_ptr(), b.data_ptr(), y.data_ptr(), 3, 37, 5)
+    fn(x.data_ptr(), w.data_ptr(), b.data_ptr(), y.data_ptr(), 3, 37, 5, 1)
     return bool(torch.allclose(y, torch.nn.functional.linear(x, w, b), atol=1e-5, rtol=1e-5))
 
 
@@ -110,5 +109,5 @@ def rows_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     n, k = x.shape
     out = torch.empty(n, weight.shape[0], dtype=x.dtype)
     kernel()(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
-             n, k, weight.shape[0])
+             n, k, weight.shape[0], torch.get_num_threads())
     return out

@@ -67,10 +67,11 @@ static void column(const float *x, const float *w, const float *bias, float *y, 
     }
 }
 
-/* Returns 0. The output columns are split evenly between the OpenMP threads. */
+/* Returns 0. The output columns are split evenly between `threads` OpenMP threads (the caller
+ * passes PyTorch's count: the OpenMP default of a thread PyTorch did not configure may differ). */
 int bs_rows_matmul(const float *x, const float *w, const float *bias, float *y, int64_t n, int64_t in,
-                   int64_t out) {
-#pragma omp parallel for schedule(static)
+                   int64_t out, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t j = 0; j < out; j++)
         column(x, w + j * in, bias ? bias + j : 0, y + j, n, in, out);
     return 0;
