@@ -285,3 +285,29 @@ def test_fixed_shape_forward_for_cuda_graphs_matches_eager() -> None:
     torch.testing.assert_close(got_f, want_f, atol=1e-10, rtol=1e-10)
     with pytest.raises(ConfigError, match="CUDA"):
         target.enable_cuda_graphs()  # CPU: refused, the eager path stays
+
+
+def test_static_drafter_sees_weights_updated_in_place() -> None:
+    """Training evaluates the live drafter: an optimizer step (in-place) must reach the stacked
+    q/k/v and gate/up weights of the static pass."""
+    model = make_tiny_target("llama", seed=9)
+    drafter = new_drafter_for_target(model.config, mask_token_id=47, num_layers=2, dtype=torch.float64)
+    init_drafter_weights(drafter, std=0.3, seed=1)
+    static = StaticDrafter(drafter)
+    g = torch.Generator().manual_seed(4)
+    feats = torch.randn(1, 5, len(drafter.target_layer_ids) * 32, generator=g, dtype=torch.float64)
+    embeds = torch.randn(1, 4, 32, generator=g, dtype=torch.float64)
+    ctx_pos, block_pos = torch.arange(5)[None], torch.arange(5, 9)[None]
+
+    def both() -> tuple[torch.Tensor, torch.Tensor]:
+        cache = static.new_cache(1)
+        cache.reserve(9, 16)
+        return static(feats, ctx_pos, embeds, block_pos, cache), drafter(feats, ctx_pos, embeds, block_pos, drafter.new_cache(1))
+
+    before, _ = both()
+    with torch.no_grad():
+        drafter.layers[1].self_attn.k_proj.weight.mul_(1.5)
+        drafter.layers[0].mlp.up_proj.weight.add_(0.1)
+    got, want = both()
+    assert not torch.allclose(got, before)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
