@@ -31,6 +31,7 @@ NATIVE_ROWS = 8  # native kernel: measured faster than oneDNN/MKL up to 8 fp32 r
 SMALL_ROWS = 64  # small-rows path: measured equal or faster up to 64 rows; beyond, level with F.linear
 MKL_ROWS: frozenset[int] = frozenset({2, 3, 4})  # fp32 only: in bf16, oneDNN wins here too (session 10)
 CPU_MATMULS = ("native", "onednn", "small-rows", "mkl")
+_ONEDNN_KINDS = ("native", "onednn")  # the kinds that send what they do not handle themselves to oneDNN
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -66,7 +67,7 @@ def set_cpu_matmul(kind: str) -> str:
     global CPU_MATMUL
     if kind not in CPU_MATMULS:
         raise ValueError(f"cpu matmul must be one of {', '.join(CPU_MATMULS)}, got {kind!r}")
-    if kind in ("native", "onednn") and not onednn_available():
+    if kind in _ONEDNN_KINDS and not onednn_available():
         raise ValueError(f"this PyTorch build has no usable oneDNN linear (which {kind!r} relies on); "
                          "choose 'small-rows' or 'mkl'")
     previous, CPU_MATMUL = CPU_MATMUL, kind
@@ -76,7 +77,7 @@ def set_cpu_matmul(kind: str) -> str:
 def fast_cpu_single_row() -> bool:
     """Whether `linear` is already the fastest one-row product on this CPU (so the native target
     needs no transposed copies of its weights for one-token forwards)."""
-    return CPU_MATMUL in ("native", "onednn")
+    return CPU_MATMUL in _ONEDNN_KINDS
 
 
 def native_takes(rows: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -90,7 +91,7 @@ def native_takes(rows: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.T
 
 def onednn_takes(rows: int, x_dtype: torch.dtype, w_dtype: torch.dtype) -> bool:
     """Whether `linear` sends a CPU product of `rows` rows to oneDNN (no autograd)."""
-    if CPU_MATMUL not in ("native", "onednn") or x_dtype not in _ONEDNN_DTYPES or w_dtype != x_dtype:
+    if CPU_MATMUL not in _ONEDNN_KINDS or x_dtype not in _ONEDNN_DTYPES or w_dtype != x_dtype:
         return False
     return x_dtype != torch.float32 or rows not in MKL_ROWS
 

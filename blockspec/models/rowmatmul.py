@@ -3,8 +3,9 @@
 A decoding step multiplies 1-8 rows by every weight matrix, and on a CPU its time is the time to
 stream the weights from memory once. PyTorch's kernels do not manage that for so few rows
 (BENCHMARKS.md, session 13: the projections of SmolLM2-135M for one row took 1.6x the kernel's
-time through oneDNN, for five or six rows 1.5-2x; from eight rows on they are level). The kernel
-is also batch invariant: a row gets the same bits alone or beside others.
+time through oneDNN, for five or six rows 1.5-2x, for eight 1.2x; from twelve rows on PyTorch's
+are faster, and `linear` keeps them). The kernel is also batch invariant: a row gets the same
+bits alone or beside others.
 
 Built with the system C compiler (`$CC`, else cc/gcc/clang; -O3 -march=native -fopenmp) into
 the blockspec cache (`$BLOCKSPEC_CACHE/kernels`, default ~/.cache/blockspec/kernels), keyed by the
