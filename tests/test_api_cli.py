@@ -168,9 +168,12 @@ def test_cli_evaluate_compares_drafters_on_heldout_prompts(tiny_model_dir: Path,
     assert rows[0]["tau"] == rows[1]["tau"]  # greedy: the same drafter scores the same
     r = _cli(*args[:5], "--prompts", "2", "--max-new-tokens", "4", "--data-dir", str(data), "--block-size", "2")
     assert r.returncode == 0, r.stderr
-    assert "held-out gsm8k TRAIN questions (gsm8k_train prompts): 2" in r.stdout and str(tiny_drafter_dir) in r.stdout
+    assert "held-out gsm8k_train prompts: 2" in r.stdout and str(tiny_drafter_dir) in r.stdout
     r = _cli(*args[:5], "--prompts", "2", "--max-new-tokens", "4", "--data-dir", str(data), "--heldout", "gsm8k_code")
     assert r.returncode == 0, r.stderr
-    assert "(gsm8k_code prompts): 2" in r.stdout
+    assert "held-out gsm8k_code prompts: 2" in r.stdout
+    r = _cli(*args[:5], "--prompts", "2", "--max-new-tokens", "4", "--data-dir", str(data), "--heldout", "py_stubs")
+    assert r.returncode == 0, r.stderr
+    assert "held-out py_stubs prompts: 2" in r.stdout
     r = _cli(*args[:5], "--prompts", "0")
     assert r.returncode == 2 and r.stderr.strip() == "error: --prompts must be >= 1, got 0"

@@ -12,13 +12,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, help="zoo name or Hugging Face model directory")
     p.add_argument("--out", required=True, help="output directory for shard-NNNNN.jsonl files")
     p.add_argument("--sources", default="gsm8k_train,mbpp_train,sharegpt,alpaca",
-                   help="comma list of gsm8k_train, gsm8k_code, mbpp_train, sharegpt, sharegpt_code, alpaca or .jsonl paths "
+                   help="comma list of gsm8k_train, gsm8k_code, mbpp_train, sharegpt, sharegpt_code, alpaca, py_stubs or .jsonl paths "
                         "(ShareGPT-style messages/conversations, or prompt/instruction/question)")
     p.add_argument("--limit", action="append", default=[], metavar="SOURCE=N",
                    help="at most N prompts from SOURCE (repeatable), e.g. --limit sharegpt=500")
     p.add_argument("--data-dir", default=None, help="where the data sets live (default ../shared/data)")
     p.add_argument("--holdout", type=int, default=64,
-                   help="first N gsm8k_train (and gsm8k_code) prompts kept out of the data (the quick-eval set)")
+                   help="first N prompts of each held-out source (gsm8k_train, gsm8k_code, py_stubs) kept out of the data (the quick-eval set)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--max-prompt-tokens", type=int, default=512)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (matches greedy serving)")

@@ -1,7 +1,7 @@
 """`blockspec evaluate`: held-out acceptance length (tau) of one or more drafters for a target.
 
 The shipping check of the training recipe (docs/TRAINING.md): greedy speculative decoding of
-the gsm8k TRAIN prompts that `blockspec datagen` holds out of the training data, so a new drafter
+the prompts that `blockspec datagen` holds out of the training data, so a new drafter
 is compared with the old one without touching a benchmark's test split.
 """
 
@@ -11,6 +11,7 @@ import argparse
 import json
 
 from blockspec.commands import add_drafter_dtype_argument
+from blockspec.train.data import HELDOUT_SOURCES
 
 HELP = "held-out acceptance length (tau) of drafters: the training recipe's shipping check"
 
@@ -21,10 +22,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", action="append", required=True,
                    help="DFlash drafter directory (repeat to compare several on the same prompts)")
     p.add_argument("--prompts", type=int, default=32,
-                   help="the first N gsm8k TRAIN prompts; keep N within datagen's --holdout (default 64), "
+                   help="the first N held-out prompts; keep N within datagen's --holdout (default 64), "
                         "the prompts it kept out of the training data")
-    p.add_argument("--heldout", default="gsm8k_train", choices=["gsm8k_train", "gsm8k_code"],
-                   help="those questions as maths prompts (default) or as HumanEval-style code stubs")
+    p.add_argument("--heldout", default="gsm8k_train", choices=list(HELDOUT_SOURCES),
+                   help="gsm8k TRAIN questions as maths prompts (default) or as HumanEval-style code stubs "
+                        "(gsm8k_code), or standard-library function stubs (py_stubs)")
     p.add_argument("--block-size", type=int, default=None, help="block size (default: each drafter's)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=16, help="prompts decoded together")
@@ -65,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(row), flush=True)
     if not args.json:
-        print(f"held-out gsm8k TRAIN questions ({args.heldout} prompts): {len(held)}, greedy, "
+        print(f"held-out {args.heldout} prompts: {len(held)}, greedy, "
               f"{args.max_new_tokens} new tokens")
         print(f"{'tau':>6} {'steps':>6} {'block':>5}  drafter")
         for r in rows:

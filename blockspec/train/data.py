@@ -10,9 +10,13 @@ are already present.
 
 from __future__ import annotations
 
+import ast
+import functools
+import hashlib
 import json
 import random
 import re
+import sysconfig
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +31,8 @@ MBPP_TEST_RANGE = range(11, 511)  # task ids 11..510 are MBPP's test split: neve
 # Sets named like benchmark test splits; refusing them by name is a cheap guard against leaks.
 TEST_FILES = ("gsm8k_test", "math500_test", "humaneval_test", "mtbench_questions")
 DEFAULT_SOURCES = ("gsm8k_train", "mbpp_train", "sharegpt", "alpaca")
-HELDOUT_SOURCES = ("gsm8k_train", "gsm8k_code")  # the same questions: the same first ones held out
+# gsm8k_train and gsm8k_code are the same questions: the same first ones are held out of both.
+HELDOUT_SOURCES = ("gsm8k_train", "gsm8k_code", "py_stubs")
 
 
 @dataclass(frozen=True)
@@ -93,6 +98,56 @@ def _mbpp_train(data_dir: Path) -> list[Prompt]:
     return out
 
 
+# Parts of the standard library that are tests, GUIs or vendored code, not everyday functions.
+_STDLIB_SKIP = frozenset({"test", "tests", "idlelib", "site-packages", "lib2to3", "tkinter", "turtledemo", "ensurepip"})
+
+
+def _stub(node: ast.FunctionDef, doc: str) -> str:
+    """`def name(args) -> ret:` plus the docstring, indented as HumanEval's prompts are."""
+    args = node.args
+    if args.args and args.args[0].arg in ("self", "cls"):  # a method becomes a free function
+        rest = args.args[1:]
+        defaults = args.defaults[max(0, len(args.defaults) - len(rest)):]  # defaults align to the last args
+        args = ast.arguments(args.posonlyargs, rest, args.vararg, args.kwonlyargs, args.kw_defaults, args.kwarg, defaults)
+    ret = f" -> {ast.unparse(node.returns)}" if node.returns else ""
+    body = "\n".join(f"    {ln}" if ln.strip() else "" for ln in doc.splitlines())
+    return f'def {node.name}({ast.unparse(args)}){ret}:\n    """\n{body}\n    """\n'
+
+
+def _py_stubs(data_dir: Path) -> list[Prompt]:
+    return list(_stdlib_stubs())
+
+
+@functools.lru_cache(maxsize=1)  # parsing the library takes seconds; datagen and evaluate ask more than once
+def _stdlib_stubs() -> tuple[Prompt, ...]:
+    """HumanEval-style stubs (signature + docstring, no body) of the public functions of the
+    running Python's standard library: thousands of general programming tasks (strings, lists,
+    parsing, paths) in the form code benchmarks use, with no benchmark data in them. The set
+    depends on the Python version; ids name the module and function, so reruns resume. Ordered by
+    a hash of the id, so the first n (the held-out ones) are a spread over the whole library."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if _STDLIB_SKIP.intersection(rel.parts):
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        module = ".".join(rel.with_suffix("").parts)
+        scopes = [("", tree)] + [(f"{c.name}.", c) for c in tree.body if isinstance(c, ast.ClassDef)]
+        for prefix, scope in scopes:
+            for node in scope.body:
+                if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+                    continue
+                doc = ast.get_docstring(node)
+                if doc and 60 <= len(doc) <= 800:
+                    stub = _stub(node, doc)
+                    out.append(Prompt(f"py_stub:{module}.{prefix}{node.name}", _user(CODE_TEMPLATE.format(prompt=stub))))
+    return tuple(sorted(out, key=lambda p: hashlib.sha256(p.id.encode()).hexdigest()))
+
+
 def _sharegpt(data_dir: Path) -> list[Prompt]:
     out = []
     for i, r in enumerate(_jsonl(data_dir / "sharegpt_first_turns.jsonl")):
@@ -121,7 +176,7 @@ def _alpaca(data_dir: Path) -> list[Prompt]:
 
 
 _SOURCES = {"gsm8k_train": _gsm8k_train, "gsm8k_code": _gsm8k_code, "mbpp_train": _mbpp_train,
-            "sharegpt": _sharegpt, "sharegpt_code": _sharegpt_code, "alpaca": _alpaca}
+            "sharegpt": _sharegpt, "sharegpt_code": _sharegpt_code, "alpaca": _alpaca, "py_stubs": _py_stubs}
 
 
 def load_prompts(
@@ -136,7 +191,8 @@ def load_prompts(
     `{"messages"|"conversations": [...]}` or `{"prompt"|"instruction"|"question": ...}`).
 
     Each source is shuffled with `seed` and cut to `limits[source]`; the first `holdout` gsm8k_train
-    prompts (in file order) are kept out: they are the quick-eval set (`heldout_prompts`).
+    prompts (in file order; likewise gsm8k_code and py_stubs) are kept out: they are the quick-eval
+    set (`heldout_prompts`).
     """
     data_dir = Path(data_dir) if data_dir else default_data_dir()
     limits = limits or {}
@@ -169,8 +225,9 @@ def load_prompts(
 
 
 def heldout_prompts(n: int, *, data_dir: str | Path | None = None, source: str = "gsm8k_train") -> list[Prompt]:
-    """The first n gsm8k TRAIN questions, held out of datagen, for the quick tau eval: as maths
-    prompts (source "gsm8k_train") or as HumanEval-style code stubs ("gsm8k_code")."""
+    """The first n prompts of a held-out source, kept out of datagen, for the quick tau eval: the
+    gsm8k TRAIN questions as maths prompts ("gsm8k_train") or as HumanEval-style code stubs
+    ("gsm8k_code"), or standard-library function stubs ("py_stubs")."""
     if source not in HELDOUT_SOURCES:
         raise ConfigError(f"held-out prompts come from one of {', '.join(HELDOUT_SOURCES)}, got {source!r}")
     data_dir = Path(data_dir) if data_dir else default_data_dir()

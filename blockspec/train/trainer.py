@@ -319,8 +319,18 @@ class Trainer:
             self.step = int(state["step"])
             self.log_fn(f"resumed from {ckpt} at step {self.step}")
         self.candidates, self.candidate_head = None, None
+        # a drafter continued from (--init or --resume) keeps every token it could propose before:
+        # new data alone would drop the tokens only the earlier stages' data held
+        prior = self.drafter.draft_vocab
+        self.drafter.set_draft_vocab(None)
         if cfg.loss_vocab == "data":
-            toks = sorted({t for e in examples for t, m in zip(e.input_ids, e.loss_mask) if m})
+            toks = {t for e in examples for t, m in zip(e.input_ids, e.loss_mask) if m}
+            if prior is not None:
+                seen = len(toks)
+                toks.update(prior.tolist())
+                self.log_fn(f"candidate tokens: {seen} seen in the data + {len(toks) - seen} more from the "
+                            "starting drafter's draft vocabulary")
+            toks = sorted(toks)
             self.candidates = torch.tensor(toks, dtype=torch.long, device=self.device)
             full = target.head()
             self.candidate_head = torch.nn.Linear(full.weight.shape[1], len(toks), bias=full.bias is not None)
@@ -329,7 +339,7 @@ class Trainer:
                 if full.bias is not None:
                     self.candidate_head.bias.copy_(full.bias[self.candidates])
             self.candidate_head.requires_grad_(False).to(self.device)
-            self.log_fn(f"loss over {len(toks)} candidate tokens (of {target.info.vocab_size}) seen in the data")
+            self.log_fn(f"loss over {len(toks)} candidate tokens (of {target.info.vocab_size})")
             # the drafter only learns to rank these tokens: it proposes from them too (saved as
             # draft_vocab.safetensors; verification is unchanged, so output stays lossless)
             self.drafter.set_draft_vocab(self.candidates, target.info.vocab_size)
@@ -383,7 +393,7 @@ class Trainer:
         from blockspec.models.drafter import check_compatible
 
         cfg = self.cfg
-        drafter = load_drafter(path, dtype=torch.float32, device=str(self.device), draft_vocab=False)
+        drafter = load_drafter(path, dtype=torch.float32, device=str(self.device))
         d = drafter.cfg
         tcfg = getattr(self.target.model.config, "text_config", None) or self.target.model.config
         check_compatible(d, hidden_size=int(tcfg.hidden_size), vocab_size=int(tcfg.vocab_size),
