@@ -115,6 +115,8 @@ def _stub(node: ast.FunctionDef, doc: str) -> str:
 
 
 def _py_stubs(data_dir: Path) -> list[Prompt]:
+    """Standard-library function stubs (`_stdlib_stubs`); `data_dir` is unused: the running
+    Python is the source."""
     return list(_stdlib_stubs())
 
 
@@ -123,8 +125,10 @@ def _stdlib_stubs() -> tuple[Prompt, ...]:
     """HumanEval-style stubs (signature + docstring, no body) of the public functions of the
     running Python's standard library: thousands of general programming tasks (strings, lists,
     parsing, paths) in the form code benchmarks use, with no benchmark data in them. The set
-    depends on the Python version; ids name the module and function, so reruns resume. Ordered by
-    a hash of the id, so the first n (the held-out ones) are a spread over the whole library."""
+    depends on the Python version, so generate and evaluate with the same one (another version's
+    list holds other functions and another first 64); ids name the module and function, so reruns
+    resume. Ordered by a hash of the id, so the first n (the held-out ones) are a spread over the
+    whole library."""
     root = Path(sysconfig.get_paths()["stdlib"])
     out = []
     for path in sorted(root.rglob("*.py")):
@@ -190,9 +194,9 @@ def load_prompts(
     """Training prompts from the named sources, or from .jsonl files (ShareGPT-style
     `{"messages"|"conversations": [...]}` or `{"prompt"|"instruction"|"question": ...}`).
 
-    Each source is shuffled with `seed` and cut to `limits[source]`; the first `holdout` gsm8k_train
-    prompts (in file order; likewise gsm8k_code and py_stubs) are kept out: they are the quick-eval
-    set (`heldout_prompts`).
+    Each source is shuffled with `seed` and cut to `limits[source]`; the first `holdout` prompts of
+    each held-out source (`HELDOUT_SOURCES`, in the source's own order: file order for gsm8k, hash
+    order for py_stubs) are kept out: they are the quick-eval set (`heldout_prompts`).
     """
     data_dir = Path(data_dir) if data_dir else default_data_dir()
     limits = limits or {}
