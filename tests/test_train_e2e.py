@@ -212,7 +212,8 @@ def test_data_vocabulary_training_ships_a_draft_vocabulary(tmp_path):
     assert spec[0].token_ids == plain[0].token_ids
     # continuing on other data keeps every token the first stage could propose; full-vocabulary
     # training from it proposes from the whole vocabulary again
-    extra = tmp_path / "o" / "drafter"
+    stage1 = tmp_path / "o" / "drafter"
+
     def first_labels(e: Example, n: int = 5) -> Example:  # fewer labels: fewer distinct tokens
         first = e.loss_mask.index(1)
         return Example(e.id, e.input_ids[: first + n], e.loss_mask[: first + n])
@@ -220,13 +221,13 @@ def test_data_vocabulary_training_ships_a_draft_vocabulary(tmp_path):
     later = [first_labels(e) for e in examples]
     later_labels = {t for e in later for t, m in zip(e.input_ids, e.loss_mask) if m}
     cfg2 = TrainConfig(out=str(tmp_path / "o2"), num_layers=1, block_size=4, mask_token_id=63, anchors=8,
-                       batch_seqs=2, max_steps=1, lr=1e-2, warmup=0.0, init=str(extra), loss_vocab="data",
+                       batch_seqs=2, max_steps=1, lr=1e-2, warmup=0.0, init=str(stage1), loss_vocab="data",
                        save_dtype="float32")
     tr = Trainer(cfg2, target, later, log_fn=lambda *a: None)
     assert tr.candidates.tolist() == sorted(set(labels) | later_labels) and len(later_labels) < len(labels)
     tr.train()
     assert load_drafter(tmp_path / "o2" / "drafter").draft_vocab.tolist() == sorted(set(labels) | later_labels)
     cfg3 = TrainConfig(out=str(tmp_path / "o3"), num_layers=1, block_size=4, mask_token_id=63, anchors=8,
-                       batch_seqs=2, max_steps=1, lr=1e-2, warmup=0.0, init=str(extra), save_dtype="float32")
+                       batch_seqs=2, max_steps=1, lr=1e-2, warmup=0.0, init=str(stage1), save_dtype="float32")
     tr = Trainer(cfg3, target, later, log_fn=lambda *a: None)
     assert tr.drafter.draft_vocab is None
