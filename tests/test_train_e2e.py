@@ -174,6 +174,34 @@ def test_init_from_a_drafter_directory_continues_its_weights(trained, tmp_path):
         TrainConfig(out=str(tmp_path / "bad"), init=str(tmp_path / "nowhere"))
 
 
+def test_init_with_more_layers_grows_the_drafter(trained, tmp_path):
+    """--init DIR --num-layers N (N above the drafter's): training continues from the same outputs
+    with layers added on top, and the deeper drafter it saves loads in the reference package."""
+    target, run, _ = trained
+    examples = read_examples(run.parent / "data")
+    start = load_drafter(run / "drafter", dtype=torch.float32)
+    cfg = TrainConfig(out=str(tmp_path / "deep"), num_layers=2, block_size=4, mask_token_id=63, anchors=8,
+                      batch_seqs=2, max_steps=3, lr=1e-3, warmup=0.0, init=str(run / "drafter"),
+                      save_dtype="float32")
+    tr = Trainer(cfg, target, examples, log_fn=lambda *a: None)
+    torch.manual_seed(2)
+    L = len(start.target_layer_ids)
+    ctx, block, pos = torch.randn(1, 7, L * 32), torch.randn(1, 4, 32), torch.arange(11)[None]
+    with torch.no_grad():
+        assert torch.allclose(tr.drafter(ctx, pos[:, :7], block, pos[:, 7:]),
+                              start(ctx, pos[:, :7], block, pos[:, 7:]), atol=1e-6)
+    tr.train()
+    deep = load_drafter(tmp_path / "deep" / "drafter", dtype=torch.float32)
+    assert deep.cfg.num_hidden_layers == 2
+    assert deep.layers[1].self_attn.o_proj.weight.abs().sum() > 0  # the added layer trained
+    dflash_model = pytest.importorskip("dflash.model")
+    ref = dflash_model.DFlashDraftModel.from_pretrained(str(tmp_path / "deep" / "drafter"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        mine = deep(ctx, pos[:, :7], block, pos[:, 7:])
+        theirs = ref(position_ids=pos, noise_embedding=block, target_hidden=ctx)
+    assert torch.allclose(mine, theirs, atol=1e-5), (mine - theirs).abs().max()
+
+
 def test_output_loads_in_reference_package(trained):
     dflash_model = pytest.importorskip("dflash.model")
     target, run, _ = trained

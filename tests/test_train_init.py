@@ -8,7 +8,10 @@ from blockspec.models.drafter import new_drafter_for_target
 from blockspec.models.target import HFTarget
 from blockspec.train.data import Example, ShardWriter
 from blockspec.train.features import FeatureStore, target_features
-from blockspec.train.init import init_from_target
+import pytest
+
+from blockspec.errors import ConfigError
+from blockspec.train.init import grow_layers, init_from_target
 
 from conftest import make_tiny_target
 
@@ -27,6 +30,36 @@ def test_init_copies_layers_and_fc_selects_last_fused_layer():
     assert torch.allclose(d.fc(feats), feats[:, 32:])
     assert torch.equal(d.hidden_norm.weight, t[2].input_layernorm.weight)
     assert float(d.layers[0].self_attn.q_norm.weight.detach()[0]) != 1.0  # calibrated to the q scale
+
+
+def test_grow_layers_keeps_outputs_and_starts_new_layers_from_the_last():
+    model = make_tiny_target("llama", dtype=torch.float32)
+    d = new_drafter_for_target(model.config, mask_token_id=5, num_layers=2, target_layer_ids=(0, 1), seed=3)
+    d.set_draft_vocab([1, 4, 9])
+    grown = grow_layers(d, 4)
+    assert grown.cfg.num_hidden_layers == 4 and len(grown.layers) == 4
+    assert grown.cfg.layer_types == ("full_attention",) * 4
+    assert torch.equal(grown.draft_vocab, d.draft_vocab)
+    torch.manual_seed(0)
+    ctx, block = torch.randn(2, 7, 2 * 32), torch.randn(2, 4, 32)
+    pos = torch.arange(11)[None].expand(2, -1)
+    with torch.no_grad():
+        before = d(ctx, pos[:, :7], block, pos[:, 7:])
+        after = grown(ctx, pos[:, :7], block, pos[:, 7:])
+    assert torch.allclose(before, after, atol=1e-6), (before - after).abs().max()
+    for new in grown.layers[2:]:
+        assert torch.equal(new.self_attn.q_proj.weight, d.layers[1].self_attn.q_proj.weight)
+        assert torch.equal(new.mlp.up_proj.weight, d.layers[1].mlp.up_proj.weight)
+        assert not new.self_attn.o_proj.weight.any() and not new.mlp.down_proj.weight.any()
+    # the original drafter is left as it was
+    assert len(d.layers) == 2 and d.layers[1].self_attn.o_proj.weight.any()
+    # an added layer learns: its zeroed output projections get gradients at once
+    grown.train()
+    out = grown(ctx, pos[:, :7], block, pos[:, 7:])
+    out.pow(2).sum().backward()
+    assert grown.layers[3].mlp.down_proj.weight.grad.abs().sum() > 0
+    with pytest.raises(ConfigError, match="--num-layers 2"):
+        grow_layers(d, 1)
 
 
 def test_feature_store_matches_direct_features(tmp_path):

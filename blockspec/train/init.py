@@ -6,12 +6,17 @@ identity on that layer's slice, `hidden_norm` as the first copied layer's input 
 as the target's final norm. Then the first draft layer computes, for the context, exactly the K/V
 that the target's own next layer computes; the drafter starts as a shortcut through the top of
 the target instead of from noise.
+
+`grow_layers` deepens a trained drafter without changing what it computes, so a run can continue
+from a shallower drafter (`--init DIR --num-layers N`).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+import dataclasses
 
 from blockspec.errors import ConfigError
 from blockspec.models.drafter import DFlashDrafter
@@ -96,3 +101,35 @@ def _qk_rms(model: nn.Module, dec: nn.Module, sources: list[int], ids: torch.Ten
         for h in hooks:
             h.remove()
     return out
+
+
+@torch.no_grad()
+def grow_layers(drafter: DFlashDrafter, num_layers: int) -> DFlashDrafter:
+    """A copy of `drafter` with `num_layers` layers whose outputs equal the original's.
+
+    Each added layer goes on top as a copy of the last layer with its two output projections
+    (`o_proj`, `down_proj`) zeroed: both residual branches add nothing, so the deeper drafter starts
+    exactly where the shallower one stopped, and its input projections start from trained weights
+    rather than noise (zeroed outputs still receive gradients, so the layer learns from step one).
+    """
+    cfg = drafter.cfg
+    have = cfg.num_hidden_layers
+    if num_layers < have:
+        raise ConfigError(f"cannot shrink a {have}-layer drafter to {num_layers} layers; "
+                          f"use --num-layers {have} or more, or start from 'target'/'random'")
+    types = tuple(cfg.layer_types) + (cfg.layer_types[-1],) * (num_layers - have)
+    grown = DFlashDrafter(dataclasses.replace(cfg, num_hidden_layers=num_layers, layer_types=types))
+    grown.to(device=drafter.fc.weight.device, dtype=drafter.fc.weight.dtype)
+    missing, unexpected = grown.load_state_dict(drafter.state_dict(), strict=False)
+    if unexpected or any(not k.startswith("layers.") for k in missing):
+        raise ConfigError(f"drafter weights do not fit the grown drafter: missing {missing}, unexpected {unexpected}")
+    last = drafter.layers[have - 1].state_dict()
+    for layer in grown.layers[have:]:
+        layer.load_state_dict(last)
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
+        if layer.self_attn.o_proj.bias is not None:
+            layer.self_attn.o_proj.bias.zero_()
+    if drafter.draft_vocab is not None:
+        grown.set_draft_vocab(drafter.draft_vocab)
+    return grown.train(drafter.training)

@@ -389,7 +389,7 @@ class Trainer:
         return drafter
 
     def _drafter_from(self, path: Path) -> DFlashDrafter:
-        """A drafter directory as the starting point; its shape must be the run's."""
+        """A drafter directory as the starting point; its shape must be the run's, but it may grow deeper."""
         from blockspec.models.drafter import check_compatible
 
         cfg = self.cfg
@@ -398,7 +398,13 @@ class Trainer:
         tcfg = getattr(self.target.model.config, "text_config", None) or self.target.model.config
         check_compatible(d, hidden_size=int(tcfg.hidden_size), vocab_size=int(tcfg.vocab_size),
                          num_layers=int(tcfg.num_hidden_layers))
-        wanted = {"--num-layers": (d.num_hidden_layers, cfg.num_layers), "--block-size": (d.block_size, cfg.block_size),
+        if cfg.num_layers != d.num_hidden_layers:
+            from blockspec.train.init import grow_layers
+
+            drafter = grow_layers(drafter, cfg.num_layers)
+            self.log_fn(f"drafter grown from {d.num_hidden_layers} to {cfg.num_layers} layers "
+                        "(new layers on top, outputs unchanged at the start)")
+        wanted = {"--block-size": (d.block_size, cfg.block_size),
                   "--mask-token-id": (d.mask_token_id, cfg.mask_token_id),
                   "--target-layer-ids": (tuple(d.target_layer_ids), cfg.target_layer_ids or tuple(d.target_layer_ids))}
         for flag, (have, want) in wanted.items():
