@@ -136,6 +136,8 @@ def test_end_to_end_beats_tau_one(trained):
     assert train[-1]["loss"] < train[0]["loss"]
     assert len(train[0]["acc"]) == 3
     assert (run / "checkpoint" / "trainer_state.pt").exists()
+    png = (run / "curves.png").read_bytes()  # the run's curves, drawn from its log
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
 def test_resume_continues_from_checkpoint(trained, tmp_path):

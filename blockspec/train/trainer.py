@@ -674,6 +674,7 @@ class Trainer:
                 if cfg.save_every and self.step % cfg.save_every == 0 and not stop:
                     self.save_checkpoint()
                     self.save_final()
+                    self.plot_curves()
                 if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < self.total_steps and not stop:
                     last_eval = self._evaluate_and_log(t_start)
                     self.dist.barrier()
@@ -689,8 +690,17 @@ class Trainer:
         quick_exit = bool(self.dist.sum_(torch.tensor([1.0 if self._stop else 0.0]))[0] > 0)
         if self.eval_prompts and self.step > first_step and not quick_exit:
             last_eval = self._evaluate_and_log(t_start)
+        self.plot_curves()
         self.dist.barrier()
-        return {"train": last_train, "eval": last_eval, "drafter": str(final), "steps": self.step}
+        return {"train": last_train, "eval": last_eval, "drafter": str(final), "steps": self.step,
+                "curves": str(self.out / "curves.png")}
+
+    def plot_curves(self) -> None:
+        """OUT/curves.png from log.jsonl (loss, accuracy by block position, tau); rank 0 only."""
+        if self.dist.main and (self.out / "log.jsonl").exists():
+            from blockspec.train.curves import plot_curves
+
+            plot_curves(self.out / "log.jsonl", self.out / "curves.png", title=f"DFlash drafter training: {self.out.name}")
 
 
 def _average(records: list[dict]) -> dict:
