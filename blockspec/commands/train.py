@@ -21,8 +21,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="compute and cache the target features of every shard, then exit")
     p.add_argument("--no-feature-cache", action="store_true", help="compute target features on the fly")
     p.add_argument("--feature-cache-dir", default=None, help="default: DATA/features")
-    p.add_argument("--num-layers", type=int, default=None, help="draft layers (default 1, or --init's; more than --init's adds layers on top that start as "
-                        "no-ops, so training continues from the same outputs)")
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="draft layers (default 1, or --init's; more than --init's adds layers on top that "
+                        "start as no-ops, so training continues from the same outputs)")
     p.add_argument("--block-size", type=int, default=None, help="default 16, or --init's")
     p.add_argument("--target-layer-ids", default=None, help="comma list (default: spread like the published drafters)")
     p.add_argument("--mask-token-id", type=int, default=None)

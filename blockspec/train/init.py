@@ -13,10 +13,10 @@ from a shallower drafter (`--init DIR --num-layers N`).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
-
-import dataclasses
 
 from blockspec.errors import ConfigError
 from blockspec.models.drafter import DFlashDrafter
