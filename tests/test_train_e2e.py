@@ -196,19 +196,14 @@ def test_init_with_more_layers_grows_the_drafter(trained, tmp_path):
     deep = load_drafter(tmp_path / "deep" / "drafter", dtype=torch.float32)
     assert deep.cfg.num_hidden_layers == 2
     assert deep.layers[1].self_attn.o_proj.weight.abs().sum() > 0  # the added layer trained
-    dflash_model = pytest.importorskip("dflash.model")
-    ref = dflash_model.DFlashDraftModel.from_pretrained(str(tmp_path / "deep" / "drafter"), dtype=torch.float32).eval()
-    with torch.no_grad():
-        mine = deep(ctx, pos[:, :7], block, pos[:, 7:])
-        theirs = ref(position_ids=pos, noise_embedding=block, target_hidden=ctx)
-    assert torch.allclose(mine, theirs, atol=1e-5), (mine - theirs).abs().max()
+    assert_matches_reference(tmp_path / "deep" / "drafter")
 
 
-def test_output_loads_in_reference_package(trained):
+def assert_matches_reference(path) -> None:
+    """The drafter saved at `path` gives the reference package's outputs on random inputs."""
     dflash_model = pytest.importorskip("dflash.model")
-    target, run, _ = trained
-    ours = load_drafter(run / "drafter", dtype=torch.float32)
-    ref = dflash_model.DFlashDraftModel.from_pretrained(str(run / "drafter"), dtype=torch.float32).eval()
+    ours = load_drafter(path, dtype=torch.float32)
+    ref = dflash_model.DFlashDraftModel.from_pretrained(str(path), dtype=torch.float32).eval()
     torch.manual_seed(1)
     L = len(ours.target_layer_ids)
     ctx = torch.randn(1, 7, L * 32)
@@ -218,6 +213,11 @@ def test_output_loads_in_reference_package(trained):
         mine = ours(ctx, pos[:, :7], block, pos[:, 7:])
         theirs = ref(position_ids=pos, noise_embedding=block, target_hidden=ctx)
     assert torch.allclose(mine, theirs, atol=1e-5), (mine - theirs).abs().max()
+
+
+def test_output_loads_in_reference_package(trained):
+    _, run, _ = trained
+    assert_matches_reference(run / "drafter")
 
 
 def test_data_vocabulary_training_ships_a_draft_vocabulary(tmp_path):
