@@ -70,6 +70,18 @@ def test_bench_lookup_off_runs_the_drafter_alone(tmp_path, tiny_model_dir, tiny_
     assert sorted({s["runner"] for s in data["summaries"]}) == ["ar", "dflash b4"]
 
 
+def test_bench_ragged_verify_both_adds_a_ragged_adaptive_runner(tmp_path, tiny_model_dir, tiny_drafter_dir, capsys):
+    rc, out = _bench(tmp_path, tiny_model_dir, tiny_drafter_dir, "--datasets", "gsm8k", "--block-sizes", "4",
+                     "--adaptive-only", "--lookup", "off", "--ragged-verify", "both", "--concurrency", "2",
+                     "--limit", "2")
+    assert rc == 0, capsys.readouterr().err
+    data = json.loads((out / "results.json").read_text())
+    assert sorted({s["runner"] for s in data["summaries"]}) == ["ar", "dflash auto<=b4", "dflash auto<=b4 ragged"]
+    assert data["lossless"]["passed"] is True and "--ragged-verify both" in data["meta"]["command"]
+    rc, _ = _bench(tmp_path, tiny_model_dir, tiny_drafter_dir, "--ragged-verify", "on")
+    assert rc == 2 and "add --adaptive" in capsys.readouterr().err
+
+
 def test_bench_needs_a_drafter(tmp_path, tiny_model_dir, capsys):
     rc = main(["bench", "--target", str(tiny_model_dir), "--drafter", "none", "--out", str(tmp_path)])
     assert rc == 2

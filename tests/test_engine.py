@@ -180,6 +180,31 @@ def test_adaptive_block_size_never_changes_the_output(setup) -> None:
             engine.stop()
 
 
+def test_engine_with_verify_lengths_per_row_is_lossless(setup) -> None:
+    """EngineConfig(ragged_verify=True): the adaptive policy gives each row of a batch its own
+    verify length from its drafts' confidences; the output stays the target's."""
+    model, target, prompts, truths = setup
+    good = OracleDrafter(model, target, prompts, truths, wrong_every=3)
+    engine = Engine(target, good, EngineConfig(max_batch=4, block_size=8, adaptive_block=True, ragged_verify=True))
+    engine.adaptive.costs = _FixedCosts(max_block=8)
+    steps: list[tuple[int, int, int]] = []  # (rows, tokens verified, longest row's)
+    plain = engine.batch.step
+
+    def step(block, trim=None):
+        q = plain(block, trim)
+        steps.append((len(engine.batch.rows), engine.batch.verified, q))
+        return q
+
+    engine.batch.step = step
+    try:
+        assert run_with_joins(engine, prompts, SamplingParams(max_new_tokens=30)) == truths
+    finally:
+        engine.stop()
+    assert any(rows > 1 and verified < rows * q for rows, verified, q in steps), steps  # ragged steps ran
+    with pytest.raises(ConfigError, match="ragged_verify"):
+        EngineConfig(ragged_verify=1)
+
+
 def test_spec_decoder_adaptive_block_is_lossless_and_adapts(setup) -> None:
     """The Python API's adaptive mode (SpecConfig.adaptive) runs the engine's policy."""
     from blockspec.config import SpecConfig
@@ -268,6 +293,38 @@ def test_trimmed_verify_never_changes_the_output(setup) -> None:
         assert 1 in lengths and max(lengths) > 4, lengths
 
 
+@pytest.mark.parametrize("backend", ["native", "hf"])
+def test_verify_lengths_per_row_never_change_the_output(setup, backend) -> None:
+    """Ragged steps (each row verifies its own number of drafted tokens, the rest of its block
+    is padding) commit the target's own tokens, on the native target (which leaves padding out
+    of its matmuls) and through the Hugging Face adapter."""
+    import random
+
+    from blockspec.spec.decode import DecodeBatch, make_row
+
+    model, native_target, prompts, truths = setup
+    target = native_target if backend == "native" else HFTarget(model)
+    rng = random.Random(1)
+    oracle = OracleDrafter(model, target, prompts, truths, wrong_every=4)
+    batch = DecodeBatch(target, oracle, max_block=8)
+    rows = [make_row(i, len(p), SamplingParams(max_new_tokens=30), (), 8) for i, p in enumerate(prompts)]
+    batch.join(prompts, rows)
+    verified: list[tuple[list[int], int]] = []
+
+    def trim(confidence, looked):
+        lengths = [rng.randint(1, len(c) + 1) for c in confidence]
+        verified.append((lengths, 0))
+        return lengths
+
+    while len(batch):
+        batch.step(8, trim)
+        verified[-1] = (verified[-1][0], batch.verified)
+        batch.retire()
+    assert [r.generated for r in rows] == truths
+    assert all(sum(lengths) == n for lengths, n in verified)  # padding is not counted as verified
+    assert any(min(lengths) == 1 and max(lengths) > 4 for lengths, _ in verified)
+
+
 def _confident_row(lookup_rate: float = 0.5) -> SimpleNamespace:
     return SimpleNamespace(remaining=100, acceptance_rates=lambda prior, lookup=False: [lookup_rate] * 7)
 
@@ -288,8 +345,17 @@ def test_adaptive_policy_widens_cheap_drafts_and_trims_by_confidence() -> None:
     looked = policy.trimmer(SimpleNamespace(rows=[_confident_row(lookup_rate=0.8)]))
     assert looked([[0.0] * 7], [7]) == 8  # lookup proposals: lookup's rates (0.8), not the drafter's
     assert trim([[0.97] * 3], [0]) == 4  # a draft clipped by the rows' limits
-    two = policy.trimmer(SimpleNamespace(rows=[_confident_row(), _confident_row()]))
+    two = policy.trimmer(SimpleNamespace(rows=[_confident_row(), _confident_row()], packs_padding=True))
     assert two([[0.97] * 7, [0.0] * 7], [0, 0]) == 8  # one length for the batch: the sum decides
+    # ragged: a length per row where the target packs padding; a step of T tokens costs what a
+    # uniform block of T / rows does
+    ragged = AdaptiveBlock(8, costs=costs, ragged=True)
+    per_row = ragged.trimmer(SimpleNamespace(rows=[_confident_row(), _confident_row()], packs_padding=True))
+    assert per_row([[0.97] * 7, [0.0] * 7], [0, 0]) == [8, 1]
+    assert per_row([[0.97] * 7, [0.9, 0.9, 0.02, 0.9, 0.9, 0.9, 0.9]], [0, 0]) == [8, 3]
+    assert per_row([[0.0] * 7, [0.0] * 7], [0, 0]) == [1, 1]
+    unpacked = ragged.trimmer(SimpleNamespace(rows=[_confident_row(), _confident_row()], packs_padding=False))
+    assert unpacked([[0.97] * 7, [0.0] * 7], [0, 0]) == 8  # padding would cost full rows: one length
 
 
 def test_calibration_times_the_draft_pass_apart(setup) -> None:

@@ -98,6 +98,49 @@ def test_rejected_tail_is_overwritten_without_cleanup() -> None:
     torch.testing.assert_close(logits, ref[:, 10:], atol=1e-6, rtol=1e-6)
 
 
+def test_padding_stays_out_of_the_matmuls_and_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A block whose rows verify different lengths (the rest padding) projects only the real
+    tokens, and gives each row the logits, features and cache of its real tokens alone."""
+    import blockspec.models.native.llama as llama
+
+    model = make_tiny_target("qwen3", seed=10)
+    target = native(model)
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, 48, (3, 5), generator=g)
+    block = torch.randint(0, 48, (3, 4), generator=g)
+    lengths = [4, 2, 1]
+    positions = (5 + torch.arange(4)).expand(3, 4)
+    padded = positions.masked_fill(torch.arange(4)[None] >= torch.tensor(lengths)[:, None], EMPTY)
+    rows: list[int] = []
+
+    def counting(module, x):
+        rows.append(x.numel() // x.shape[-1])
+        return linear(x, module.weight, module.bias)
+
+    runs = {}
+    for name, packing in (("packed", llama.padding_index), ("padded", lambda p: None)):
+        monkeypatch.setattr(llama, "padding_index", packing)
+        monkeypatch.setattr(llama, "project", counting)
+        cache = target.new_cache(3)
+        target.forward(prompt, torch.arange(5).expand(3, 5), cache)
+        rows.clear()
+        logits, feats = target.forward(block, padded, cache, (1, 3))
+        projected = set(rows)
+        cache.reject(padded != EMPTY)
+        after, _ = target.forward(block[:, :1], torch.tensor(lengths)[:, None] + 5, cache)  # reads the cache
+        runs[name] = (logits, feats, after, projected)
+    assert runs["packed"][3] == {sum(lengths)} and runs["padded"][3] == {12}
+    for row, n in enumerate(lengths):
+        with torch.no_grad():
+            ref = model(torch.cat([prompt[row], block[row, :n]])[None], output_hidden_states=True)
+        for logits, feats, _, _ in runs.values():
+            torch.testing.assert_close(logits[row, :n], ref.logits[0, 5:], atol=1e-6, rtol=1e-6)
+            want = torch.cat([ref.hidden_states[2], ref.hidden_states[4]], dim=-1)[0, 5:]
+            torch.testing.assert_close(feats[row, :n], want, atol=1e-6, rtol=1e-6)
+        assert not runs["packed"][0][row, n:].any()  # padding: zero logits
+    torch.testing.assert_close(runs["packed"][2], runs["padded"][2], atol=1e-6, rtol=1e-6)
+
+
 def test_left_padded_ragged_prefill_matches_single_rows() -> None:
     model = make_tiny_target("llama", seed=8)
     target = native(model)

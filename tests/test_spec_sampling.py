@@ -122,6 +122,11 @@ def test_verify_greedy_crafted_logits() -> None:
     accepted, bonus = verify_greedy(proposals, logits)
     assert accepted.tolist() == [2, 3]
     assert bonus.tolist() == [3, 2]
+    # per-row limits: row 1 verifies one proposal only; what lies past it is never read
+    logits[1, 2:] = float("nan")
+    accepted, bonus = verify_greedy(proposals, logits, torch.tensor([3, 1]))
+    assert accepted.tolist() == [2, 1]
+    assert bonus.tolist() == [3, 5]
 
 
 def test_verify_sampled_crafted_probabilities() -> None:
@@ -136,14 +141,19 @@ def test_verify_sampled_crafted_probabilities() -> None:
     accepted, bonus = verify_sampled(proposal, q, p, torch.tensor([[0.99]]), torch.tensor([0.3]))
     assert accepted.tolist() == [1]
     assert bonus.tolist() == [2]
+    # limit 0: the proposal is not verified; the bonus comes from p itself, not from max(p - q, 0)
+    accepted, bonus = verify_sampled(torch.tensor([[2]]), q, p, torch.tensor([[0.0]]), torch.tensor([0.4]),
+                                     torch.tensor([0]))
+    assert accepted.tolist() == [0]
+    assert bonus.tolist() == [0]  # p = [0.5, 0.5, 0]: u=0.4 picks token 0 (the residual would pick 1)
 
 
 def test_chi_square_detects_a_lossy_verifier(monkeypatch: pytest.MonkeyPatch) -> None:
     """Negative control: accepting every proposal (drafter distribution) must fail the test."""
     import blockspec.spec.decode as decode
 
-    def accept_all(proposals, draft_probs, target_probs, accept_u, bonus_u):
-        accepted, bonus = verify_sampled(proposals, draft_probs, target_probs, accept_u * 0, bonus_u)
+    def accept_all(proposals, draft_probs, target_probs, accept_u, bonus_u, limit=None):
+        accepted, bonus = verify_sampled(proposals, draft_probs, target_probs, accept_u * 0, bonus_u, limit)
         return torch.full_like(accepted, proposals.shape[1]), bonus
 
     monkeypatch.setattr(decode, "verify_sampled", accept_all)
@@ -185,6 +195,30 @@ def test_a_verify_length_chosen_from_draft_peaks_keeps_sampling_exact(monkeypatc
     counts = sample_many(dec, sp, n=1600, batch=1)
     assert set(seen) == {1, 2} and min(seen.count(1), seen.count(2)) > 150  # both lengths, often
     assert chi2_pvalue(counts.sum(0), joint.sum(0)) > 1e-3  # (x2, x3): x2 drafted, verified or not
+
+
+def test_verify_lengths_per_row_keep_sampling_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ragged step: each row of a batch verifies its own number of drafted tokens (chosen from
+    its draft peaks) and the rest of its block is padding, which the native target leaves out of
+    its matmuls; the output still follows the target's distribution."""
+    from blockspec.models.native import load_native_target
+
+    seen: list[int] = []
+
+    def trim(confidence, looked):  # per row, any function of its peaks
+        lengths = [1 + int(c[0] * 997) % 3 for c in confidence]
+        seen.extend(lengths)
+        return lengths
+
+    _trimmed_steps(monkeypatch, trim)
+    model, sp, joint, plain = _trim_sampling_setup()
+    target = load_native_target(model, dtype=None, eos_token_ids=())
+    assert target.packs_padding
+    dec = SpecDecoder(target, plain.drafter, SpecConfig(block_size=4))
+    counts = sample_many(dec, sp, n=1600, batch=32)
+    assert min(seen.count(1), seen.count(2), seen.count(3)) > 150, [seen.count(n) for n in (1, 2, 3)]
+    assert chi2_pvalue(counts.sum(0), joint.sum(0)) > 1e-3
+    assert chi2_pvalue(counts.sum(1).sum(1), joint.sum(1).sum(1)) > 1e-3
 
 
 def test_chi_square_detects_a_verify_length_chosen_from_the_samples(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -74,11 +74,15 @@ class EngineRunner:
     max_concurrency = None
 
     def __init__(self, target: object, drafter: object | None, block_size: int, *, adaptive: bool = False,
-                 lookup: object | None = None) -> None:
+                 lookup: object | None = None, ragged: bool = False) -> None:
         if block_size > 1 and drafter is None:
             raise ConfigError("a DFlash runner needs a drafter; load one or use block_size=1")
         if adaptive and block_size < 2:
             raise ConfigError("adaptive block size needs a drafter block size >= 2")
+        if ragged and not adaptive:
+            raise ConfigError("ragged verification (a length per row) is chosen by the adaptive policy; "
+                              "pass adaptive=True")
+        self.ragged = ragged
         self.target, self.drafter = target, drafter if block_size > 1 else None
         self.block_size = block_size
         self.adaptive = adaptive
@@ -86,6 +90,8 @@ class EngineRunner:
         self.method = "ar" if block_size == 1 else "dflash"
         kind = "dflash+lookup" if self.lookup is not None else "dflash"
         self.name = "ar" if block_size == 1 else (f"{kind} auto<=b{block_size}" if adaptive else f"{kind} b{block_size}")
+        if ragged:
+            self.name += " ragged"
         self._engines: dict[int, object] = {}
         self.last_block_sizes: dict[int, int] = {}  # steps per block size of the last `run`
 
@@ -94,7 +100,8 @@ class EngineRunner:
 
         if concurrency not in self._engines:
             cfg = EngineConfig(max_batch=concurrency, max_queue=1 << 20, block_size=self.block_size,
-                               adaptive_block=self.adaptive, own_thread=False, lookup=self.lookup)
+                               adaptive_block=self.adaptive, own_thread=False, lookup=self.lookup,
+                               ragged_verify=self.ragged)
             self._engines[concurrency] = Engine(self.target, self.drafter, cfg)
         return self._engines[concurrency]
 

@@ -93,6 +93,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="n-gram lookup proposals (spec/lookup.py) in the DFlash runners: off = the drafter "
                              "alone (its own tau), on = as `generate`/`serve` decode by default, both (default): "
                              "each DFlash runner twice, without and with ('dflash+lookup')")
+    parser.add_argument("--ragged-verify", choices=("off", "on", "both"), default="off",
+                        help="in the adaptive runners, let each row of a batch verify its own number of drafted "
+                             "tokens (EngineConfig.ragged_verify): off (default), on, or both (each adaptive "
+                             "runner twice, the second named '... ragged')")
     parser.add_argument("--concurrency", type=_ints, default=(1,),
                         help="comma-separated numbers of requests decoded together, e.g. 1,4,8 (default 1)")
     parser.add_argument("--temperature", type=_floats, default=(0.0,),
@@ -221,6 +225,8 @@ def command_line(args: argparse.Namespace) -> str:
     elif args.adaptive:
         parts.append("--adaptive")
     parts += ["--lookup", args.lookup]
+    if args.ragged_verify != "off":
+        parts += ["--ragged-verify", args.ragged_verify]
     if args.baselines:
         parts += ["--baselines", joined(args.baselines)]
         if "pld" in args.baselines:
@@ -247,6 +253,8 @@ def run(args: argparse.Namespace) -> int:
                           "drafter directory or --drafter fresh")
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.ragged_verify != "off" and not (args.adaptive or args.adaptive_only):
+        raise ConfigError("--ragged-verify applies to the adaptive runners; add --adaptive or --adaptive-only")
     if args.threads is not None:
         if args.threads < 1:
             raise ConfigError(f"--threads must be >= 1, got {args.threads}")
@@ -276,7 +284,9 @@ def run(args: argparse.Namespace) -> int:
         if not args.adaptive_only:
             runners += [EngineRunner(pipe.target, pipe.drafter, b, lookup=lookup) for b in block_sizes]
         if args.adaptive or args.adaptive_only:
-            runners.append(EngineRunner(pipe.target, pipe.drafter, max(block_sizes), adaptive=True, lookup=lookup))
+            raggeds = {"off": (False,), "on": (True,), "both": (False, True)}[args.ragged_verify]
+            runners += [EngineRunner(pipe.target, pipe.drafter, max(block_sizes), adaptive=True, lookup=lookup,
+                                     ragged=ragged) for ragged in raggeds]
     runners += _baseline_runners(args, pipe, block_sizes, notes)
     thinking = _thinking_modes(args.thinking, pipe.tokenizer, notes)
     settings = tuple(Setting(t, th) for t in args.temperature for th in thinking)

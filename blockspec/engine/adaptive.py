@@ -48,10 +48,11 @@ from blockspec.spec.decode import DecodeBatch, Row, Trim
 MAX_INTERVAL = 256  # steps: the longest back-off of both checks (a probe, a plain step)
 FIRST_TIMING_CAP = 2.0  # a size's first real timing counts for at most this many times its estimate
 WIDEN_SHARE = 0.05  # a step drafts past its chosen block while that costs at most this share of it
-# Widening and trimming run for batches of at most this many rows. A batch verifies one length for
-# all its rows, so their confidences average out, and a wider draft costs more per step (held-out
-# GSM8K at concurrency 8, SmolLM2 on 2 cores: 1.23-1.26x plain with them against 1.29-1.38x
-# without; at batch 1 they gained 2-7%).
+# Widening and trimming run for batches of at most this many rows (trimming also for larger ones
+# with AdaptiveBlock(ragged=True): a length per row). Where a batch verifies one length for all its
+# rows, their confidences average out, and a wider draft costs more per step (held-out GSM8K at
+# concurrency 8, SmolLM2 on 2 cores: 1.23-1.26x plain with them against 1.29-1.38x without; at
+# batch 1 they gained 2-7%).
 TRIM_MAX_ROWS = 1
 
 
@@ -174,6 +175,15 @@ def _interpolated(ratios: dict[int, float], n: int) -> float:
     return ratios[lo] + t * (ratios[hi] - ratios[lo])
 
 
+def _at(values: list[float], x: float) -> float:
+    """values[n - 1] at a fractional block size x in [1, len(values)], linearly interpolated."""
+    lo = min(int(x), len(values))
+    if lo >= len(values):
+        return values[-1]
+    t = x - lo
+    return values[lo - 1] + t * (values[lo] - values[lo - 1])
+
+
 def expected_tokens(rates: list[float], block: int, remaining: int) -> float:
     """E(block) for one row: 1 + sum over k < block-1 of prod_{j<=k} rates[j], capped."""
     return expected_by_block(rates, block, remaining)[-1]
@@ -216,15 +226,18 @@ def interpolate(points: dict[int, float], max_block: int) -> list[float]:
 
 @torch.inference_mode()
 def calibrate(batch: DecodeBatch, size: int, max_block: int, context: int = 8,
-              repeats: int = 2) -> tuple[list[float], list[float]]:
+              repeats: int = 2, confidence: bool | None = None) -> tuple[list[float], list[float]]:
     """Times one step's model work (target forward of n tokens, plus a draft pass for n > 1) at
     batch size `size` for the block sizes of `calibration_sizes`, interpolating the rest.
 
     Runs the target (and drafter) on throwaway caches with `context` dummy tokens per row (kept
     short: the prefill of size x context tokens is pure overhead); returns the best of `repeats`
     timings per block size (after a warm-up run), in seconds: whole steps, and their draft passes
-    alone (0 for block 1).
+    alone (0 for block 1). confidence: time drafts that also read back their confidences, as
+    trimmed steps do (default: for batches of at most TRIM_MAX_ROWS rows).
     """
+    if confidence is None:
+        confidence = size <= TRIM_MAX_ROWS
     target, d = batch.target, batch.device
     layer_ids = batch.layer_ids
     ids = torch.zeros(size, context, dtype=torch.long, device=d)
@@ -247,7 +260,7 @@ def calibrate(batch: DecodeBatch, size: int, max_block: int, context: int = 8,
                     dcache.reserve(context + n, context + n)
                 ctx_pos = torch.full_like(positions[:, :1], EMPTY)
                 hidden = batch.draft(feats[:, :1], ctx_pos, target.embed(block_ids), block_pos, dcache)
-                if size <= TRIM_MAX_ROWS:  # what trimmed steps compute: proposals and their confidences
+                if confidence:  # what trimmed steps compute: proposals and their confidences
                     batch.drafter.greedy_with_confidence(hidden[:, 1:n], target.head())[1].tolist()
                 else:
                     batch.drafter.greedy_tokens(hidden[:, 1:n], target.head()).tolist()
@@ -272,8 +285,13 @@ class AdaptiveBlock:
     """Chooses each step's block size for a DecodeBatch (see the module docstring)."""
 
     def __init__(self, max_block: int, *, prior: float = 0.5, probe_block: int = 4, probe_every: int = 8,
-                 plain_every: int = 16, challenge_every: int = 16, costs: CostModel | None = None) -> None:
+                 plain_every: int = 16, challenge_every: int = 16, costs: CostModel | None = None,
+                 ragged: bool = False) -> None:
         self.max_block = max_block
+        # Batches of several rows verify a length per row (`trimmer`) where the target packs
+        # padding. Off by default: on 2 CPU cores (SmolLM2, GSM8K, concurrency 8 and 16) its
+        # padded attention ate what the better-chosen tokens saved (BENCHMARKS.md, session 16).
+        self.ragged = ragged
         self.costs = costs or CostModel(max_block)
         self.global_accepted = [0] * max(0, max_block - 1)
         self.global_tries = [0] * max(0, max_block - 1)
@@ -330,7 +348,7 @@ class AdaptiveBlock:
             return
         for size in buckets_up_to(max_batch):
             if not self.costs.known(size):
-                self.costs.set(size, *calibrate(batch, size, self.max_block))
+                self.costs.set(size, *calibrate(batch, size, self.max_block, confidence=self._trims(batch, size)))
 
     def choose(self, batch: DecodeBatch) -> int:
         """The block size for the next step of `batch` (calibrating its batch size if new)."""
@@ -338,7 +356,7 @@ class AdaptiveBlock:
             return 1
         b = len(batch.rows)
         if not self.costs.known(b):
-            self.costs.set(b, *calibrate(batch, bucket(b), self.max_block))
+            self.costs.set(b, *calibrate(batch, bucket(b), self.max_block, confidence=self._trims(batch, bucket(b))))
         costs = self.costs.table(b)
         expected = self.expected(batch.rows, batch.lookup_plan())
         rates = [tokens / cost for tokens, cost in zip(expected, costs)]
@@ -376,25 +394,56 @@ class AdaptiveBlock:
         drafts: a proposal's draft probability stands for its chance of acceptance (on held-out
         GSM8K the stage-7 drafter's first proposal with probability 0.2-0.3 was accepted 30% of
         the time, 0.5-0.6: 51%, 0.9-1: 97%), lookup proposals keep lookup's rates. The draft is
-        paid by then, so only the verify part of each size's cost differs."""
-        rows = list(batch.rows)
-        table = self.costs.table(len(rows))
-        drafts = self.costs.draft_table(len(rows)) or [0.0] * self.max_block
-        lookup_prior = self.global_rates(lookup=True)
+        paid by then, so only the verify part of each size's cost differs.
 
-        def trim(confidence: list[list[float]], looked: list[int]) -> int:
+        With `ragged`, a batch of rows whose target packs padding (`DecodeBatch.packs_padding`)
+        gets a length per row: the proposals most likely to be accepted, across all rows, until one more costs
+        more than it is expected to commit. The cost of T verified tokens is that of a uniform
+        block of T / rows tokens (interpolated), since the matmuls cost by rows. Otherwise every
+        row verifies the one length the sum of their expectations makes best."""
+        rows = list(batch.rows)
+        b = len(rows)
+        table = self.costs.table(b)
+        drafts = self.costs.draft_table(b) or [0.0] * self.max_block
+        verify = [t - dr for t, dr in zip(table, drafts)]  # the verify part of each uniform size
+        lookup_prior = self.global_rates(lookup=True)
+        ragged = b > 1 and self._ragged(batch)
+
+        def trim(confidence: list[list[float]], looked: list[int]) -> int | list[int]:
             width = len(confidence[0]) + 1 if confidence else 1
             self._drafted = width
-            totals = [0.0] * width
-            for r, conf, m in zip(rows, confidence, looked):
-                rates = r.acceptance_rates(lookup_prior, lookup=True)[:m] if m else conf
-                for j, e in enumerate(expected_by_block(rates, width, r.remaining)):
-                    totals[j] += e
             sunk = drafts[width - 1]
-            return max(range(1, width + 1),
-                       key=lambda n: (totals[n - 1] / (sunk + table[n - 1] - drafts[n - 1]), -n))
+            expected = [expected_by_block(r.acceptance_rates(lookup_prior, lookup=True)[:m] if m else conf, width,
+                                          r.remaining) for r, conf, m in zip(rows, confidence, looked)]
+            if not ragged:
+                totals = [sum(e[j] for e in expected) for j in range(width)]
+                return max(range(1, width + 1), key=lambda n: (totals[n - 1] / (sunk + verify[n - 1]), -n))
+            # Each row's gains per extra token are non-increasing, so taking the largest gains
+            # across rows first is the best split of every total (a stable sort keeps a row's
+            # own gains in order where they tie).
+            gains = sorted(((e[k] - e[k - 1], i) for i, e in enumerate(expected) for k in range(1, width)),
+                           key=lambda gain: -gain[0])
+            total = sum(e[0] for e in expected)
+            best_rate, best_extra = total / (sunk + verify[0]), 0
+            for extra, (gain, _) in enumerate(gains, 1):
+                if gain <= 0:
+                    break
+                total += gain
+                rate = total / (sunk + _at(verify, 1 + extra / b))
+                if rate > best_rate:
+                    best_rate, best_extra = rate, extra
+            lengths = [1] * b
+            for _, i in gains[:best_extra]:
+                lengths[i] += 1
+            return lengths
 
         return trim
+    def _ragged(self, batch: DecodeBatch) -> bool:
+        return self.ragged and batch.packs_padding
+
+    def _trims(self, batch: DecodeBatch, rows: int) -> bool:
+        """Whether drafting steps of `rows` rows get trimmed (so read back confidences)."""
+        return rows <= TRIM_MAX_ROWS or self._ragged(batch)
 
     def _challenge(self, key: int, best: int) -> int:
         """`best`, or a drafting size next to it (best + 1 and best - 1 in turn) when one is due
@@ -428,18 +477,21 @@ class AdaptiveBlock:
         block = self.choose(batch)
         b = len(batch.rows)
         trim = None
-        if block > 1 and not self.forced and b <= TRIM_MAX_ROWS:
-            block, trim = self.widen(b, block), self.trimmer(batch)
+        if block > 1 and not self.forced and self._trims(batch, b):
+            # Wider drafts pay for a lone row only: a batch's widest row sets the padding of all.
+            block, trim = self.widen(b, block) if b <= TRIM_MAX_ROWS else block, self.trimmer(batch)
         self._drafted = None  # set by `trim` (a step clipped to one token by its rows' limits drafts nothing)
         before = [(list(r.stats.accepted_by_position), list(r.tries), list(r.stats.lookup_accepted_by_position),
                    list(r.lookup_tries)) for r in batch.rows]
         t0 = time.perf_counter()
         used = batch.step(block, trim)
         seconds = time.perf_counter() - t0
+        # A ragged step costs what a uniform one of its mean length does (the matmuls cost by rows).
+        size = used if trim is None else max(1, min(self.max_block, round(batch.verified / b)))
         drafts = self.costs.draft_table(b)
-        if drafts is not None and self._drafted not in (None, used):  # priced as if it had drafted only `used`
-            seconds += drafts[used - 1] - drafts[self._drafted - 1]
-        self.costs.observe(b, used, seconds)
+        if drafts is not None and self._drafted not in (None, size):  # priced as if it had drafted only `size`
+            seconds += drafts[size - 1] - drafts[self._drafted - 1]
+        self.costs.observe(b, size, seconds)
         self.used[used] += 1
         self.record(batch.rows, before)
         return used

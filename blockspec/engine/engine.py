@@ -57,6 +57,9 @@ class EngineConfig:
     own_thread: bool = True
     # Rows whose last tokens occurred before propose what followed them (spec/lookup.py).
     lookup: LookupConfig | None = None
+    # With adaptive_block: rows of a batch verify lengths of their own, chosen from their drafts'
+    # confidences (AdaptiveBlock(ragged=True); native targets on a CPU). Off: it did not pay on 2 cores.
+    ragged_verify: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_batch, int) or self.max_batch < 1:
@@ -69,6 +72,8 @@ class EngineConfig:
             raise ConfigError(f"lookup must be None or a LookupConfig, got {type(self.lookup).__name__}")
         if not isinstance(self.own_thread, bool):
             raise ConfigError(f"own_thread must be True or False, got {self.own_thread!r}")
+        if not isinstance(self.ragged_verify, bool):
+            raise ConfigError(f"ragged_verify must be True or False, got {self.ragged_verify!r}")
 
 
 class Engine:
@@ -87,7 +92,8 @@ class Engine:
         self._checker = SpecDecoder(target, drafter, SpecConfig(block_size=block))
         self.batch = DecodeBatch(target, drafter if block > 1 else None, max_block=block,
                                  compact_ratio=self.config.compact_ratio, lookup=self.config.lookup)
-        self.adaptive = AdaptiveBlock(block) if self.config.adaptive_block and block > 1 else None
+        self.adaptive = (AdaptiveBlock(block, ragged=self.config.ragged_verify)
+                         if self.config.adaptive_block and block > 1 else None)
         self.scheduler = Scheduler(self.config.max_batch, self.config.max_queue)
         self.recorder = MetricsRecorder()
         self._requests: dict[str, Request] = {}  # running, by id (engine thread only)

@@ -97,12 +97,13 @@ class GenerationResult:
 RowStopCheck = Callable[[list[int]], int | None]
 # A step's verify length from its drafts: (per row, the peak probability of the draft
 # distribution at each proposal position; per row, how many leading proposals came from n-gram
-# lookup instead) -> tokens to verify, in 1..block. It sees the draft distributions only, never
-# the target nor the sampled proposals: whether a sampled proposal is verified must not depend
-# on the proposal itself (verifying only the likely-looking samples would bias the output
-# towards them), and the peaks are fixed before any sample is drawn. Greedy, the peak is the
-# proposal's own probability.
-Trim = Callable[[list[list[float]], list[int]], int]
+# lookup instead) -> tokens to verify, in 1..block: one length for every row, or a list with one
+# per row (a ragged step; the rows' unverified tail is padding, which costs nothing where the
+# target `packs_padding`). It sees the draft distributions only, never the target nor the
+# sampled proposals: whether a sampled proposal is verified must not depend on the proposal
+# itself (verifying only the likely-looking samples would bias the output towards them), and the
+# peaks are fixed before any sample is drawn. Greedy, the peak is the proposal's own probability.
+Trim = Callable[[list[list[float]], list[int]], "int | list[int]"]
 
 
 @dataclass
@@ -342,6 +343,7 @@ class DecodeBatch:
         self.top_k = torch.zeros(0, dtype=torch.long, device=d)
         self.top_p = torch.zeros(0, dtype=torch.float32, device=d)
         self._plan: list[list[int]] | None = None
+        self.verified = 0  # tokens the last step verified, over all rows (a ragged step's padding not counted)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -354,6 +356,12 @@ class DecodeBatch:
         except Exception:  # a cache left inconsistent by the failure: start from scratch
             self.tcache = self.dcache = None
             self._reset()
+
+    @property
+    def packs_padding(self) -> bool:
+        """Whether a ragged step costs what its rows verify in total (the target skips padding in
+        its matmuls), rather than what its longest row does."""
+        return bool(getattr(self.target, "packs_padding", False))
 
     @property
     def all_greedy(self) -> bool:
@@ -482,6 +490,8 @@ class DecodeBatch:
         greedy = self.all_greedy
         draft_probs = None
         from_lookup = [0] * b
+        lengths = [q] * b  # tokens each row verifies
+        limit = padding = None  # a ragged step's proposals verified per row [b], padding [b, q]
         if q > 1:
             draft_ids = torch.full((b, q), self.drafter.mask_token_id, dtype=torch.long, device=d)
             draft_ids[:, 0] = self.last
@@ -506,12 +516,21 @@ class DecodeBatch:
             if self.lookup is not None:
                 from_lookup = self._lookup_proposals(block_ids, draft_probs)
             if trim is not None:
-                drafted, q = q, max(1, min(q, int(trim(conf.tolist(), from_lookup))))
+                drafted, chosen = q, trim(conf.tolist(), from_lookup)
+                lengths = [max(1, min(q, int(n))) for n in (chosen if isinstance(chosen, list) else [chosen] * b)]
+                if len(lengths) != b:
+                    raise ValueError(f"a trim returned {len(lengths)} verify lengths for {b} rows")
+                q = max(lengths)
                 if q < drafted:  # verify only the first q tokens of the drafted block
                     block_ids, positions, offsets = block_ids[:, :q].contiguous(), positions[:, :q].contiguous(), offsets[:q]
                     if draft_probs is not None:
                         draft_probs = draft_probs[:, : q - 1]
-                    from_lookup = [min(m, q - 1) for m in from_lookup]
+                if min(lengths) < q:  # ragged: each row's unverified tail becomes padding
+                    limit = torch.tensor(lengths, device=d) - 1
+                    padding = offsets[None] > limit[:, None]  # [b, q]
+                    positions = positions.masked_fill(padding, EMPTY)
+                from_lookup = [min(m, n - 1) for m, n in zip(from_lookup, lengths)]
+        self.verified = b * q if padding is None else sum(lengths)
         if _static_cache(self.tcache):
             # the attention horizon of the tokens verified (a trimmed block reads fewer slots:
             # those beyond it hold stale keys of rejected tokens)
@@ -519,20 +538,20 @@ class DecodeBatch:
         logits, feats = self.target.forward(block_ids, positions, self.tcache, self.layer_ids)
         proposals = block_ids[:, 1:]
         if greedy:
-            accepted, bonus = verify_greedy(proposals, logits)
+            accepted, bonus = verify_greedy(proposals, logits, limit)
         else:
             target_probs = self._probs(logits)
             if draft_probs is None:
                 draft_probs = torch.zeros_like(target_probs[:, :0])
             u = self.random.uniforms(q).to(d)
-            accepted, bonus = verify_sampled(proposals, draft_probs, target_probs, u[:, :-1], u[:, -1])
+            accepted, bonus = verify_sampled(proposals, draft_probs, target_probs, u[:, :-1], u[:, -1], limit)
         # [b, q]: proposals[:accepted] then the bonus; row r commits its first accepted+1.
         committed = torch.cat([proposals, bonus[:, None]], dim=1).scatter(1, accepted[:, None], bonus[:, None])
         host = torch.cat([committed, accepted[:, None]], dim=1).tolist()  # the one sync
         n_host = [min(h[-1] + 1, rem) for h, rem in zip(host, remaining)]
         n_new = torch.tensor(n_host, device=d)
         keep = offsets[None] < n_new[:, None]  # [b, q]: block slots 0..n_new-1 stay in the cache
-        self.tcache.reject(keep)
+        self.tcache.reject(keep if padding is None else keep | padding)  # padding never took a slot
         if self.drafter is not None:
             kept_pos = torch.where(keep, positions, torch.full_like(positions, EMPTY))
             self._add_pending(feats, kept_pos, joining=False)
@@ -545,14 +564,14 @@ class DecodeBatch:
         self.cur = self.cur + n_new
         self.cur_host = [c + n for c, n in zip(self.cur_host, n_host)]
         self._plan = None
-        for r, h, n, looked in zip(rows, host, n_host, from_lookup):
+        for r, h, n, looked, length in zip(rows, host, n_host, from_lookup, lengths):
             a = h[-1]
             r.stats.acceptance_lengths.append(n)
             if looked:  # drafted proposals after a lookup prefix are counted nowhere
                 r.stats.lookup_steps += 1
                 acc, tries, last = r.stats.lookup_accepted_by_position, r.lookup_tries, looked
             else:
-                acc, tries, last = r.stats.accepted_by_position, r.tries, q - 1
+                acc, tries, last = r.stats.accepted_by_position, r.tries, length - 1
             for k in range(min(a, last, len(acc))):
                 acc[k] += 1
             for k in range(min(a + 1, last, len(tries))):

@@ -121,12 +121,20 @@ class NativeLlama(nn.Module):
         layer_ids: tuple[int, ...] = (),
         last_logits_only: bool = False,
         static: bool = False,
+        packed: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """ids, positions [b, q] (EMPTY = padding) -> logits [b, q|1, V], features [b, q, L*H]."""
+        """ids, positions [b, q] (EMPTY = padding) -> logits [b, q|1, V], features [b, q, L*H].
+
+        packed [T]: flat indices (into b * q) of the tokens that are not padding. The projections,
+        norms and the LM head then run on those T tokens only, and attention on the [b, q] layout;
+        padding positions get zero logits and features. What a ragged verify (rows verifying
+        different lengths) or a batch of unequal prompts saves: on a CPU the matmuls cost by rows.
+        """
         cfg = self.cfg
         b, q = ids.shape
         h, kvh, g, d = cfg.num_heads, cfg.num_kv_heads, cfg.groups, cfg.head_dim
-        x = self.embed(ids)  # [b, q, H]
+        # x: [b, q, H], or [T, H] when packed
+        x = self.embed(ids if packed is None else ids.reshape(-1)[packed])
         cos, sin = self.rotary(positions, x.dtype)  # [b, q, d]
         cos, sin = cos[:, :, None], sin[:, :, None]
         horizon, mask, causal = self._masks(positions, cache, static)
@@ -139,6 +147,8 @@ class NativeLlama(nn.Module):
         for i, layer in enumerate(self.layers):
             y = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
             qkv = project(layer.qkv, y) if single is None else _matmul(y, single[i][0], layer.qkv.bias)
+            if packed is not None:
+                qkv = _unpack(qkv, packed, b, q)
             qs, ks, vs = qkv.split(self._split, dim=-1)
             qs = qs.view(b, q, h, d)
             ks = ks.view(b, q, kvh, d)
@@ -158,6 +168,8 @@ class NativeLlama(nn.Module):
                 scale=self.scale,
             )
             out = out.view(b, kvh, g, q, d).permute(0, 3, 1, 2, 4).reshape(b, q, h * d)
+            if packed is not None:
+                out = out.reshape(b * q, h * d)[packed]  # [T, h * d]
             x = x + project(layer.o, out)
             y = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
             if single is None:
@@ -172,12 +184,37 @@ class NativeLlama(nn.Module):
         if last in wanted:
             captured[last] = x  # HF's hidden_states[-1] is taken after the final norm
         features = torch.cat([captured[i] for i in layer_ids], dim=-1) if layer_ids else None
+        if packed is not None:
+            features = _unpack(features, packed, b, q) if features is not None else None
+            if last_logits_only:  # the last column of every row, padding or not
+                x = _unpack(x, packed, b, q)
         x = x[:, -1:] if last_logits_only else x
         if self.single_head is not None and x.shape[0] * x.shape[1] == 1:
             logits = x @ self.single_head
         else:
             logits = project(self.lm_head, x)
+        if packed is not None and not last_logits_only:
+            logits = _unpack(logits, packed, b, q)
         return logits, features
+
+
+def _unpack(t: torch.Tensor, packed: torch.Tensor, b: int, q: int) -> torch.Tensor:
+    """Rows t [T, n] of the tokens at flat indices `packed` -> [b, q, n], zero at padding."""
+    out = t.new_zeros(b * q, t.shape[-1])
+    out[packed] = t
+    return out.view(b, q, t.shape[-1])
+
+
+def padding_index(positions: torch.Tensor) -> torch.Tensor | None:
+    """Flat indices of the non-padding tokens of positions [b, q] (CPU), or None when there is
+    no padding (or the tensor lives on a GPU, where finding it would cost a host sync and the
+    kernels do not price by rows alike)."""
+    if positions.device.type != "cpu" or positions.numel() <= 1:
+        return None
+    valid = positions.reshape(-1) != EMPTY
+    if bool(valid.all()):
+        return None
+    return valid.nonzero()[:, 0]
 
 
 class NativeTarget:
@@ -204,6 +241,12 @@ class NativeTarget:
     @property
     def dtype(self) -> torch.dtype:
         return self.net.embed.weight.dtype
+
+    @property
+    def packs_padding(self) -> bool:
+        """Whether padding tokens (EMPTY positions) cost nothing in `forward`'s matmuls, so rows
+        of a batch may verify different lengths for the price of their sum (`padding_index`)."""
+        return self.device.type == "cpu" and self.graphs is None
 
     def new_cache(self, batch: int, capacity: int = 64) -> StaticCache:
         cfg = self.net.cfg
@@ -232,7 +275,7 @@ class NativeTarget:
             return self.graphs.forward(ids, positions, cache, tuple(layer_ids))
         if not cache.fresh:
             cache.reserve(int(positions.max()) + 1)
-        return self.net(ids, positions, cache, layer_ids, last_logits_only)
+        return self.net(ids, positions, cache, layer_ids, last_logits_only, packed=padding_index(positions))
 
     def enable_cuda_graphs(self, max_block: int = 16, *, compile: bool = False) -> None:
         """Replays decode steps (batch buckets x block sizes) from captured CUDA graphs; CUDA
