@@ -293,8 +293,9 @@ class AdaptiveBlock:
                  ragged: bool = False) -> None:
         self.max_block = max_block
         # Batches of several rows verify a length per row (`trimmer`) where the target packs
-        # padding. Off by default: on 2 CPU cores (SmolLM2, GSM8K, concurrency 8 and 16) its
-        # padded attention ate what the better-chosen tokens saved (BENCHMARKS.md, session 16).
+        # padding. Opt-in: on 2 CPU cores (SmolLM2, GSM8K) it was 3-7% ahead at concurrency 8 and
+        # level at 16, within run-to-run noise; padded attention eats much of what the
+        # better-chosen tokens save (BENCHMARKS.md, session 16).
         self.ragged = ragged
         self.costs = costs or CostModel(max_block)
         self.global_accepted = [0] * max(0, max_block - 1)
@@ -401,8 +402,8 @@ class AdaptiveBlock:
         paid by then, so only the verify part of each size's cost differs.
 
         With `ragged`, a batch of rows whose target packs padding (`DecodeBatch.packs_padding`)
-        gets a length per row: the proposals most likely to be accepted, across all rows, until one more costs
-        more than it is expected to commit. The cost of T verified tokens is that of a uniform
+        gets a length per row: the proposals most likely to be accepted, across all rows, until
+        one more costs more than it is expected to commit. The cost of T verified tokens is that of a uniform
         block of T / rows tokens (interpolated), since the matmuls cost by rows, plus PAD_SHARE of
         what padding every row to the longest would add. Otherwise every row verifies the one
         length the sum of their expectations makes best."""

@@ -103,7 +103,7 @@ RowStopCheck = Callable[[list[int]], int | None]
 # sampled proposals: whether a sampled proposal is verified must not depend on the proposal
 # itself (verifying only the likely-looking samples would bias the output towards them), and the
 # peaks are fixed before any sample is drawn. Greedy, the peak is the proposal's own probability.
-Trim = Callable[[list[list[float]], list[int]], "int | list[int]"]
+Trim = Callable[[list[list[float]], list[int]], int | list[int]]
 
 
 @dataclass
