@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from blockspec.models.drafter import load_drafter
+from blockspec.models.drafter import DFlashDrafter, load_drafter
 from blockspec.models.target import HFTarget
 from blockspec.train.data import Example, Prompt, read_examples
 from blockspec.train.datagen import regenerate
@@ -154,16 +154,22 @@ def test_resume_continues_from_checkpoint(trained, tmp_path):
     assert tr.step == 26
 
 
+def _trainer_from_drafter(trained, out, *, num_layers: int, max_steps: int) -> tuple[DFlashDrafter, Trainer]:
+    """The trained run's drafter, and a Trainer started from it (`--init`) writing to `out`."""
+    target, run, _ = trained
+    start = load_drafter(run / "drafter", dtype=torch.float32)
+    cfg = TrainConfig(out=str(out), num_layers=num_layers, block_size=4, mask_token_id=63, anchors=8,
+                      batch_seqs=2, max_steps=max_steps, lr=1e-3, warmup=0.0, init=str(run / "drafter"),
+                      save_dtype="float32")
+    return start, Trainer(cfg, target, read_examples(run.parent / "data"), log_fn=lambda *a: None)
+
+
 def test_init_from_a_drafter_directory_continues_its_weights(trained, tmp_path):
     """--init DIR (fine-tuning a published drafter): training starts from its weights, and a run
     asking for another shape is refused with the flag to drop."""
     target, run, _ = trained
     examples = read_examples(run.parent / "data")
-    start = load_drafter(run / "drafter", dtype=torch.float32)
-    cfg = TrainConfig(out=str(tmp_path / "ft"), num_layers=1, block_size=4, mask_token_id=63, anchors=8,
-                      batch_seqs=2, max_steps=1, lr=1e-3, warmup=0.0, init=str(run / "drafter"),
-                      save_dtype="float32")
-    tr = Trainer(cfg, target, examples, log_fn=lambda *a: None)
+    start, tr = _trainer_from_drafter(trained, tmp_path / "ft", num_layers=1, max_steps=1)
     for (n, a), (_, b) in zip(tr.drafter.state_dict().items(), start.state_dict().items()):
         assert torch.equal(a, b), n
     tr.train()
@@ -179,13 +185,7 @@ def test_init_from_a_drafter_directory_continues_its_weights(trained, tmp_path):
 def test_init_with_more_layers_grows_the_drafter(trained, tmp_path):
     """--init DIR --num-layers N (N above the drafter's): training continues from the same outputs
     with layers added on top, and the deeper drafter it saves loads in the reference package."""
-    target, run, _ = trained
-    examples = read_examples(run.parent / "data")
-    start = load_drafter(run / "drafter", dtype=torch.float32)
-    cfg = TrainConfig(out=str(tmp_path / "deep"), num_layers=2, block_size=4, mask_token_id=63, anchors=8,
-                      batch_seqs=2, max_steps=3, lr=1e-3, warmup=0.0, init=str(run / "drafter"),
-                      save_dtype="float32")
-    tr = Trainer(cfg, target, examples, log_fn=lambda *a: None)
+    start, tr = _trainer_from_drafter(trained, tmp_path / "deep", num_layers=2, max_steps=3)
     torch.manual_seed(2)
     L = len(start.target_layer_ids)
     ctx, block, pos = torch.randn(1, 7, L * 32), torch.randn(1, 4, 32), torch.arange(11)[None]
