@@ -20,9 +20,10 @@ def test_the_kernel_builds_where_a_compiler_exists() -> None:
     assert linear_mod.CPU_MATMUL == "native"
 
 
-@pytest.mark.parametrize("n", range(1, 17))
+@pytest.mark.parametrize("n", [*range(1, 18), 31, 64])
 def test_kernel_matches_f_linear_and_is_batch_invariant(n: int) -> None:
-    """Any row count (including past the 8-row tile), widths off the 16-lane vector, with and
+    """Any row count (one weight row at a time up to 7 rows, register tiles from 8, partial tiles
+    included), widths off the 16-lane vector and output counts off the tile width, with and
     without bias: F.linear's numbers, and each row's bits equal that row computed alone."""
     g = torch.Generator().manual_seed(n)
     for k, out in ((37, 5), (64, 33), (200, 19)):
@@ -46,12 +47,14 @@ def test_linear_routes_few_fp32_rows_to_the_kernel(monkeypatch: pytest.MonkeyPat
     g = torch.Generator().manual_seed(0)
     w = torch.randn(24, 40, generator=g)
     with torch.inference_mode():
-        for rows in (1, 3, linear_mod.NATIVE_ROWS, linear_mod.NATIVE_ROWS + 1):
+        most = rowmatmul.max_rows()
+        assert most >= 8
+        for rows in (1, 3, most, most + 1):
             x = torch.randn(2, rows, 40, generator=g)[:1]  # 3-D, a slice: the kernel gets a contiguous copy
             torch.testing.assert_close(linear_mod.linear(x, w), x @ w.t(), atol=1e-5, rtol=1e-5)
         linear_mod.linear(torch.randn(2, 40).bfloat16(), w.bfloat16())  # bf16: not the kernel's
         linear_mod.linear(torch.randn(2, 24), w.t())  # a transposed weight view: not either
-    assert calls == [1, 3, linear_mod.NATIVE_ROWS]
+    assert calls == [1, 3, most]
 
 
 def test_without_a_compiler_linear_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> None:

@@ -5,9 +5,11 @@ MKL's GEMM, whose kernels for a handful of rows are poor: on the 2-core machine 
 on, 2 rows cost twice 1 row and a block of 16 cost 2.7 plain decoding steps. Faster paths:
 
 - "native" (the default; where no C compiler builds the kernel it acts as "onednn"): fp32
-  products of 1..NATIVE_ROWS rows run models/kernels/rows.c (models/rowmatmul.py), which
-  streams the weights once and is batch invariant: a one-token SmolLM2-135M forward 1.7x faster
-  than through oneDNN (BENCHMARKS.md, session 13). Everything else goes the "onednn" way.
+  products of 1..`rowmatmul.max_rows()` rows (64 with AVX-512, 8 elsewhere) run
+  models/kernels/rows.c (models/rowmatmul.py), which streams the weights once and is batch
+  invariant: a one-token SmolLM2-135M forward 1.7x faster than through oneDNN (BENCHMARKS.md,
+  session 13), and since its register tiles (session 17) forwards of 8-16 tokens 1.3-1.5x
+  faster. Everything else goes the "onednn" way.
 - "onednn": oneDNN's matmul (`torch.ops.mkldnn._linear_pointwise`, the kernel `torch.compile`
   emits for CPU linears) on the dense [out, in] weight: measured 2.1x faster than MKL for one row
   of the LM head, and 2-3x faster for 16-128 rows (BENCHMARKS.md, session 9).
@@ -27,7 +29,6 @@ from torch.nn import functional as F
 
 from blockspec.models import rowmatmul
 
-NATIVE_ROWS = 8  # native kernel: measured faster than oneDNN/MKL up to 8 fp32 rows (session 13)
 SMALL_ROWS = 64  # small-rows path: measured equal or faster up to 64 rows; beyond, level with F.linear
 MKL_ROWS: frozenset[int] = frozenset({2, 3, 4})  # fp32 only: in bf16, oneDNN wins here too (session 10)
 CPU_MATMULS = ("native", "onednn", "small-rows", "mkl")
@@ -83,9 +84,8 @@ def fast_cpu_single_row() -> bool:
 def native_takes(rows: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether `linear` sends a CPU product (no autograd) to the native kernel."""
     return (
-        CPU_MATMUL == "native" and 0 < rows <= NATIVE_ROWS and x.dtype == weight.dtype == torch.float32
+        CPU_MATMUL == "native" and 0 < rows <= rowmatmul.max_rows() and x.dtype == weight.dtype == torch.float32
         and weight.is_contiguous() and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
-        and rowmatmul.kernel() is not None
     )
 
 

@@ -1,11 +1,12 @@
 """A native CPU kernel for fp32 products of a few rows: `kernels/rows.c`, compiled at first use.
 
-A decoding step multiplies 1-8 rows by every weight matrix, and on a CPU its time is the time to
-stream the weights from memory once. PyTorch's kernels do not manage that for so few rows
-(BENCHMARKS.md, session 13: the projections of SmolLM2-135M for one row took 1.6x the kernel's
-time through oneDNN, for five or six rows 1.5-2x, for eight 1.2x; from twelve rows on PyTorch's
-are faster, and `linear` keeps them). The kernel is also batch invariant: a row gets the same
-bits alone or beside others.
+A decoding step multiplies a few rows by every weight matrix (one per sequence, or a verified
+block per sequence), and on a CPU its time should be the time to stream the weights from memory
+once. PyTorch's kernels do not manage that for so few rows (BENCHMARKS.md, session 13: the
+projections of SmolLM2-135M for one row took 1.6x the kernel's time through oneDNN). Since
+session 17 the kernel tiles rows and weight rows in registers, and beat oneDNN here from 1 up to
+128 rows (8 rows: 35 ms against 54 for the projections of SmolLM2-135M; 16: 54 against 76).
+The kernel is also batch invariant: a row gets the same bits alone or beside others.
 
 Built with the system C compiler (`$CC`, else cc/gcc/clang; -O3 -march=native -fopenmp) into
 the blockspec cache (`$BLOCKSPEC_CACHE/kernels`, default ~/.cache/blockspec/kernels), keyed by the
@@ -85,6 +86,7 @@ def _load() -> object | None:
     fn = lib.bs_rows_matmul
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     fn.restype = ctypes.c_int
+    fn.max_rows = int(lib.bs_rows_max())
     return fn if _agrees(fn) else None
 
 
@@ -103,6 +105,13 @@ def kernel() -> object | None:
     if _kernel is _UNTRIED:
         _kernel = _load()
     return _kernel
+
+
+def max_rows() -> int:
+    """The most rows the kernel is faster for than PyTorch's GEMM on this build (it says: 64 with
+    AVX-512, where its register tiles were measured, 8 elsewhere); 0 without a kernel."""
+    k = kernel()
+    return 0 if k is None else k.max_rows
 
 
 def rows_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

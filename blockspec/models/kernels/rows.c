@@ -1,15 +1,23 @@
-/* y[n, out] = x[n, in] . w[out, in]^T (+ bias[out]) in fp32, for a few rows n (decoding).
+/* y[n, out] = x[n, in] . w[out, in]^T (+ bias[out]) in fp32, for a few rows n (decoding, verification).
  *
- * Built at first use by blockspec/models/rowmatmul.py (gcc or clang, -O3 -march=native -fopenmp).
- * Written with GCC vector extensions so the compiler picks the widest vector unit it has.
+ * Built at first use by blockspec/models/rowmatmul.py (gcc or clang, -O3 -march=native -fopenmp
+ * -std=c11: a * b + c stays two roundings). Written with GCC vector extensions so the compiler
+ * picks the widest vector unit it has.
  *
- * Why: a decoding step multiplies a handful of rows by every weight matrix; the run time is the
- * time to stream the weights from memory once. Each weight row is read once per call and
- * multiplied into up to eight rows' partial sums held in registers.
+ * Why: a decoding step multiplies a handful of rows by every weight matrix; the run time should
+ * be the time to stream the weights from memory once. Two tilings:
+ * - up to TILE_ROWS - 1 rows: each weight row (output column) is read once per call, as one long
+ *   sequential stream, and multiplied into up to eight rows' partial sums held in registers;
+ * - TILE_ROWS rows and more: tiles of MR rows x NC weight rows, so each weight vector loaded feeds
+ *   MR rows and each x vector NC outputs. With one weight row at a time, loads and the
+ *   per-output horizontal sums bounded 8 rows and more (a 16-token verification of SmolLM2-135M
+ *   cost 3x one token; BENCHMARKS.md, session 17). The tile's weight rows stay in cache while the
+ *   row groups of x pass over them, and the next tile's are prefetched.
  *
- * Every output element is accumulated the same way whatever n, the row grouping or the thread
- * split: 16-wide partial sums over `in` in order, one fixed reduction tree, then the scalar
- * tail, then the bias. So a row gets the same bits alone or beside others (batch invariance).
+ * Every output element is accumulated the same way whatever n, the tiling, the row grouping or
+ * the thread split: 16-wide partial sums over `in` in order, one fixed reduction tree, then the
+ * scalar tail, then the bias. So a row gets the same bits alone or beside others (batch
+ * invariance), which keeps speculative verification bit-equal to one-token decoding.
  */
 #include <stdint.h>
 #include <string.h>
@@ -24,10 +32,23 @@ static inline v16 load16(const float *p) {
     return v;
 }
 
-static inline float reduce16(v16 a) {
+/* 16 lanes -> 4: lane i sums the lanes congruent to i mod 4, (a[i] + a[i+8]) + (a[i+4] + a[i+12]) */
+static inline v4 fold4(v16 a) {
     v8 b = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
-    v4 c = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
+    return __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
+}
+
+static inline float reduce16(v16 a) {
+    v4 c = fold4(a);
     return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+/* {reduce16(a), reduce16(b), reduce16(c), reduce16(d)} in four vector additions: the same tree */
+static inline v4 reduce16x4(v16 a, v16 b, v16 c, v16 d) {
+    v4 fa = fold4(a), fb = fold4(b), fc = fold4(c), fd = fold4(d);
+    v4 ab = __builtin_shufflevector(fa, fb, 0, 1, 4, 5) + __builtin_shufflevector(fa, fb, 2, 3, 6, 7);
+    v4 cd = __builtin_shufflevector(fc, fd, 0, 1, 4, 5) + __builtin_shufflevector(fc, fd, 2, 3, 6, 7);
+    return __builtin_shufflevector(ab, cd, 0, 2, 4, 6) + __builtin_shufflevector(ab, cd, 1, 3, 5, 7);
 }
 
 /* MR rows (MR <= 8) of x (row stride in) times one weight row w -> y[r * ldy] */
@@ -67,12 +88,126 @@ static void column(const float *x, const float *w, const float *bias, float *y, 
     }
 }
 
-/* Returns 0. The output columns are split evenly between `threads` OpenMP threads (the caller
- * passes PyTorch's count: the OpenMP default of a thread PyTorch did not configure may differ). */
+/* ---- the tiled path ---------------------------------------------------------------------------- */
+
+#if defined(__AVX512F__)
+#define MR 4 /* rows of x per tile: MR * NC sums + MR x vectors + 1 of 32 vector registers */
+#define NC 4 /* weight rows per tile */
+#else
+#define MR 2 /* a 16-float vector takes two of 16 registers here: 2 * (MR * NC + MR + 1) = 14 */
+#define NC 2
+#endif
+#define TILE_ROWS 8 /* from this many rows on, the tiled path (measured faster here from 8) */
+#if defined(__AVX512F__)
+#define ROWS_MAX 64 /* measured faster than oneDNN up to 128 rows on a 2-core AVX-512 machine */
+#else
+#define ROWS_MAX 8 /* the tiled path is not measured on narrower vector units: oneDNN beyond 8 */
+#endif
+
+/* The most rows a caller should send here; more go to a GEMM library (models/linear.py). */
+int bs_rows_max(void) { return ROWS_MAX; }
+
+static inline v16 keep16(const float *p) {
+    v16 v = load16(p);
+#if defined(__AVX512F__) /* one register holds it (elsewhere GCC may reload it: slower, same numbers) */
+    __asm__("" : "+v"(v)); /* kept in a register: GCC would reload it at every use */
+#endif
+    return v;
+}
+
+/* rows x cols tile (rows <= MR, cols <= NC): x rows and w rows of stride `in` -> y[r * ldy + c];
+ * `next`: the following tile's weights, prefetched while this one runs */
+static inline __attribute__((always_inline)) void block(const float *x, const float *w, const float *bias, float *y,
+                                                        const float *next, int64_t in, int64_t ldy, const int rows,
+                                                        const int cols) {
+    const int64_t kv = in & ~(int64_t)15;
+    const v16 z = {0};
+    v16 acc[MR][NC];
+#pragma GCC unroll 4
+    for (int r = 0; r < rows; r++)
+#pragma GCC unroll 4
+        for (int c = 0; c < cols; c++) acc[r][c] = z;
+    for (int64_t k = 0; k < kv; k += 16) {
+        v16 xv[MR];
+#pragma GCC unroll 4
+        for (int r = 0; r < rows; r++) xv[r] = keep16(x + r * in + k);
+#pragma GCC unroll 4
+        for (int c = 0; c < cols; c++) {
+            __builtin_prefetch(next + c * in + k);
+            const v16 wv = keep16(w + c * in + k);
+#pragma GCC unroll 4
+            for (int r = 0; r < rows; r++) acc[r][c] += wv * xv[r];
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < rows; r++) {
+#if NC == 4
+        v4 s = reduce16x4(acc[r][0], cols > 1 ? acc[r][1] : z, cols > 2 ? acc[r][2] : z, cols > 3 ? acc[r][3] : z);
+#else
+        v4 s = reduce16x4(acc[r][0], cols > 1 ? acc[r][1] : z, z, z);
+#endif
+#pragma GCC unroll 4
+        for (int c = 0; c < cols; c++) {
+            float t = s[c];
+            for (int64_t k = kv; k < in; k++) t += w[c * in + k] * x[r * in + k];
+            y[r * ldy + c] = bias ? t + bias[c] : t;
+        }
+    }
+}
+
+#if MR == 4
+#define ROW_BLOCKS(COLS)                                                                               \
+    for (int64_t r0 = 0; r0 < n; r0 += MR) {                                                           \
+        const float *xr = x + r0 * in;                                                                 \
+        float *yr = y + r0 * ldy;                                                                      \
+        switch (n - r0 < MR ? n - r0 : MR) {                                                           \
+        case 4: block(xr, w, bias, yr, next, in, ldy, 4, COLS); break;                                 \
+        case 3: block(xr, w, bias, yr, next, in, ldy, 3, COLS); break;                                 \
+        case 2: block(xr, w, bias, yr, next, in, ldy, 2, COLS); break;                                 \
+        default: block(xr, w, bias, yr, next, in, ldy, 1, COLS); break;                                \
+        }                                                                                              \
+    }
+#else
+#define ROW_BLOCKS(COLS)                                                                               \
+    for (int64_t r0 = 0; r0 < n; r0 += MR) {                                                           \
+        if (n - r0 >= 2)                                                                               \
+            block(x + r0 * in, w, bias, y + r0 * ldy, next, in, ldy, 2, COLS);                         \
+        else                                                                                           \
+            block(x + r0 * in, w, bias, y + r0 * ldy, next, in, ldy, 1, COLS);                         \
+    }
+#endif
+
+/* `cols` (<= NC) output columns for all n rows */
+static void blocks(const float *x, const float *w, const float *bias, float *y, const float *next, int64_t n,
+                   int64_t in, int64_t ldy, int cols) {
+    switch (cols) {
+    case NC: ROW_BLOCKS(NC) break;
+#if NC == 4
+    case 3: ROW_BLOCKS(3) break;
+    case 2: ROW_BLOCKS(2) break;
+#endif
+    default: ROW_BLOCKS(1) break;
+    }
+}
+
+/* Returns 0. Output columns (in groups of NC on the tiled path) are split evenly between `threads`
+ * OpenMP threads (the caller passes PyTorch's count: the OpenMP default of a thread PyTorch did
+ * not configure may differ). */
 int bs_rows_matmul(const float *x, const float *w, const float *bias, float *y, int64_t n, int64_t in,
                    int64_t out, int threads) {
+    if (n < TILE_ROWS) {
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t j = 0; j < out; j++)
-        column(x, w + j * in, bias ? bias + j : 0, y + j, n, in, out);
+        for (int64_t j = 0; j < out; j++)
+            column(x, w + j * in, bias ? bias + j : 0, y + j, n, in, out);
+        return 0;
+    }
+    const int64_t groups = (out + NC - 1) / NC;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t j = g * NC;
+        const int cols = out - j < NC ? (int)(out - j) : NC;
+        const float *next = w + (g + 1 < groups ? j + NC : j) * in;
+        blocks(x, w + j * in, bias ? bias + j : 0, y + j, next, n, in, out, cols);
+    }
     return 0;
 }
