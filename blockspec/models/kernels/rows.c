@@ -1,8 +1,9 @@
 /* y[n, out] = x[n, in] . w[out, in]^T (+ bias[out]) in fp32, for a few rows n (decoding, verification).
  *
  * Built at first use by blockspec/models/rowmatmul.py (gcc or clang, -O3 -march=native -fopenmp
- * -std=c11: a * b + c stays two roundings). Written with GCC vector extensions so the compiler
- * picks the widest vector unit it has.
+ * -std=c11, under which the compiler never fuses a * b + c itself). Written with GCC vector
+ * extensions so the compiler picks the widest vector unit it has; multiply-adds are fused (one
+ * rounding) where the CPU has FMA, through fma16.
  *
  * Why: a decoding step multiplies a handful of rows by every weight matrix; the run time should
  * be the time to stream the weights from memory once. Two tilings:
@@ -15,12 +16,15 @@
  *   row groups of x pass over them, and the next tile's are prefetched.
  *
  * Every output element is accumulated the same way whatever n, the tiling, the row grouping or
- * the thread split: 16-wide partial sums over `in` in order, one fixed reduction tree, then the
- * scalar tail, then the bias. So a row gets the same bits alone or beside others (batch
+ * the thread split: 16-wide partial sums over `in` in order (fma16), one fixed reduction tree,
+ * then the scalar tail, then the bias. So a row gets the same bits alone or beside others (batch
  * invariance), which keeps speculative verification bit-equal to one-token decoding.
  */
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX512F__) || defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v8 __attribute__((vector_size(32)));
@@ -30,6 +34,24 @@ static inline v16 load16(const float *p) {
     v16 v;
     memcpy(&v, p, sizeof v);
     return v;
+}
+
+/* a + b * c, one rounding where the CPU has fused multiply-add (written out: the compiler must not
+ * decide loop by loop, or rows would get different bits on different paths) */
+static inline v16 fma16(v16 a, v16 b, v16 c) {
+#if defined(__AVX512F__)
+    return (v16)_mm512_fmadd_ps((__m512)b, (__m512)c, (__m512)a);
+#elif defined(__FMA__)
+    v8 lo = (v8)_mm256_fmadd_ps((__m256)__builtin_shufflevector(b, b, 0, 1, 2, 3, 4, 5, 6, 7),
+                                (__m256)__builtin_shufflevector(c, c, 0, 1, 2, 3, 4, 5, 6, 7),
+                                (__m256)__builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7));
+    v8 hi = (v8)_mm256_fmadd_ps((__m256)__builtin_shufflevector(b, b, 8, 9, 10, 11, 12, 13, 14, 15),
+                                (__m256)__builtin_shufflevector(c, c, 8, 9, 10, 11, 12, 13, 14, 15),
+                                (__m256)__builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15));
+    return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    return a + b * c;
+#endif
 }
 
 /* 16 lanes -> 4: lane i sums the lanes congruent to i mod 4, (a[i] + a[i+8]) + (a[i+4] + a[i+12]) */
@@ -61,7 +83,7 @@ static inline __attribute__((always_inline)) void tile(const float *x, const flo
     for (int64_t k = 0; k < kv; k += 16) {
         const v16 wv = load16(w + k);
 #pragma GCC unroll 8
-        for (int r = 0; r < MR; r++) acc[r] += wv * load16(x + r * in + k);
+        for (int r = 0; r < MR; r++) acc[r] = fma16(acc[r], wv, load16(x + r * in + k));
     }
 #pragma GCC unroll 8
     for (int r = 0; r < MR; r++) {
@@ -136,7 +158,7 @@ static inline __attribute__((always_inline)) void block(const float *x, const fl
             __builtin_prefetch(next + c * in + k);
             const v16 wv = keep16(w + c * in + k);
 #pragma GCC unroll 4
-            for (int r = 0; r < rows; r++) acc[r][c] += wv * xv[r];
+            for (int r = 0; r < rows; r++) acc[r][c] = fma16(acc[r][c], wv, xv[r]);
         }
     }
 #pragma GCC unroll 4
