@@ -4,8 +4,9 @@ A decoding step multiplies a few rows by every weight matrix (one per sequence, 
 block per sequence), and on a CPU its time should be the time to stream the weights from memory
 once. PyTorch's kernels do not manage that for so few rows (BENCHMARKS.md, session 13: the
 projections of SmolLM2-135M for one row took 1.6x the kernel's time through oneDNN). Since
-session 17 the kernel tiles rows and weight rows in registers, and beat oneDNN here from 1 up to
-128 rows (8 rows: 35 ms against 54 for the projections of SmolLM2-135M; 16: 54 against 76).
+session 17 it tiles rows and weight rows in registers from 8 rows on, and beat oneDNN here up to
+128 rows (the projections of SmolLM2-135M: 8 rows 30 ms against 45, 16 rows 37 against 56, 64
+rows 116 against 126).
 The kernel is also batch invariant: a row gets the same bits alone or beside others.
 
 Built with the system C compiler (`$CC`, else cc/gcc/clang; -O3 -march=native -fopenmp) into

@@ -131,8 +131,8 @@ int bs_rows_max(void) { return ROWS_MAX; }
 
 static inline v16 keep16(const float *p) {
     v16 v = load16(p);
-#if defined(__AVX512F__) /* one register holds it (elsewhere GCC may reload it: slower, same numbers) */
-    __asm__("" : "+v"(v)); /* kept in a register: GCC would reload it at every use */
+#if defined(__AVX512F__) /* GCC would reload it at every use; elsewhere it spans two registers */
+    __asm__("" : "+v"(v));
 #endif
     return v;
 }
