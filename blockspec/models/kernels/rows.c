@@ -9,8 +9,8 @@
  * be the time to stream the weights from memory once. Two tilings:
  * - up to TILE_ROWS - 1 rows: each weight row (output column) is read once per call, as one long
  *   sequential stream, and multiplied into up to eight rows' partial sums held in registers;
- * - TILE_ROWS rows and more: tiles of MR rows x NC weight rows, so each weight vector loaded feeds
- *   MR rows and each x vector NC outputs. With one weight row at a time, loads and the
+ * - TILE_ROWS rows and more: tiles of BR rows x BC weight rows, so each weight vector loaded feeds
+ *   BR rows and each x vector BC outputs. With one weight row at a time, loads and the
  *   per-output horizontal sums bounded 8 rows and more (a 16-token verification of SmolLM2-135M
  *   cost 3x one token; BENCHMARKS.md, session 17). The tile's weight rows stay in cache while the
  *   row groups of x pass over them, and the next tile's are prefetched.
@@ -113,11 +113,11 @@ static void column(const float *x, const float *w, const float *bias, float *y, 
 /* ---- the tiled path ---------------------------------------------------------------------------- */
 
 #if defined(__AVX512F__)
-#define MR 4 /* rows of x per tile: MR * NC sums + MR x vectors + 1 of 32 vector registers */
-#define NC 4 /* weight rows per tile */
+#define BR 4 /* rows of x per tile: BR * BC sums + BR x vectors + 1 of 32 vector registers */
+#define BC 4 /* weight rows per tile */
 #else
-#define MR 2 /* a 16-float vector takes two of 16 registers here: 2 * (MR * NC + MR + 1) = 14 */
-#define NC 2
+#define BR 2 /* a 16-float vector takes two of 16 registers here: 2 * (BR * BC + BR + 1) = 14 */
+#define BC 2
 #endif
 #define TILE_ROWS 8 /* from this many rows on, the tiled path (measured faster here from 8) */
 #if defined(__AVX512F__)
@@ -137,20 +137,20 @@ static inline v16 keep16(const float *p) {
     return v;
 }
 
-/* rows x cols tile (rows <= MR, cols <= NC): x rows and w rows of stride `in` -> y[r * ldy + c];
+/* rows x cols tile (rows <= BR, cols <= BC): x rows and w rows of stride `in` -> y[r * ldy + c];
  * `next`: the following tile's weights, prefetched while this one runs */
 static inline __attribute__((always_inline)) void block(const float *x, const float *w, const float *bias, float *y,
                                                         const float *next, int64_t in, int64_t ldy, const int rows,
                                                         const int cols) {
     const int64_t kv = in & ~(int64_t)15;
     const v16 z = {0};
-    v16 acc[MR][NC];
+    v16 acc[BR][BC];
 #pragma GCC unroll 4
     for (int r = 0; r < rows; r++)
 #pragma GCC unroll 4
         for (int c = 0; c < cols; c++) acc[r][c] = z;
     for (int64_t k = 0; k < kv; k += 16) {
-        v16 xv[MR];
+        v16 xv[BR];
 #pragma GCC unroll 4
         for (int r = 0; r < rows; r++) xv[r] = keep16(x + r * in + k);
 #pragma GCC unroll 4
@@ -163,7 +163,7 @@ static inline __attribute__((always_inline)) void block(const float *x, const fl
     }
 #pragma GCC unroll 4
     for (int r = 0; r < rows; r++) {
-#if NC == 4
+#if BC == 4
         v4 s = reduce16x4(acc[r][0], cols > 1 ? acc[r][1] : z, cols > 2 ? acc[r][2] : z, cols > 3 ? acc[r][3] : z);
 #else
         v4 s = reduce16x4(acc[r][0], cols > 1 ? acc[r][1] : z, z, z);
@@ -177,12 +177,12 @@ static inline __attribute__((always_inline)) void block(const float *x, const fl
     }
 }
 
-#if MR == 4
+#if BR == 4
 #define ROW_BLOCKS(COLS)                                                                               \
-    for (int64_t r0 = 0; r0 < n; r0 += MR) {                                                           \
+    for (int64_t r0 = 0; r0 < n; r0 += BR) {                                                           \
         const float *xr = x + r0 * in;                                                                 \
         float *yr = y + r0 * ldy;                                                                      \
-        switch (n - r0 < MR ? n - r0 : MR) {                                                           \
+        switch (n - r0 < BR ? n - r0 : BR) {                                                           \
         case 4: block(xr, w, bias, yr, next, in, ldy, 4, COLS); break;                                 \
         case 3: block(xr, w, bias, yr, next, in, ldy, 3, COLS); break;                                 \
         case 2: block(xr, w, bias, yr, next, in, ldy, 2, COLS); break;                                 \
@@ -191,7 +191,7 @@ static inline __attribute__((always_inline)) void block(const float *x, const fl
     }
 #else
 #define ROW_BLOCKS(COLS)                                                                               \
-    for (int64_t r0 = 0; r0 < n; r0 += MR) {                                                           \
+    for (int64_t r0 = 0; r0 < n; r0 += BR) {                                                           \
         if (n - r0 >= 2)                                                                               \
             block(x + r0 * in, w, bias, y + r0 * ldy, next, in, ldy, 2, COLS);                         \
         else                                                                                           \
@@ -199,12 +199,12 @@ static inline __attribute__((always_inline)) void block(const float *x, const fl
     }
 #endif
 
-/* `cols` (<= NC) output columns for all n rows */
+/* `cols` (<= BC) output columns for all n rows */
 static void blocks(const float *x, const float *w, const float *bias, float *y, const float *next, int64_t n,
                    int64_t in, int64_t ldy, int cols) {
     switch (cols) {
-    case NC: ROW_BLOCKS(NC) break;
-#if NC == 4
+    case BC: ROW_BLOCKS(BC) break;
+#if BC == 4
     case 3: ROW_BLOCKS(3) break;
     case 2: ROW_BLOCKS(2) break;
 #endif
@@ -212,7 +212,7 @@ static void blocks(const float *x, const float *w, const float *bias, float *y, 
     }
 }
 
-/* Returns 0. Output columns (in groups of NC on the tiled path) are split evenly between `threads`
+/* Returns 0. Output columns (in groups of BC on the tiled path) are split evenly between `threads`
  * OpenMP threads (the caller passes PyTorch's count: the OpenMP default of a thread PyTorch did
  * not configure may differ). */
 int bs_rows_matmul(const float *x, const float *w, const float *bias, float *y, int64_t n, int64_t in,
@@ -223,12 +223,12 @@ int bs_rows_matmul(const float *x, const float *w, const float *bias, float *y, 
             column(x, w + j * in, bias ? bias + j : 0, y + j, n, in, out);
         return 0;
     }
-    const int64_t groups = (out + NC - 1) / NC;
+    const int64_t groups = (out + BC - 1) / BC;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t g = 0; g < groups; g++) {
-        const int64_t j = g * NC;
-        const int cols = out - j < NC ? (int)(out - j) : NC;
-        const float *next = w + (g + 1 < groups ? j + NC : j) * in;
+        const int64_t j = g * BC;
+        const int cols = out - j < BC ? (int)(out - j) : BC;
+        const float *next = w + (g + 1 < groups ? j + BC : j) * in;
         blocks(x, w + j * in, bias ? bias + j : 0, y + j, next, n, in, out, cols);
     }
     return 0;
