@@ -20,22 +20,30 @@ def test_the_kernel_builds_where_a_compiler_exists() -> None:
     assert linear_mod.CPU_MATMUL == "native"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [*range(1, 18), 31, 64])
-def test_kernel_matches_f_linear_and_is_batch_invariant(n: int) -> None:
+def test_kernel_matches_f_linear_and_is_batch_invariant(n: int, dtype: torch.dtype) -> None:
     """Any row count (one weight row at a time up to 7 rows, register tiles from 8, partial tiles
-    included), widths off the 16-lane vector and output counts off the tile width, with and
-    without bias: F.linear's numbers, and each row's bits equal that row computed alone."""
+    included), widths off the vector steps (16 fp32, 32 bf16 pairs) and output counts off the
+    tile width, with and without bias: the exact product's numbers (bf16: summed in fp32, rounded
+    once), and each row's bits equal that row computed alone."""
     g = torch.Generator().manual_seed(n)
-    for k, out in ((37, 5), (64, 33), (200, 19)):
-        x, w, b = torch.randn(n, k, generator=g), torch.randn(out, k, generator=g), torch.randn(out, generator=g)
+    for k, out in ((37, 5), (64, 33), (200, 19), (45, 6)):
+        x, w, b = (t.to(dtype) for t in (torch.randn(n, k, generator=g), torch.randn(out, k, generator=g),
+                                         torch.randn(out, generator=g)))
         for bias in (None, b):
             got = rowmatmul.rows_matmul(x, w, bias)
-            torch.testing.assert_close(got, torch.nn.functional.linear(x, w, bias), atol=1e-5, rtol=1e-5)
+            assert got.dtype == dtype
+            exact = torch.nn.functional.linear(x.double(), w.double(), None if bias is None else bias.double())
+            if dtype == torch.float32:
+                torch.testing.assert_close(got, exact.float(), atol=1e-5, rtol=1e-5)
+            else:  # one bf16 rounding of an fp32 sum: within half a bf16 step of the exact value
+                torch.testing.assert_close(got.double(), exact, atol=1e-3, rtol=2 ** -8)
             for r in range(n):
                 assert torch.equal(got[r : r + 1], rowmatmul.rows_matmul(x[r : r + 1].clone(), w, bias))
 
 
-def test_linear_routes_few_fp32_rows_to_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_linear_routes_few_rows_to_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
     real = rowmatmul.rows_matmul
 
@@ -52,9 +60,19 @@ def test_linear_routes_few_fp32_rows_to_the_kernel(monkeypatch: pytest.MonkeyPat
         for rows in (1, 3, most, most + 1):
             x = torch.randn(2, rows, 40, generator=g)[:1]  # 3-D, a slice: the kernel gets a contiguous copy
             torch.testing.assert_close(linear_mod.linear(x, w), x @ w.t(), atol=1e-5, rtol=1e-5)
-        linear_mod.linear(torch.randn(2, 40).bfloat16(), w.bfloat16())  # bf16: not the kernel's
-        linear_mod.linear(torch.randn(2, 24), w.t())  # a transposed weight view: not either
+        linear_mod.linear(torch.randn(2, 24), w.t())  # a transposed weight view: not the kernel's
     assert calls == [1, 3, most]
+    calls.clear()
+    with torch.inference_mode():
+        most_bf16 = rowmatmul.max_rows(torch.bfloat16)
+        assert most_bf16 >= 8 and rowmatmul.max_rows(torch.float16) == 0
+        wb = w.bfloat16()
+        for rows in (2, most_bf16, most_bf16 + 1):
+            x = torch.randn(rows, 40, generator=g).bfloat16()
+            got = linear_mod.linear(x, wb)
+            assert got.dtype == torch.bfloat16
+            torch.testing.assert_close(got.float(), (x.double() @ wb.double().t()).float(), atol=1e-2, rtol=2 ** -7)
+    assert calls == [2, most_bf16]
 
 
 def test_without_a_compiler_linear_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> None:

@@ -4,12 +4,13 @@
 MKL's GEMM, whose kernels for a handful of rows are poor: on the 2-core machine this was developed
 on, 2 rows cost twice 1 row and a block of 16 cost 2.7 plain decoding steps. Faster paths:
 
-- "native" (the default; where no C compiler builds the kernel it acts as "onednn"): fp32
-  products of 1..`rowmatmul.max_rows()` rows (64 with AVX-512, 8 elsewhere) run
-  models/kernels/rows.c (models/rowmatmul.py), which streams the weights once and is batch
-  invariant: a one-token SmolLM2-135M forward 1.7x faster than through oneDNN (BENCHMARKS.md,
-  session 13), and since its register tiles (session 17) forwards of 8-16 tokens 1.3-1.5x
-  faster. Everything else goes the "onednn" way.
+- "native" (the default; where no C compiler builds the kernel it acts as "onednn"): fp32 and
+  bf16 products of 1..`rowmatmul.max_rows(dtype)` rows (64 with AVX-512, and for bf16 with
+  AVX512_BF16; 8 elsewhere) run models/kernels/rows.c (models/rowmatmul.py), which streams the
+  weights once and is batch invariant: a one-token SmolLM2-135M forward 1.7x faster than through
+  oneDNN (BENCHMARKS.md, session 13), since its register tiles (session 17) forwards of 8-16
+  tokens 1.3-1.5x faster, and a bf16 drafter's pass of 16-20 rows about 2x faster (session 18).
+  Everything else goes the "onednn" way.
 - "onednn": oneDNN's matmul (`torch.ops.mkldnn._linear_pointwise`, the kernel `torch.compile`
   emits for CPU linears) on the dense [out, in] weight: measured 2.1x faster than MKL for one row
   of the LM head, and 2-3x faster for 16-128 rows (BENCHMARKS.md, session 9).
@@ -84,8 +85,8 @@ def fast_cpu_single_row() -> bool:
 def native_takes(rows: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether `linear` sends a CPU product (no autograd) to the native kernel."""
     return (
-        CPU_MATMUL == "native" and 0 < rows <= rowmatmul.max_rows() and x.dtype == weight.dtype == torch.float32
-        and weight.is_contiguous() and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
+        CPU_MATMUL == "native" and x.dtype == weight.dtype and 0 < rows <= rowmatmul.max_rows(x.dtype)
+        and weight.is_contiguous() and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
     )
 
 

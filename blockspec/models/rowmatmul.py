@@ -1,4 +1,4 @@
-"""A native CPU kernel for fp32 products of a few rows: `kernels/rows.c`, compiled at first use.
+"""A native CPU kernel for fp32 and bf16 products of a few rows: `kernels/rows.c`, compiled at first use.
 
 A decoding step multiplies a few rows by every weight matrix (one per sequence, or a verified
 block per sequence), and on a CPU its time should be the time to stream the weights from memory
@@ -8,6 +8,9 @@ session 17 it tiles rows and weight rows in registers from 8 rows on, and beat o
 128 rows (the projections of SmolLM2-135M: 8 rows 30 ms against 45, 16 rows 37 against 56, 64
 rows 116 against 126).
 The kernel is also batch invariant: a row gets the same bits alone or beside others.
+bf16 products (a bf16 drafter, or a bf16 target) sum in fp32 and stream half the bytes; with
+AVX512_BF16 they multiply in pairs, and a 16-20 row draft pass's projections took 1.8-2.2 ms
+against oneDNN's 4.0-4.6 (BENCHMARKS.md, session 18).
 
 Built with the system C compiler (`$CC`, else cc/gcc/clang; -O3 -march=native -fopenmp) into
 the blockspec cache (`$BLOCKSPEC_CACHE/kernels`, default ~/.cache/blockspec/kernels), keyed by the
@@ -84,20 +87,26 @@ def _load() -> object | None:
         warnings.warn(f"blockspec: the native CPU kernel did not build ({detail.strip()[:300]}); "
                       f"using PyTorch's kernels (set {DISABLE_ENV}=0 to skip the attempt)")
         return None
-    fn = lib.bs_rows_matmul
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-    fn.restype = ctypes.c_int
-    fn.max_rows = int(lib.bs_rows_max())
+    fn, fn.bf16 = lib.bs_rows_matmul, lib.bs_rows_matmul_bf16
+    for f in (fn, fn.bf16):
+        f.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        f.restype = ctypes.c_int
+    fn.max_rows = {torch.float32: int(lib.bs_rows_max()), torch.bfloat16: int(lib.bs_rows_max_bf16())}
     return fn if _agrees(fn) else None
 
 
 def _agrees(fn: object) -> bool:
-    """One small product proves the build runs and agrees with F.linear."""
+    """One small product per element type proves the build runs and agrees with F.linear."""
     g = torch.Generator().manual_seed(0)
     x, w, b = torch.randn(3, 37, generator=g), torch.randn(5, 37, generator=g), torch.randn(5, generator=g)
-    y = torch.empty(3, 5)
-    fn(x.data_ptr(), w.data_ptr(), b.data_ptr(), y.data_ptr(), 3, 37, 5, 1)
-    return bool(torch.allclose(y, torch.nn.functional.linear(x, w, b), atol=1e-5, rtol=1e-5))
+    for dtype, f, tol in ((torch.float32, fn, 1e-5), (torch.bfloat16, fn.bf16, 1e-3)):
+        xd, wd = x.to(dtype), w.to(dtype)
+        y = torch.empty(3, 5)
+        f(xd.data_ptr(), wd.data_ptr(), b.data_ptr(), y.data_ptr(), 3, 37, 5, 1)
+        want = torch.nn.functional.linear(xd.double(), wd.double(), b.double()).float()
+        if not torch.allclose(y, want, atol=tol, rtol=tol):
+            return False
+    return True
 
 
 def kernel() -> object | None:
@@ -108,17 +117,23 @@ def kernel() -> object | None:
     return _kernel
 
 
-def max_rows() -> int:
-    """The most rows the kernel is faster for than PyTorch's GEMM on this build (it says: 64 with
-    AVX-512, where its register tiles were measured, 8 elsewhere); 0 without a kernel."""
+def max_rows(dtype: torch.dtype = torch.float32) -> int:
+    """The most rows of `dtype` (fp32 or bf16) the kernel is faster for than PyTorch's GEMM on
+    this build (it says: fp32 64 with AVX-512, where its register tiles were measured, 8
+    elsewhere; bf16 64 with AVX512_BF16, 8 elsewhere); 0 without a kernel or for other dtypes."""
     k = kernel()
-    return 0 if k is None else k.max_rows
+    return 0 if k is None else k.max_rows.get(dtype, 0)
 
 
 def rows_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [n, in] @ weight[out, in]^T + bias -> [n, out]; fp32, contiguous, CPU, `kernel()` set."""
+    """x [n, in] @ weight[out, in]^T + bias -> [n, out] in x's dtype; x and weight both fp32 or
+    both bf16, contiguous, on the CPU, `kernel()` set. bf16 sums in fp32 and rounds once."""
     n, k = x.shape
-    out = torch.empty(n, weight.shape[0], dtype=x.dtype)
-    kernel()(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
-             n, k, weight.shape[0], torch.get_num_threads())
-    return out
+    fn = kernel()
+    if x.dtype == torch.bfloat16:
+        fn = fn.bf16
+        bias = None if bias is None else bias.float().contiguous()
+    out = torch.empty(n, weight.shape[0], dtype=torch.float32)
+    fn(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
+       n, k, weight.shape[0], torch.get_num_threads())
+    return out if x.dtype == torch.float32 else out.to(x.dtype)

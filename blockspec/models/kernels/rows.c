@@ -1,9 +1,13 @@
-/* y[n, out] = x[n, in] . w[out, in]^T (+ bias[out]) in fp32, for a few rows n (decoding, verification).
+/* y[n, out] = x[n, in] . w[out, in]^T (+ bias[out]) for a few rows n (decoding, verification), summed
+ * in fp32. x and w are both fp32 (bs_rows_matmul) or both bf16 (bs_rows_matmul_bf16, for bf16
+ * models: half the bytes to stream). bias and y are fp32.
  *
  * Built at first use by blockspec/models/rowmatmul.py (gcc or clang, -O3 -march=native -fopenmp
  * -std=c11, under which the compiler never fuses a * b + c itself). Written with GCC vector
  * extensions so the compiler picks the widest vector unit it has; multiply-adds are fused (one
- * rounding) where the CPU has FMA, through fma16.
+ * rounding) where the CPU has FMA, through fma16. bf16 inputs are widened to fp32 in registers
+ * (exact), or, where the CPU has AVX512_BF16, multiplied in pairs by its dot-product instruction
+ * (twice the products per instruction: from 8 rows on, the tiles are bound by arithmetic).
  *
  * Why: a decoding step multiplies a handful of rows by every weight matrix; the run time should
  * be the time to stream the weights from memory once. Two tilings:
@@ -16,9 +20,10 @@
  *   row groups of x pass over them, and the next tile's are prefetched.
  *
  * Every output element is accumulated the same way whatever n, the tiling, the row grouping or
- * the thread split: 16-wide partial sums over `in` in order (fma16), one fixed reduction tree,
- * then the scalar tail, then the bias. So a row gets the same bits alone or beside others (batch
- * invariance), which keeps speculative verification bit-equal to one-token decoding.
+ * the thread split: 16-wide partial sums over `in` in order (fma16, or dp16 on 32-element steps),
+ * one fixed reduction tree, then the scalar tail, then the bias. So a row gets the same bits alone
+ * or beside others (batch invariance), which keeps speculative verification bit-equal to
+ * one-token decoding.
  */
 #include <stdint.h>
 #include <string.h>
@@ -29,12 +34,54 @@
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
+typedef uint16_t h16 __attribute__((vector_size(32)));
+typedef uint32_t u16 __attribute__((vector_size(64)));
 
 static inline v16 load16(const float *p) {
     v16 v;
     memcpy(&v, p, sizeof v);
     return v;
 }
+
+/* Elements are fp32 (bf == 0) or bf16 (bf == 1); bf is a literal at every entry point, so each
+ * helper below is compiled once per element type. */
+static inline const void *at(const void *p, int64_t i, const int bf) {
+    return bf ? (const void *)((const uint16_t *)p + i) : (const void *)((const float *)p + i);
+}
+
+/* 16 elements from p + i as fp32 (a bf16 is the top half of an fp32: widening is exact) */
+static inline v16 load(const void *p, int64_t i, const int bf) {
+    if (!bf) return load16((const float *)p + i);
+    h16 h;
+    memcpy(&h, (const uint16_t *)p + i, sizeof h);
+    u16 u = __builtin_convertvector(h, u16) << 16;
+    v16 v;
+    memcpy(&v, &u, sizeof v);
+    return v;
+}
+
+/* the bits of 32 bf16 elements from p + i, unconverted (for dp16) */
+static inline v16 load32h(const void *p, int64_t i) { return load16((const float *)((const uint16_t *)p + i)); }
+
+static inline float scalar(const void *p, int64_t i, const int bf) {
+    if (!bf) return ((const float *)p)[i];
+    uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+#if defined(__AVX512BF16__)
+#define DP 1 /* bf16 products through the dot-product instruction, 32 elements per step */
+/* a[i] + b[2i] c[2i] + b[2i+1] c[2i+1] (b, c: the bits of 32 bf16 each) */
+static inline v16 dp16(v16 a, v16 b, v16 c) { return (v16)_mm512_dpbf16_ps((__m512)a, (__m512bh)b, (__m512bh)c); }
+#else
+#define DP 0
+static inline v16 dp16(v16 a, v16 b, v16 c) { (void)b, (void)c; return a; } /* never called */
+#endif
+
+/* elements of `in` per vector step: 32 through dp16, else 16 */
+#define STEP(bf) ((bf) && DP ? 32 : 16)
 
 /* a + b * c, one rounding where the CPU has fused multiply-add (written out: the compiler must not
  * decide loop by loop, or rows would get different bits on different paths) */
@@ -74,39 +121,46 @@ static inline v4 reduce16x4(v16 a, v16 b, v16 c, v16 d) {
 }
 
 /* MR rows (MR <= 8) of x (row stride in) times one weight row w -> y[r * ldy] */
-static inline __attribute__((always_inline)) void tile(const float *x, const float *w, const float *bias, float *y,
-                                                       int64_t in, int64_t ldy, const int MR) {
-    const int64_t kv = in & ~(int64_t)15;
+static inline __attribute__((always_inline)) void tile(const void *x, const void *w, const float *bias, float *y,
+                                                       int64_t in, int64_t ldy, const int MR, const int bf) {
+    const int64_t kv = in - in % STEP(bf);
     v16 acc[8];
 #pragma GCC unroll 8
     for (int r = 0; r < MR; r++) acc[r] = (v16){0};
-    for (int64_t k = 0; k < kv; k += 16) {
-        const v16 wv = load16(w + k);
+    for (int64_t k = 0; k < kv; k += STEP(bf)) {
+        if (bf && DP) {
+            const v16 wv = load32h(w, k);
 #pragma GCC unroll 8
-        for (int r = 0; r < MR; r++) acc[r] = fma16(acc[r], wv, load16(x + r * in + k));
+            for (int r = 0; r < MR; r++) acc[r] = dp16(acc[r], wv, load32h(x, r * in + k));
+        } else {
+            const v16 wv = load(w, k, bf);
+#pragma GCC unroll 8
+            for (int r = 0; r < MR; r++) acc[r] = fma16(acc[r], wv, load(x, r * in + k, bf));
+        }
     }
 #pragma GCC unroll 8
     for (int r = 0; r < MR; r++) {
         float s = reduce16(acc[r]);
-        for (int64_t k = kv; k < in; k++) s += w[k] * x[r * in + k];
+        for (int64_t k = kv; k < in; k++) s += scalar(w, k, bf) * scalar(x, r * in + k, bf);
         y[r * ldy] = bias ? s + *bias : s;
     }
 }
 
 /* one output column for all n rows, eight rows at a time */
-static void column(const float *x, const float *w, const float *bias, float *y, int64_t n, int64_t in, int64_t ldy) {
+static inline __attribute__((always_inline)) void column(const void *x, const void *w, const float *bias, float *y,
+                                                         int64_t n, int64_t in, int64_t ldy, const int bf) {
     int64_t r = 0;
-    for (; r + 8 <= n; r += 8) tile(x + r * in, w, bias, y + r * ldy, in, ldy, 8);
-    x += r * in;
+    for (; r + 8 <= n; r += 8) tile(at(x, r * in, bf), w, bias, y + r * ldy, in, ldy, 8, bf);
+    x = at(x, r * in, bf);
     y += r * ldy;
     switch (n - r) {
-    case 7: tile(x, w, bias, y, in, ldy, 7); break;
-    case 6: tile(x, w, bias, y, in, ldy, 6); break;
-    case 5: tile(x, w, bias, y, in, ldy, 5); break;
-    case 4: tile(x, w, bias, y, in, ldy, 4); break;
-    case 3: tile(x, w, bias, y, in, ldy, 3); break;
-    case 2: tile(x, w, bias, y, in, ldy, 2); break;
-    case 1: tile(x, w, bias, y, in, ldy, 1); break;
+    case 7: tile(x, w, bias, y, in, ldy, 7, bf); break;
+    case 6: tile(x, w, bias, y, in, ldy, 6, bf); break;
+    case 5: tile(x, w, bias, y, in, ldy, 5, bf); break;
+    case 4: tile(x, w, bias, y, in, ldy, 4, bf); break;
+    case 3: tile(x, w, bias, y, in, ldy, 3, bf); break;
+    case 2: tile(x, w, bias, y, in, ldy, 2, bf); break;
+    case 1: tile(x, w, bias, y, in, ldy, 1, bf); break;
     }
 }
 
@@ -126,12 +180,15 @@ static void column(const float *x, const float *w, const float *bias, float *y, 
 #define ROWS_MAX 8 /* the tiled path is not measured on narrower vector units: oneDNN beyond 8 */
 #endif
 
-/* The most rows a caller should send here; more go to a GEMM library (models/linear.py). */
+/* The most rows a caller should send here; more go to a GEMM library (models/linear.py). bf16:
+ * with the dot-product instruction measured faster than oneDNN up to 64 rows and more on a
+ * 2-core AVX-512 machine; widened in registers, faster up to 8 rows there and slower from 20. */
 int bs_rows_max(void) { return ROWS_MAX; }
+int bs_rows_max_bf16(void) { return DP ? ROWS_MAX : 8; }
 
-static inline v16 keep16(const float *p) {
-    v16 v = load16(p);
-#if defined(__AVX512F__) /* GCC would reload it at every use; elsewhere it spans two registers */
+/* GCC would reload a vector at every use; elsewhere it spans two registers */
+static inline v16 keep(v16 v) {
+#if defined(__AVX512F__)
     __asm__("" : "+v"(v));
 #endif
     return v;
@@ -139,26 +196,27 @@ static inline v16 keep16(const float *p) {
 
 /* rows x cols tile (rows <= BR, cols <= BC): x rows and w rows of stride `in` -> y[r * ldy + c];
  * `next`: the following tile's weights, prefetched while this one runs */
-static inline __attribute__((always_inline)) void block(const float *x, const float *w, const float *bias, float *y,
-                                                        const float *next, int64_t in, int64_t ldy, const int rows,
-                                                        const int cols) {
-    const int64_t kv = in & ~(int64_t)15;
+static inline __attribute__((always_inline)) void block(const void *x, const void *w, const float *bias, float *y,
+                                                        const void *next, int64_t in, int64_t ldy, const int rows,
+                                                        const int cols, const int bf) {
+    const int64_t kv = in - in % STEP(bf);
     const v16 z = {0};
     v16 acc[BR][BC];
 #pragma GCC unroll 4
     for (int r = 0; r < rows; r++)
 #pragma GCC unroll 4
         for (int c = 0; c < cols; c++) acc[r][c] = z;
-    for (int64_t k = 0; k < kv; k += 16) {
+    for (int64_t k = 0; k < kv; k += STEP(bf)) {
         v16 xv[BR];
 #pragma GCC unroll 4
-        for (int r = 0; r < rows; r++) xv[r] = keep16(x + r * in + k);
+        for (int r = 0; r < rows; r++) xv[r] = keep(bf && DP ? load32h(x, r * in + k) : load(x, r * in + k, bf));
 #pragma GCC unroll 4
         for (int c = 0; c < cols; c++) {
-            __builtin_prefetch(next + c * in + k);
-            const v16 wv = keep16(w + c * in + k);
+            __builtin_prefetch(at(next, c * in + k, bf));
+            const v16 wv = keep(bf && DP ? load32h(w, c * in + k) : load(w, c * in + k, bf));
 #pragma GCC unroll 4
-            for (int r = 0; r < rows; r++) acc[r][c] = fma16(acc[r][c], wv, xv[r]);
+            for (int r = 0; r < rows; r++)
+                acc[r][c] = bf && DP ? dp16(acc[r][c], wv, xv[r]) : fma16(acc[r][c], wv, xv[r]);
         }
     }
 #pragma GCC unroll 4
@@ -171,7 +229,7 @@ static inline __attribute__((always_inline)) void block(const float *x, const fl
 #pragma GCC unroll 4
         for (int c = 0; c < cols; c++) {
             float t = s[c];
-            for (int64_t k = kv; k < in; k++) t += w[c * in + k] * x[r * in + k];
+            for (int64_t k = kv; k < in; k++) t += scalar(w, c * in + k, bf) * scalar(x, r * in + k, bf);
             y[r * ldy + c] = bias ? t + bias[c] : t;
         }
     }
@@ -180,28 +238,29 @@ static inline __attribute__((always_inline)) void block(const float *x, const fl
 #if BR == 4
 #define ROW_BLOCKS(COLS)                                                                               \
     for (int64_t r0 = 0; r0 < n; r0 += BR) {                                                           \
-        const float *xr = x + r0 * in;                                                                 \
+        const void *xr = at(x, r0 * in, bf);                                                                 \
         float *yr = y + r0 * ldy;                                                                      \
         switch (n - r0 < BR ? n - r0 : BR) {                                                           \
-        case 4: block(xr, w, bias, yr, next, in, ldy, 4, COLS); break;                                 \
-        case 3: block(xr, w, bias, yr, next, in, ldy, 3, COLS); break;                                 \
-        case 2: block(xr, w, bias, yr, next, in, ldy, 2, COLS); break;                                 \
-        default: block(xr, w, bias, yr, next, in, ldy, 1, COLS); break;                                \
+        case 4: block(xr, w, bias, yr, next, in, ldy, 4, COLS, bf); break;                                 \
+        case 3: block(xr, w, bias, yr, next, in, ldy, 3, COLS, bf); break;                                 \
+        case 2: block(xr, w, bias, yr, next, in, ldy, 2, COLS, bf); break;                                 \
+        default: block(xr, w, bias, yr, next, in, ldy, 1, COLS, bf); break;                                \
         }                                                                                              \
     }
 #else
 #define ROW_BLOCKS(COLS)                                                                               \
     for (int64_t r0 = 0; r0 < n; r0 += BR) {                                                           \
         if (n - r0 >= 2)                                                                               \
-            block(x + r0 * in, w, bias, y + r0 * ldy, next, in, ldy, 2, COLS);                         \
+            block(at(x, r0 * in, bf), w, bias, y + r0 * ldy, next, in, ldy, 2, COLS, bf);                         \
         else                                                                                           \
-            block(x + r0 * in, w, bias, y + r0 * ldy, next, in, ldy, 1, COLS);                         \
+            block(at(x, r0 * in, bf), w, bias, y + r0 * ldy, next, in, ldy, 1, COLS, bf);                         \
     }
 #endif
 
 /* `cols` (<= BC) output columns for all n rows */
-static void blocks(const float *x, const float *w, const float *bias, float *y, const float *next, int64_t n,
-                   int64_t in, int64_t ldy, int cols) {
+static inline __attribute__((always_inline)) void blocks(const void *x, const void *w, const float *bias, float *y,
+                                                         const void *next, int64_t n, int64_t in, int64_t ldy, int cols,
+                                                         const int bf) {
     switch (cols) {
     case BC: ROW_BLOCKS(BC) break;
 #if BC == 4
@@ -214,22 +273,33 @@ static void blocks(const float *x, const float *w, const float *bias, float *y, 
 
 /* Returns 0. Output columns (in groups of BC on the tiled path) are split evenly between `threads`
  * OpenMP threads (the caller passes PyTorch's count: the OpenMP default of a thread PyTorch did
- * not configure may differ). */
+ * not configure may differ). One body per element type, each with a literal `bf`, so the helpers
+ * are specialised (a flag passed into the outlined OpenMP region would stay a run-time test). */
+#define ROWS_MATMUL(BF)                                                                                \
+    if (n < TILE_ROWS) {                                                                               \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                              \
+        for (int64_t j = 0; j < out; j++)                                                              \
+            column(x, at(w, j * in, BF), bias ? bias + j : 0, y + j, n, in, out, BF);                  \
+        return 0;                                                                                      \
+    }                                                                                                  \
+    const int64_t groups = (out + BC - 1) / BC;                                                        \
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")                                  \
+    for (int64_t g = 0; g < groups; g++) {                                                             \
+        const int64_t j = g * BC;                                                                      \
+        const int cols = out - j < BC ? (int)(out - j) : BC;                                           \
+        const void *next = at(w, (g + 1 < groups ? j + BC : j) * in, BF);                              \
+        blocks(x, at(w, j * in, BF), bias ? bias + j : 0, y + j, next, n, in, out, cols, BF);          \
+    }                                                                                                  \
+    return 0;
+
 int bs_rows_matmul(const float *x, const float *w, const float *bias, float *y, int64_t n, int64_t in,
                    int64_t out, int threads) {
-    if (n < TILE_ROWS) {
-#pragma omp parallel for schedule(static) num_threads(threads)
-        for (int64_t j = 0; j < out; j++)
-            column(x, w + j * in, bias ? bias + j : 0, y + j, n, in, out);
-        return 0;
-    }
-    const int64_t groups = (out + BC - 1) / BC;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t g = 0; g < groups; g++) {
-        const int64_t j = g * BC;
-        const int cols = out - j < BC ? (int)(out - j) : BC;
-        const float *next = w + (g + 1 < groups ? j + BC : j) * in;
-        blocks(x, w + j * in, bias ? bias + j : 0, y + j, next, n, in, out, cols);
-    }
-    return 0;
+    ROWS_MATMUL(0)
 }
+
+/* x, w: bf16 bit patterns */
+int bs_rows_matmul_bf16(const uint16_t *x, const uint16_t *w, const float *bias, float *y, int64_t n, int64_t in,
+                        int64_t out, int threads) {
+    ROWS_MATMUL(1)
+}
+
