@@ -5,8 +5,8 @@ MKL's GEMM, whose kernels for a handful of rows are poor: on the 2-core machine 
 on, 2 rows cost twice 1 row and a block of 16 cost 2.7 plain decoding steps. Faster paths:
 
 - "native" (the default; where no C compiler builds the kernel it acts as "onednn"): fp32 and
-  bf16 products of 1..`rowmatmul.max_rows(dtype)` rows (64 with AVX-512, and for bf16 with
-  AVX512_BF16; 8 elsewhere) run models/kernels/rows.c (models/rowmatmul.py), which streams the
+  bf16 products of 1..`rowmatmul.max_rows(dtype)` rows (fp32: 64 with AVX-512, 8 elsewhere;
+  bf16: any number, so bf16 targets stay lossless) run models/kernels/rows.c (models/rowmatmul.py), which streams the
   weights once and is batch invariant: a one-token SmolLM2-135M forward 1.7x faster than through
   oneDNN (BENCHMARKS.md, session 13), since its register tiles (session 17) forwards of 8-16
   tokens 1.3-1.5x faster, and a bf16 drafter's pass of 16-20 rows about 2x faster (session 18).

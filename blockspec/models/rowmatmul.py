@@ -12,6 +12,9 @@ bf16 products (a bf16 drafter, or a bf16 target) sum in fp32 and stream half the
 AVX512_BF16 they multiply in pairs, and a 16-20 row draft pass's projections took 1.8-2.2 ms
 against oneDNN's 4.0-4.6 (BENCHMARKS.md, session 18).
 
+The same library holds `kernels/attention.c`, the target's batch-invariant attention for a few
+query tokens (models/native/attention.py).
+
 Built with the system C compiler (`$CC`, else cc/gcc/clang; -O3 -march=native -fopenmp) into
 the blockspec cache (`$BLOCKSPEC_CACHE/kernels`, default ~/.cache/blockspec/kernels), keyed by the
 source, the compiler and the CPU. Without a working compiler, or with BLOCKSPEC_CPU_KERNELS=0,
@@ -34,7 +37,7 @@ import torch
 
 from blockspec.zoo import cache_root
 
-SOURCE = Path(__file__).parent / "kernels" / "rows.c"
+SOURCES = tuple(Path(__file__).parent / "kernels" / name for name in ("rows.c", "attention.c"))  # one library
 DISABLE_ENV = "BLOCKSPEC_CPU_KERNELS"
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
@@ -62,14 +65,16 @@ def _cpu_id() -> str:
 def build(cc: str, out_dir: Path) -> Path:
     """Compiles the kernel (if not cached) and returns the shared library's path."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, " ".join(_FLAGS), _cpu_id()]).encode())
+    texts = [src.read_text() for src in SOURCES]
+    key = hashlib.sha256("\0".join([*texts, cc, version, " ".join(_FLAGS), _cpu_id()]).encode())
     lib = out_dir / f"rows-{key.hexdigest()[:16]}.so"
     if lib.exists():
         return lib
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         tmp_lib = Path(tmp) / lib.name
-        subprocess.run([cc, *_FLAGS, str(SOURCE), "-o", str(tmp_lib)], capture_output=True, text=True, check=True)
+        subprocess.run([cc, *_FLAGS, *map(str, SOURCES), "-o", str(tmp_lib), "-lm"], capture_output=True, text=True,
+                       check=True)
         os.replace(tmp_lib, lib)  # atomic: concurrent processes (torchrun) never load half a file
     return lib
 
@@ -92,6 +97,10 @@ def _load() -> object | None:
         f.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
         f.restype = ctypes.c_int
     fn.max_rows = {torch.float32: int(lib.bs_rows_max()), torch.bfloat16: int(lib.bs_rows_max_bf16())}
+    fn.attention = {torch.float32: lib.bs_attention, torch.bfloat16: lib.bs_attention_bf16}
+    for f in fn.attention.values():
+        f.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_int]
+        f.restype = ctypes.c_int
     return fn if _agrees(fn) else None
 
 
@@ -118,9 +127,10 @@ def kernel() -> object | None:
 
 
 def max_rows(dtype: torch.dtype = torch.float32) -> int:
-    """The most rows of `dtype` (fp32 or bf16) the kernel is faster for than PyTorch's GEMM on
-    this build (it says: fp32 64 with AVX-512, where its register tiles were measured, 8
-    elsewhere; bf16 64 with AVX512_BF16, 8 elsewhere); 0 without a kernel or for other dtypes."""
+    """The most rows of `dtype` (fp32 or bf16) to send to the kernel on this build (it says: fp32
+    64 with AVX-512, where its register tiles were measured faster than PyTorch's GEMM, 8
+    elsewhere; bf16 any number, as bf16 models need batch-invariant products to stay lossless);
+    0 without a kernel or for other dtypes."""
     k = kernel()
     return 0 if k is None else k.max_rows.get(dtype, 0)
 

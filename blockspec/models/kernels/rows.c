@@ -181,10 +181,13 @@ static inline __attribute__((always_inline)) void column(const void *x, const vo
 #endif
 
 /* The most rows a caller should send here; more go to a GEMM library (models/linear.py). bf16:
- * with the dot-product instruction measured faster than oneDNN up to 64 rows and more on a
- * 2-core AVX-512 machine; widened in registers, faster up to 8 rows there and slower from 20. */
+ * every row count, because a bf16 model's speculative output stays equal to its plain decoding
+ * only if every product is batch invariant (one rounding of an activation to bf16 is 0.4%, and
+ * 30 layers carry it into the logits). Measured on a 2-core AVX-512 machine against oneDNN: with
+ * the dot-product instruction faster up to 96 rows, level at 128-256, 1.2x slower at 512
+ * (prefills); widened in registers, faster up to 8 rows and about 2x slower from 32. */
 int bs_rows_max(void) { return ROWS_MAX; }
-int bs_rows_max_bf16(void) { return DP ? ROWS_MAX : 8; }
+int bs_rows_max_bf16(void) { return 1 << 30; }
 
 /* GCC would reload a vector at every use; elsewhere it spans two registers */
 static inline v16 keep(v16 v) {

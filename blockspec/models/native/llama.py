@@ -17,6 +17,7 @@ from torch.nn import functional as F
 from blockspec.models.native.cache import KVStore, StaticCache, attention_mask
 from blockspec.models.native.config import NativeConfig
 from blockspec.models.linear import fast_cpu_single_row, project
+from blockspec.models.native.attention import cached_attention, visible_keys
 from blockspec.models.rope import Rotary, rope_inv_freq
 from blockspec.models.slots import EMPTY
 from blockspec.models.target import TargetInfo
@@ -138,6 +139,7 @@ class NativeLlama(nn.Module):
         cos, sin = self.rotary(positions, x.dtype)  # [b, q, d]
         cos, sin = cos[:, :, None], sin[:, :, None]
         horizon, mask, causal = self._masks(positions, cache, static)
+        visible = visible_keys(positions, static)  # [b, q]: the batch-invariant kernel's, or None
         write = cache.write_index(positions)  # [b, q]
         rows = torch.arange(b, device=ids.device)[:, None]
         wanted = set(layer_ids)
@@ -163,10 +165,12 @@ class NativeLlama(nn.Module):
             v_cache[rows, :, write] = vs
             # Query heads of one KV head attend together: [b, kvh, g * q, d], no K/V repeat.
             qg = qs.view(b, q, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * q, d)
-            out = F.scaled_dot_product_attention(
-                qg, k_cache[:, :, :horizon], v_cache[:, :, :horizon], attn_mask=mask, is_causal=causal,
-                scale=self.scale,
-            )
+            out = None if visible is None else cached_attention(qg, k_cache, v_cache, visible, horizon, self.scale)
+            if out is None:
+                out = F.scaled_dot_product_attention(
+                    qg, k_cache[:, :, :horizon], v_cache[:, :, :horizon], attn_mask=mask, is_causal=causal,
+                    scale=self.scale,
+                )
             out = out.view(b, kvh, g, q, d).permute(0, 3, 1, 2, 4).reshape(b, q, h * d)
             if packed is not None:
                 out = out.reshape(b * q, h * d)[packed]  # [T, h * d]

@@ -1,0 +1,176 @@
+/* Attention of a few query tokens over a KV cache, one query at a time: the decoding and
+ * verification passes of the native target on a CPU (models/native/llama.py).
+ *
+ * Why: PyTorch's CPU attention splits its work by the number of queries, so a query verified in
+ * a block of 4 got other bits than the same query decoded alone. In fp32 that moved logits by
+ * ~1e-5; in bf16, where every layer rounds its output to 8 bits of mantissa, by up to 0.4, and
+ * speculative output drifted from plain decoding within a few dozen tokens. Here every query row
+ * is computed the same way whatever the block: scores over its visible keys in key order (16-wide
+ * partial sums over the head dimension, one fixed reduction tree), a softmax with the maximum
+ * subtracted, then the weighted sum of values in key order. Up to CH query rows of one KV head
+ * share each key and value load, but every row runs its own, identical arithmetic. So a query gets the same bits alone
+ * or in any block, batch or thread split (batch invariance, as rows.c for the projections).
+ *
+ * Layouts: q [b, kvh, g * n, d] (the g query heads of one KV head together, n tokens each);
+ * k, v: a cache [b, kvh, cap, d] with batch and head strides in elements; visible [b, n]: the
+ * number of keys (a prefix) each token sees; out [b, kvh, g * n, d] fp32. q, k and v are fp32
+ * (bs_attention) or bf16 (bs_attention_bf16).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef uint16_t h16 __attribute__((vector_size(32)));
+typedef uint32_t u16 __attribute__((vector_size(64)));
+
+static inline v16 load(const void *p, int64_t i, const int bf) {
+    v16 v;
+    if (!bf) {
+        memcpy(&v, (const float *)p + i, sizeof v);
+        return v;
+    }
+    h16 h;
+    memcpy(&h, (const uint16_t *)p + i, sizeof h);
+    u16 u = __builtin_convertvector(h, u16) << 16;
+    memcpy(&v, &u, sizeof v);
+    return v;
+}
+
+static inline float scalar(const void *p, int64_t i, const int bf) {
+    if (!bf) return ((const float *)p)[i];
+    uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+/* (a[i] + a[i+8]) + (a[i+4] + a[i+12]) per lane i < 4, then (0 + 2) + (1 + 3) */
+static inline float reduce16(v16 a) {
+    v8 b = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+    v4 c = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
+    return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+/* R (<= CH) query rows of one KV head: q rows (stride d) over keys/values k, v (row stride d), row r
+ * seeing seen[r] of them. The keys and values are loaded once for the R rows; each row's
+ * arithmetic is the same whatever R and the other rows (it is the loop body of the r-th row). */
+#define CH 4
+static inline __attribute__((always_inline)) void rows_of(const void *q, const void *k, const void *v, float *out,
+                                                          float *scores, const int64_t *seen, int64_t stride,
+                                                          int64_t d, float scale, const int R, const int bf) {
+    const int64_t dv = d & ~(int64_t)15;
+    int64_t most = 0;
+    float top[CH], total[CH];
+    float qf[R * d]; /* the rows in fp32 once (exact), not widened again for every key */
+    for (int64_t i = 0; i < R * d; i++) qf[i] = scalar(q, i, bf);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        most = seen[r] > most ? seen[r] : most;
+        top[r] = -INFINITY;
+        total[r] = 0.0f;
+    }
+    for (int64_t j = 0; j < most; j++) {
+        v16 acc[CH];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) acc[r] = (v16){0};
+        for (int64_t i = 0; i < dv; i += 16) {
+            const v16 kv = load(k, j * d + i, bf);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) acc[r] += load(qf, r * d + i, 0) * kv;
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            if (j >= seen[r]) continue;
+            float s = reduce16(acc[r]);
+            for (int64_t i = dv; i < d; i++) s += qf[r * d + i] * scalar(k, j * d + i, bf);
+            s *= scale;
+            scores[r * stride + j] = s;
+            top[r] = s > top[r] ? s : top[r];
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        for (int64_t j = 0; j < seen[r]; j++) {
+            const float e = expf(scores[r * stride + j] - top[r]);
+            scores[r * stride + j] = e;
+            total[r] += e;
+        }
+        for (int64_t i = 0; i < d; i++) out[r * d + i] = 0.0f;
+    }
+    for (int64_t j = 0; j < most; j++) {
+        for (int64_t i = 0; i < dv; i += 16) {
+            const v16 vv = load(v, j * d + i, bf);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                if (j >= seen[r]) continue;
+                v16 o;
+                memcpy(&o, out + r * d + i, sizeof o);
+                o += scores[r * stride + j] * vv;
+                memcpy(out + r * d + i, &o, sizeof o);
+            }
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+            if (j < seen[r])
+                for (int64_t i = dv; i < d; i++) out[r * d + i] += scores[r * stride + j] * scalar(v, j * d + i, bf);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        const float inv = seen[r] > 0 ? 1.0f / total[r] : 0.0f;
+        for (int64_t i = 0; i < d; i++) out[r * d + i] *= inv;
+    }
+}
+
+/* Work items: (batch row, KV head, CH consecutive query rows); each writes its own output rows. */
+#define ATTENTION(BF)                                                                                  \
+    const int64_t m = g * n, chunks = (m + CH - 1) / CH, items = b * kvh * chunks;                     \
+    const int64_t stride = horizon > 0 ? horizon : 1;                                                  \
+    int failed = 0;                                                                                    \
+    _Pragma("omp parallel num_threads(threads) reduction(|| : failed)")                                \
+    {                                                                                                  \
+        float *scores = malloc((size_t)(CH * stride) * sizeof(float));                                 \
+        if (!scores) failed = 1;                                                                       \
+        else {                                                                                         \
+            _Pragma("omp for schedule(static)")                                                        \
+            for (int64_t it = 0; it < items; it++) {                                                   \
+                const int64_t bi = it / (kvh * chunks), hi = (it / chunks) % kvh, r0 = (it % chunks) * CH; \
+                const int R = m - r0 < CH ? (int)(m - r0) : CH;                                        \
+                int64_t seen[CH];                                                                      \
+                for (int r = 0; r < R; r++) {                                                          \
+                    const int64_t s = visible[bi * n + (r0 + r) % n];                                  \
+                    seen[r] = s < horizon ? s : horizon;                                               \
+                }                                                                                      \
+                const int64_t qr = (bi * kvh + hi) * m + r0, kv = bi * sb + hi * sh;                   \
+                const void *qp = BF ? (const void *)((const uint16_t *)q + qr * d) : (const void *)((const float *)q + qr * d); \
+                const void *kp = BF ? (const void *)((const uint16_t *)k + kv) : (const void *)((const float *)k + kv);         \
+                const void *vp = BF ? (const void *)((const uint16_t *)v + kv) : (const void *)((const float *)v + kv);         \
+                float *op = out + qr * d;                                                              \
+                switch (R) {                                                                           \
+                case 4: rows_of(qp, kp, vp, op, scores, seen, stride, d, scale, 4, BF); break;          \
+                case 3: rows_of(qp, kp, vp, op, scores, seen, stride, d, scale, 3, BF); break;          \
+                case 2: rows_of(qp, kp, vp, op, scores, seen, stride, d, scale, 2, BF); break;          \
+                default: rows_of(qp, kp, vp, op, scores, seen, stride, d, scale, 1, BF); break;         \
+                }                                                                                      \
+            }                                                                                          \
+            free(scores);                                                                              \
+        }                                                                                              \
+    }                                                                                                  \
+    return failed ? -1 : 0;
+
+/* Returns 0, or -1 when scratch memory could not be allocated. */
+int bs_attention(const float *q, const float *k, const float *v, float *out, const int64_t *visible, int64_t b,
+                 int64_t kvh, int64_t g, int64_t n, int64_t d, int64_t sb, int64_t sh, int64_t horizon, float scale,
+                 int threads) {
+    ATTENTION(0)
+}
+
+int bs_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, float *out, const int64_t *visible,
+                      int64_t b, int64_t kvh, int64_t g, int64_t n, int64_t d, int64_t sb, int64_t sh, int64_t horizon,
+                      float scale, int threads) {
+    ATTENTION(1)
+}

@@ -1,0 +1,94 @@
+"""The native target's batch-invariant CPU attention (models/native/attention.py, kernels/attention.c)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_tiny_target
+from test_spec_lossless import ragged_prompts
+
+from blockspec.config import SamplingParams, SpecConfig
+from blockspec.models import rowmatmul
+from blockspec.models.drafter import new_drafter_for_target
+from blockspec.models.native import attention as native_attention
+from blockspec.models.native import load_native_target
+from blockspec.models.native.cache import attention_mask
+from blockspec.models.slots import EMPTY
+from blockspec.spec.decode import SpecDecoder
+
+
+def _case(b: int, kvh: int, g: int, n: int, d: int, cap: int, dtype: torch.dtype, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    k, v = (torch.randn(b, kvh, cap, d, generator=gen).to(dtype) for _ in range(2))
+    q = torch.randn(b, kvh, g * n, d, generator=gen).to(dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [8, 64, 72])
+def test_matches_sdpa_and_each_query_gets_its_bits_alone(dtype: torch.dtype, d: int) -> None:
+    """Numbers as PyTorch's attention under the target's causal mask (padding rows included),
+    and a query's output bits are the same in a block of 5, in a batch of 3 rows or alone."""
+    assert rowmatmul.kernel() is not None
+    b, kvh, g, n, cap = 3, 2, 3, 5, 40
+    q, k, v = _case(b, kvh, g, n, d, cap, dtype, seed=d)
+    positions = torch.tensor([[20, 21, 22, 23, 24], [7, 8, 9, 10, 11], [EMPTY, EMPTY, 30, 31, 32]])
+    horizon = int(positions.max()) + 1
+    visible = native_attention.visible_keys(positions, static=False)
+    got = native_attention.cached_attention(q, k, v, visible, horizon, 0.3)
+    assert got.dtype == dtype and got.shape == q.shape
+    mask = attention_mask(positions, horizon, g)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k[:, :, :horizon].double(), v[:, :, :horizon].double(), attn_mask=mask, scale=0.3)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+    rows = q.view(b, kvh, g, n, d)
+    for bi in range(b):
+        for t in range(n):
+            alone_q = rows[bi : bi + 1, :, :, t : t + 1].reshape(1, kvh, g, d).contiguous()
+            alone = native_attention.cached_attention(
+                alone_q, k[bi : bi + 1].contiguous(), v[bi : bi + 1].contiguous(), visible[bi : bi + 1, t : t + 1].clone(),
+                horizon, 0.3)
+            assert torch.equal(alone.view(kvh, g, d), got.view(b, kvh, g, n, d)[bi, :, :, t])
+
+
+def test_only_cpu_passes_of_a_few_tokens_take_the_kernel() -> None:
+    few = torch.arange(4)[None]
+    assert native_attention.visible_keys(few, static=False).tolist() == [[1, 2, 3, 4]]
+    assert native_attention.visible_keys(few, static=True) is None  # fixed shapes (CUDA graphs)
+    assert native_attention.visible_keys(torch.arange(native_attention.MAX_TOKENS + 1)[None], static=False) is None
+    q, k, v = _case(1, 1, 1, 1, 8, 4, torch.float64, seed=0)
+    assert native_attention.cached_attention(q, k, v, torch.ones(1, 1, dtype=torch.int64), 4, 1.0) is None
+
+
+def _bf16_target():
+    model = make_tiny_target("llama", seed=31, hidden_size=384, num_attention_heads=6, num_key_value_heads=2,
+                             intermediate_size=128, num_hidden_layers=3)
+    return model, load_native_target(model, dtype=torch.bfloat16, eos_token_ids=())
+
+
+def test_a_bf16_block_forward_equals_one_token_forwards_bit_for_bit() -> None:
+    """300 tokens of context (past PyTorch attention's small-size paths), then a block of 6."""
+    _, target = _bf16_target()
+    ids = torch.randint(0, 48, (1, 306), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        block_cache, step_cache = target.new_cache(1), target.new_cache(1)
+        for cache in (block_cache, step_cache):
+            cache.reserve(306)
+            target.forward(ids[:, :300], torch.arange(300)[None], cache)
+        block, _ = target.forward(ids[:, 300:], torch.arange(300, 306)[None], block_cache)  # [1, 6, V]
+        steps = [target.forward(ids[:, p : p + 1], torch.tensor([[p]]), step_cache)[0] for p in range(300, 306)]
+    assert block.dtype == torch.bfloat16
+    assert torch.equal(block, torch.cat(steps, dim=1))
+
+
+def test_bf16_speculative_greedy_equals_plain_greedy() -> None:
+    """bf16 rounds every layer's output: verification must compute each token exactly as plain
+    decoding does (on SmolLM2-135M in bf16, PyTorch's attention made 7 of 8 outputs drift)."""
+    model, target = _bf16_target()
+    prompts = ragged_prompts(4, seed=32, vocab=48)
+    params = SamplingParams(max_new_tokens=40)
+    plain = [r.token_ids for r in SpecDecoder(target, None, SpecConfig(block_size=1)).generate(prompts, params)]
+    drafter = new_drafter_for_target(model.config, mask_token_id=47, num_layers=1, dtype=torch.bfloat16)
+    spec = [r.token_ids for r in SpecDecoder(target, drafter, SpecConfig(block_size=8)).generate(prompts, params)]
+    assert spec == plain
