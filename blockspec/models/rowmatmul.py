@@ -38,6 +38,7 @@ import torch
 from blockspec.zoo import cache_root
 
 SOURCES = tuple(Path(__file__).parent / "kernels" / name for name in ("rows.c", "attention.c"))  # one library
+HEADERS = (Path(__file__).parent / "kernels" / "vec.h",)
 DISABLE_ENV = "BLOCKSPEC_CPU_KERNELS"
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
@@ -65,7 +66,7 @@ def _cpu_id() -> str:
 def build(cc: str, out_dir: Path) -> Path:
     """Compiles the kernel (if not cached) and returns the shared library's path."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    texts = [src.read_text() for src in SOURCES]
+    texts = [src.read_text() for src in (*SOURCES, *HEADERS)]
     key = hashlib.sha256("\0".join([*texts, cc, version, " ".join(_FLAGS), _cpu_id()]).encode())
     lib = out_dir / f"rows-{key.hexdigest()[:16]}.so"
     if lib.exists():

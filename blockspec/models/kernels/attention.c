@@ -17,44 +17,9 @@
  * (bs_attention) or bf16 (bs_attention_bf16).
  */
 #include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef uint16_t h16 __attribute__((vector_size(32)));
-typedef uint32_t u16 __attribute__((vector_size(64)));
-
-static inline v16 load(const void *p, int64_t i, const int bf) {
-    v16 v;
-    if (!bf) {
-        memcpy(&v, (const float *)p + i, sizeof v);
-        return v;
-    }
-    h16 h;
-    memcpy(&h, (const uint16_t *)p + i, sizeof h);
-    u16 u = __builtin_convertvector(h, u16) << 16;
-    memcpy(&v, &u, sizeof v);
-    return v;
-}
-
-static inline float scalar(const void *p, int64_t i, const int bf) {
-    if (!bf) return ((const float *)p)[i];
-    uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-
-/* (a[i] + a[i+8]) + (a[i+4] + a[i+12]) per lane i < 4, then (0 + 2) + (1 + 3) */
-static inline float reduce16(v16 a) {
-    v8 b = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
-    v4 c = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
-    return (c[0] + c[2]) + (c[1] + c[3]);
-}
+#include "vec.h"
 
 /* R (<= CH) query rows of one KV head: q rows (stride d) over keys/values k, v (row stride d), row r
  * seeing seen[r] of them. The keys and values are loaded once for the R rows; each row's
@@ -146,9 +111,7 @@ static inline __attribute__((always_inline)) void rows_of(const void *q, const v
                     seen[r] = s < horizon ? s : horizon;                                               \
                 }                                                                                      \
                 const int64_t qr = (bi * kvh + hi) * m + r0, kv = bi * sb + hi * sh;                   \
-                const void *qp = BF ? (const void *)((const uint16_t *)q + qr * d) : (const void *)((const float *)q + qr * d); \
-                const void *kp = BF ? (const void *)((const uint16_t *)k + kv) : (const void *)((const float *)k + kv);         \
-                const void *vp = BF ? (const void *)((const uint16_t *)v + kv) : (const void *)((const float *)v + kv);         \
+                const void *qp = at(q, qr * d, BF), *kp = at(k, kv, BF), *vp = at(v, kv, BF);                \
                 float *op = out + qr * d;                                                              \
                 switch (R) {                                                                           \
                 case 4: rows_of(qp, kp, vp, op, scores, seen, stride, d, scale, 4, BF); break;          \

@@ -25,51 +25,13 @@
  * or beside others (batch invariance), which keeps speculative verification bit-equal to
  * one-token decoding.
  */
-#include <stdint.h>
-#include <string.h>
+#include "vec.h"
 #if defined(__AVX512F__) || defined(__FMA__)
 #include <immintrin.h>
 #endif
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-typedef uint16_t h16 __attribute__((vector_size(32)));
-typedef uint32_t u16 __attribute__((vector_size(64)));
-
-static inline v16 load16(const float *p) {
-    v16 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-/* Elements are fp32 (bf == 0) or bf16 (bf == 1); bf is a literal at every entry point, so each
- * helper below is compiled once per element type. */
-static inline const void *at(const void *p, int64_t i, const int bf) {
-    return bf ? (const void *)((const uint16_t *)p + i) : (const void *)((const float *)p + i);
-}
-
-/* 16 elements from p + i as fp32 (a bf16 is the top half of an fp32: widening is exact) */
-static inline v16 load(const void *p, int64_t i, const int bf) {
-    if (!bf) return load16((const float *)p + i);
-    h16 h;
-    memcpy(&h, (const uint16_t *)p + i, sizeof h);
-    u16 u = __builtin_convertvector(h, u16) << 16;
-    v16 v;
-    memcpy(&v, &u, sizeof v);
-    return v;
-}
-
 /* the bits of 32 bf16 elements from p + i, unconverted (for dp16) */
 static inline v16 load32h(const void *p, int64_t i) { return load16((const float *)((const uint16_t *)p + i)); }
-
-static inline float scalar(const void *p, int64_t i, const int bf) {
-    if (!bf) return ((const float *)p)[i];
-    uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
 
 #if defined(__AVX512BF16__)
 #define DP 1 /* bf16 products through the dot-product instruction, 32 elements per step */
@@ -99,17 +61,6 @@ static inline v16 fma16(v16 a, v16 b, v16 c) {
 #else
     return a + b * c;
 #endif
-}
-
-/* 16 lanes -> 4: lane i sums the lanes congruent to i mod 4, (a[i] + a[i+8]) + (a[i+4] + a[i+12]) */
-static inline v4 fold4(v16 a) {
-    v8 b = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
-    return __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
-}
-
-static inline float reduce16(v16 a) {
-    v4 c = fold4(a);
-    return (c[0] + c[2]) + (c[1] + c[3]);
 }
 
 /* {reduce16(a), reduce16(b), reduce16(c), reduce16(d)} in four vector additions: the same tree */

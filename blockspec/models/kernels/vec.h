@@ -1,0 +1,55 @@
+/* Vector types and loads shared by the CPU kernels (rows.c, attention.c). GCC vector extensions:
+ * the compiler picks the widest vector unit it has. Elements are fp32 (bf == 0) or bf16 (bf == 1);
+ * bf is a literal at every call site, so each helper is compiled once per element type. */
+#ifndef BLOCKSPEC_VEC_H
+#define BLOCKSPEC_VEC_H
+#include <stdint.h>
+#include <string.h>
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+typedef uint16_t h16 __attribute__((vector_size(32)));
+typedef uint32_t u16 __attribute__((vector_size(64)));
+
+static inline v16 load16(const float *p) {
+    v16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline const void *at(const void *p, int64_t i, const int bf) {
+    return bf ? (const void *)((const uint16_t *)p + i) : (const void *)((const float *)p + i);
+}
+
+/* 16 elements from p + i as fp32 (a bf16 is the top half of an fp32: widening is exact) */
+static inline v16 load(const void *p, int64_t i, const int bf) {
+    if (!bf) return load16((const float *)p + i);
+    h16 h;
+    memcpy(&h, (const uint16_t *)p + i, sizeof h);
+    u16 u = __builtin_convertvector(h, u16) << 16;
+    v16 v;
+    memcpy(&v, &u, sizeof v);
+    return v;
+}
+
+static inline float scalar(const void *p, int64_t i, const int bf) {
+    if (!bf) return ((const float *)p)[i];
+    uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* 16 lanes -> 4: lane i sums the lanes congruent to i mod 4, (a[i] + a[i+8]) + (a[i+4] + a[i+12]) */
+static inline v4 fold4(v16 a) {
+    v8 b = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+    return __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
+}
+
+/* the sum of 16 lanes by one fixed tree */
+static inline float reduce16(v16 a) {
+    v4 c = fold4(a);
+    return (c[0] + c[2]) + (c[1] + c[3]);
+}
+#endif
