@@ -21,6 +21,42 @@
 
 #include "vec.h"
 
+/* e^x per lane for x <= 0 (scores minus their maximum): x = n ln2 + t with |t| <= ln2 / 2, e^t by
+ * Cephes' degree-6 polynomial (relative error ~1e-7), times 2^n through the exponent bits; below
+ * -87 it is 0. Lane by lane, so a score's weight does not depend on its neighbours. libm's expf,
+ * one call per score, took most of a batched verify's attention. */
+typedef int32_t i16 __attribute__((vector_size(64)));
+static inline v16 select16(i16 mask, v16 a, v16 b) { /* a where mask, else b (C has no vector ?:) */
+    i16 ia, ib;
+    memcpy(&ia, &a, sizeof ia);
+    memcpy(&ib, &b, sizeof ib);
+    ia = (mask & ia) | (~mask & ib);
+    v16 r;
+    memcpy(&r, &ia, sizeof r);
+    return r;
+}
+
+static inline v16 exp16(v16 x) {
+    const v16 lo = (v16){0} - 87.0f;
+    const i16 under = x < lo;
+    x = select16(under, lo, x);
+    const i16 n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, i16); /* round(x / ln2), x <= 0 */
+    const v16 nf = __builtin_convertvector(n, v16);
+    const v16 t = (x - nf * 0.693359375f) - nf * -2.12194440e-4f;
+    v16 p = t * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * t + 8.3334519073e-3f;
+    p = p * t + 4.1665795894e-2f;
+    p = p * t + 1.6666665459e-1f;
+    p = p * t + 5.0000001201e-1f;
+    p = p * (t * t) + t + 1.0f;
+    i16 bits;
+    memcpy(&bits, &p, sizeof bits);
+    bits += n << 23;
+    v16 e;
+    memcpy(&e, &bits, sizeof e);
+    return select16(under, (v16){0}, e);
+}
+
 /* R (<= CH) query rows of one KV head: q rows (stride d) over keys/values k, v (row stride d), row r
  * seeing seen[r] of them. The keys and values are loaded once for the R rows; each row's
  * arithmetic is the same whatever R and the other rows (it is the loop body of the r-th row). */
@@ -39,50 +75,80 @@ static inline __attribute__((always_inline)) void rows_of(const void *q, const v
         top[r] = -INFINITY;
         total[r] = 0.0f;
     }
-    for (int64_t j = 0; j < most; j++) {
-        v16 acc[CH];
+    /* scores, four keys at a time: each is reduced by reduce16's tree (reduce16x4) */
+    for (int64_t j = 0; j < most; j += 4) {
+        const int C = most - j < 4 ? (int)(most - j) : 4;
+        v16 acc[CH][4];
 #pragma GCC unroll 4
-        for (int r = 0; r < R; r++) acc[r] = (v16){0};
+        for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++) acc[r][c] = (v16){0};
         for (int64_t i = 0; i < dv; i += 16) {
-            const v16 kv = load(k, j * d + i, bf);
+            v16 qv[CH];
 #pragma GCC unroll 4
-            for (int r = 0; r < R; r++) acc[r] += load(qf, r * d + i, 0) * kv;
+            for (int r = 0; r < R; r++) qv[r] = load(qf, r * d + i, 0);
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++) {
+                if (c >= C) break;
+                const v16 kv = load(k, (j + c) * d + i, bf);
+#pragma GCC unroll 4
+                for (int r = 0; r < R; r++) acc[r][c] += qv[r] * kv;
+            }
         }
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
-            if (j >= seen[r]) continue;
-            float s = reduce16(acc[r]);
-            for (int64_t i = dv; i < d; i++) s += qf[r * d + i] * scalar(k, j * d + i, bf);
-            s *= scale;
-            scores[r * stride + j] = s;
-            top[r] = s > top[r] ? s : top[r];
+            const v4 s4 = reduce16x4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+            for (int c = 0; c < C && j + c < seen[r]; c++) {
+                float s = s4[c];
+                for (int64_t i = dv; i < d; i++) s += qf[r * d + i] * scalar(k, (j + c) * d + i, bf);
+                s *= scale;
+                scores[r * stride + j + c] = s;
+                top[r] = s > top[r] ? s : top[r];
+            }
         }
     }
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) {
-        for (int64_t j = 0; j < seen[r]; j++) {
-            const float e = expf(scores[r * stride + j] - top[r]);
-            scores[r * stride + j] = e;
-            total[r] += e;
+        for (int64_t j = 0; j < seen[r]; j += 16) {
+            const int64_t left = seen[r] - j < 16 ? seen[r] - j : 16;
+            v16 x = (v16){0} - 100.0f; /* lanes past the row's keys: exp underflows to 0 */
+            memcpy(&x, scores + r * stride + j, (size_t)left * sizeof(float));
+            const v16 e = exp16(x - top[r]);
+            memcpy(scores + r * stride + j, &e, (size_t)left * sizeof(float));
+            for (int64_t c = 0; c < left; c++) total[r] += e[c];
         }
-        for (int64_t i = 0; i < d; i++) out[r * d + i] = 0.0f;
     }
-    for (int64_t j = 0; j < most; j++) {
-        for (int64_t i = 0; i < dv; i += 16) {
-            const v16 vv = load(v, j * d + i, bf);
+    /* values, in slabs of four vectors of the head dimension held in registers for the R rows */
+    for (int64_t i0 = 0; i0 < dv; i0 += 64) {
+        const int nv = dv - i0 < 64 ? (int)((dv - i0) / 16) : 4;
+        v16 o[CH][4];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+            for (int u = 0; u < 4; u++) o[r][u] = (v16){0};
+        for (int64_t j = 0; j < most; j++) {
+            v16 vv[4];
+#pragma GCC unroll 4
+            for (int u = 0; u < 4; u++) vv[u] = u < nv ? load(v, j * d + i0 + 16 * u, bf) : (v16){0};
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
                 if (j >= seen[r]) continue;
-                v16 o;
-                memcpy(&o, out + r * d + i, sizeof o);
-                o += scores[r * stride + j] * vv;
-                memcpy(out + r * d + i, &o, sizeof o);
+                const float p = scores[r * stride + j];
+#pragma GCC unroll 4
+                for (int u = 0; u < 4; u++) o[r][u] += p * vv[u];
             }
         }
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++)
-            if (j < seen[r])
-                for (int64_t i = dv; i < d; i++) out[r * d + i] += scores[r * stride + j] * scalar(v, j * d + i, bf);
+            for (int u = 0; u < nv; u++) memcpy(out + r * d + i0 + 16 * u, &o[r][u], sizeof o[r][u]);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        for (int64_t i = dv; i < d; i++) {
+            float t = 0.0f;
+            for (int64_t j = 0; j < seen[r]; j++) t += scores[r * stride + j] * scalar(v, j * d + i, bf);
+            out[r * d + i] = t;
+        }
     }
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) {

@@ -63,14 +63,6 @@ static inline v16 fma16(v16 a, v16 b, v16 c) {
 #endif
 }
 
-/* {reduce16(a), reduce16(b), reduce16(c), reduce16(d)} in four vector additions: the same tree */
-static inline v4 reduce16x4(v16 a, v16 b, v16 c, v16 d) {
-    v4 fa = fold4(a), fb = fold4(b), fc = fold4(c), fd = fold4(d);
-    v4 ab = __builtin_shufflevector(fa, fb, 0, 1, 4, 5) + __builtin_shufflevector(fa, fb, 2, 3, 6, 7);
-    v4 cd = __builtin_shufflevector(fc, fd, 0, 1, 4, 5) + __builtin_shufflevector(fc, fd, 2, 3, 6, 7);
-    return __builtin_shufflevector(ab, cd, 0, 2, 4, 6) + __builtin_shufflevector(ab, cd, 1, 3, 5, 7);
-}
-
 /* MR rows (MR <= 8) of x (row stride in) times one weight row w -> y[r * ldy] */
 static inline __attribute__((always_inline)) void tile(const void *x, const void *w, const float *bias, float *y,
                                                        int64_t in, int64_t ldy, const int MR, const int bf) {

@@ -52,4 +52,11 @@ static inline float reduce16(v16 a) {
     v4 c = fold4(a);
     return (c[0] + c[2]) + (c[1] + c[3]);
 }
+/* {reduce16(a), reduce16(b), reduce16(c), reduce16(d)} in four vector additions: the same tree */
+static inline v4 reduce16x4(v16 a, v16 b, v16 c, v16 d) {
+    v4 fa = fold4(a), fb = fold4(b), fc = fold4(c), fd = fold4(d);
+    v4 ab = __builtin_shufflevector(fa, fb, 0, 1, 4, 5) + __builtin_shufflevector(fa, fb, 2, 3, 6, 7);
+    v4 cd = __builtin_shufflevector(fc, fd, 0, 1, 4, 5) + __builtin_shufflevector(fc, fd, 2, 3, 6, 7);
+    return __builtin_shufflevector(ab, cd, 0, 2, 4, 6) + __builtin_shufflevector(ab, cd, 1, 3, 5, 7);
+}
 #endif
