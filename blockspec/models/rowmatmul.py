@@ -106,15 +106,25 @@ def _load() -> object | None:
 
 
 def _agrees(fn: object) -> bool:
-    """One small product per element type proves the build runs and agrees with F.linear."""
+    """One small product and one small attention per element type prove the build runs and
+    agrees with PyTorch."""
     g = torch.Generator().manual_seed(0)
     x, w, b = torch.randn(3, 37, generator=g), torch.randn(5, 37, generator=g), torch.randn(5, generator=g)
-    for dtype, f, tol in ((torch.float32, fn, 1e-5), (torch.bfloat16, fn.bf16, 1e-3)):
+    q, k, v = torch.randn(1, 1, 2, 20, generator=g), torch.randn(1, 1, 4, 20, generator=g), torch.randn(1, 1, 4, 20, generator=g)
+    visible = torch.tensor([[3, 4]])  # two tokens at positions 2 and 3
+    causal = torch.tensor([[True, True, True, False], [True, True, True, True]])
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-3)):
         xd, wd = x.to(dtype), w.to(dtype)
         y = torch.empty(3, 5)
-        f(xd.data_ptr(), wd.data_ptr(), b.data_ptr(), y.data_ptr(), 3, 37, 5, 1)
+        (fn if dtype == torch.float32 else fn.bf16)(xd.data_ptr(), wd.data_ptr(), b.data_ptr(), y.data_ptr(), 3, 37, 5, 1)
         want = torch.nn.functional.linear(xd.double(), wd.double(), b.double()).float()
-        if not torch.allclose(y, want, atol=tol, rtol=tol):
+        qd, kd, vd = q.to(dtype), k.to(dtype), v.to(dtype)
+        att = torch.empty(1, 1, 2, 20)
+        fn.attention[dtype](qd.data_ptr(), kd.data_ptr(), vd.data_ptr(), att.data_ptr(), visible.data_ptr(),
+                            1, 1, 1, 2, 20, 80, 80, 4, 0.25, 1)
+        want_att = torch.nn.functional.scaled_dot_product_attention(qd.double(), kd.double(), vd.double(),
+                                                                    attn_mask=causal, scale=0.25).float()
+        if not (torch.allclose(y, want, atol=tol, rtol=tol) and torch.allclose(att, want_att, atol=tol, rtol=tol)):
             return False
     return True
 

@@ -7,9 +7,12 @@
  * speculative output drifted from plain decoding within a few dozen tokens. Here every query row
  * is computed the same way whatever the block: scores over its visible keys in key order (16-wide
  * partial sums over the head dimension, one fixed reduction tree), a softmax with the maximum
- * subtracted, then the weighted sum of values in key order. Up to CH query rows of one KV head
- * share each key and value load, but every row runs its own, identical arithmetic. So a query gets the same bits alone
- * or in any block, batch or thread split (batch invariance, as rows.c for the projections).
+ * subtracted (exp16, lane by lane), then the weighted sum of values in key order. Up to CH
+ * query rows of one KV head share each key and value load, and four keys' sums are reduced
+ * together, but every score and output element gets its own, fixed arithmetic. So a query gets
+ * the same bits alone or in any block, batch or thread split (batch invariance, as rows.c for
+ * the projections). Speed: level with PyTorch's for blocks, 2x faster for one token per row
+ * (BENCHMARKS.md, session 18).
  *
  * Layouts: q [b, kvh, g * n, d] (the g query heads of one KV head together, n tokens each);
  * k, v: a cache [b, kvh, cap, d] with batch and head strides in elements; visible [b, n]: the
