@@ -46,9 +46,9 @@ def test_matches_sdpa_and_each_query_gets_its_bits_alone(dtype: torch.dtype, d: 
     for bi in range(b):
         for t in range(n):
             alone_q = rows[bi : bi + 1, :, :, t : t + 1].reshape(1, kvh, g, d).contiguous()
+            seen = visible[bi : bi + 1, t : t + 1].clone()
             alone = native_attention.cached_attention(
-                alone_q, k[bi : bi + 1].contiguous(), v[bi : bi + 1].contiguous(), visible[bi : bi + 1, t : t + 1].clone(),
-                horizon, 0.3)
+                alone_q, k[bi : bi + 1].contiguous(), v[bi : bi + 1].contiguous(), seen, horizon, 0.3)
             assert torch.equal(alone.view(kvh, g, d), got.view(b, kvh, g, n, d)[bi, :, :, t])
 
 

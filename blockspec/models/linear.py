@@ -6,10 +6,11 @@ on, 2 rows cost twice 1 row and a block of 16 cost 2.7 plain decoding steps. Fas
 
 - "native" (the default; where no C compiler builds the kernel it acts as "onednn"): fp32 and
   bf16 products of 1..`rowmatmul.max_rows(dtype)` rows (fp32: 64 with AVX-512, 8 elsewhere;
-  bf16: any number, so bf16 targets stay lossless) run models/kernels/rows.c (models/rowmatmul.py), which streams the
-  weights once and is batch invariant: a one-token SmolLM2-135M forward 1.7x faster than through
-  oneDNN (BENCHMARKS.md, session 13), since its register tiles (session 17) forwards of 8-16
-  tokens 1.3-1.5x faster, and a bf16 drafter's pass of 16-20 rows about 2x faster (session 18).
+  bf16: any number, so bf16 targets stay lossless) run models/kernels/rows.c
+  (models/rowmatmul.py), which streams the weights once and is batch invariant: a one-token
+  SmolLM2-135M forward 1.7x faster than through oneDNN (BENCHMARKS.md, session 13), since its
+  register tiles (session 17) forwards of 8-16 tokens 1.3-1.5x faster, and a bf16 drafter's
+  pass of 16-20 rows about 2x faster (session 18).
   Everything else goes the "onednn" way.
 - "onednn": oneDNN's matmul (`torch.ops.mkldnn._linear_pointwise`, the kernel `torch.compile`
   emits for CPU linears) on the dense [out, in] weight: measured 2.1x faster than MKL for one row

@@ -110,13 +110,15 @@ def _agrees(fn: object) -> bool:
     agrees with PyTorch."""
     g = torch.Generator().manual_seed(0)
     x, w, b = torch.randn(3, 37, generator=g), torch.randn(5, 37, generator=g), torch.randn(5, generator=g)
-    q, k, v = torch.randn(1, 1, 2, 20, generator=g), torch.randn(1, 1, 4, 20, generator=g), torch.randn(1, 1, 4, 20, generator=g)
+    q = torch.randn(1, 1, 2, 20, generator=g)
+    k, v = torch.randn(1, 1, 4, 20, generator=g), torch.randn(1, 1, 4, 20, generator=g)
     visible = torch.tensor([[3, 4]])  # two tokens at positions 2 and 3
     causal = torch.tensor([[True, True, True, False], [True, True, True, True]])
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-3)):
         xd, wd = x.to(dtype), w.to(dtype)
         y = torch.empty(3, 5)
-        (fn if dtype == torch.float32 else fn.bf16)(xd.data_ptr(), wd.data_ptr(), b.data_ptr(), y.data_ptr(), 3, 37, 5, 1)
+        product = fn if dtype == torch.float32 else fn.bf16
+        product(xd.data_ptr(), wd.data_ptr(), b.data_ptr(), y.data_ptr(), 3, 37, 5, 1)
         want = torch.nn.functional.linear(xd.double(), wd.double(), b.double()).float()
         qd, kd, vd = q.to(dtype), k.to(dtype), v.to(dtype)
         att = torch.empty(1, 1, 2, 20)
