@@ -18,12 +18,14 @@ from blockspec.models import rowmatmul
 MAX_TOKENS = 64  # decoding and verification; longer passes (prefills) keep PyTorch's kernel
 
 
-def visible_keys(positions: torch.Tensor, static: bool) -> torch.Tensor | None:
+def visible_keys(positions: torch.Tensor, static: bool, dtype: torch.dtype) -> torch.Tensor | None:
     """Keys (a prefix of the position-indexed cache) each query token sees [b, q] (int64), or
-    None where the kernel does not take this pass. Slot j is visible to position p when j <= p;
-    padding (EMPTY) sees slot 0, as models/native/cache.attention_mask says."""
+    None where the kernel does not take this pass (decided once per forward, not per layer).
+    Slot j is visible to position p when j <= p; padding (EMPTY) sees slot 0, as
+    models/native/cache.attention_mask says."""
     k = rowmatmul.kernel()
-    if k is None or static or positions.device.type != "cpu" or positions.shape[1] > MAX_TOKENS:
+    if k is None or dtype not in k.attention or static or positions.device.type != "cpu" \
+            or positions.shape[1] > MAX_TOKENS:
         return None
     return (positions.clamp_min(0) + 1).to(torch.int64).contiguous()
 

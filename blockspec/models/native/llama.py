@@ -139,7 +139,7 @@ class NativeLlama(nn.Module):
         cos, sin = self.rotary(positions, x.dtype)  # [b, q, d]
         cos, sin = cos[:, :, None], sin[:, :, None]
         horizon, mask, causal = self._masks(positions, cache, static)
-        visible = visible_keys(positions, static)  # [b, q]: the batch-invariant kernel's, or None
+        visible = visible_keys(positions, static, x.dtype)  # [b, q]: the batch-invariant kernel's, or None
         write = cache.write_index(positions)  # [b, q]
         rows = torch.arange(b, device=ids.device)[:, None]
         wanted = set(layer_ids)
