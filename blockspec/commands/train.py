@@ -54,6 +54,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loss-vocab", default="full", choices=["full", "data"],
                    help="full: the published loss; data: softmax over the label tokens of the data only "
                         "(cheaper; the exact full loss is still logged at every eval)")
+    p.add_argument("--distill", type=float, default=0.0,
+                   help="weight in [0, 1] of the target's own next-token distribution in each label, beside "
+                        "its greedy token (0: the published loss; computed from the top captured feature "
+                        "layer when it is near the top of a native target, else by a target forward)")
     p.add_argument("--parallel", default="ddp", choices=["ddp", "fsdp"],
                    help="with torchrun: ddp replicates the drafter on every rank; fsdp shards drafter "
                         "parameters, gradients and optimizer state across ranks, for drafters too large "
@@ -132,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
         max_seq_len=args.max_seq_len, seed=args.seed, log_every=args.log_every, eval_every=args.eval_every,
         eval_max_new_tokens=args.eval_max_new_tokens, save_every=args.save_every, save_dtype=args.save_dtype,
         head_chunk=args.head_chunk, time_limit_s=args.time_limit, loss_vocab=args.loss_vocab,
+        distill=args.distill,
         parallel=args.parallel,
     )
     trainer = Trainer(cfg, target, examples, features=store, eval_prompts=eval_prompts, resume=args.resume)

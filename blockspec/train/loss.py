@@ -66,16 +66,32 @@ def block_loss(
     return total / w.sum().clamp_min(1e-12)
 
 
+def soft_block_ce(
+    logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, teacher: torch.Tensor, alpha: float
+) -> torch.Tensor:
+    """Reference form of the distillation loss: sum(w * ce(t, softmax(logits))) with the label
+    distribution t = alpha * teacher + (1 - alpha) * onehot(label).
+
+    logits, teacher [m, V] (teacher: probabilities), labels, weights [m] -> scalar.
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    t = alpha * teacher.float()
+    t[torch.arange(labels.shape[0]), labels] += 1.0 - alpha
+    return (-(t * logp).sum(-1) * weights).sum()
+
+
 class _FusedHeadCE(torch.autograd.Function):
     """sum(w * ce(h @ W^T (+ b) times mult)) without keeping the [m, V] logits for backward.
 
     The head is frozen, so the only gradient needed is d/dh, which is computed chunk by chunk in
-    the forward pass (softmax - onehot) @ W: the same two matmuls an unfused forward + backward
-    does, but peak memory is one chunk of logits instead of all of them.
+    the forward pass (softmax - t) @ W: the same two matmuls an unfused forward + backward does,
+    but peak memory is one chunk of logits instead of all of them. t is onehot(label), or with
+    a teacher alpha * teacher[row] + (1 - alpha) * onehot(label).
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, weights, mult, chunk, stats):  # noqa: D102
+    def forward(ctx, hidden, weight, bias, labels, weights, mult, chunk, stats,  # noqa: D102
+                teacher, teacher_rows, alpha):
         total = hidden.new_zeros((), dtype=torch.float32)
         grad = torch.empty_like(hidden) if hidden.requires_grad else None
         correct = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
@@ -90,10 +106,16 @@ class _FusedHeadCE(torch.autograd.Function):
             correct[a : a + chunk] = logits.argmax(-1) == lab
             lse = torch.logsumexp(logits, dim=-1)  # [c]
             ce = lse - logits.gather(1, lab[:, None])[:, 0]
+            soft = None
+            if teacher is not None:
+                soft = teacher[teacher_rows[a : a + chunk]]  # [c, V]
+                ce = (1.0 - alpha) * ce + alpha * (lse - (soft * logits).sum(-1))
             total += (ce * w).sum()
             if grad is not None:
                 probs = torch.exp(logits.sub_(lse[:, None]))  # softmax, in place
-                probs[torch.arange(lab.shape[0], device=lab.device), lab] -= 1.0
+                if soft is not None:
+                    probs.sub_(soft, alpha=alpha)
+                probs[torch.arange(lab.shape[0], device=lab.device), lab] -= 1.0 - alpha
                 probs *= (w * mult)[:, None]
                 grad[a : a + chunk] = (probs.to(weight.dtype) @ weight).to(hidden.dtype)
         ctx.save_for_backward(grad if grad is not None else hidden.new_zeros(0))
@@ -103,7 +125,7 @@ class _FusedHeadCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):  # noqa: D102
         (grad,) = ctx.saved_tensors
-        return grad * grad_out.to(grad.dtype), None, None, None, None, None, None, None
+        return (grad * grad_out.to(grad.dtype),) + (None,) * 10
 
 
 def fused_head_ce(
@@ -114,15 +136,26 @@ def fused_head_ce(
     *,
     output_multiplier: float = 1.0,
     chunk: int = 1024,
+    teacher: torch.Tensor | None = None,
+    teacher_rows: torch.Tensor | None = None,
+    alpha: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """sum(w * ce) of the frozen linear head on hidden [m, H] and whether argmax == label [m].
 
-    Exactly the cross-entropy of `head(hidden) * output_multiplier` over the full vocabulary.
+    Exactly the cross-entropy of `head(hidden) * output_multiplier` over the head's rows. With a
+    teacher (probabilities [U, V] over the same rows, teacher_rows [m] picking each row's) and
+    alpha in (0, 1], the label is the mixture of soft_block_ce.
     """
+    if teacher is not None and (teacher_rows is None or teacher.shape[-1] != head.weight.shape[0]):
+        raise ValueError("teacher needs teacher_rows and one probability per head row")
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    if teacher is None or alpha == 0.0:
+        teacher, teacher_rows, alpha = None, None, 0.0
     stats: dict = {}
     bias = getattr(head, "bias", None)
     total = _FusedHeadCE.apply(
         hidden, head.weight.detach(), None if bias is None else bias.detach(), labels, weights.float(),
-        float(output_multiplier), int(chunk), stats,
+        float(output_multiplier), int(chunk), stats, teacher, teacher_rows, float(alpha),
     )
     return total, stats["correct"]

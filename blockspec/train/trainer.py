@@ -28,6 +28,7 @@ from blockspec.models.drafter import DFlashDrafter, load_drafter, new_drafter_fo
 from blockspec.train.anchors import block_attention_mask, block_labels, block_positions, sample_anchors
 from blockspec.train.data import Example
 from blockspec.train.loss import fused_head_ce, position_weights
+from blockspec.train.teacher import teacher_hidden, teacher_probs, teacher_target
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -67,6 +68,9 @@ class TrainConfig:
     # tokens that occur as labels in the training data (much cheaper head on CPU); the exact
     # full-vocabulary loss is then still measured and logged at every eval ("loss_full").
     loss_vocab: str = "full"
+    # weight of the target's own next-token distribution in each label (0: the published loss on
+    # its greedy tokens alone; 1: pure distillation); train/teacher.py
+    distill: float = 0.0
     time_limit_s: float | None = None
     # "ddp": every rank holds the whole drafter; "fsdp": parameters, gradients and optimizer state
     # are sharded across ranks (for drafters too large to replicate). Same update either way.
@@ -76,6 +80,9 @@ class TrainConfig:
         init_source(self.init)
         if self.loss_vocab not in ("full", "data"):
             raise ConfigError(f"--loss-vocab must be 'full' or 'data', got {self.loss_vocab!r}")
+        if not 0.0 <= self.distill <= 1.0:
+            raise ConfigError(f"--distill must be in [0, 1] (the target distribution's weight in each label), "
+                              f"got {self.distill!r}")
         if self.precision not in ("fp32", "bf16"):
             raise ConfigError(f"--precision must be fp32 or bf16, got {self.precision!r}")
         if self.save_dtype not in DTYPES:
@@ -225,11 +232,15 @@ def sequence_forward(
     autocast: bool = False,
     candidates: torch.Tensor | None = None,
     candidate_head: torch.nn.Module | None = None,
+    teacher: torch.Tensor | None = None,
+    distill: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """sum(w * ce) over the sequence's blocks (graph attached) and correctness [n, B-1] (bool).
 
     With `candidates` (sorted token ids containing every label) and `candidate_head` (the head's
-    rows for them), the softmax runs over those tokens only.
+    rows for them), the softmax runs over those tokens only. With `teacher` (what the target's
+    head reads at each position [S, H], train/teacher.py) and distill > 0, each label is
+    distill * the target's distribution + (1 - distill) * its greedy token.
     """
     device = drafter.fc.weight.device
     B = drafter.block_size
@@ -257,9 +268,17 @@ def sequence_forward(
     h = hidden[keep]
     if h.dtype != head.weight.dtype:
         h = h.to(head.weight.dtype)
+    table, rows = None, None
+    if teacher is not None and distill > 0:
+        # the target's distribution of token[p + k] is read at position p + k - 1; a position is
+        # a label of up to B - 1 blocks, so each distribution is computed once
+        at = (anchors[:, None] + torch.arange(B - 1, device=device)[None])[keep]  # [m]
+        needed, rows = torch.unique(at, return_inverse=True)
+        table = teacher_probs(teacher.to(device)[needed], head, drafter.cfg.output_multiplier)  # [U, V]
     total, correct_rows = fused_head_ce(
         h, head, labels, w[keep],
         output_multiplier=drafter.cfg.output_multiplier, chunk=head_chunk,
+        teacher=table, teacher_rows=rows, alpha=distill,
     )
     correct = torch.zeros(n, B - 1, dtype=torch.bool, device=device)
     correct[keep] = correct_rows
@@ -343,6 +362,8 @@ class Trainer:
             # the drafter only learns to rank these tokens: it proposes from them too (saved as
             # draft_vocab.safetensors; verification is unchanged, so output stays lossless)
             self.drafter.set_draft_vocab(self.candidates, target.info.vocab_size)
+        # distillation reads the target's distributions from a native copy where it can (teacher.py)
+        self.teacher = teacher_target(target) if cfg.distill > 0 else None
         self._stop = False
 
     def _load_optimizer(self, state: dict) -> None:
@@ -460,9 +481,12 @@ class Trainer:
         stats = torch.zeros(3 + 2 * B1, dtype=torch.float64)  # sum wce, n anchors, streak sum, hits, counts
         for s in seqs:
             feats = self._features(self.examples_by_id[s.example_id], s.ids.numel())
+            teacher = None
+            if cfg.distill > 0:
+                teacher = teacher_hidden(self.teacher, s.ids, feats, self.drafter.target_layer_ids)
             total, correct = sequence_forward(
                 self.drafter, self.target, s, feats, head_chunk=cfg.head_chunk, autocast=cfg.precision == "bf16",
-                candidates=self.candidates, candidate_head=self.candidate_head,
+                candidates=self.candidates, candidate_head=self.candidate_head, teacher=teacher, distill=cfg.distill,
             )
             if global_w > 0:
                 (total / global_w).backward()
@@ -503,6 +527,7 @@ class Trainer:
             "step": step + 1,
             "loss": float(stats[0] / max(global_w, 1e-12)),
             "loss_vocab": cfg.loss_vocab,
+            **({"distill": cfg.distill} if cfg.distill > 0 else {}),
             "acc": [round(float(a), 4) for a in (stats[3 : 3 + B1] / counts)],
             "tau_proxy": round(float(stats[2] / stats[1]), 4) if stats[1] > 0 else 1.0,
             "anchors": int(stats[1]),

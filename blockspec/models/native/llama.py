@@ -123,6 +123,7 @@ class NativeLlama(nn.Module):
         last_logits_only: bool = False,
         static: bool = False,
         packed: torch.Tensor | None = None,
+        resume: tuple[int, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """ids, positions [b, q] (EMPTY = padding) -> logits [b, q|1, V], features [b, q, L*H].
 
@@ -130,12 +131,19 @@ class NativeLlama(nn.Module):
         norms and the LM head then run on those T tokens only, and attention on the [b, q] layout;
         padding positions get zero logits and features. What a ragged verify (rows verifying
         different lengths) or a batch of unequal prompts saves: on a CPU the matmuls cost by rows.
+
+        resume (start, x [b, q, H]): x is the output of layer start - 1 (a captured feature), and
+        the pass runs layers start.. only; the skipped layers leave no K/V in the cache.
         """
         cfg = self.cfg
         b, q = ids.shape
         h, kvh, g, d = cfg.num_heads, cfg.num_kv_heads, cfg.groups, cfg.head_dim
         # x: [b, q, H], or [T, H] when packed
-        x = self.embed(ids if packed is None else ids.reshape(-1)[packed])
+        start, x = resume if resume is not None else (0, None)
+        if x is None:
+            x = self.embed(ids if packed is None else ids.reshape(-1)[packed])
+        elif packed is not None:
+            x = x.reshape(b * q, -1)[packed]
         cos, sin = self.rotary(positions, x.dtype)  # [b, q, d]
         cos, sin = cos[:, :, None], sin[:, :, None]
         horizon, mask, causal = self._masks(positions, cache, static)
@@ -147,6 +155,8 @@ class NativeLlama(nn.Module):
         last = cfg.num_layers - 1
         single = self.single if b * q == 1 else None
         for i, layer in enumerate(self.layers):
+            if i < start:
+                continue
             y = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
             qkv = project(layer.qkv, y) if single is None else _matmul(y, single[i][0], layer.qkv.bias)
             if packed is not None:
@@ -280,6 +290,22 @@ class NativeTarget:
         if not cache.fresh:
             cache.reserve(int(positions.max()) + 1)
         return self.net(ids, positions, cache, layer_ids, last_logits_only, packed=padding_index(positions))
+
+    @torch.inference_mode()
+    def final_hidden(self, ids: torch.Tensor, start: int, x: torch.Tensor) -> torch.Tensor:
+        """What the LM head reads (the final norm's output) [b, q, H] for whole sequences ids
+        [b, q] from position 0, given x [b, q, H], the output of layer start - 1: only layers
+        start.. run (a training teacher's logits from a captured late-layer feature)."""
+        cfg = self.net.cfg
+        if not 0 < start <= cfg.num_layers:
+            raise ValueError(f"start must be in 1..{cfg.num_layers}, got {start}")
+        b, q = ids.shape
+        positions = torch.arange(q, device=self.device)[None].expand(b, q)
+        cache = self.new_cache(b, capacity=q)
+        last = cfg.num_layers - 1
+        _, feats = self.net(ids.to(self.device), positions, cache, (last,), last_logits_only=True,
+                            resume=(start, x.to(self.device, self.dtype)))
+        return feats
 
     def enable_cuda_graphs(self, max_block: int = 16, *, compile: bool = False) -> None:
         """Replays decode steps (batch buckets x block sizes) from captured CUDA graphs; CUDA
