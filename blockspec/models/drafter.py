@@ -320,7 +320,8 @@ class DraftMLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return project(self.down_proj, F.silu(project(self.gate_proj, x)) * project(self.up_proj, x))
+        gate, up = project(self.gate_proj, x, exact=False), project(self.up_proj, x, exact=False)
+        return project(self.down_proj, F.silu(gate) * up, exact=False)  # proposals: no need of batch invariance
 
 
 class DraftLayer(nn.Module):
@@ -440,7 +441,7 @@ class DFlashDrafter(nn.Module):
         dtype; -inf outside the draft vocabulary when one is set (only those head rows are computed)."""
         if self.draft_vocab is None:
             if isinstance(head, nn.Linear):  # the full head is the target's: never copied
-                return self._shape_logits(project(head, hidden.to(head.weight.dtype)))
+                return self._shape_logits(project(head, hidden.to(head.weight.dtype), exact=False))
             return self._shape_logits(head(hidden))
         sub = self._draft_vocab_logits(hidden, head).to(head.weight.dtype)  # [.., Vd]
         full = sub.new_full((*sub.shape[:-1], head.weight.shape[0]), float("-inf"))
@@ -463,7 +464,7 @@ class DFlashDrafter(nn.Module):
 
     def _draft_vocab_logits(self, hidden: torch.Tensor, head: nn.Module) -> torch.Tensor:
         weight, bias = self._restricted_head(head)
-        return self._shape_logits(linear(hidden.to(weight.dtype), weight, bias))  # [.., Vd]
+        return self._shape_logits(linear(hidden.to(weight.dtype), weight, bias, exact=False))  # [.., Vd]
 
     def _restricted_head(self, head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
         w = head.weight

@@ -83,10 +83,12 @@ def fast_cpu_single_row() -> bool:
     return CPU_MATMUL in _ONEDNN_KINDS
 
 
-def native_takes(rows: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+def native_takes(
+    rows: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, exact: bool = True
+) -> bool:
     """Whether `linear` sends a CPU product (no autograd) to the native kernel."""
     return (
-        CPU_MATMUL == "native" and x.dtype == weight.dtype and 0 < rows <= rowmatmul.max_rows(x.dtype)
+        CPU_MATMUL == "native" and x.dtype == weight.dtype and 0 < rows <= rowmatmul.max_rows(x.dtype, exact)
         and weight.is_contiguous() and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
     )
 
@@ -98,14 +100,20 @@ def onednn_takes(rows: int, x_dtype: torch.dtype, w_dtype: torch.dtype) -> bool:
     return x_dtype != torch.float32 or rows not in MKL_ROWS
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] @ weight[out, in]^T + bias -> [..., out] (see the module docstring)."""
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, exact: bool = True
+) -> torch.Tensor:
+    """x [..., in] @ weight[out, in]^T + bias -> [..., out] (see the module docstring).
+
+    exact=False: the product need not be batch invariant (a drafter's, whose outputs are only
+    proposals); a bf16 product then takes whichever kernel is faster for its row count.
+    """
     if x.device.type != "cpu" or CPU_MATMUL == "mkl" or (
         torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     ):
         return F.linear(x, weight, bias)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if native_takes(rows, x, weight, bias):
+    if native_takes(rows, x, weight, bias, exact):
         out = rowmatmul.rows_matmul(x.reshape(rows, x.shape[-1]).contiguous(), weight, bias)  # [rows, out]
         return out.reshape(*x.shape[:-1], weight.shape[0])
     if onednn_takes(rows, x.dtype, weight.dtype):
@@ -121,6 +129,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def project(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def project(module: nn.Linear, x: torch.Tensor, *, exact: bool = True) -> torch.Tensor:
     """`module(x)` for an nn.Linear, through `linear`."""
-    return linear(x, module.weight, module.bias)
+    return linear(x, module.weight, module.bias, exact=exact)

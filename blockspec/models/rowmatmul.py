@@ -98,6 +98,7 @@ def _load() -> object | None:
         f.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
         f.restype = ctypes.c_int
     fn.max_rows = {torch.float32: int(lib.bs_rows_max()), torch.bfloat16: int(lib.bs_rows_max_bf16())}
+    fn.fast_rows = {torch.float32: fn.max_rows[torch.float32], torch.bfloat16: int(lib.bs_rows_fast_bf16())}
     fn.attention = {torch.float32: lib.bs_attention, torch.bfloat16: lib.bs_attention_bf16}
     for f in fn.attention.values():
         f.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_int]
@@ -139,13 +140,15 @@ def kernel() -> object | None:
     return _kernel
 
 
-def max_rows(dtype: torch.dtype = torch.float32) -> int:
+def max_rows(dtype: torch.dtype = torch.float32, exact: bool = True) -> int:
     """The most rows of `dtype` (fp32 or bf16) to send to the kernel on this build (it says: fp32
     64 with AVX-512, where its register tiles were measured faster than PyTorch's GEMM, 8
     elsewhere; bf16 any number, as bf16 models need batch-invariant products to stay lossless);
-    0 without a kernel or for other dtypes."""
+    0 without a kernel or for other dtypes. exact=False (products that need no batch
+    invariance, a drafter's): only as many as the kernel is faster for (bf16: 96 rows with
+    AVX512_BF16, 8 without)."""
     k = kernel()
-    return 0 if k is None else k.max_rows.get(dtype, 0)
+    return 0 if k is None else (k.max_rows if exact else k.fast_rows).get(dtype, 0)
 
 
 def rows_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

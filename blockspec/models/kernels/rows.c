@@ -132,6 +132,10 @@ static inline __attribute__((always_inline)) void column(const void *x, const vo
 int bs_rows_max(void) { return ROWS_MAX; }
 int bs_rows_max_bf16(void) { return 1 << 30; }
 
+/* The most bf16 rows for which the kernel is also the faster choice, for callers that need no
+ * batch invariance (a drafter's products only propose tokens): the measurements above. */
+int bs_rows_fast_bf16(void) { return DP ? 96 : 8; }
+
 /* GCC would reload a vector at every use; elsewhere it spans two registers */
 static inline v16 keep(v16 v) {
 #if defined(__AVX512F__)

@@ -130,7 +130,7 @@ class StaticDrafter:
             cache.reserve(int(block_positions.max()) + 1)
         horizon = cache.horizon
         fused = self._fused_weights()
-        ctx = _norm(m.hidden_norm, project(m.fc, ctx_features))  # [b, c, H]
+        ctx = _norm(m.hidden_norm, project(m.fc, ctx_features, exact=False))  # [b, c, H]
         dtype = block_embeds.dtype
         # context and block rows go through each layer's K/V projection together: [b, c + q]
         all_pos = torch.cat([ctx_positions, block_positions], dim=1)
@@ -155,7 +155,7 @@ class StaticDrafter:
             w_qkv, b_qkv, w_gate_up = fused[i]
             y = _norm(layer.input_layernorm, x)
             # one projection for the block's q/k/v and the context's k/v (its q columns unused)
-            qkv = linear(torch.cat([ctx, y], dim=1), w_qkv, b_qkv)  # [b, c + q, (h + 2 kvh) d]
+            qkv = linear(torch.cat([ctx, y], dim=1), w_qkv, b_qkv, exact=False)  # [b, c + q, (h + 2 kvh) d]
             qs = rope_bqhd(_norm(attn.q_norm, qkv[:, c:, :nq].reshape(b, q, h, d)), cos_b, sin_b)
             ks = rope_bqhd(_norm(attn.k_norm, qkv[:, :, nq : nq + kvh * d].reshape(b, c + q, kvh, d)), cos, sin)
             vs = qkv[:, :, nq + kvh * d :].reshape(b, c + q, kvh, d)
@@ -167,8 +167,8 @@ class StaticDrafter:
                 qg, k_cache[:, :, :horizon], v_cache[:, :, :horizon], attn_mask=masks[kind]
             )
             out = out.view(b, kvh, g, q, d).permute(0, 3, 1, 2, 4).reshape(b, q, h * d)
-            x = x + project(attn.o_proj, out)
-            gate, up = linear(_norm(layer.post_attention_layernorm, x), w_gate_up).chunk(2, dim=-1)
-            x = x + project(layer.mlp.down_proj, F.silu(gate) * up)
+            x = x + project(attn.o_proj, out, exact=False)
+            gate, up = linear(_norm(layer.post_attention_layernorm, x), w_gate_up, exact=False).chunk(2, dim=-1)
+            x = x + project(layer.mlp.down_proj, F.silu(gate) * up, exact=False)
         cache.fresh = False
         return _norm(m.norm, x)
