@@ -16,6 +16,7 @@ from blockspec.engine.adaptive import buckets_up_to, calibration_sizes, expected
 from blockspec.errors import ConfigError, ContextLengthError
 from blockspec.models.drafter import DFlashDrafter, DraftCache, new_drafter_for_target
 from blockspec.models.native import load_native_target
+from blockspec.models.slots import EMPTY
 from blockspec.models.target import HFTarget
 
 
@@ -654,3 +655,46 @@ def test_engine_without_own_thread_decodes_on_the_callers_thread(setup) -> None:
     threaded = Engine(target, drafter, EngineConfig(max_batch=2, block_size=6))
     with pytest.raises(ConfigError, match="own_thread=False"):
         threaded.run_until_idle()
+
+
+def test_plain_steps_queue_every_committed_tokens_features_for_the_next_draft(setup) -> None:
+    """Between draft passes the features of committed tokens wait for the drafter (kept as parts,
+    so plain steps copy nothing): whatever plain steps, retirements and joins happen meanwhile,
+    the next draft pass gets each row's features of exactly the tokens it has not seen, in
+    order, equal to a full forward's."""
+    from blockspec.spec.decode import DecodeBatch, make_row
+    from blockspec.train.features import target_features
+
+    model, target, prompts, truths = setup
+    drafter = new_drafter_for_target(model.config, mask_token_id=47, num_layers=1, dtype=torch.float64)
+    batch = DecodeBatch(target, drafter, max_block=4)
+    rows = [make_row(i, len(p), SamplingParams(max_new_tokens=30), (), 4) for i, p in enumerate(prompts[:3])]
+    batch.join(prompts[:3], rows[:3])
+    batch.step(4)  # a draft pass: the prompts' features are in the draft cache now
+    seen = {r.key: len(prompts[r.key]) for r in batch.rows}  # that pass gave the drafter the prompts
+    for _ in range(3):
+        batch.step(1)
+    assert len(batch._parts) == 3  # appended to the draft step's own, not yet joined into one tensor
+    rows[1].finish_reason = "cancelled"
+    batch.retire()
+    batch.step(1)
+    late = make_row(3, len(prompts[3]), SamplingParams(max_new_tokens=30), (), 4)
+    batch.join([prompts[3]], [late])
+    seen[3] = 0
+    batch.step(1)
+    batch._flush_pending()
+    feats, pos = batch.pending_feats, batch.pending_pos  # [b, c, L*H], [b, c] (EMPTY left padding)
+    assert [r.key for r in batch.rows] == [0, 2, 3]
+    layer_ids = drafter.target_layer_ids
+    for i, r in enumerate(batch.rows):
+        ids = prompts[r.key] + r.generated[:-1]  # every token fed to the target so far
+        keep = pos[i] != EMPTY
+        want = torch.arange(seen[r.key], len(ids))
+        assert torch.equal(pos[i][keep].cpu(), want), (r.key, pos[i])
+        full = target_features(target, [ids], layer_ids)[0]  # [S, L*H]
+        torch.testing.assert_close(feats[i][keep].float(), full[want], rtol=1e-6, atol=1e-6)
+    for r, truth in ((rows[0], truths[0]), (rows[2], truths[2])):  # and the output is the target's
+        while r.finish_reason is None:
+            batch.step(4)
+            batch.retire()
+        assert r.generated == truth

@@ -10,7 +10,9 @@ on, 2 rows cost twice 1 row and a block of 16 cost 2.7 plain decoding steps. Fas
   (models/rowmatmul.py), which streams the weights once and is batch invariant: a one-token
   SmolLM2-135M forward 1.7x faster than through oneDNN (BENCHMARKS.md, session 13), since its
   register tiles (session 17) forwards of 8-16 tokens 1.3-1.5x faster, and a bf16 drafter's
-  pass of 16-20 rows about 2x faster (session 18).
+  pass of 16-20 rows about 2x faster (session 18). A drafter's products (`exact=False`: they
+  only propose tokens, so they need no batch invariance) go there only up to the row count the
+  kernel is faster for (bf16: 96 with AVX512_BF16, 8 without).
   Everything else goes the "onednn" way.
 - "onednn": oneDNN's matmul (`torch.ops.mkldnn._linear_pointwise`, the kernel `torch.compile`
   emits for CPU linears) on the dense [out, in] weight: measured 2.1x faster than MKL for one row

@@ -338,6 +338,7 @@ class DecodeBatch:
         self.last = torch.zeros(0, dtype=torch.long, device=d)
         self.pending_feats: torch.Tensor | None = None
         self.pending_pos = torch.zeros(0, 0, dtype=torch.long, device=d)
+        self._parts: list[tuple[torch.Tensor, torch.Tensor]] = []  # appended to pending_*, not yet joined
         self.draft_top = 0  # positions below this may hold pending context features
         self.temperature = torch.zeros(0, dtype=torch.float32, device=d)
         self.top_k = torch.zeros(0, dtype=torch.long, device=d)
@@ -451,19 +452,28 @@ class DecodeBatch:
 
     def _add_pending(self, feats: torch.Tensor, positions: torch.Tensor, *, joining: bool) -> None:
         """Queues context features: new rows' (joining) or every row's latest (appended)."""
-        if self.pending_feats is None or (not joining and self.pending_feats.shape[1] == 0):
+        if self.pending_feats is None or (not joining and self.pending_feats.shape[1] == 0 and not self._parts):
             self.pending_feats, self.pending_pos = feats, positions
             return
-        if joining:  # stack rows; left-pad the shorter context with EMPTY slots
-            old_c, new_c = self.pending_feats.shape[1], feats.shape[1]
-            width = max(old_c, new_c)
-            self.pending_feats = torch.cat([_pad_left(self.pending_feats, width, 0.0),
-                                            _pad_left(feats, width, 0.0)], dim=0)
-            self.pending_pos = torch.cat([_pad_left(self.pending_pos, width, EMPTY),
-                                          _pad_left(positions, width, EMPTY)], dim=0)
-        else:  # a step without a draft pass: its features wait with the older ones
-            self.pending_feats = torch.cat([self.pending_feats, feats], dim=1)
-            self.pending_pos = torch.cat([self.pending_pos, positions], dim=1)
+        if not joining:
+            # kept apart until the drafter reads them: a run of plain steps (a large batch, a
+            # hopeless prompt) would otherwise copy the whole growing queue at every step
+            self._parts.append((feats, positions))
+            return
+        self._flush_pending()  # joining: stack rows; left-pad the shorter context with EMPTY slots
+        old_c, new_c = self.pending_feats.shape[1], feats.shape[1]
+        width = max(old_c, new_c)
+        self.pending_feats = torch.cat([_pad_left(self.pending_feats, width, 0.0),
+                                        _pad_left(feats, width, 0.0)], dim=0)
+        self.pending_pos = torch.cat([_pad_left(self.pending_pos, width, EMPTY),
+                                      _pad_left(positions, width, EMPTY)], dim=0)
+
+    def _flush_pending(self) -> None:
+        """Joins the queued parts of `_add_pending` into pending_feats / pending_pos."""
+        if self._parts:
+            self.pending_feats = torch.cat([self.pending_feats, *(f for f, _ in self._parts)], dim=1)
+            self.pending_pos = torch.cat([self.pending_pos, *(p for _, p in self._parts)], dim=1)
+            self._parts = []
 
     # ---- one step ----------------------------------------------------------------------------
     def _probs(self, logits: torch.Tensor) -> torch.Tensor:
@@ -500,6 +510,7 @@ class DecodeBatch:
                 embeds = embeds * self.embed_scale
             if _static_cache(self.dcache):
                 self.dcache.reserve(top, self.draft_top)
+            self._flush_pending()
             hidden = self.draft(self.pending_feats, self.pending_pos, embeds, positions, self.dcache)
             conf = None
             if greedy and trim is not None:
@@ -650,6 +661,7 @@ class DecodeBatch:
             self.cur, self.last = self.cur[index], self.last[index]
             self.cur_host = [self.cur_host[i] for i in order]
             if self.pending_feats is not None:  # None when no drafter asks for features
+                self._flush_pending()
                 self.pending_feats = self.pending_feats[index]
                 self.pending_pos = self.pending_pos[index]
             self.temperature, self.top_k, self.top_p = self.temperature[index], self.top_k[index], self.top_p[index]
