@@ -14,7 +14,9 @@ from collections.abc import Sequence
 
 import torch
 
-# Above this many remaining layers a full forward is as cheap to write and not much dearer.
+# The captured features are bf16: the fewer layers carry them to the top, the closer the result
+# is to a full forward's (SmolLM2's 2: total variation at most 0.006). Beyond this many, a full
+# forward is used.
 MAX_TAIL_LAYERS = 8
 
 
@@ -35,7 +37,9 @@ def teacher_target(target: object) -> object:
 
 
 @torch.no_grad()
-def teacher_hidden(target: object, ids: torch.Tensor, features: torch.Tensor, layer_ids: Sequence[int]) -> torch.Tensor:
+def teacher_hidden(
+    target: object, ids: torch.Tensor, features: torch.Tensor, layer_ids: Sequence[int]
+) -> torch.Tensor:
     """What the target's LM head reads at each position [S, H] (fp32) of one sequence ids [S].
 
     features [S, L*H] are the captured outputs of `layer_ids` for the same sequence. The last
@@ -53,6 +57,7 @@ def teacher_hidden(target: object, ids: torch.Tensor, features: torch.Tensor, la
     if hasattr(target, "final_hidden") and last - top <= MAX_TAIL_LAYERS:
         j = layer_ids.index(top)
         x = features[:, j * width : (j + 1) * width]  # [S, H]
+        # clone: an inference-mode tensor may not enter the training step's autograd graph
         return target.final_hidden(ids[None], top + 1, x[None])[0].float().clone()
     from blockspec.train.features import target_features
 
