@@ -80,6 +80,17 @@ def soft_block_ce(
     return (-(t * logp).sum(-1) * weights).sum()
 
 
+def head_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, mult: float) -> torch.Tensor:
+    """(hidden @ weight^T + bias) * mult [m, V] in fp32: the logits the loss reads, the drafter's
+    and (train/teacher.py) the target's alike."""
+    logits = (hidden.to(weight.dtype) @ weight.t()).float()
+    if bias is not None:
+        logits += bias.float()
+    if mult != 1.0:
+        logits *= mult
+    return logits
+
+
 class _FusedHeadCE(torch.autograd.Function):
     """sum(w * ce(h @ W^T (+ b) times mult)) without keeping the [m, V] logits for backward.
 
@@ -97,11 +108,7 @@ class _FusedHeadCE(torch.autograd.Function):
         correct = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
         for a in range(0, hidden.shape[0], chunk):
             h = hidden[a : a + chunk]
-            logits = (h @ weight.t()).float()  # [c, V]
-            if bias is not None:
-                logits += bias.float()
-            if mult != 1.0:
-                logits *= mult
+            logits = head_logits(h, weight, bias, mult)  # [c, V]
             lab, w = labels[a : a + chunk], weights[a : a + chunk]
             correct[a : a + chunk] = logits.argmax(-1) == lab
             lse = torch.logsumexp(logits, dim=-1)  # [c]

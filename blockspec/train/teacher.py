@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
+from blockspec.train.loss import head_logits
+
 # The captured features are bf16: the fewer layers carry them to the top, the closer the result
 # is to a full forward's (SmolLM2's 2: total variation at most 0.006). Beyond this many, a full
 # forward is used.
@@ -69,9 +71,4 @@ def teacher_probs(hidden: torch.Tensor, head: torch.nn.Module, output_multiplier
     """softmax(head(hidden) * output_multiplier) [m, V] in fp32: the target's distribution over
     the head's rows (all of its vocabulary, or the training's candidate tokens, renormalised over
     them). The multiplier is the drafter's copy of the target's logit scale, as in the loss."""
-    logits = (hidden.to(head.weight.dtype) @ head.weight.t()).float()
-    if getattr(head, "bias", None) is not None:
-        logits += head.bias.float()
-    if output_multiplier != 1.0:
-        logits *= output_multiplier
-    return torch.softmax(logits, dim=-1)
+    return torch.softmax(head_logits(hidden, head.weight, getattr(head, "bias", None), output_multiplier), dim=-1)
