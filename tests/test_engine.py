@@ -424,6 +424,39 @@ def test_adaptive_policy_probes_while_plain_decoding_wins() -> None:
     policy = AdaptiveBlock(8, costs=costs, probe_block=3, probe_every=4)
     choices = [policy.choose(Batch) for _ in range(12)]
     assert choices == [1, 1, 1, 3, 1, 1, 1, 1, 1, 1, 1, 3]  # probes back off: after 4, then 8
+    rows = [SimpleNamespace(remaining=100, acceptance_rates=lambda prior, lookup=False: [0.0] * 7)] * 16
+    batch = SimpleNamespace(drafter=object(), rows=rows, lookup_plan=lambda: [[]] * 16)
+    costs.set(16, [1.0] + [10.0] * 7)
+    policy = AdaptiveBlock(8, costs=costs, probe_block=3, probe_every=4)
+    assert [policy.choose(batch) for _ in range(4)] == [1, 1, 1, 2]  # a batch probes with 2 tokens a row
+
+
+def _lookup_row(rate: float, drafted: float = 0.0) -> SimpleNamespace:
+    """A row whose lookup proposals are accepted at `rate` and its drafts at `drafted`."""
+    return SimpleNamespace(remaining=100,
+                           acceptance_rates=lambda prior, lookup=False: [rate if lookup else drafted] * 7)
+
+
+def test_adaptive_policy_verifies_lookup_continuations_without_drafting() -> None:
+    """A row with a lookup continuation can verify it with no draft pass (DecodeBatch.step_lookup):
+    chosen when it beats every drafting size, priced as the verify part of a drafting step."""
+    costs = CostModel(max_block=8)
+    for rows in (1, 2):  # a draft pass costs 0.3 of a 1.0 step; each verified token 0.05 more
+        costs.set(rows, [1.0] + [1.3 + 0.05 * (n - 1) for n in range(2, 9)], [0.0] + [0.3] * 7)
+    policy = AdaptiveBlock(8, costs=costs, plain_every=1000, challenge_every=1000)
+    lone = SimpleNamespace(drafter=object(), rows=[_lookup_row(0.9)], lookup_plan=lambda: [[5, 6, 7, 8]])
+    assert policy.choose(lone) == 1 and policy.lookup_step == [5]  # the whole continuation, no draft
+    bad = SimpleNamespace(drafter=object(), rows=[_lookup_row(0.02, drafted=0.9)], lookup_plan=lambda: [[5, 6]])
+    assert policy.choose(bad) == 1 and policy.lookup_step is None  # a hopeless continuation: a plain step
+    none = SimpleNamespace(drafter=object(), rows=[_lookup_row(0.9)], lookup_plan=lambda: [[]])
+    policy.choose(none)
+    assert policy.lookup_step is None
+    pair = dict(drafter=object(), rows=[_lookup_row(0.9), _lookup_row(0.9)], lookup_plan=lambda: [[5, 6, 7], []])
+    assert policy.choose(SimpleNamespace(**pair, packs_padding=True)) == 1 and policy.lookup_step is None  # batch: opt-in
+    ragged = AdaptiveBlock(8, costs=costs, plain_every=1000, challenge_every=1000, ragged=True)
+    assert ragged.choose(SimpleNamespace(**pair, packs_padding=True)) == 1 and ragged.lookup_step == [4, 1]
+    ragged.choose(SimpleNamespace(**pair, packs_padding=False))  # padding would cost full rows
+    assert ragged.lookup_step is None
 
 
 def _one_row_batch(rate: float) -> object:

@@ -109,3 +109,59 @@ def test_engine_config_checks_lookup() -> None:
 
     with pytest.raises(ConfigError, match="lookup must be None or a LookupConfig"):
         EngineConfig(lookup=True)
+
+
+@pytest.mark.parametrize("backend", ["native", "hf"])
+def test_lookup_steps_without_a_draft_pass_equal_plain(backend: str) -> None:
+    """DecodeBatch.step_lookup: rows verify their lookup continuations with no draft pass, each
+    its own length (longer ones cut to the continuation), the rest of the block padding; mixed
+    with drafting and plain steps, the output is the target's own, token for token."""
+    import random
+
+    from blockspec.models.native import load_native_target
+    from blockspec.spec.decode import DecodeBatch, make_row
+
+    model = make_tiny_target("llama", seed=4)
+    target = load_native_target(model, dtype=None, eos_token_ids=()) if backend == "native" else HFTarget(model)
+    drafter = new_drafter_for_target(model.config, mask_token_id=47, num_layers=1, dtype=torch.float64, seed=2)
+    prompts = repetitive_prompts(4, seed=9)
+    batch = DecodeBatch(target, drafter, max_block=8, lookup=LookupConfig(min_ngram=2))
+    rows = [make_row(i, len(p), SamplingParams(max_new_tokens=60), (), 8) for i, p in enumerate(prompts)]
+    batch.join(prompts, rows)
+    rng = random.Random(0)
+    ragged = lookup_only = 0
+    while len(batch):
+        plan = batch.lookup_plan()
+        if any(plan) and rng.random() < 0.8:
+            lengths = [rng.randint(1, 8) for _ in plan]
+            expect = [min(n, 1 + len(cont)) for n, cont in zip(lengths, plan)]
+            assert batch.step_lookup(lengths) == max(expect)
+            assert batch.verified == sum(expect) or min(expect) == max(expect)  # padding is not counted
+            ragged += min(expect) < max(expect)
+            lookup_only += 1
+        else:
+            batch.step(rng.choice([1, 4, 8]))
+        batch.retire()
+    for p, r in zip(prompts, rows):
+        assert r.generated == reference_greedy(model, p, 60)
+        assert sum(r.stats.acceptance_lengths) + 1 == len(r.generated)
+    assert lookup_only > 10 and ragged > 3, (lookup_only, ragged)
+    assert sum(sum(r.stats.lookup_accepted_by_position) for r in rows) > 10
+    with pytest.raises(ValueError, match="verify lengths for"):
+        DecodeBatch(target, drafter, max_block=8).step_lookup([2])
+
+
+def test_adaptive_lone_row_verifies_lookup_without_drafting() -> None:
+    """The adaptive policy runs lookup continuations as steps of their own for a lone row (no draft
+    pass, whose calibrated share of a step it saves): fewer draft passes, the same tokens."""
+    model = make_tiny_target("llama", seed=5)
+    drafter = new_drafter_for_target(model.config, mask_token_id=47, num_layers=1, dtype=torch.float64, seed=1)
+    prompt = repetitive_prompts(1, seed=3)[0]
+    dec = SpecDecoder(HFTarget(model), drafter, SpecConfig(block_size=8, adaptive=True, lookup=LookupConfig(min_ngram=2)))
+    costs = CostModel(max_block=8)  # a draft pass is 0.3 of a step; machine load cannot move these
+    costs.observe = lambda *args: None
+    costs.set(1, [1.0] + [1.3 + 0.05 * (n - 1) for n in range(2, 9)], [0.0] + [0.3] * 7)
+    dec._adaptive = AdaptiveBlock(8, costs=costs)
+    result = dec.generate([prompt], SamplingParams(max_new_tokens=60))[0]
+    assert result.token_ids == reference_greedy(model, prompt, 60)
+    assert dec._adaptive.lookup_steps > 5 and sum(result.stats.lookup_accepted_by_position) > 10

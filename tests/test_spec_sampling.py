@@ -221,6 +221,38 @@ def test_verify_lengths_per_row_keep_sampling_exact(monkeypatch: pytest.MonkeyPa
     assert chi2_pvalue(counts.sum(1).sum(1), joint.sum(1).sum(1)) > 1e-3
 
 
+def test_lookup_steps_without_a_draft_pass_keep_sampling_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps that verify n-gram lookup continuations alone (DecodeBatch.step_lookup: no draft
+    pass, a length per row, the rest padding; as the adaptive policy runs them) treat each
+    continuation as a one-hot draft: the output still follows the target's distribution."""
+    import blockspec.spec.decode as decode
+    from blockspec.models.native import load_native_target
+
+    plain = decode.DecodeBatch.step
+    turn = itertools.count()
+    seen: list[int] = []
+
+    def step(self, block, _=None):
+        plan = self.lookup_plan()
+        if not any(plan):
+            return plain(self, 1)
+        lengths = [1 + next(turn) % 3 for _ in plan]  # chosen without looking at the target
+        seen.extend(min(n, 1 + len(cont)) for n, cont in zip(lengths, plan) if cont)
+        return self.step_lookup(lengths)
+
+    monkeypatch.setattr(decode.DecodeBatch, "step", step)
+    model = make_tiny_target("llama", vocab_size=VOCAB, seed=1)
+    sp = SamplingParams(max_new_tokens=3, ignore_eos=True, temperature=1.0)
+    joint = exact_joint(model, sp)
+    drafter = new_drafter_for_target(model.config, mask_token_id=VOCAB - 1, num_layers=1, dtype=torch.float64)
+    target = load_native_target(model, dtype=None, eos_token_ids=())
+    dec = SpecDecoder(target, drafter, SpecConfig(block_size=4, lookup=LookupConfig(min_ngram=1, max_ngram=2)))
+    counts = sample_many(dec, sp, n=4000, batch=400)
+    assert min(seen.count(2), seen.count(3)) > 300, [seen.count(n) for n in (1, 2, 3)]
+    assert chi2_pvalue(counts.sum(0), joint.sum(0)) > 1e-3  # (x2, x3): looked up and verified
+    assert chi2_pvalue(counts, joint) > 1e-3
+
+
 def test_chi_square_detects_a_verify_length_chosen_from_the_samples(monkeypatch: pytest.MonkeyPatch) -> None:
     """Negative control for the test above: verifying a sampled proposal only when the drafter
     gave that sample a high probability biases the output towards such samples, and fails."""

@@ -541,6 +541,55 @@ class DecodeBatch:
                     padding = offsets[None] > limit[:, None]  # [b, q]
                     positions = positions.masked_fill(padding, EMPTY)
                 from_lookup = [min(m, n - 1) for m, n in zip(from_lookup, lengths)]
+        return self._verify_and_commit(block_ids, positions, offsets, top, draft_probs, from_lookup, lengths,
+                                       limit, padding)
+
+    @torch.inference_mode()
+    def step_lookup(self, lengths: list[int]) -> int:
+        """A step without a draft pass: row i verifies lengths[i] tokens, its last token and the
+        first lengths[i] - 1 ids of its n-gram lookup continuation (`lookup_plan`; longer lengths
+        are cut to it, and 1 is a plain step for that row). Rows of different lengths make a
+        ragged step, whose padding the native target leaves out of its matmuls. Returns the
+        longest length. Lookup proposals are deterministic, so verification stays exact: greedy
+        compares them with the target's argmax, sampled treats them as one-hot drafts."""
+        rows = self.rows
+        b = len(rows)
+        if len(lengths) != b:
+            raise ValueError(f"step_lookup got {len(lengths)} verify lengths for {b} rows")
+        plan = self.lookup_plan()
+        lengths = [max(1, min(int(n), 1 + len(cont), self.max_block)) for n, cont in zip(lengths, plan)]
+        q = max(lengths, default=1)
+        if q == 1:
+            return self.step(1)
+        d = self.device
+        offsets = self.offsets[:q]
+        positions = self.cur[:, None] + offsets  # [b, q]
+        top = max(self.cur_host) + q
+        block_ids = self.last[:, None].repeat(1, q)  # [b, q]; padding repeats the last token (never read)
+        rows_i = [i for i, n in enumerate(lengths) for _ in range(n - 1)]
+        cols = [k for n in lengths for k in range(1, n)]
+        vals = [t for n, cont in zip(lengths, plan) for t in cont[: n - 1]]
+        ri, ci, v = (torch.tensor(x, dtype=torch.long, device=d) for x in (rows_i, cols, vals))
+        block_ids[ri, ci] = v
+        limit = padding = None
+        if min(lengths) < q:
+            limit = torch.tensor(lengths, device=d) - 1
+            padding = offsets[None] > limit[:, None]  # [b, q]
+            positions = positions.masked_fill(padding, EMPTY)
+        return self._verify_and_commit(block_ids, positions, offsets, top, None, [n - 1 for n in lengths], lengths,
+                                       limit, padding, one_hot_drafts=True)
+
+    def _verify_and_commit(self, block_ids: torch.Tensor, positions: torch.Tensor, offsets: torch.Tensor, top: int,
+                           draft_probs: torch.Tensor | None, from_lookup: list[int], lengths: list[int],
+                           limit: torch.Tensor | None, padding: torch.Tensor | None, *,
+                           one_hot_drafts: bool = False) -> int:
+        """The target's pass over block_ids [b, q] (positions EMPTY at `padding`), acceptance, and
+        the commit of every row's accepted tokens and bonus. one_hot_drafts: every proposal is
+        deterministic (lookup), so a sampled step's draft distributions are one-hot at them."""
+        rows = self.rows
+        b, q = block_ids.shape
+        d = self.device
+        remaining = [r.remaining for r in rows]
         self.verified = b * q if padding is None else sum(lengths)
         if _static_cache(self.tcache):
             # the attention horizon of the tokens verified (a trimmed block reads fewer slots:
@@ -548,11 +597,13 @@ class DecodeBatch:
             self.tcache.reserve(max(self.cur_host) + q)
         logits, feats = self.target.forward(block_ids, positions, self.tcache, self.layer_ids)
         proposals = block_ids[:, 1:]
-        if greedy:
+        if self.all_greedy:
             accepted, bonus = verify_greedy(proposals, logits, limit)
         else:
             target_probs = self._probs(logits)
-            if draft_probs is None:
+            if one_hot_drafts:
+                draft_probs = torch.zeros_like(target_probs[:, 1:]).scatter_(-1, proposals[..., None], 1.0)
+            elif draft_probs is None:
                 draft_probs = torch.zeros_like(target_probs[:, :0])
             u = self.random.uniforms(q).to(d)
             accepted, bonus = verify_sampled(proposals, draft_probs, target_probs, u[:, :-1], u[:, -1], limit)
