@@ -14,9 +14,10 @@ those m proposals instead, and expects nothing beyond them.
 Block 1 (plain decoding, no draft pass) is always a candidate, so a weak drafter, a hard prompt
 or a large batch falls back to plain decoding instead of losing to it. While block 1 wins, a
 small probe block (4 tokens for a lone row, 2 for a batch) runs now and then (backing off
-exponentially) to notice when drafting pays again. The other way round, while drafting wins, a plain step runs first and then now and then
-(also backing off) in each batch-size bucket: otherwise plain decoding's cost would only ever be
-the calibration's guess scaled like the drafting sizes, and the calibration's short context hides
+exponentially) to notice when drafting pays again. The other way round, while drafting wins, a
+plain step runs first and then now and then (also backing off) in each batch-size bucket:
+otherwise plain decoding's cost would only ever be the calibration's guess scaled like the
+drafting sizes, and the calibration's short context hides
 what a long context adds per verified token (at concurrency 16 that guess let block 3 run at a
 loss). For the same reason the drafting sizes next to the chosen one are run now and then
 (alternately, backing off, per bucket): a size is only re-measured when it runs, so one slow step
@@ -29,11 +30,11 @@ drafts wider than that while the wider draft pass is nearly free (`widen`: batch
 verifies as many of the drafted tokens as the drafts' own confidences make worth it (`trimmer`:
 a confident draft runs long, a doubtful one short, a hopeless one as a plain step). Without
 timed draft passes it drafts the chosen width, so a short block costs what a fixed short block
-costs. A lone row with an n-gram lookup continuation can also verify it without any draft pass (a
-drafting step would overwrite its drafts with the continuation anyway), when that beats every
-drafting size; with `ragged`, so can the rows of a batch, each its own share. None of this
-changes the output: which tokens get verified is decided from the drafts
-alone, and verification is exact for any length.
+costs. A lone row with an n-gram lookup continuation can also verify it without any draft
+pass (a drafting step would overwrite its drafts with the continuation anyway), when that beats
+every drafting size; with `ragged`, so can the rows of a batch, each its own share. None of this
+changes the output: which tokens get verified is decided from the drafts alone, and verification
+is exact for any length.
 """
 
 from __future__ import annotations
@@ -61,6 +62,12 @@ TRIM_MAX_ROWS = 1
 # but not attention and the elementwise work: SmolLM2 on 2 cores, 8 rows at ~300 tokens of
 # context, lengths padded from 3 to 8 cost 13 ms where 5 more real tokens per row cost 76 ms.
 PAD_SHARE = 0.17
+
+
+def _counts(rows: list[Row]) -> list[tuple[list[int], ...]]:
+    """Each row's acceptance counts so far, for `AdaptiveBlock.record` after a step."""
+    return [(list(r.stats.accepted_by_position), list(r.tries), list(r.stats.lookup_accepted_by_position),
+             list(r.lookup_tries)) for r in rows]
 
 
 def bucket(batch: int) -> int:
@@ -563,8 +570,7 @@ class AdaptiveBlock:
             # Wider drafts pay for a lone row only: a batch's widest row sets the padding of all.
             block, trim = self.widen(b, block) if b <= TRIM_MAX_ROWS else block, self.trimmer(batch)
         self._drafted = None  # set by `trim` (a step clipped to one token by its rows' limits drafts nothing)
-        before = [(list(r.stats.accepted_by_position), list(r.tries), list(r.stats.lookup_accepted_by_position),
-                   list(r.lookup_tries)) for r in batch.rows]
+        before = _counts(batch.rows)
         t0 = time.perf_counter()
         used = batch.step(block, trim)
         seconds = time.perf_counter() - t0
@@ -582,8 +588,7 @@ class AdaptiveBlock:
         """Runs and measures a step of lookup proposals alone (see `_lookup_option`)."""
         b = len(batch.rows)
         estimate = self._lookup_estimate
-        before = [(list(r.stats.accepted_by_position), list(r.tries), list(r.stats.lookup_accepted_by_position),
-                   list(r.lookup_tries)) for r in batch.rows]
+        before = _counts(batch.rows)
         t0 = time.perf_counter()
         used = batch.step_lookup(lengths)
         seconds = time.perf_counter() - t0

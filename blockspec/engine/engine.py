@@ -58,8 +58,9 @@ class EngineConfig:
     # Rows whose last tokens occurred before propose what followed them (spec/lookup.py).
     lookup: LookupConfig | None = None
     # With adaptive_block: rows of a batch verify lengths of their own, chosen from their drafts'
-    # confidences (AdaptiveBlock(ragged=True); native targets on a CPU). Opt-in: on 2 cores it
-    # was 3-7% ahead at concurrency 8 and level at 16 (BENCHMARKS.md, session 16).
+    # confidences, and rows with lookup continuations may verify them with no draft pass
+    # (AdaptiveBlock(ragged=True); native targets on a CPU). Opt-in: on 2 cores it was 3-7%
+    # ahead at concurrency 8 and level at 16 (BENCHMARKS.md, sessions 16 and 20).
     ragged_verify: bool = False
 
     def __post_init__(self) -> None:
