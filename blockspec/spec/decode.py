@@ -536,10 +536,7 @@ class DecodeBatch:
                     block_ids, positions, offsets = block_ids[:, :q].contiguous(), positions[:, :q].contiguous(), offsets[:q]
                     if draft_probs is not None:
                         draft_probs = draft_probs[:, : q - 1]
-                if min(lengths) < q:  # ragged: each row's unverified tail becomes padding
-                    limit = torch.tensor(lengths, device=d) - 1
-                    padding = offsets[None] > limit[:, None]  # [b, q]
-                    positions = positions.masked_fill(padding, EMPTY)
+                limit, padding, positions = _ragged(lengths, offsets, positions)
                 from_lookup = [min(m, n - 1) for m, n in zip(from_lookup, lengths)]
         return self._verify_and_commit(block_ids, positions, offsets, top, draft_probs, from_lookup, lengths,
                                        limit, padding)
@@ -561,21 +558,12 @@ class DecodeBatch:
         q = max(lengths, default=1)
         if q == 1:
             return self.step(1)
-        d = self.device
         offsets = self.offsets[:q]
         positions = self.cur[:, None] + offsets  # [b, q]
         top = max(self.cur_host) + q
-        block_ids = self.last[:, None].repeat(1, q)  # [b, q]; padding repeats the last token (never read)
-        rows_i = [i for i, n in enumerate(lengths) for _ in range(n - 1)]
-        cols = [k for n in lengths for k in range(1, n)]
-        vals = [t for n, cont in zip(lengths, plan) for t in cont[: n - 1]]
-        ri, ci, v = (torch.tensor(x, dtype=torch.long, device=d) for x in (rows_i, cols, vals))
-        block_ids[ri, ci] = v
-        limit = padding = None
-        if min(lengths) < q:
-            limit = torch.tensor(lengths, device=d) - 1
-            padding = offsets[None] > limit[:, None]  # [b, q]
-            positions = positions.masked_fill(padding, EMPTY)
+        block_ids = self.last[:, None].repeat(1, q)  # [b, q]
+        self._lookup_proposals(block_ids, None)  # each row's continuation; past its length it is padding
+        limit, padding, positions = _ragged(lengths, offsets, positions)
         return self._verify_and_commit(block_ids, positions, offsets, top, None, [n - 1 for n in lengths], lengths,
                                        limit, padding, one_hot_drafts=True)
 
@@ -721,6 +709,18 @@ class DecodeBatch:
             if self.dcache is not None:
                 self.dcache.compact(self.compact_ratio)
         return gone
+
+
+def _ragged(lengths: list[int], offsets: torch.Tensor, positions: torch.Tensor
+            ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """For rows verifying `lengths` tokens of a block of len(offsets): the proposals each verifies
+    (limit [b]), the padding past them [b, q] and positions EMPTY there; (None, None, positions)
+    when every row verifies the whole block."""
+    if min(lengths) == len(offsets):
+        return None, None, positions
+    limit = torch.tensor(lengths, device=positions.device) - 1
+    padding = offsets[None] > limit[:, None]  # [b, q]
+    return limit, padding, positions.masked_fill(padding, EMPTY)
 
 
 def draft_confidence(draft_probs: torch.Tensor) -> torch.Tensor:
