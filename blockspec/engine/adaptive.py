@@ -58,10 +58,12 @@ WIDEN_SHARE = 0.05  # a step drafts past its chosen block while that costs at mo
 # concurrency 8, SmolLM2 on 2 cores: 1.23-1.26x plain with them against 1.29-1.38x without; at
 # batch 1 they gained 2-7%).
 TRIM_MAX_ROWS = 1
-# A ragged step's padding (the slots past a row's length, up to the longest row) skips the matmuls
-# but not attention and the elementwise work: SmolLM2 on 2 cores, 8 rows at ~300 tokens of
-# context, lengths padded from 3 to 8 cost 13 ms where 5 more real tokens per row cost 76 ms.
-PAD_SHARE = 0.17
+# A ragged step's padding (the slots past a row's length, up to the longest row) skips the matmuls,
+# rope, the K/V writes and (the CPU kernel) attention; what is left of it (norms, unpacking) cost
+# SmolLM2 on 2 cores, 16 rows at 250 tokens of context, 6 rows verifying 4 tokens beside 10
+# verifying 1: 93-99 ms, where the same 34 tokens as a uniform block cost ~93 and 16 rows of 4
+# ~150 (session 16, before the padding-free attention and rope: a share of 0.17).
+PAD_SHARE = 0.05
 
 
 def _counts(rows: list[Row]) -> list[tuple[list[int], ...]]:
@@ -570,7 +572,8 @@ class AdaptiveBlock:
             # Wider drafts pay for a lone row only: a batch's widest row sets the padding of all.
             block, trim = self.widen(b, block) if b <= TRIM_MAX_ROWS else block, self.trimmer(batch)
         self._drafted = None  # set by `trim` (a step clipped to one token by its rows' limits drafts nothing)
-        before = _counts(batch.rows)
+        # a plain step proposes nothing, so no acceptance count moves (most steps of a large batch)
+        before = _counts(batch.rows) if block > 1 else None
         t0 = time.perf_counter()
         used = batch.step(block, trim)
         seconds = time.perf_counter() - t0
@@ -581,7 +584,8 @@ class AdaptiveBlock:
             seconds += drafts[size - 1] - drafts[self._drafted - 1]
         self.costs.observe(b, size, seconds)
         self.used[used] += 1
-        self.record(batch.rows, before)
+        if before is not None:
+            self.record(batch.rows, before)
         return used
 
     def _step_lookup(self, batch: DecodeBatch, lengths: list[int]) -> int:

@@ -16,7 +16,7 @@
  *
  * Layouts: q [b, kvh, g * n, d] (the g query heads of one KV head together, n tokens each);
  * k, v: a cache [b, kvh, cap, d] with batch and head strides in elements; visible [b, n]: the
- * number of keys (a prefix) each token sees; out [b, kvh, g * n, d] fp32. q, k and v are fp32
+ * number of keys (a prefix) each token sees, 0 for padding; out [b, kvh, g * n, d] fp32. q, k and v are fp32
  * (bs_attention) or bf16 (bs_attention_bf16).
  */
 #include <math.h>
@@ -60,18 +60,21 @@ static inline v16 exp16(v16 x) {
     return select16(under, (v16){0}, e);
 }
 
-/* R (<= CH) query rows of one KV head: q rows (stride d) over keys/values k, v (row stride d), row r
- * seeing seen[r] of them. The keys and values are loaded once for the R rows; each row's
- * arithmetic is the same whatever R and the other rows (it is the loop body of the r-th row). */
+/* R (<= CH) query rows of one KV head: rows idx[r] of q and out (stride d) over keys/values k, v (row
+ * stride d), row r seeing seen[r] of them. The keys and values are loaded once for the R rows; each
+ * row's arithmetic is the same whatever R and the other rows (it is the loop body of the r-th row). */
 #define CH 4
 static inline __attribute__((always_inline)) void rows_of(const void *q, const void *k, const void *v, float *out,
-                                                          float *scores, const int64_t *seen, int64_t stride,
-                                                          int64_t d, float scale, const int R, const int bf) {
+                                                          const int64_t *idx, float *scores, const int64_t *seen,
+                                                          int64_t stride, int64_t d, float scale, const int R,
+                                                          const int bf) {
     const int64_t dv = d & ~(int64_t)15;
     int64_t most = 0;
     float top[CH], total[CH];
     float qf[R * d]; /* the rows in fp32 once (exact), not widened again for every key */
-    for (int64_t i = 0; i < R * d; i++) qf[i] = scalar(q, i, bf);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+        for (int64_t i = 0; i < d; i++) qf[r * d + i] = scalar(q, idx[r] * d + i, bf);
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) {
         most = seen[r] > most ? seen[r] : most;
@@ -143,66 +146,99 @@ static inline __attribute__((always_inline)) void rows_of(const void *q, const v
         }
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++)
-            for (int u = 0; u < nv; u++) memcpy(out + r * d + i0 + 16 * u, &o[r][u], sizeof o[r][u]);
+            for (int u = 0; u < nv; u++) memcpy(out + idx[r] * d + i0 + 16 * u, &o[r][u], sizeof o[r][u]);
     }
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) {
         for (int64_t i = dv; i < d; i++) {
             float t = 0.0f;
             for (int64_t j = 0; j < seen[r]; j++) t += scores[r * stride + j] * scalar(v, j * d + i, bf);
-            out[r * d + i] = t;
+            out[idx[r] * d + i] = t;
         }
     }
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) {
         const float inv = seen[r] > 0 ? 1.0f / total[r] : 0.0f;
-        for (int64_t i = 0; i < d; i++) out[r * d + i] *= inv;
+        for (int64_t i = 0; i < d; i++) out[idx[r] * d + i] *= inv;
     }
 }
 
-/* Work items: (batch row, KV head, CH consecutive query rows); each writes its own output rows. */
-#define ATTENTION(BF)                                                                                  \
-    const int64_t m = g * n, chunks = (m + CH - 1) / CH, items = b * kvh * chunks;                     \
-    const int64_t stride = horizon > 0 ? horizon : 1;                                                  \
-    int failed = 0;                                                                                    \
-    _Pragma("omp parallel num_threads(threads) reduction(|| : failed)")                                \
-    {                                                                                                  \
-        float *scores = malloc((size_t)(CH * stride) * sizeof(float));                                 \
-        if (!scores) failed = 1;                                                                       \
-        else {                                                                                         \
-            _Pragma("omp for schedule(static)")                                                        \
-            for (int64_t it = 0; it < items; it++) {                                                   \
-                const int64_t bi = it / (kvh * chunks), hi = (it / chunks) % kvh, r0 = (it % chunks) * CH; \
-                const int R = m - r0 < CH ? (int)(m - r0) : CH;                                        \
-                int64_t seen[CH];                                                                      \
-                for (int r = 0; r < R; r++) {                                                          \
-                    const int64_t s = visible[bi * n + (r0 + r) % n];                                  \
-                    seen[r] = s < horizon ? s : horizon;                                               \
-                }                                                                                      \
-                const int64_t qr = (bi * kvh + hi) * m + r0, kv = bi * sb + hi * sh;                   \
-                const void *qp = at(q, qr * d, BF), *kp = at(k, kv, BF), *vp = at(v, kv, BF);                \
-                float *op = out + qr * d;                                                              \
-                switch (R) {                                                                           \
-                case 4: rows_of(qp, kp, vp, op, scores, seen, stride, d, scale, 4, BF); break;          \
-                case 3: rows_of(qp, kp, vp, op, scores, seen, stride, d, scale, 3, BF); break;          \
-                case 2: rows_of(qp, kp, vp, op, scores, seen, stride, d, scale, 2, BF); break;          \
-                default: rows_of(qp, kp, vp, op, scores, seen, stride, d, scale, 1, BF); break;         \
-                }                                                                                      \
-            }                                                                                          \
-            free(scores);                                                                              \
-        }                                                                                              \
-    }                                                                                                  \
+/* Work items: (batch row, KV head, up to CH of the row's query rows that see a key). A query
+ * token that sees no key (visible 0: padding of a ragged verify, whose output nobody reads) gets
+ * zeros and costs nothing, so a row verifying one token beside rows verifying four pays for one.
+ * Which rows share an item does not change any row's arithmetic (rows_of). */
+static inline __attribute__((always_inline)) int attention(const void *q, const void *k, const void *v, float *out,
+                                                           const int64_t *visible, int64_t b, int64_t kvh,
+                                                           int64_t g, int64_t n, int64_t d, int64_t sb, int64_t sh,
+                                                           int64_t horizon, float scale, int threads, const int bf) {
+    const int64_t m = g * n, stride = horizon > 0 ? horizon : 1;
+    /* per batch row: its live query rows (head-major, as laid out in q), then the items over them */
+    int64_t *live = malloc((size_t)(b * m + 1) * sizeof(int64_t));
+    int64_t *count = malloc((size_t)(b + 1) * sizeof(int64_t));
+    int64_t *item_row = malloc((size_t)(b * ((m + CH - 1) / CH) + 1) * sizeof(int64_t));
+    int64_t *item_at = malloc((size_t)(b * ((m + CH - 1) / CH) + 1) * sizeof(int64_t));
+    if (!live || !count || !item_row || !item_at) {
+        free(live), free(count), free(item_row), free(item_at);
+        return -1;
+    }
+    int64_t per_head = 0; /* items of one KV head */
+    for (int64_t bi = 0; bi < b; bi++) {
+        int64_t c = 0;
+        for (int64_t r = 0; r < m; r++)
+            if (visible[bi * n + r % n] > 0) live[bi * m + c++] = r;
+        count[bi] = c;
+        for (int64_t r0 = 0; r0 < c; r0 += CH) item_row[per_head] = bi, item_at[per_head++] = r0;
+    }
+    const int64_t items = per_head * kvh;
+    int failed = 0;
+    _Pragma("omp parallel num_threads(threads) reduction(|| : failed)")
+    {
+        float *scores = malloc((size_t)(CH * stride) * sizeof(float));
+        if (!scores) failed = 1;
+        else {
+            _Pragma("omp for schedule(static) nowait")
+            for (int64_t bh = 0; bh < b * kvh; bh++) { /* zeros for the query rows that see nothing */
+                const int64_t bi = bh / kvh;
+                if (count[bi] == m) continue;
+                for (int64_t r = 0; r < m; r++)
+                    if (visible[bi * n + r % n] <= 0) memset(out + (bh * m + r) * d, 0, (size_t)d * sizeof(float));
+            }
+            _Pragma("omp for schedule(static)")
+            for (int64_t it = 0; it < items; it++) {
+                const int64_t j = it / kvh, hi = it % kvh, bi = item_row[j], r0 = item_at[j];
+                const int R = count[bi] - r0 < CH ? (int)(count[bi] - r0) : CH;
+                const int64_t *idx = live + bi * m + r0;
+                int64_t seen[CH];
+                for (int r = 0; r < R; r++) {
+                    const int64_t s = visible[bi * n + idx[r] % n];
+                    seen[r] = s < horizon ? s : horizon;
+                }
+                const int64_t qr = (bi * kvh + hi) * m, kv = bi * sb + hi * sh;
+                const void *qp = at(q, qr * d, bf), *kp = at(k, kv, bf), *vp = at(v, kv, bf);
+                float *op = out + qr * d;
+                switch (R) {
+                case 4: rows_of(qp, kp, vp, op, idx, scores, seen, stride, d, scale, 4, bf); break;
+                case 3: rows_of(qp, kp, vp, op, idx, scores, seen, stride, d, scale, 3, bf); break;
+                case 2: rows_of(qp, kp, vp, op, idx, scores, seen, stride, d, scale, 2, bf); break;
+                default: rows_of(qp, kp, vp, op, idx, scores, seen, stride, d, scale, 1, bf); break;
+                }
+            }
+            free(scores);
+        }
+    }
+    free(live), free(count), free(item_row), free(item_at);
     return failed ? -1 : 0;
+}
 
 /* Returns 0, or -1 when scratch memory could not be allocated. */
 int bs_attention(const float *q, const float *k, const float *v, float *out, const int64_t *visible, int64_t b,
                  int64_t kvh, int64_t g, int64_t n, int64_t d, int64_t sb, int64_t sh, int64_t horizon, float scale,
                  int threads) {
-    ATTENTION(0)
+    return attention(q, k, v, out, visible, b, kvh, g, n, d, sb, sh, horizon, scale, threads, 0);
 }
 
 int bs_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, float *out, const int64_t *visible,
                       int64_t b, int64_t kvh, int64_t g, int64_t n, int64_t d, int64_t sb, int64_t sh, int64_t horizon,
                       float scale, int threads) {
-    ATTENTION(1)
+    return attention(q, k, v, out, visible, b, kvh, g, n, d, sb, sh, horizon, scale, threads, 1);
 }

@@ -21,13 +21,13 @@ MAX_TOKENS = 64  # decoding and verification; longer passes (prefills) keep PyTo
 def visible_keys(positions: torch.Tensor, static: bool, dtype: torch.dtype) -> torch.Tensor | None:
     """Keys (a prefix of the position-indexed cache) each query token sees [b, q] (int64), or
     None where the kernel does not take this pass (decided once per forward, not per layer).
-    Slot j is visible to position p when j <= p; padding (EMPTY) sees slot 0, as
-    models/native/cache.attention_mask says."""
+    Slot j is visible to position p when j <= p; padding (EMPTY) sees nothing, so the kernel
+    skips it (its output is zeros; a packed forward never reads it)."""
     k = rowmatmul.kernel()
     if k is None or dtype not in k.attention or static or positions.device.type != "cpu" \
             or positions.shape[1] > MAX_TOKENS:
         return None
-    return (positions.clamp_min(0) + 1).to(torch.int64).contiguous()
+    return (positions + 1).clamp_min(0).to(torch.int64).contiguous()
 
 
 def cached_attention(qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, visible: torch.Tensor,

@@ -18,7 +18,7 @@ from torch.nn import functional as F
 from blockspec.models.drafter import DFlashDrafter, RMSNorm
 from blockspec.models.native.cache import KVStore, StaticCache, attention_mask
 from blockspec.models.linear import linear, project
-from blockspec.models.native.llama import rms_norm, rope_bqhd
+from blockspec.models.native.llama import padding_index, rms_norm, rope_bqhd
 
 
 def has_standard_forward(drafter: nn.Module) -> bool:
@@ -130,23 +130,32 @@ class StaticDrafter:
             cache.reserve(int(block_positions.max()) + 1)
         horizon = cache.horizon
         fused = self._fused_weights()
-        ctx = _norm(m.hidden_norm, project(m.fc, ctx_features, exact=False))  # [b, c, H]
-        dtype = block_embeds.dtype
-        # context and block rows go through each layer's K/V projection together: [b, c + q]
-        all_pos = torch.cat([ctx_positions, block_positions], dim=1)
-        cos, sin = (t[:, :, None] for t in m.rotary(all_pos, dtype))  # [b, c + q, 1, d]
-        cos_b, sin_b = cos[:, c:], sin[:, c:]
+        # The context runs flat over its T real tokens: rows that joined with long prompts leave
+        # the others' columns mostly padding (EMPTY), which would otherwise cost full rows.
+        real = padding_index(ctx_positions)  # [T] flat indices into b * c, None: all real
+        ctx_flat = ctx_features.reshape(b * c, -1)
+        ctx_pos = ctx_positions.reshape(-1)
+        ctx_rows = torch.arange(b, device=block_embeds.device).repeat_interleave(c)  # [b * c]
         # context slots at or past the block's start would be overwritten by the block's K/V in
         # the same write, in no defined order: send them to the scratch slot (the block wins)
         ctx_slots = cache.write_index(ctx_positions)  # [b, c]
         start = block_positions[:, :1]
         overlap = (ctx_slots >= start) & (ctx_slots < start + q)
-        ctx_slots = torch.where(overlap, torch.full_like(ctx_slots, cache.scratch), ctx_slots)
-        slots = torch.cat([ctx_slots, block_positions], dim=1)  # [b, c + q]
-        rows = torch.arange(b, device=block_embeds.device)[:, None]
+        ctx_slots = torch.where(overlap, torch.full_like(ctx_slots, cache.scratch), ctx_slots).reshape(-1)
+        if real is not None:
+            ctx_flat, ctx_pos, ctx_rows, ctx_slots = ctx_flat[real], ctx_pos[real], ctx_rows[real], ctx_slots[real]
+        t = ctx_flat.shape[0]
+        ctx = _norm(m.hidden_norm, project(m.fc, ctx_flat, exact=False))  # [T, H]
+        dtype = block_embeds.dtype
+        # context and block tokens, flat: [T + b q], through each layer's K/V projection together
+        all_pos = torch.cat([ctx_pos, block_positions.reshape(-1)])
+        cos, sin = (x[0, :, None] for x in m.rotary(all_pos[None], dtype))  # [T + b q, 1, d]
+        cos_b, sin_b = cos[t:].view(b, q, 1, d), sin[t:].view(b, q, 1, d)
+        all_rows = torch.cat([ctx_rows, torch.arange(b, device=block_embeds.device).repeat_interleave(q)])
+        slots = torch.cat([ctx_slots, block_positions.reshape(-1)])  # [T + b q]
         masks: dict[tuple[bool, int | None], torch.Tensor | None] = {}
         x = block_embeds
-        nq = h * d
+        nq, nk = h * d, kvh * d
         for i, layer in enumerate(m.layers):
             attn = layer.self_attn
             kind = self.layer_kinds[i]
@@ -155,13 +164,13 @@ class StaticDrafter:
             w_qkv, b_qkv, w_gate_up = fused[i]
             y = _norm(layer.input_layernorm, x)
             # one projection for the block's q/k/v and the context's k/v (its q columns unused)
-            qkv = linear(torch.cat([ctx, y], dim=1), w_qkv, b_qkv, exact=False)  # [b, c + q, (h + 2 kvh) d]
-            qs = rope_bqhd(_norm(attn.q_norm, qkv[:, c:, :nq].reshape(b, q, h, d)), cos_b, sin_b)
-            ks = rope_bqhd(_norm(attn.k_norm, qkv[:, :, nq : nq + kvh * d].reshape(b, c + q, kvh, d)), cos, sin)
-            vs = qkv[:, :, nq + kvh * d :].reshape(b, c + q, kvh, d)
+            qkv = linear(torch.cat([ctx, y.reshape(b * q, -1)]), w_qkv, b_qkv, exact=False)  # [T + b q, (h + 2 kvh) d]
+            qs = rope_bqhd(_norm(attn.q_norm, qkv[t:, :nq].reshape(b, q, h, d)), cos_b, sin_b)
+            ks = rope_bqhd(_norm(attn.k_norm, qkv[:, nq : nq + nk].reshape(t + b * q, kvh, d)), cos, sin)
+            vs = qkv[:, nq + nk :].reshape(t + b * q, kvh, d)
             k_cache, v_cache = cache.layer(i)
-            k_cache[rows, :, slots] = ks
-            v_cache[rows, :, slots] = vs
+            k_cache[all_rows, :, slots] = ks
+            v_cache[all_rows, :, slots] = vs
             qg = qs.view(b, q, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * q, d)
             out = torch.nn.functional.scaled_dot_product_attention(
                 qg, k_cache[:, :, :horizon], v_cache[:, :, :horizon], attn_mask=masks[kind]

@@ -31,7 +31,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rope_bqhd(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on x [b, q, h, d] with cos/sin [b, q, 1, d] (rotate-half convention)."""
+    """RoPE on x [..., h, d] with cos/sin [..., 1, d] (rotate-half convention)."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
@@ -128,8 +128,9 @@ class NativeLlama(nn.Module):
         """ids, positions [b, q] (EMPTY = padding) -> logits [b, q|1, V], features [b, q, L*H].
 
         packed [T]: flat indices (into b * q) of the tokens that are not padding. The projections,
-        norms and the LM head then run on those T tokens only, and attention on the [b, q] layout;
-        padding positions get zero logits and features. What a ragged verify (rows verifying
+        norms, rope, K/V writes and the LM head then run on those T tokens only, and attention on
+        the [b, q] layout (the kernel skips padding queries); padding positions get zero logits
+        and features. What a ragged verify (rows verifying
         different lengths) or a batch of unequal prompts saves: on a CPU the matmuls cost by rows.
 
         resume (start, x [b, q, H]): x is the output of layer start - 1 (a captured feature), and
@@ -144,12 +145,17 @@ class NativeLlama(nn.Module):
             x = self.embed(ids if packed is None else ids.reshape(-1)[packed])
         elif packed is not None:
             x = x.reshape(b * q, -1)[packed]
-        cos, sin = self.rotary(positions, x.dtype)  # [b, q, d]
-        cos, sin = cos[:, :, None], sin[:, :, None]
         horizon, mask, causal = self._masks(positions, cache, static)
         visible = visible_keys(positions, static, x.dtype)  # [b, q]: the batch-invariant kernel's, or None
         write = cache.write_index(positions)  # [b, q]
         rows = torch.arange(b, device=ids.device)[:, None]
+        if packed is not None:  # rope and the K/V writes of the T real tokens only
+            write, rows = write.reshape(-1)[packed], torch.div(packed, q, rounding_mode="floor")  # [T]
+            cos, sin = self.rotary(positions.reshape(-1)[packed][None], x.dtype)  # [1, T, d]
+            cos, sin = cos[0, :, None], sin[0, :, None]  # [T, 1, d]
+        else:
+            cos, sin = self.rotary(positions, x.dtype)  # [b, q, d]
+            cos, sin = cos[:, :, None], sin[:, :, None]
         wanted = set(layer_ids)
         captured: dict[int, torch.Tensor] = {}
         last = cfg.num_layers - 1
@@ -159,12 +165,11 @@ class NativeLlama(nn.Module):
                 continue
             y = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
             qkv = project(layer.qkv, y) if single is None else _matmul(y, single[i][0], layer.qkv.bias)
-            if packed is not None:
-                qkv = _unpack(qkv, packed, b, q)
+            lead = qkv.shape[:-1]  # [b, q], or [T] when packed
             qs, ks, vs = qkv.split(self._split, dim=-1)
-            qs = qs.view(b, q, h, d)
-            ks = ks.view(b, q, kvh, d)
-            vs = vs.view(b, q, kvh, d)
+            qs = qs.view(*lead, h, d)
+            ks = ks.view(*lead, kvh, d)
+            vs = vs.view(*lead, kvh, d)
             if layer.q_norm is not None:
                 qs = rms_norm(qs, layer.q_norm, cfg.rms_norm_eps)
                 ks = rms_norm(ks, layer.k_norm, cfg.rms_norm_eps)
@@ -173,6 +178,8 @@ class NativeLlama(nn.Module):
             k_cache, v_cache = cache.layer(i)  # [b, kvh, cap + 1, d]
             k_cache[rows, :, write] = ks
             v_cache[rows, :, write] = vs
+            if packed is not None:
+                qs = _unpack(qs.reshape(-1, h * d), packed, b, q).view(b, q, h, d)
             # Query heads of one KV head attend together: [b, kvh, g * q, d], no K/V repeat.
             qg = qs.view(b, q, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * q, d)
             out = None if visible is None else cached_attention(qg, k_cache, v_cache, visible, horizon, self.scale)
