@@ -23,8 +23,8 @@ def test_the_kernel_builds_where_a_compiler_exists() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [*range(1, 18), 31, 64])
 def test_kernel_matches_f_linear_and_is_batch_invariant(n: int, dtype: torch.dtype) -> None:
-    """Any row count (one weight row at a time up to 7 rows, register tiles from 8, partial tiles
-    included), widths off the vector steps (16 fp32, 32 bf16 pairs) and output counts off the
+    """Any row count (one weight row at a time below the kernel's TILE_ROWS, 3-8 by build and
+    element type, register tiles from it on, partial tiles included), widths off the vector steps (16 fp32, 32 bf16 pairs) and output counts off the
     tile width, with and without bias: the exact product's numbers (bf16: summed in fp32, rounded
     once), and each row's bits equal that row computed alone."""
     g = torch.Generator().manual_seed(n)

@@ -4,9 +4,11 @@ A decoding step multiplies a few rows by every weight matrix (one per sequence, 
 block per sequence), and on a CPU its time should be the time to stream the weights from memory
 once. PyTorch's kernels do not manage that for so few rows (BENCHMARKS.md, session 13: the
 projections of SmolLM2-135M for one row took 1.6x the kernel's time through oneDNN). Since
-session 17 it tiles rows and weight rows in registers from 8 rows on, and beat oneDNN here up to
-128 rows (the projections of SmolLM2-135M: 8 rows 30 ms against 45, 16 rows 37 against 56, 64
-rows 116 against 126).
+session 17 it tiles rows and weight rows in registers (from 5 fp32 rows, 3 bf16 ones, since
+session 22), and beat oneDNN here up to 128 rows (the projections of SmolLM2-135M: 8 rows 30 ms
+against 45, 16 rows 37 against 56, 64 rows 116 against 126). Since session 22 its prefetches
+aim at the outer caches, which took 8 fp32 rows of those projections and head from 25.4 ms to
+18.2 and one row from 20.4 to 16.6.
 The kernel is also batch invariant: a row gets the same bits alone or beside others.
 bf16 products (a bf16 drafter, or a bf16 target) sum in fp32 and stream half the bytes; with
 AVX512_BF16 they multiply in pairs, and a 16-20 row draft pass's projections took 1.8-2.2 ms

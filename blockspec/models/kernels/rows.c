@@ -13,11 +13,12 @@
  * be the time to stream the weights from memory once. Two tilings:
  * - up to TILE_ROWS - 1 rows: each weight row (output column) is read once per call, as one long
  *   sequential stream, and multiplied into up to eight rows' partial sums held in registers;
- * - TILE_ROWS rows and more: tiles of BR rows x BC weight rows, so each weight vector loaded feeds
- *   BR rows and each x vector BC outputs. With one weight row at a time, loads and the
- *   per-output horizontal sums bounded 8 rows and more (a 16-token verification of SmolLM2-135M
- *   cost 3x one token; BENCHMARKS.md, session 17). The tile's weight rows stay in cache while the
- *   row groups of x pass over them, and the next tile's are prefetched.
+ * - TILE_ROWS rows and more (bf16: TILE_ROWS_BF16): tiles of BR rows x BC weight rows, so each
+ *   weight vector loaded feeds BR rows and each x vector BC outputs. With one weight row at a
+ *   time, loads and the per-output horizontal sums bounded 8 rows and more (a 16-token
+ *   verification of SmolLM2-135M cost 3x one token; BENCHMARKS.md, session 17). The tile's weight
+ *   rows stay in cache while the row groups of x pass over them, and the next tile's are
+ *   prefetched.
  *
  * Every output element is accumulated the same way whatever n, the tiling, the row grouping or
  * the thread split: 16-wide partial sums over `in` in order (fma16, or dp16 on 32-element steps),
@@ -63,6 +64,13 @@ static inline v16 fma16(v16 a, v16 b, v16 c) {
 #endif
 }
 
+/* The one-row-at-a-time path's fp32 weight stream is prefetched this many bytes ahead, towards
+ * the outer caches (locality 1): the hardware prefetcher alone kept one row at ~26 GB/s of the ~31
+ * that two rows reach, and four rows at ~23. Measured on SmolLM2-135M's projections and head (2
+ * AVX-512 cores; BENCHMARKS.md, session 22): one row 16.6 ms against 20.4, four rows 18.4 against
+ * 21.6; 2048 bytes lost at 4-5 rows. bf16 streams gained nothing, so they go without. */
+#define STREAM_AHEAD 4096
+
 /* MR rows (MR <= 8) of x (row stride in) times one weight row w -> y[r * ldy] */
 static inline __attribute__((always_inline)) void tile(const void *x, const void *w, const float *bias, float *y,
                                                        int64_t in, int64_t ldy, const int MR, const int bf) {
@@ -76,6 +84,7 @@ static inline __attribute__((always_inline)) void tile(const void *x, const void
 #pragma GCC unroll 8
             for (int r = 0; r < MR; r++) acc[r] = dp16(acc[r], wv, load32h(x, r * in + k));
         } else {
+            if (!bf) __builtin_prefetch((const char *)w + 4 * k + STREAM_AHEAD, 0, 1);
             const v16 wv = load(w, k, bf);
 #pragma GCC unroll 8
             for (int r = 0; r < MR; r++) acc[r] = fma16(acc[r], wv, load(x, r * in + k, bf));
@@ -116,7 +125,15 @@ static inline __attribute__((always_inline)) void column(const void *x, const vo
 #define BR 2 /* a 16-float vector takes two of 16 registers here: 2 * (BR * BC + BR + 1) = 14 */
 #define BC 2
 #endif
-#define TILE_ROWS 8 /* from this many rows on, the tiled path (measured faster here from 8) */
+/* From this many rows on, the tiled path. Measured on a 2-core AVX-512 (AVX512_BF16) machine,
+ * SmolLM2-135M's projections and head (BENCHMARKS.md, session 22): fp32 from 5 rows, bf16 from 3. */
+#if defined(__AVX512F__)
+#define TILE_ROWS 5
+#define TILE_ROWS_BF16 3
+#else
+#define TILE_ROWS 8 /* not measured again on narrower vector units */
+#define TILE_ROWS_BF16 8
+#endif
 #if defined(__AVX512F__)
 #define ROWS_MAX 64 /* measured faster than oneDNN up to 128 rows on a 2-core AVX-512 machine */
 #else
@@ -162,7 +179,10 @@ static inline __attribute__((always_inline)) void block(const void *x, const voi
         for (int r = 0; r < rows; r++) xv[r] = keep(bf && DP ? load32h(x, r * in + k) : load(x, r * in + k, bf));
 #pragma GCC unroll 4
         for (int c = 0; c < cols; c++) {
-            __builtin_prefetch(at(next, c * in + k, bf));
+            /* towards the outer caches: prefetched into L1 (locality 3), the next tile's weights
+             * crowded out this one's and the x rows (SmolLM2-135M's projections and head, 8 fp32
+             * rows: 25.4 ms against 18.2 with locality 1; 16 rows 31.8 against 25.7) */
+            __builtin_prefetch(at(next, c * in + k, bf), 0, 1);
             const v16 wv = keep(bf && DP ? load32h(w, c * in + k) : load(w, c * in + k, bf));
 #pragma GCC unroll 4
             for (int r = 0; r < rows; r++)
@@ -226,7 +246,7 @@ static inline __attribute__((always_inline)) void blocks(const void *x, const vo
  * not configure may differ). One body per element type, each with a literal `bf`, so the helpers
  * are specialised (a flag passed into the outlined OpenMP region would stay a run-time test). */
 #define ROWS_MATMUL(BF)                                                                                \
-    if (n < TILE_ROWS) {                                                                               \
+    if (n < ((BF) ? TILE_ROWS_BF16 : TILE_ROWS)) {                                                     \
         _Pragma("omp parallel for schedule(static) num_threads(threads)")                              \
         for (int64_t j = 0; j < out; j++)                                                              \
             column(x, at(w, j * in, BF), bias ? bias + j : 0, y + j, n, in, out, BF);                  \
