@@ -134,3 +134,43 @@ def test_kernel_bits_do_not_depend_on_the_thread_count() -> None:
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_kernel_computes_hugging_faces_rmsnorm_row_by_row(dtype: torch.dtype) -> None:
+    """kernels/norm.c: fp32 statistics, the weight's product in the model's dtype (bf16: the
+    normalised row rounded first, as HF's module does), widths off the vector step, any row
+    count and thread count; a row's bits do not depend on the rows beside it."""
+    g = torch.Generator().manual_seed(4)
+    before = torch.get_num_threads()
+    try:
+        for rows, n in ((1, 576), (7, 64), (3, 37), (130, 96)):  # 130 rows: the threaded loop
+            x = (torch.randn(rows, n, generator=g) * 3).to(dtype)
+            w = (torch.rand(n, generator=g) + 0.5).to(dtype)
+            got = rowmatmul.rms_norm(x, w, 1e-5)
+            assert got is not None and got.dtype == dtype and got.shape == x.shape
+            if dtype == torch.float32:
+                torch.testing.assert_close(got, torch.nn.functional.rms_norm(x, (n,), w, 1e-5), atol=1e-6, rtol=1e-6)
+            else:  # exactly HF's bf16 arithmetic, on these inputs
+                want = w * torch.nn.functional.rms_norm(x.float(), (n,), None, 1e-5).to(dtype)
+                assert torch.equal(got, want)
+            for r in (0, rows - 1):
+                assert torch.equal(got[r], rowmatmul.rms_norm(x[r : r + 1].clone(), w, 1e-5)[0])
+            torch.set_num_threads(1)
+            assert torch.equal(got, rowmatmul.rms_norm(x, w, 1e-5))
+            torch.set_num_threads(before)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_rms_norm_kernel_takes_strided_rows_and_leaves_autograd_to_pytorch() -> None:
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(4, 3 * 64, generator=g)
+    q = qkv[:, :64]  # a view with a row stride, as a q/k norm gets it
+    w = torch.rand(64, generator=g)
+    torch.testing.assert_close(rowmatmul.rms_norm(q, w, 1e-6), torch.nn.functional.rms_norm(q, (64,), w, 1e-6))
+    assert rowmatmul.rms_norm(q, w.double(), 1e-6) is None  # mixed dtypes: the caller's PyTorch path
+    trained = torch.nn.Parameter(w.clone())
+    assert rowmatmul.rms_norm(q, trained, 1e-6) is None  # gradients need PyTorch's operators
+    with torch.no_grad():
+        assert rowmatmul.rms_norm(q, trained, 1e-6) is not None

@@ -15,7 +15,8 @@ AVX512_BF16 they multiply in pairs, and a 16-20 row draft pass's projections too
 against oneDNN's 4.0-4.6 (BENCHMARKS.md, session 18).
 
 The same library holds `kernels/attention.c`, the target's batch-invariant attention for a few
-query tokens (models/native/attention.py).
+query tokens (models/native/attention.py), and `kernels/norm.c`, RMSNorm in one call instead of
+PyTorch's ten small operators (`rms_norm` below).
 
 Built with the system C compiler (`$CC`, else cc/gcc/clang; -O3 -march=native -fopenmp) into
 the blockspec cache (`$BLOCKSPEC_CACHE/kernels`, default ~/.cache/blockspec/kernels), keyed by the
@@ -39,7 +40,7 @@ import torch
 
 from blockspec.zoo import cache_root
 
-SOURCES = tuple(Path(__file__).parent / "kernels" / name for name in ("rows.c", "attention.c"))  # one library
+SOURCES = tuple(Path(__file__).parent / "kernels" / name for name in ("rows.c", "attention.c", "norm.c"))  # one library
 HEADERS = (Path(__file__).parent / "kernels" / "vec.h",)
 DISABLE_ENV = "BLOCKSPEC_CPU_KERNELS"
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
@@ -105,11 +106,15 @@ def _load() -> object | None:
     for f in fn.attention.values():
         f.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_int]
         f.restype = ctypes.c_int
+    fn.rms_norm = {torch.float32: lib.bs_rms_norm, torch.bfloat16: lib.bs_rms_norm_bf16}
+    for f in fn.rms_norm.values():
+        f.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
+        f.restype = ctypes.c_int
     return fn if _agrees(fn) else None
 
 
 def _agrees(fn: object) -> bool:
-    """One small product and one small attention per element type prove the build runs and
+    """One small product, attention and RMSNorm per element type prove the build runs and
     agrees with PyTorch."""
     g = torch.Generator().manual_seed(0)
     x, w, b = torch.randn(3, 37, generator=g), torch.randn(5, 37, generator=g), torch.randn(5, generator=g)
@@ -129,7 +134,12 @@ def _agrees(fn: object) -> bool:
                             1, 1, 1, 2, 20, 80, 80, 4, 0.25, 1)
         want_att = torch.nn.functional.scaled_dot_product_attention(qd.double(), kd.double(), vd.double(),
                                                                     attn_mask=causal, scale=0.25).float()
-        if not (torch.allclose(y, want, atol=tol, rtol=tol) and torch.allclose(att, want_att, atol=tol, rtol=tol)):
+        xn, wn = torch.randn(2, 21, generator=g).to(dtype), torch.rand(21, generator=g).to(dtype)
+        normed = torch.empty_like(xn)
+        fn.rms_norm[dtype](xn.data_ptr(), wn.data_ptr(), normed.data_ptr(), 2, 21, 1e-6, 1)
+        want_norm = torch.nn.functional.rms_norm(xn.double(), (21,), wn.double(), 1e-6)
+        if not (torch.allclose(y, want, atol=tol, rtol=tol) and torch.allclose(att, want_att, atol=tol, rtol=tol)
+                and torch.allclose(normed.double(), want_norm, atol=4 * tol, rtol=4 * tol)):
             return False
     return True
 
@@ -165,3 +175,22 @@ def rows_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     fn(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
        n, k, weight.shape[0], torch.get_num_threads())
     return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """Hugging Face's RMSNorm of x [..., n] (on the CPU) by weight [n] through `kernels/norm.c`
+    (statistics in fp32, the product by weight in x's dtype), or None where the kernel does not
+    take it (no kernel, dtypes other than fp32 or bf16 alike, autograd). Kept lean: it runs ~60
+    times per decoding step."""
+    fn = kernel()
+    f = None if fn is None else fn.rms_norm.get(x.dtype)
+    if f is None or weight.dtype != x.dtype or torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return None
+    if not x.is_contiguous():
+        x = x.contiguous()
+    if not weight.is_contiguous():
+        weight = weight.contiguous()
+    out = torch.empty_like(x)
+    n = x.shape[-1]
+    f(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // max(1, n), n, eps, torch.get_num_threads())
+    return out

@@ -16,6 +16,7 @@ from torch.nn import functional as F
 
 from blockspec.models.native.cache import KVStore, StaticCache, attention_mask
 from blockspec.models.native.config import NativeConfig
+from blockspec.models import rowmatmul
 from blockspec.models.linear import fast_cpu_single_row, project
 from blockspec.models.native.attention import cached_attention, visible_keys
 from blockspec.models.rope import Rotary, rope_inv_freq
@@ -24,7 +25,11 @@ from blockspec.models.target import TargetInfo
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Hugging Face's RMSNorm: normalise in fp32, cast back, then scale."""
+    """Hugging Face's RMSNorm: normalise in fp32, cast back, then scale. On a CPU through the
+    native kernel (one call; PyTorch's runs ~10 small operators, 2 ms of a 25 ms SmolLM2 step)."""
+    out = rowmatmul.rms_norm(x, weight, eps) if x.is_cpu else None
+    if out is not None:
+        return out
     if x.dtype in (torch.float32, torch.float64):
         return F.rms_norm(x, weight.shape, weight, eps)
     return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
