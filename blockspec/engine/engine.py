@@ -59,8 +59,9 @@ class EngineConfig:
     lookup: LookupConfig | None = None
     # With adaptive_block: rows of a batch verify lengths of their own, chosen from their drafts'
     # confidences, and rows with lookup continuations may verify them with no draft pass
-    # (AdaptiveBlock(ragged=True); native targets on a CPU). Opt-in: on 2 cores it was 3-7%
-    # ahead at concurrency 8 and level at 16 (BENCHMARKS.md, sessions 16 and 20).
+    # (AdaptiveBlock(ragged=True); native targets on a CPU). Opt-in: on 2 cores it stayed within
+    # run-to-run spread of the default at concurrency 8 and 16 (0.93-1.06x plain decoding against
+    # 0.98-1.08x; BENCHMARKS.md, sessions 16 and 20-22).
     ragged_verify: bool = False
 
     def __post_init__(self) -> None:
