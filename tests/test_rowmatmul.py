@@ -24,9 +24,10 @@ def test_the_kernel_builds_where_a_compiler_exists() -> None:
 @pytest.mark.parametrize("n", [*range(1, 18), 31, 64])
 def test_kernel_matches_f_linear_and_is_batch_invariant(n: int, dtype: torch.dtype) -> None:
     """Any row count (one weight row at a time below the kernel's TILE_ROWS, 3-8 by build and
-    element type, register tiles from it on, partial tiles included), widths off the vector steps (16 fp32, 32 bf16 pairs) and output counts off the
-    tile width, with and without bias: the exact product's numbers (bf16: summed in fp32, rounded
-    once), and each row's bits equal that row computed alone."""
+    element type, register tiles from it on, partial tiles included), widths off the vector
+    steps (16 fp32, 32 bf16 pairs) and output counts off the tile width, with and without bias:
+    the exact product's numbers (bf16: summed in fp32, rounded once), and each row's bits equal
+    that row computed alone."""
     g = torch.Generator().manual_seed(n)
     for k, out in ((37, 5), (64, 33), (200, 19), (45, 6)):
         x, w, b = (t.to(dtype) for t in (torch.randn(n, k, generator=g), torch.randn(out, k, generator=g),

@@ -26,7 +26,7 @@ from blockspec.models.target import TargetInfo
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Hugging Face's RMSNorm: normalise in fp32, cast back, then scale. On a CPU through the
-    native kernel (one call; PyTorch's runs ~10 small operators, 2 ms of a 25 ms SmolLM2 step)."""
+    native kernel (one call where PyTorch's runs ~10 small operators: 4 us a row against 10)."""
     out = rowmatmul.rms_norm(x, weight, eps) if x.is_cpu else None
     if out is not None:
         return out
