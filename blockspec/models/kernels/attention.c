@@ -16,8 +16,8 @@
  *
  * Layouts: q [b, kvh, g * n, d] (the g query heads of one KV head together, n tokens each);
  * k, v: a cache [b, kvh, cap, d] with batch and head strides in elements; visible [b, n]: the
- * number of keys (a prefix) each token sees, 0 for padding; out [b, kvh, g * n, d] fp32. q, k and v are fp32
- * (bs_attention) or bf16 (bs_attention_bf16).
+ * number of keys (a prefix) each token sees, 0 for padding; out [b, kvh, g * n, d] fp32. q, k and
+ * v are fp32 (bs_attention) or bf16 (bs_attention_bf16).
  */
 #include <math.h>
 #include <stdlib.h>

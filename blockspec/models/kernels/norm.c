@@ -25,13 +25,6 @@ static inline uint16_t to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
-static inline float from_bf16(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
 /* 1 / sqrt(mean of squares + eps) of one row */
 static inline float inv_rms(const void *x, int64_t n, float eps, const int bf) {
     const int64_t nv = n - n % 16;
@@ -55,7 +48,8 @@ static inline float inv_rms(const void *x, int64_t n, float eps, const int bf) {
         const float s = inv_rms(xr, n, eps, BF);                                                       \
         for (int64_t k = 0; k < n; k++) {                                                              \
             if (BF) {                                                                                  \
-                const float t = from_bf16(to_bf16(scalar(xr, k, 1) * s));                              \
+                const uint16_t h = to_bf16(scalar(xr, k, 1) * s); /* rounded, as a bf16 tensor */      \
+                const float t = scalar(&h, 0, 1);                                                      \
                 ((uint16_t *)y)[r * n + k] = to_bf16(scalar(w, k, 1) * t);                             \
             } else {                                                                                   \
                 ((float *)y)[r * n + k] = (scalar(xr, k, 0) * s) * scalar(w, k, 0);                    \

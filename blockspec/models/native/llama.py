@@ -135,8 +135,8 @@ class NativeLlama(nn.Module):
         packed [T]: flat indices (into b * q) of the tokens that are not padding. The projections,
         norms, rope, K/V writes and the LM head then run on those T tokens only, and attention on
         the [b, q] layout (the kernel skips padding queries); padding positions get zero logits
-        and features. What a ragged verify (rows verifying
-        different lengths) or a batch of unequal prompts saves: on a CPU the matmuls cost by rows.
+        and features. What a ragged verify (rows verifying different lengths) or a batch of
+        unequal prompts saves: on a CPU the matmuls cost by rows.
 
         resume (start, x [b, q, H]): x is the output of layer start - 1 (a captured feature), and
         the pass runs layers start.. only; the skipped layers leave no K/V in the cache.
