@@ -5,7 +5,7 @@ MKL's GEMM, whose kernels for a handful of rows are poor: on the 2-core machine 
 on, 2 rows cost twice 1 row and a block of 16 cost 2.7 plain decoding steps. Faster paths:
 
 - "native" (the default; where no C compiler builds the kernel it acts as "onednn"): fp32 and
-  bf16 products of 1..`rowmatmul.max_rows(dtype)` rows (fp32: 64 with AVX-512, 8 elsewhere;
+  bf16 products of 1..`rowmatmul.max_rows(dtype)` rows (fp32: 128 with AVX-512, 8 elsewhere;
   bf16: any number, so bf16 targets stay lossless) run models/kernels/rows.c
   (models/rowmatmul.py), which streams the weights once and is batch invariant: a one-token
   SmolLM2-135M forward 1.7x faster than through oneDNN (BENCHMARKS.md, session 13), since its

@@ -154,7 +154,7 @@ def kernel() -> object | None:
 
 def max_rows(dtype: torch.dtype = torch.float32, exact: bool = True) -> int:
     """The most rows of `dtype` (fp32 or bf16) to send to the kernel on this build (it says: fp32
-    64 with AVX-512, where its register tiles were measured faster than PyTorch's GEMM, 8
+    128 with AVX-512, where its register tiles were measured faster than PyTorch's GEMM, 8
     elsewhere; bf16 any number, as bf16 models need batch-invariant products to stay lossless);
     0 without a kernel or for other dtypes. exact=False (products that need no batch
     invariance, a drafter's): only as many as the kernel is faster for (bf16: 96 rows with

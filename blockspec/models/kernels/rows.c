@@ -126,7 +126,8 @@ static inline __attribute__((always_inline)) void column(const void *x, const vo
 #define BC 2
 #endif
 /* From this many rows on, the tiled path. Measured on a 2-core AVX-512 (AVX512_BF16) machine,
- * SmolLM2-135M's projections and head (BENCHMARKS.md, session 22): fp32 from 5 rows, bf16 from 3. */
+ * SmolLM2-135M's projections and head (BENCHMARKS.md, session 22, Zen 4): fp32 from 5 rows, bf16
+ * from 3. On Zen 5 (session 24) the two paths are level at 5-6 fp32 rows, the tiles ahead from 7. */
 #if defined(__AVX512F__)
 #define TILE_ROWS 5
 #define TILE_ROWS_BF16 3
@@ -135,7 +136,10 @@ static inline __attribute__((always_inline)) void column(const void *x, const vo
 #define TILE_ROWS_BF16 8
 #endif
 #if defined(__AVX512F__)
-#define ROWS_MAX 64 /* measured faster than oneDNN up to 128 rows on a 2-core AVX-512 machine */
+/* measured faster than oneDNN up to 128 rows on 2-core AVX-512 machines (SmolLM2-135M's
+ * projections: Zen 4 1.08x at 128 rows, Zen 5 1.04x; 0.93-0.98x from 160), so a prompt of up to
+ * 128 tokens prefills here too */
+#define ROWS_MAX 128
 #else
 #define ROWS_MAX 8 /* the tiled path is not measured on narrower vector units: oneDNN beyond 8 */
 #endif
@@ -179,10 +183,14 @@ static inline __attribute__((always_inline)) void block(const void *x, const voi
         for (int r = 0; r < rows; r++) xv[r] = keep(bf && DP ? load32h(x, r * in + k) : load(x, r * in + k, bf));
 #pragma GCC unroll 4
         for (int c = 0; c < cols; c++) {
-            /* towards the outer caches: prefetched into L1 (locality 3), the next tile's weights
-             * crowded out this one's and the x rows (SmolLM2-135M's projections and head, 8 fp32
-             * rows: 25.4 ms against 18.2 with locality 1; 16 rows 31.8 against 25.7) */
-            __builtin_prefetch(at(next, c * in + k, bf), 0, 1);
+            /* the next tile's weights, contiguous (BC rows of `in`): one line per weight vector
+             * used here, in address order, non-temporal. Interleaved like this tile's own reads
+             * (four streams `in` apart, locality 1) they left the tiles behind one weight row at
+             * a time at 2-8 fp32 rows on a 2-core Zen 5 (SmolLM2-135M's projections and head:
+             * 4 rows 15.6 ms against 12.8 now, 8 rows 15.5 against 14.5; bf16, 4 rows 8.8
+             * against 7.0; BENCHMARKS.md, session 24). Into L1 (locality 3) they crowded out
+             * this tile's weights and the x rows (session 22, on Zen 4). */
+            __builtin_prefetch((const char *)next + ((k / STEP(bf)) * BC + c) * 64, 0, 0);
             const v16 wv = keep(bf && DP ? load32h(w, c * in + k) : load(w, c * in + k, bf));
 #pragma GCC unroll 4
             for (int r = 0; r < rows; r++)
