@@ -14,7 +14,8 @@ those m proposals instead, and expects nothing beyond them.
 Block 1 (plain decoding, no draft pass) is always a candidate, so a weak drafter, a hard prompt
 or a large batch falls back to plain decoding instead of losing to it. While block 1 wins, a
 small probe block (4 tokens for a lone row, 2 for a batch) runs now and then (backing off
-exponentially) to notice when drafting pays again. The other way round, while drafting wins, a
+exponentially, and never costing more than PROBE_SHARE of the plain decoding time since the
+last probe) to notice when drafting pays again. The other way round, while drafting wins, a
 plain step runs first and then now and then (also backing off) in each batch-size bucket:
 otherwise plain decoding's cost would only ever be the calibration's guess scaled like the
 drafting sizes, and the calibration's short context hides
@@ -52,6 +53,13 @@ from blockspec.spec.decode import DecodeBatch, Row, Trim
 MAX_INTERVAL = 256  # steps: the longest back-off of both checks (a probe, a plain step)
 FIRST_TIMING_CAP = 2.0  # a size's first real timing counts for at most this many times its estimate
 WIDEN_SHARE = 0.05  # a step drafts past its chosen block while that costs at most this share of it
+# A probe costs what its draft pass and its longer verify add to a plain step, plus the drafter's
+# catch-up on the context the plain steps left behind: every row's prompt and output since the
+# last draft pass, all at once. At concurrency 32 (32-token requests, SmolLM2 on 2 cores) the
+# first probe's catch-up of ~3,500 context tokens cost about two plain steps, and probes every
+# 8-16 steps put DFlash at 0.90-0.91x plain decoding while it drafted almost nothing. So the next
+# probe waits until the plain steps since the last one took this many times its extra cost.
+PROBE_SHARE = 0.05
 # Widening and trimming run for batches of at most this many rows (trimming also for larger ones
 # with AdaptiveBlock(ragged=True): a length per row). Where a batch verifies one length for all its
 # rows, their confidences average out, and a wider draft costs more per step (held-out GSM8K at
@@ -359,6 +367,9 @@ class AdaptiveBlock:
         self.base_probe_every = probe_every
         self.probe_every = probe_every
         self.plain_streak = 0
+        self.plain_spent = 0.0  # seconds of steps without a draft pass since the last probe
+        self.probe_extra = 0.0  # what the last probe cost beyond a plain step (seconds)
+        self._probing = False  # the step being chosen is a probe
         self.last_choice = 1
         self.base_plain_every = plain_every
         self.plain_checks: dict[int, tuple[int, int]] = {}  # bucket -> (drafting steps since, interval)
@@ -429,17 +440,21 @@ class AdaptiveBlock:
         rates = [tokens / cost for tokens, cost in zip(expected, costs)]
         best = planned = max(range(1, self.max_block + 1), key=lambda n: (rates[n - 1], -n))
         lookup = self._lookup_option(batch, plan, rates[best - 1])
+        self._probing = False
         if best == 1 or lookup is not None:  # the drafter sits this step out
             self.plain_streak += 1
-            if self.plain_streak >= self.probe_every:
+            if self.plain_streak >= self.probe_every and self.plain_spent * PROBE_SHARE >= self.probe_extra:
                 self.plain_streak = 0
+                self.plain_spent = 0.0
                 self.probe_every = min(self.probe_every * 2, MAX_INTERVAL)
                 best, lookup = min(self.probe_block if b <= 1 else self.batch_probe_block, self.max_block), None
+                self._probing = True
             elif lookup is not None:
                 best = planned = 1
         else:
             self.plain_streak = 0
             self.probe_every = self.base_probe_every
+            self.plain_spent = self.probe_extra = 0.0  # the drafter is caught up: probes are cheap again
             best = self._check_plain(bucket(b), best)
             if best > 1:
                 best = self._challenge(bucket(b), best)
@@ -583,10 +598,19 @@ class AdaptiveBlock:
         if drafts is not None and self._drafted not in (None, size):  # priced as if it had drafted only `size`
             seconds += drafts[size - 1] - drafts[self._drafted - 1]
         self.costs.observe(b, size, seconds)
+        self._note_time(b, used, seconds)
         self.used[used] += 1
         if before is not None:
             self.record(batch.rows, before)
         return used
+
+    def _note_time(self, batch_size: int, used: int, seconds: float) -> None:
+        """Books a step's time against the probe budget (PROBE_SHARE)."""
+        if self._probing:
+            self.probe_extra = max(0.0, seconds - self.costs.cost(batch_size, 1))
+            self._probing = False
+        elif used == 1 or self.lookup_step is not None:
+            self.plain_spent += seconds
 
     def _step_lookup(self, batch: DecodeBatch, lengths: list[int]) -> int:
         """Runs and measures a step of lookup proposals alone (see `_lookup_option`)."""
@@ -597,6 +621,7 @@ class AdaptiveBlock:
         used = batch.step_lookup(lengths)
         seconds = time.perf_counter() - t0
         self.lookup_steps += 1
+        self._note_time(b, used, seconds)
         if batch.verified == b * used:  # uniform: what a drafting step of this size costs, less its draft
             drafts = self.costs.draft_table(b)
             self.costs.observe(b, used, seconds + (drafts[used - 1] if drafts is not None else 0.0))
