@@ -114,13 +114,27 @@ def test_a_fresh_cache_builds_the_kernel_once(monkeypatch: pytest.MonkeyPatch, t
     assert [p.name for p in (tmp_path / "kernels").iterdir()] == [lib.name]  # no temporary left
 
 
-def test_argmax_and_peak_equals_argmax_and_softmax() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kernel", [True, False])
+def test_argmax_and_peak_equals_argmax_and_softmax(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
+                                                   kernel: bool) -> None:
+    if not kernel:  # PyTorch's way, where the kernel is missing
+        monkeypatch.setattr(rowmatmul, "argmax_peak", lambda logits: None)
+    elif rowmatmul.kernel() is None:
+        pytest.skip("no C compiler: the kernel path is not built here")
     g = torch.Generator().manual_seed(2)
-    logits = torch.randn(2, 5, 300, generator=g)
-    logits[0, 1, 7] = logits[0, 1, 250] = 40.0  # a tie: the first index wins, as in argmax
-    top, peak = argmax_and_peak(logits.clone())
-    assert torch.equal(top, logits.argmax(-1)) and top[0, 1] == 7
-    torch.testing.assert_close(peak, torch.softmax(logits, -1).amax(-1))
+    for width in (300, 19065, 7):  # vector steps with a tail, a draft vocabulary, a tail alone
+        logits = torch.randn(2, 5, width, generator=g)
+        logits[0, 1, 3] = logits[0, 1, width - 2] = 40.0  # a tie: the first index wins, as in argmax
+        logits[1, 2, : width // 2] = float("-inf")  # outside a draft vocabulary
+        logits[1, 3, 5:] = float("-inf")
+        logits = logits.to(dtype)
+        before = logits.clone()
+        top, peak = argmax_and_peak(logits)
+        assert torch.equal(logits, before)  # the input is left alone
+        assert top.dtype == torch.int64 and peak.dtype == torch.float32 and top.shape == peak.shape == (2, 5)
+        assert torch.equal(top, logits.float().argmax(-1)) and top[0, 1] == 3
+        torch.testing.assert_close(peak, torch.softmax(logits.double(), -1).amax(-1).float(), atol=1e-6, rtol=1e-5)
 
 
 def test_kernel_bits_do_not_depend_on_the_thread_count() -> None:

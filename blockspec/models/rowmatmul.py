@@ -40,7 +40,8 @@ import torch
 
 from blockspec.zoo import cache_root
 
-SOURCES = tuple(Path(__file__).parent / "kernels" / name for name in ("rows.c", "attention.c", "norm.c"))  # one library
+SOURCES = tuple(Path(__file__).parent / "kernels" / name
+                for name in ("rows.c", "attention.c", "norm.c", "peak.c"))  # one library
 HEADERS = (Path(__file__).parent / "kernels" / "vec.h",)
 DISABLE_ENV = "BLOCKSPEC_CPU_KERNELS"
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
@@ -110,12 +111,16 @@ def _load() -> object | None:
     for f in fn.rms_norm.values():
         f.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
         f.restype = ctypes.c_int
+    fn.argmax_peak = {torch.float32: lib.bs_argmax_peak, torch.bfloat16: lib.bs_argmax_peak_bf16}
+    for f in fn.argmax_peak.values():
+        f.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int]
+        f.restype = ctypes.c_int
     return fn if _agrees(fn) else None
 
 
 def _agrees(fn: object) -> bool:
-    """One small product, attention and RMSNorm per element type prove the build runs and
-    agrees with PyTorch."""
+    """One small product, attention, RMSNorm and argmax with its softmax peak per element type
+    prove the build runs and agrees with PyTorch."""
     g = torch.Generator().manual_seed(0)
     x, w, b = torch.randn(3, 37, generator=g), torch.randn(5, 37, generator=g), torch.randn(5, generator=g)
     q = torch.randn(1, 1, 2, 20, generator=g)
@@ -138,8 +143,13 @@ def _agrees(fn: object) -> bool:
         normed = torch.empty_like(xn)
         fn.rms_norm[dtype](xn.data_ptr(), wn.data_ptr(), normed.data_ptr(), 2, 21, 1e-6, 1)
         want_norm = torch.nn.functional.rms_norm(xn.double(), (21,), wn.double(), 1e-6)
+        logits = torch.randn(2, 37, generator=g).to(dtype)
+        top, peak = torch.empty(2, dtype=torch.int64), torch.empty(2)
+        fn.argmax_peak[dtype](logits.data_ptr(), 2, 37, top.data_ptr(), peak.data_ptr(), 1)
+        want_peak = torch.softmax(logits.double(), -1).amax(-1).float()
         if not (torch.allclose(y, want, atol=tol, rtol=tol) and torch.allclose(att, want_att, atol=tol, rtol=tol)
-                and torch.allclose(normed.double(), want_norm, atol=4 * tol, rtol=4 * tol)):
+                and torch.allclose(normed.double(), want_norm, atol=4 * tol, rtol=4 * tol)
+                and torch.equal(top, logits.float().argmax(-1)) and torch.allclose(peak, want_peak, atol=1e-5)):
             return False
     return True
 
@@ -175,6 +185,22 @@ def rows_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     fn(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
        n, k, weight.shape[0], torch.get_num_threads())
     return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def argmax_peak(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(argmax [..], softmax probability at it [..] float32) of logits [.., V] (fp32 or bf16, on
+    the CPU) through `kernels/peak.c`; None where the kernel does not take them (no kernel, other
+    dtypes, autograd)."""
+    fn = kernel()
+    f = None if fn is None else fn.argmax_peak.get(logits.dtype)
+    if f is None or (torch.is_grad_enabled() and logits.requires_grad) or logits.shape[-1] == 0:
+        return None
+    x = logits.contiguous()
+    lead = x.shape[:-1]
+    top = torch.empty(lead, dtype=torch.int64)
+    peak = torch.empty(lead, dtype=torch.float32)
+    f(x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], top.data_ptr(), peak.data_ptr(), torch.get_num_threads())
+    return top, peak
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:

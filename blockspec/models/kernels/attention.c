@@ -22,43 +22,7 @@
 #include <math.h>
 #include <stdlib.h>
 
-#include "vec.h"
-
-/* e^x per lane for x <= 0 (scores minus their maximum): x = n ln2 + t with |t| <= ln2 / 2, e^t by
- * Cephes' degree-6 polynomial (relative error ~1e-7), times 2^n through the exponent bits; below
- * -87 it is 0. Lane by lane, so a score's weight does not depend on its neighbours. libm's expf,
- * one call per score, took most of a batched verify's attention. */
-typedef int32_t i16 __attribute__((vector_size(64)));
-static inline v16 select16(i16 mask, v16 a, v16 b) { /* a where mask, else b (C has no vector ?:) */
-    i16 ia, ib;
-    memcpy(&ia, &a, sizeof ia);
-    memcpy(&ib, &b, sizeof ib);
-    ia = (mask & ia) | (~mask & ib);
-    v16 r;
-    memcpy(&r, &ia, sizeof r);
-    return r;
-}
-
-static inline v16 exp16(v16 x) {
-    const v16 lo = (v16){0} - 87.0f;
-    const i16 under = x < lo;
-    x = select16(under, lo, x);
-    const i16 n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, i16); /* round(x / ln2), x <= 0 */
-    const v16 nf = __builtin_convertvector(n, v16);
-    const v16 t = (x - nf * 0.693359375f) - nf * -2.12194440e-4f;
-    v16 p = t * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * t + 8.3334519073e-3f;
-    p = p * t + 4.1665795894e-2f;
-    p = p * t + 1.6666665459e-1f;
-    p = p * t + 5.0000001201e-1f;
-    p = p * (t * t) + t + 1.0f;
-    i16 bits;
-    memcpy(&bits, &p, sizeof bits);
-    bits += n << 23;
-    v16 e;
-    memcpy(&e, &bits, sizeof e);
-    return select16(under, (v16){0}, e);
-}
+#include "vec.h" /* exp16 */
 
 /* R (<= CH) query rows of one KV head: rows idx[r] of q and out (stride d) over keys/values k, v (row
  * stride d), row r seeing seen[r] of them. The keys and values are loaded once for the R rows; each

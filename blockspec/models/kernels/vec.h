@@ -1,4 +1,4 @@
-/* Vector types and loads shared by the CPU kernels (rows.c, attention.c). GCC vector extensions:
+/* Vector types, loads and e^x shared by the CPU kernels (rows.c, attention.c, norm.c, peak.c). GCC vector extensions:
  * the compiler picks the widest vector unit it has. Elements are fp32 (bf == 0) or bf16 (bf == 1);
  * bf is a literal at every call site, so each helper is compiled once per element type. */
 #ifndef BLOCKSPEC_VEC_H
@@ -58,5 +58,41 @@ static inline v4 reduce16x4(v16 a, v16 b, v16 c, v16 d) {
     v4 ab = __builtin_shufflevector(fa, fb, 0, 1, 4, 5) + __builtin_shufflevector(fa, fb, 2, 3, 6, 7);
     v4 cd = __builtin_shufflevector(fc, fd, 0, 1, 4, 5) + __builtin_shufflevector(fc, fd, 2, 3, 6, 7);
     return __builtin_shufflevector(ab, cd, 0, 2, 4, 6) + __builtin_shufflevector(ab, cd, 1, 3, 5, 7);
+}
+/* e^x per lane for x <= 0 (scores minus their maximum): x = n ln2 + t with |t| <= ln2 / 2, e^t by
+ * Cephes' degree-6 polynomial (relative error ~1e-7), times 2^n through the exponent bits; below
+ * -87 it is 0. Lane by lane, so a score's weight does not depend on its neighbours. libm's expf,
+ * one call per score, took most of a batched verify's attention (attention.c); peak.c sums a
+ * softmax's denominator with it. */
+typedef int32_t i16 __attribute__((vector_size(64)));
+static inline v16 select16(i16 mask, v16 a, v16 b) { /* a where mask, else b (C has no vector ?:) */
+    i16 ia, ib;
+    memcpy(&ia, &a, sizeof ia);
+    memcpy(&ib, &b, sizeof ib);
+    ia = (mask & ia) | (~mask & ib);
+    v16 r;
+    memcpy(&r, &ia, sizeof r);
+    return r;
+}
+
+static inline v16 exp16(v16 x) {
+    const v16 lo = (v16){0} - 87.0f;
+    const i16 under = x < lo;
+    x = select16(under, lo, x);
+    const i16 n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, i16); /* round(x / ln2), x <= 0 */
+    const v16 nf = __builtin_convertvector(n, v16);
+    const v16 t = (x - nf * 0.693359375f) - nf * -2.12194440e-4f;
+    v16 p = t * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * t + 8.3334519073e-3f;
+    p = p * t + 4.1665795894e-2f;
+    p = p * t + 1.6666665459e-1f;
+    p = p * t + 5.0000001201e-1f;
+    p = p * (t * t) + t + 1.0f;
+    i16 bits;
+    memcpy(&bits, &p, sizeof bits);
+    bits += n << 23;
+    v16 e;
+    memcpy(&e, &bits, sizeof e);
+    return select16(under, (v16){0}, e);
 }
 #endif
