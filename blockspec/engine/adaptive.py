@@ -55,10 +55,11 @@ FIRST_TIMING_CAP = 2.0  # a size's first real timing counts for at most this man
 WIDEN_SHARE = 0.05  # a step drafts past its chosen block while that costs at most this share of it
 # A probe costs what its draft pass and its longer verify add to a plain step, plus the drafter's
 # catch-up on the context the plain steps left behind: every row's prompt and output since the
-# last draft pass, all at once. At concurrency 32 (32-token requests, SmolLM2 on 2 cores) the
-# first probe's catch-up of ~3,500 context tokens cost about two plain steps, and probes every
-# 8-16 steps put DFlash at 0.90-0.91x plain decoding while it drafted almost nothing. So the next
-# probe waits until the plain steps since the last one took this many times its extra cost.
+# last draft pass, all at once (32 fresh rows of SmolLM2 prompts: ~3,500 context tokens). With
+# probes after 8, 16, 32... plain steps alone, concurrency 32 (32-token requests, 2 cores) ran at
+# 0.90-0.99x plain decoding while drafting almost nothing; 0.95-1.01x with this budget
+# (BENCHMARKS.md, session 24). The next probe waits until the plain steps since the last one took
+# 1 / PROBE_SHARE times its extra cost.
 PROBE_SHARE = 0.05
 # Widening and trimming run for batches of at most this many rows (trimming also for larger ones
 # with AdaptiveBlock(ragged=True): a length per row). Where a batch verifies one length for all its

@@ -15,8 +15,9 @@ AVX512_BF16 they multiply in pairs, and a 16-20 row draft pass's projections too
 against oneDNN's 4.0-4.6 (BENCHMARKS.md, session 18).
 
 The same library holds `kernels/attention.c`, the target's batch-invariant attention for a few
-query tokens (models/native/attention.py), and `kernels/norm.c`, RMSNorm in one call instead of
-PyTorch's ten small operators (`rms_norm` below).
+query tokens (models/native/attention.py), `kernels/norm.c`, RMSNorm in one call instead of
+PyTorch's ten small operators (`rms_norm` below), and `kernels/peak.c`, a draft head's argmax with
+its softmax probability (`argmax_peak` below).
 
 Built with the system C compiler (`$CC`, else cc/gcc/clang; -O3 -march=native -fopenmp) into
 the blockspec cache (`$BLOCKSPEC_CACHE/kernels`, default ~/.cache/blockspec/kernels), keyed by the

@@ -21,11 +21,10 @@ static inline void peak_row(const void *x, int64_t n, int64_t *idx, float *conf,
     int64_t at_top = 0;
     if (nv > 0) {
         v16 m = load(x, 0, bf);
-        i16 mi = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-        const i16 step = (i16){0} + 16;
+        i16 mi = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}; /* each lane's index of m */
         i16 k16 = mi;
         for (int64_t k = 16; k < nv; k += 16) {
-            k16 += step;
+            k16 += 16;
             const v16 v = load(x, k, bf);
             const i16 gt = v > m; /* strict: a lane keeps its first maximum */
             m = select16(gt, v, m);

@@ -1,5 +1,5 @@
-/* Vector types, loads and e^x shared by the CPU kernels (rows.c, attention.c, norm.c, peak.c). GCC vector extensions:
- * the compiler picks the widest vector unit it has. Elements are fp32 (bf == 0) or bf16 (bf == 1);
+/* Vector types, loads and e^x shared by the CPU kernels (rows.c, attention.c, norm.c, peak.c).
+ * GCC vector extensions: the compiler picks the widest vector unit it has. Elements are fp32 (bf == 0) or bf16 (bf == 1);
  * bf is a literal at every call site, so each helper is compiled once per element type. */
 #ifndef BLOCKSPEC_VEC_H
 #define BLOCKSPEC_VEC_H
