@@ -431,11 +431,11 @@ def test_adaptive_policy_probes_while_plain_decoding_wins() -> None:
     assert [policy.choose(batch) for _ in range(4)] == [1, 1, 1, 2]  # a batch probes with 2 tokens a row
 
 
-
 def test_adaptive_probes_cost_at_most_their_share_of_plain_decoding(monkeypatch: pytest.MonkeyPatch) -> None:
     """A probe that costs much more than a plain step (the drafter catching up on a large batch's
-    context) waits until the plain steps since the last probe took 1 / PROBE_SHARE times its extra cost; a cheap one
-    keeps the step back-off alone. Steps run on a fake clock: plain 1 s, probes 1.2 s or 5 s."""
+    context) waits until the plain steps since the last probe took 1 / PROBE_SHARE times its extra
+    cost; a cheap one keeps the step back-off alone. Steps run on a fake clock: plain 1 s, probes
+    1.2 s or 5 s."""
     from blockspec.engine import adaptive
 
     clock = SimpleNamespace(t=0.0)
@@ -460,6 +460,7 @@ def test_adaptive_probes_cost_at_most_their_share_of_plain_decoding(monkeypatch:
     assert probes(1.2) == [4, 12, 28, 60, 124]  # 0.2 s extra: the back-off of 4, 8, 16, 32... steps
     # 4 s extra: the next probe waits for 4 / PROBE_SHARE = 80 s of plain steps
     assert adaptive.PROBE_SHARE == 0.05 and probes(5.0) == [4, 85, 166]
+
 
 def _lookup_row(rate: float, drafted: float = 0.0) -> SimpleNamespace:
     """A row whose lookup proposals are accepted at `rate` and its drafts at `drafted`."""

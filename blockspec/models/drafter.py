@@ -222,7 +222,7 @@ def argmax_and_peak(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     fast = rowmatmul.argmax_peak(logits) if logits.is_cpu else None
     if fast is not None:
         return fast
-    logits = logits.float() if logits.dtype != torch.float32 else logits.clone()
+    logits = logits.to(torch.float32, copy=True)  # the caller's logits stay as they are
     peak, top = logits.max(dim=-1, keepdim=True)  # [.., 1]
     conf = 1.0 / logits.sub_(peak).exp_().sum(dim=-1)
     return top[..., 0], conf
