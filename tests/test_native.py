@@ -20,6 +20,7 @@ from blockspec.models.linear import (
     set_cpu_matmul,
 )
 from blockspec.models.native import load_native_target, load_target, unsupported_reason
+from blockspec.models import rowmatmul
 from blockspec.models.native.draft import StaticDrafter
 from blockspec.models.slots import EMPTY
 from blockspec.spec.decode import SpecDecoder
@@ -208,30 +209,42 @@ def _check_linear(rows: int) -> None:
     assert w2.grad is not None and torch.isfinite(w2.grad).all()
 
 
-def test_static_drafter_equals_module_forward() -> None:
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_static_drafter_equals_module_forward(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
+    """float64: PyTorch's attention with a mask; float32: the CPU attention kernel (visible keys
+    per query), which must then be the only attention that runs."""
+    if dtype == torch.float32 and rowmatmul.kernel() is None:
+        pytest.skip("no C compiler: the kernel path is not built here")
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the static drafter fell back to PyTorch's attention")
+
     model = make_tiny_target("llama", seed=9)
-    drafter = new_drafter_for_target(model.config, mask_token_id=47, num_layers=2, dtype=torch.float64)
+    drafter = new_drafter_for_target(model.config, mask_token_id=47, num_layers=2, dtype=dtype)
     init_drafter_weights(drafter, std=0.3, seed=1)  # large weights: attention really mixes
     static = StaticDrafter(drafter)
     g = torch.Generator().manual_seed(3)
     width = len(drafter.target_layer_ids) * 32
-    feats = torch.randn(2, 7, width, generator=g, dtype=torch.float64)
+    feats = torch.randn(2, 7, width, generator=g, dtype=dtype)
     ctx_pos = torch.tensor([[EMPTY, EMPTY, 0, 1, 2, 3, 4], list(range(7))])
     dyn_cache, st_cache = drafter.new_cache(2), static.new_cache(2)
     start = torch.tensor([5, 7])
     for step, keep_n in enumerate(([2, 3], [1, 4])):
         q = 4 + 4 * step
         block_pos = start[:, None] + torch.arange(q)
-        embeds = torch.randn(2, q, 32, generator=g, dtype=torch.float64)
+        embeds = torch.randn(2, q, 32, generator=g, dtype=dtype)
         want = drafter(feats, ctx_pos, embeds, block_pos, dyn_cache)
         st_cache.reserve(int(block_pos.max()) + 1, 64)
-        got = static(feats, ctx_pos, embeds, block_pos, st_cache)
+        with monkeypatch.context() as patch:
+            if dtype == torch.float32:  # PyTorch's functional module is shared: patched for this call only
+                patch.setattr(torch.nn.functional, "scaled_dot_product_attention", refuse)
+            got = static(feats, ctx_pos, embeds, block_pos, st_cache)
         # The drafter's RMSNorm computes in fp32 and the static path's small-row matmuls round
         # differently, so fp32 ulps show; a wrong mask or cache slot moves values by ~0.1.
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         # The next context: this block's features, rejected tail marked EMPTY.
         keep = torch.arange(q)[None] < torch.tensor(keep_n)[:, None]
-        feats = torch.randn(2, q, width, generator=g, dtype=torch.float64)
+        feats = torch.randn(2, q, width, generator=g, dtype=dtype)
         ctx_pos = torch.where(keep, block_pos, torch.full_like(block_pos, EMPTY))
         start = start + torch.tensor(keep_n)
 

@@ -9,7 +9,7 @@ import torch
 
 from blockspec.models import linear as linear_mod
 from blockspec.models import rowmatmul
-from blockspec.models.drafter import argmax_and_peak
+from blockspec.models.argmax import argmax_and_peak, greedy_ids
 
 
 def test_the_kernel_builds_where_a_compiler_exists() -> None:
@@ -116,10 +116,11 @@ def test_a_fresh_cache_builds_the_kernel_once(monkeypatch: pytest.MonkeyPatch, t
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kernel", [True, False])
-def test_argmax_and_peak_equals_argmax_and_softmax(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
+def test_argmax_kernels_equal_argmax_and_softmax(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
                                                    kernel: bool) -> None:
     if not kernel:  # PyTorch's way, where the kernel is missing
         monkeypatch.setattr(rowmatmul, "argmax_peak", lambda logits: None)
+        monkeypatch.setattr(rowmatmul, "argmax", lambda logits: None)
     elif rowmatmul.kernel() is None:
         pytest.skip("no C compiler: the kernel path is not built here")
     g = torch.Generator().manual_seed(2)
@@ -135,6 +136,10 @@ def test_argmax_and_peak_equals_argmax_and_softmax(monkeypatch: pytest.MonkeyPat
         assert top.dtype == torch.int64 and peak.dtype == torch.float32 and top.shape == peak.shape == (2, 5)
         assert torch.equal(top, logits.float().argmax(-1)) and top[0, 1] == 3
         torch.testing.assert_close(peak, torch.softmax(logits.double(), -1).amax(-1).float(), atol=1e-6, rtol=1e-5)
+        alone = greedy_ids(logits)  # the argmax without the peak: one pass
+        assert alone.dtype == torch.int64 and torch.equal(alone, top)
+        assert torch.equal(greedy_ids(logits[:, 1]), top[:, 1])  # a strided view is read as it is
+    assert greedy_ids(torch.empty(0, 4, dtype=dtype)).shape == (0,)
 
 
 def test_kernel_bits_do_not_depend_on_the_thread_count() -> None:

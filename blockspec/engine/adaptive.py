@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from blockspec.models.argmax import greedy_ids
 from blockspec.models.slots import EMPTY
 from blockspec.spec.decode import DecodeBatch, Row, Trim
 
@@ -328,7 +329,7 @@ def calibrate(batch: DecodeBatch, size: int, max_block: int, context: int = 8,
             if hasattr(tcache, "reserve"):
                 tcache.reserve(context + n)
             logits, _ = target.forward(block_ids, block_pos, tcache, layer_ids)
-            logits.argmax(dim=-1).tolist()
+            greedy_ids(logits).tolist()
             elapsed = time.perf_counter() - t0
             tcache.reject(torch.zeros(size, n, dtype=torch.bool, device=d))
             tcache.compact(1.0)

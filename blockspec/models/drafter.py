@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from blockspec.errors import CheckpointError, CompatibilityError, ConfigError
-from blockspec.models import rowmatmul
+from blockspec.models.argmax import argmax_and_peak, greedy_ids
 from blockspec.models.linear import linear, project
 from blockspec.models.rope import Rotary, apply_rope, rope_inv_freq
 from blockspec.models.slots import EMPTY, SlotTable, gather_slots
@@ -209,23 +209,6 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
-
-
-def argmax_and_peak(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [.., V] (fp32 or bf16) -> (argmax [..], softmax probability of it [..], float32).
-
-    On a CPU through `kernels/peak.c` (two passes over each row; ~190 us -> ~70 us for 15 rows of
-    a 19K-token draft vocabulary). Elsewhere `max` gives the argmax (the first of tied maxima, as
-    `argmax`) in one pass, and the peak's probability is exp(peak - logsumexp), in place on an
-    fp32 copy.
-    """
-    fast = rowmatmul.argmax_peak(logits) if logits.is_cpu else None
-    if fast is not None:
-        return fast
-    logits = logits.to(torch.float32, copy=True)  # the caller's logits stay as they are
-    peak, top = logits.max(dim=-1, keepdim=True)  # [.., 1]
-    conf = 1.0 / logits.sub_(peak).exp_().sum(dim=-1)
-    return top[..., 0], conf
 
 
 class DraftCache:
@@ -456,9 +439,9 @@ class DFlashDrafter(nn.Module):
     def greedy_tokens(self, hidden: torch.Tensor, head: nn.Module) -> torch.Tensor:
         """argmax of `logits(hidden, head)` [..] without building full-vocabulary logits."""
         if self.draft_vocab is None:
-            return self.logits(hidden, head).argmax(dim=-1)
+            return greedy_ids(self.logits(hidden, head))
         # draft_vocab is sorted, so ties break towards the lower token id as a full argmax would.
-        return self.draft_vocab[self._draft_vocab_logits(hidden, head).argmax(dim=-1)]
+        return self.draft_vocab[greedy_ids(self._draft_vocab_logits(hidden, head))]
 
     def greedy_with_confidence(self, hidden: torch.Tensor, head: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """`greedy_tokens` [..] and the draft probability of each [..] (float32): how likely

@@ -17,7 +17,7 @@ against oneDNN's 4.0-4.6 (BENCHMARKS.md, session 18).
 The same library holds `kernels/attention.c`, the target's batch-invariant attention for a few
 query tokens (models/native/attention.py), `kernels/norm.c`, RMSNorm in one call instead of
 PyTorch's ten small operators (`rms_norm` below), and `kernels/peak.c`, a draft head's argmax with
-its softmax probability (`argmax_peak` below).
+its softmax probability (`argmax_peak` below) or alone (`argmax`).
 
 Built with the system C compiler (`$CC`, else cc/gcc/clang; -O3 -march=native -fopenmp) into
 the blockspec cache (`$BLOCKSPEC_CACHE/kernels`, default ~/.cache/blockspec/kernels), keyed by the
@@ -148,9 +148,12 @@ def _agrees(fn: object) -> bool:
         top, peak = torch.empty(2, dtype=torch.int64), torch.empty(2)
         fn.argmax_peak[dtype](logits.data_ptr(), 2, 37, top.data_ptr(), peak.data_ptr(), 1)
         want_peak = torch.softmax(logits.double(), -1).amax(-1).float()
+        alone = torch.empty(2, dtype=torch.int64)
+        fn.argmax_peak[dtype](logits.data_ptr(), 2, 37, alone.data_ptr(), None, 1)
         if not (torch.allclose(y, want, atol=tol, rtol=tol) and torch.allclose(att, want_att, atol=tol, rtol=tol)
                 and torch.allclose(normed.double(), want_norm, atol=4 * tol, rtol=4 * tol)
-                and torch.equal(top, logits.float().argmax(-1)) and torch.allclose(peak, want_peak, atol=1e-5)):
+                and torch.equal(top, logits.float().argmax(-1)) and torch.equal(alone, top)
+                and torch.allclose(peak, want_peak, atol=1e-5)):
             return False
     return True
 
@@ -202,6 +205,19 @@ def argmax_peak(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | Non
     peak = torch.empty(lead, dtype=torch.float32)
     f(x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], top.data_ptr(), peak.data_ptr(), torch.get_num_threads())
     return top, peak
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor | None:
+    """argmax [..] (int64, the first of tied maxima) of logits [.., V] (fp32 or bf16, on the CPU)
+    through `kernels/peak.c` in one pass; None where the kernel does not take them."""
+    fn = kernel()
+    f = None if fn is None else fn.argmax_peak.get(logits.dtype)
+    if f is None or logits.shape[-1] == 0 or logits.numel() == 0:
+        return None
+    x = logits.detach().contiguous()
+    top = torch.empty(x.shape[:-1], dtype=torch.int64)
+    f(x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], top.data_ptr(), None, torch.get_num_threads())
+    return top
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:

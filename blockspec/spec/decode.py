@@ -24,6 +24,7 @@ import torch
 
 from blockspec.config import SamplingParams, SpecConfig
 from blockspec.errors import ConfigError, ContextLengthError
+from blockspec.models.argmax import greedy_ids
 from blockspec.models.drafter import DFlashDrafter, check_compatible
 from blockspec.models.native.draft import StaticDrafter, has_standard_forward
 from blockspec.models.slots import EMPTY
@@ -398,7 +399,7 @@ class DecodeBatch:
         top_k = torch.tensor([sp.top_k for sp in params], dtype=torch.long, device=d)
         top_p = torch.tensor([sp.top_p for sp in params], dtype=torch.float32, device=d)
         if all(sp.greedy for sp in params):
-            first = logits[:, -1].argmax(dim=-1)  # [k]
+            first = greedy_ids(logits[:, -1])  # [k]
         else:
             probs = probabilities(logits[:, -1:], temperature, top_k, top_p)  # [k, 1, V]
             first = sample_from(probs, random.uniforms(1).to(d))[:, 0]

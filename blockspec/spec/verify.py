@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from blockspec.models.argmax import greedy_ids
 from blockspec.spec.sampling import sample_from
 
 
@@ -23,7 +24,7 @@ def verify_greedy(
     `limit` [b]: row r verifies only its first limit[r] proposals (a ragged step); the target's
     logits past them are never read, so they may be anything.
     """
-    best = target_logits.argmax(dim=-1)  # [b, m+1]
+    best = greedy_ids(target_logits)  # [b, m+1]
     m = proposals.shape[1]
     match = (proposals == best[:, :m]).to(torch.long)
     if limit is not None:
