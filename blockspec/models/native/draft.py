@@ -15,11 +15,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from blockspec.models.drafter import DFlashDrafter, RMSNorm
 from blockspec.models import rowmatmul
+from blockspec.models.drafter import DFlashDrafter, RMSNorm
+from blockspec.models.linear import linear, project
 from blockspec.models.native.attention import cached_attention
 from blockspec.models.native.cache import KVStore, StaticCache, attention_mask
-from blockspec.models.linear import linear, project
 from blockspec.models.native.llama import padding_index, rms_norm, rope_bqhd
 
 
