@@ -175,8 +175,6 @@ class StaticDrafter:
         for i, layer in enumerate(m.layers):
             attn = layer.self_attn
             kind = self.layer_kinds[i]
-            if kind not in masks:
-                masks[kind] = None if (b == 1 and self.plain) else self._mask(kind, block_positions, horizon, g)
             w_qkv, b_qkv, w_gate_up = fused[i]
             y = _norm(layer.input_layernorm, x)
             # one projection for the block's q/k/v and the context's k/v (its q columns unused)
@@ -190,6 +188,8 @@ class StaticDrafter:
             qg = qs.view(b, q, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * q, d)
             out = None if visible is None else cached_attention(qg, k_cache, v_cache, visible, horizon, scale)
             if out is None:
+                if kind not in masks:  # built only here: the kernel's mask is `visible`
+                    masks[kind] = None if (b == 1 and self.plain) else self._mask(kind, block_positions, horizon, g)
                 out = F.scaled_dot_product_attention(
                     qg, k_cache[:, :, :horizon], v_cache[:, :, :horizon], attn_mask=masks[kind]
                 )
