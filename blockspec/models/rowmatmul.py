@@ -195,29 +195,30 @@ def argmax_peak(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | Non
     """(argmax [..], softmax probability at it [..] float32) of logits [.., V] (fp32 or bf16, on
     the CPU) through `kernels/peak.c`; None where the kernel does not take them (no kernel, other
     dtypes, autograd)."""
-    fn = kernel()
-    f = None if fn is None else fn.argmax_peak.get(logits.dtype)
-    if f is None or (torch.is_grad_enabled() and logits.requires_grad) or logits.shape[-1] == 0:
+    if torch.is_grad_enabled() and logits.requires_grad:
         return None
-    x = logits.contiguous()
-    lead = x.shape[:-1]
-    top = torch.empty(lead, dtype=torch.int64)
-    peak = torch.empty(lead, dtype=torch.float32)
-    f(x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], top.data_ptr(), peak.data_ptr(), torch.get_num_threads())
-    return top, peak
+    return _peak(logits, with_peak=True)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor | None:
     """argmax [..] (int64, the first of tied maxima) of logits [.., V] (fp32 or bf16, on the CPU)
     through `kernels/peak.c` in one pass; None where the kernel does not take them."""
+    out = _peak(logits, with_peak=False)
+    return None if out is None else out[0]
+
+
+def _peak(logits: torch.Tensor, with_peak: bool) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """`kernels/peak.c` over the rows of logits [.., V]: argmax, and the softmax peak if asked."""
     fn = kernel()
     f = None if fn is None else fn.argmax_peak.get(logits.dtype)
-    if f is None or logits.shape[-1] == 0 or logits.numel() == 0:
+    if f is None or logits.shape[-1] == 0:
         return None
     x = logits.detach().contiguous()
     top = torch.empty(x.shape[:-1], dtype=torch.int64)
-    f(x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], top.data_ptr(), None, torch.get_num_threads())
-    return top
+    peak = torch.empty(x.shape[:-1], dtype=torch.float32) if with_peak else None
+    f(x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], top.data_ptr(), None if peak is None else peak.data_ptr(),
+      torch.get_num_threads())
+    return top, peak
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:

@@ -15,10 +15,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from blockspec.models import rowmatmul
 from blockspec.models.drafter import DFlashDrafter, RMSNorm
 from blockspec.models.linear import linear, project
-from blockspec.models.native.attention import cached_attention
+from blockspec.models.native.attention import cached_attention, visible_keys
 from blockspec.models.native.cache import KVStore, StaticCache, attention_mask
 from blockspec.models.native.llama import padding_index, rms_norm, rope_bqhd
 
@@ -112,11 +111,11 @@ class StaticDrafter:
         None where PyTorch's attention runs instead: other devices or dtypes, causal or windowed
         layers. Why: PyTorch's CPU attention with a mask cost 170-280 us per layer at 8 rows
         (SmolLM2's drafter, 2 cores), most of a batched draft pass's attention."""
-        k = rowmatmul.kernel()
-        if not self.plain or k is None or dtype not in k.attention or block_positions.device.type != "cpu":
+        if not self.plain:
             return None
         b, q = block_positions.shape
-        return (block_positions[:, :1] + q).expand(b, q).to(torch.int64).contiguous()
+        # the keys of a query at the block's last position are exactly those slots
+        return visible_keys((block_positions[:, :1] + q - 1).expand(b, q), False, dtype)
 
     @torch.inference_mode()
     def __call__(
