@@ -16,8 +16,9 @@ against oneDNN's 4.0-4.6 (BENCHMARKS.md, session 18).
 
 The same library holds `kernels/attention.c`, the target's batch-invariant attention for a few
 query tokens (models/native/attention.py), `kernels/norm.c`, RMSNorm in one call instead of
-PyTorch's ten small operators (`rms_norm` below), and `kernels/peak.c`, a draft head's argmax with
-its softmax probability (`argmax_peak` below) or alone (`argmax`).
+PyTorch's ten small operators (`rms_norm` below), `kernels/peak.c`, a draft head's argmax with
+its softmax probability (`argmax_peak` below) or alone (`argmax`), and `kernels/rope.c`, a layer's
+query/key norms, rotary embedding and K/V cache writes in one call (models/native/qkv.py).
 
 Built with the system C compiler (`$CC`, else cc/gcc/clang; -O3 -march=native -fopenmp) into
 the blockspec cache (`$BLOCKSPEC_CACHE/kernels`, default ~/.cache/blockspec/kernels), keyed by the
@@ -42,7 +43,7 @@ import torch
 from blockspec.zoo import cache_root
 
 SOURCES = tuple(Path(__file__).parent / "kernels" / name
-                for name in ("rows.c", "attention.c", "norm.c", "peak.c"))  # one library
+                for name in ("rows.c", "attention.c", "norm.c", "peak.c", "rope.c"))  # one library
 HEADERS = (Path(__file__).parent / "kernels" / "vec.h",)
 DISABLE_ENV = "BLOCKSPEC_CPU_KERNELS"
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
@@ -116,12 +117,18 @@ def _load() -> object | None:
     for f in fn.argmax_peak.values():
         f.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int]
         f.restype = ctypes.c_int
+    fn.rope_kv = {torch.float32: lib.bs_rope_kv, torch.bfloat16: lib.bs_rope_kv_bf16}
+    for f in fn.rope_kv.values():
+        f.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 6 + [ctypes.c_void_p] * 2 + [ctypes.c_float] * 2
+                      + [ctypes.c_void_p] * 2 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+                      + [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int])
+        f.restype = ctypes.c_int
     return fn if _agrees(fn) else None
 
 
 def _agrees(fn: object) -> bool:
-    """One small product, attention, RMSNorm and argmax with its softmax peak per element type
-    prove the build runs and agrees with PyTorch."""
+    """One small product, attention, RMSNorm, argmax with its softmax peak and a rope with its
+    cache writes per element type prove the build runs and agrees with PyTorch."""
     g = torch.Generator().manual_seed(0)
     x, w, b = torch.randn(3, 37, generator=g), torch.randn(5, 37, generator=g), torch.randn(5, generator=g)
     q = torch.randn(1, 1, 2, 20, generator=g)
@@ -150,10 +157,24 @@ def _agrees(fn: object) -> bool:
         want_peak = torch.softmax(logits.double(), -1).amax(-1).float()
         alone = torch.empty(2, dtype=torch.int64)
         fn.argmax_peak[dtype](logits.data_ptr(), 2, 37, alone.data_ptr(), None, 1)
+        # one token's two query heads and one key/value head of 20 (rope after a head norm)
+        qkv, angle = torch.randn(1, 80, generator=g).to(dtype), torch.rand(1, 10, generator=g).repeat(1, 2)
+        cos, sin, wq = angle.cos().to(dtype), angle.sin().to(dtype), torch.rand(20, generator=g).to(dtype)
+        zero = torch.zeros(1, dtype=torch.int64)
+        roped_q, cache_k, cache_v = torch.empty(2, 20, dtype=dtype), torch.empty(20, dtype=dtype), torch.empty(20, dtype=dtype)
+        fn.rope_kv[dtype](qkv.data_ptr(), 1, 80, 2, 1, 2, 20, wq.data_ptr(), None, 1e-6, 1e-6, cos.data_ptr(),
+                          sin.data_ptr(), 0, zero.data_ptr(), roped_q.data_ptr(), 40, 20, zero.data_ptr(),
+                          cache_k.data_ptr(), cache_v.data_ptr(), 20, 1)
+        heads = qkv.double().view(4, 20)
+        heads = torch.cat([torch.nn.functional.rms_norm(heads[:2], (20,), wq.double(), 1e-6), heads[2:]])
+        want_rope = heads * cos.double() + torch.cat([-heads[:, 10:], heads[:, :10]], -1) * sin.double()
+        roped = torch.cat([roped_q, cache_k[None], cache_v[None]]).double()
+        want_rope[3] = heads[3]
         if not (torch.allclose(y, want, atol=tol, rtol=tol) and torch.allclose(att, want_att, atol=tol, rtol=tol)
                 and torch.allclose(normed.double(), want_norm, atol=4 * tol, rtol=4 * tol)
                 and torch.equal(top, logits.float().argmax(-1)) and torch.equal(alone, top)
-                and torch.allclose(peak, want_peak, atol=1e-5)):
+                and torch.allclose(peak, want_peak, atol=1e-5)
+                and torch.allclose(roped, want_rope, atol=8 * tol, rtol=8 * tol)):
             return False
     return True
 

@@ -12,34 +12,7 @@
  * fixed reduction tree of vec.h, then the tail), so a row gets the same bits whatever the other
  * rows or the thread split: batch invariant, like the products and the attention.
  */
-#include <math.h>
-
 #include "vec.h"
-
-/* fp32 -> bf16 bits, rounding to nearest even (NaN kept a NaN) */
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-/* 1 / sqrt(mean of squares + eps) of one row */
-static inline float inv_rms(const void *x, int64_t n, float eps, const int bf) {
-    const int64_t nv = n - n % 16;
-    v16 acc = {0};
-    for (int64_t k = 0; k < nv; k += 16) {
-        const v16 v = load(x, k, bf);
-        acc += v * v;
-    }
-    float ss = reduce16(acc);
-    for (int64_t k = nv; k < n; k++) {
-        const float v = scalar(x, k, bf);
-        ss += v * v;
-    }
-    return 1.0f / sqrtf(ss / (float)n + eps);
-}
 
 #define RMS_NORM(BF)                                                                                   \
     _Pragma("omp parallel for schedule(static) num_threads(threads) if (rows >= 64)")                  \

@@ -1,8 +1,10 @@
-/* Vector types, loads and e^x shared by the CPU kernels (rows.c, attention.c, norm.c, peak.c).
+/* Vector types, loads, e^x and RMS statistics shared by the CPU kernels (rows.c, attention.c, norm.c, peak.c,
+ * rope.c).
  * GCC vector extensions: the compiler picks the widest vector unit it has. Elements are fp32 (bf == 0) or bf16 (bf == 1);
  * bf is a literal at every call site, so each helper is compiled once per element type. */
 #ifndef BLOCKSPEC_VEC_H
 #define BLOCKSPEC_VEC_H
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -94,5 +96,30 @@ static inline v16 exp16(v16 x) {
     v16 e;
     memcpy(&e, &bits, sizeof e);
     return select16(under, (v16){0}, e);
+}
+
+/* fp32 -> bf16 bits, rounding to nearest even (NaN kept a NaN) */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* 1 / sqrt(mean of squares + eps) of one row */
+static inline float inv_rms(const void *x, int64_t n, float eps, const int bf) {
+    const int64_t nv = n - n % 16;
+    v16 acc = {0};
+    for (int64_t k = 0; k < nv; k += 16) {
+        const v16 v = load(x, k, bf);
+        acc += v * v;
+    }
+    float ss = reduce16(acc);
+    for (int64_t k = nv; k < n; k++) {
+        const float v = scalar(x, k, bf);
+        ss += v * v;
+    }
+    return 1.0f / sqrtf(ss / (float)n + eps);
 }
 #endif

@@ -20,6 +20,7 @@ from blockspec.models.linear import linear, project
 from blockspec.models.native.attention import cached_attention, visible_keys
 from blockspec.models.native.cache import KVStore, StaticCache, attention_mask
 from blockspec.models.native.llama import padding_index, rms_norm, rope_bqhd
+from blockspec.models.native.qkv import QKVPlacement
 
 
 def has_standard_forward(drafter: nn.Module) -> bool:
@@ -166,6 +167,11 @@ class StaticDrafter:
         cos_b, sin_b = cos[t:].view(b, q, 1, d), sin[t:].view(b, q, 1, d)
         all_rows = torch.cat([ctx_rows, torch.arange(b, device=block_embeds.device).repeat_interleave(q)])
         slots = torch.cat([ctx_slots, block_positions.reshape(-1)])  # [T + b q]
+        # the block's queries in the attention's layout, every token's K/V in its slot: one call per layer
+        place = QKVPlacement.build(dtype, block_embeds.device, heads=h, kv_heads=kvh, head_dim=d,
+                                   cos=cos.reshape(-1, d), sin=sin.reshape(-1, d), kv_rows=all_rows, kv_slots=slots,
+                                   q_from=t, q_rows=all_rows[t:], q_cols=torch.arange(q, device=block_embeds.device).repeat(b),
+                                   batch=b, q_len=q)
         masks: dict[tuple[bool, int | None], torch.Tensor | None] = {}
         visible = self._visible(block_positions, dtype)  # [b, q] or None: PyTorch's attention
         scale = d ** -0.5
@@ -178,13 +184,16 @@ class StaticDrafter:
             y = _norm(layer.input_layernorm, x)
             # one projection for the block's q/k/v and the context's k/v (its q columns unused)
             qkv = linear(torch.cat([ctx, y.reshape(b * q, -1)]), w_qkv, b_qkv, exact=False)  # [T + b q, (h + 2 kvh) d]
-            qs = rope_bqhd(_norm(attn.q_norm, qkv[t:, :nq].reshape(b, q, h, d)), cos_b, sin_b)
-            ks = rope_bqhd(_norm(attn.k_norm, qkv[:, nq : nq + nk].reshape(t + b * q, kvh, d)), cos, sin)
-            vs = qkv[:, nq + nk :].reshape(t + b * q, kvh, d)
             k_cache, v_cache = cache.layer(i)
-            k_cache[all_rows, :, slots] = ks
-            v_cache[all_rows, :, slots] = vs
-            qg = qs.view(b, q, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * q, d)
+            qg = None if place is None else place(qkv, k_cache, v_cache, (attn.q_norm.weight, attn.q_norm.eps),
+                                                  (attn.k_norm.weight, attn.k_norm.eps))  # [b, kvh, g q, d]
+            if qg is None:
+                qs = rope_bqhd(_norm(attn.q_norm, qkv[t:, :nq].reshape(b, q, h, d)), cos_b, sin_b)
+                ks = rope_bqhd(_norm(attn.k_norm, qkv[:, nq : nq + nk].reshape(t + b * q, kvh, d)), cos, sin)
+                vs = qkv[:, nq + nk :].reshape(t + b * q, kvh, d)
+                k_cache[all_rows, :, slots] = ks
+                v_cache[all_rows, :, slots] = vs
+                qg = qs.view(b, q, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * q, d)
             out = None if visible is None else cached_attention(qg, k_cache, v_cache, visible, horizon, scale)
             if out is None:
                 if kind not in masks:  # built only here: the kernel's mask is `visible`

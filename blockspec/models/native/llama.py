@@ -16,6 +16,7 @@ from torch.nn import functional as F
 
 from blockspec.models.native.cache import KVStore, StaticCache, attention_mask
 from blockspec.models.native.config import NativeConfig
+from blockspec.models.native.qkv import QKVPlacement
 from blockspec.models import rowmatmul
 from blockspec.models.linear import fast_cpu_single_row, project
 from blockspec.models.native.attention import cached_attention, visible_keys
@@ -119,6 +120,45 @@ class NativeLlama(nn.Module):
             return horizon, None, True  # a whole prompt from position 0
         return horizon, attention_mask(positions, horizon, self.cfg.groups), False
 
+    def _placement(self, b: int, q: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   rows: torch.Tensor, write: torch.Tensor, packed: torch.Tensor | None) -> QKVPlacement | None:
+        """Where this forward's tokens put their queries and K/V, for the one-call CPU kernel
+        (models/native/qkv.py); None where PyTorch's operators run instead."""
+        cfg = self.cfg
+        d = cfg.head_dim
+        if packed is not None:  # T real tokens: rows, write [T], cos, sin [T, 1, d]
+            q_rows, q_cols, kv_rows, kv_slots = rows, packed % q, rows, write
+        else:
+            q_rows = torch.arange(b, device=x.device).repeat_interleave(q)  # [b q]
+            q_cols = torch.arange(q, device=x.device).repeat(b)
+            kv_rows, kv_slots = q_rows, write.reshape(-1)
+        return QKVPlacement.build(x.dtype, x.device, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=d,
+                                  cos=cos.reshape(-1, d), sin=sin.reshape(-1, d), kv_rows=kv_rows,
+                                  kv_slots=kv_slots, q_from=0, q_rows=q_rows, q_cols=q_cols, batch=b, q_len=q)
+
+    def _queries_and_cache(self, layer: NativeLayer, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                           k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor, write: torch.Tensor,
+                           packed: torch.Tensor | None, b: int, q: int) -> torch.Tensor:
+        """PyTorch's operators for what QKVPlacement does in one call: q/k norms, rope, the K/V
+        writes -> queries [b, kvh, g * q, d]."""
+        cfg = self.cfg
+        h, kvh, g, d = cfg.num_heads, cfg.num_kv_heads, cfg.groups, cfg.head_dim
+        lead = qkv.shape[:-1]  # [b, q], or [T] when packed
+        qs, ks, vs = qkv.split(self._split, dim=-1)
+        qs = qs.view(*lead, h, d)
+        ks = ks.view(*lead, kvh, d)
+        vs = vs.view(*lead, kvh, d)
+        if layer.q_norm is not None:
+            qs = rms_norm(qs, layer.q_norm, cfg.rms_norm_eps)
+            ks = rms_norm(ks, layer.k_norm, cfg.rms_norm_eps)
+        qs = rope_bqhd(qs, cos, sin)
+        ks = rope_bqhd(ks, cos, sin)
+        k_cache[rows, :, write] = ks
+        v_cache[rows, :, write] = vs
+        if packed is not None:
+            qs = _unpack(qs.reshape(-1, h * d), packed, b, q).view(b, q, h, d)
+        return qs.view(b, q, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * q, d)
+
     def forward(
         self,
         ids: torch.Tensor,
@@ -161,6 +201,7 @@ class NativeLlama(nn.Module):
         else:
             cos, sin = self.rotary(positions, x.dtype)  # [b, q, d]
             cos, sin = cos[:, :, None], sin[:, :, None]
+        place = self._placement(b, q, x, cos, sin, rows, write, packed)
         wanted = set(layer_ids)
         captured: dict[int, torch.Tensor] = {}
         last = cfg.num_layers - 1
@@ -170,23 +211,15 @@ class NativeLlama(nn.Module):
                 continue
             y = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
             qkv = project(layer.qkv, y) if single is None else _matmul(y, single[i][0], layer.qkv.bias)
-            lead = qkv.shape[:-1]  # [b, q], or [T] when packed
-            qs, ks, vs = qkv.split(self._split, dim=-1)
-            qs = qs.view(*lead, h, d)
-            ks = ks.view(*lead, kvh, d)
-            vs = vs.view(*lead, kvh, d)
-            if layer.q_norm is not None:
-                qs = rms_norm(qs, layer.q_norm, cfg.rms_norm_eps)
-                ks = rms_norm(ks, layer.k_norm, cfg.rms_norm_eps)
-            qs = rope_bqhd(qs, cos, sin)
-            ks = rope_bqhd(ks, cos, sin)
             k_cache, v_cache = cache.layer(i)  # [b, kvh, cap + 1, d]
-            k_cache[rows, :, write] = ks
-            v_cache[rows, :, write] = vs
-            if packed is not None:
-                qs = _unpack(qs.reshape(-1, h * d), packed, b, q).view(b, q, h, d)
             # Query heads of one KV head attend together: [b, kvh, g * q, d], no K/V repeat.
-            qg = qs.view(b, q, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * q, d)
+            qg = None
+            if place is not None:
+                norms = ((layer.q_norm, cfg.rms_norm_eps), (layer.k_norm, cfg.rms_norm_eps)) \
+                    if layer.q_norm is not None else (None, None)
+                qg = place(qkv.reshape(-1, qkv.shape[-1]), k_cache, v_cache, *norms)
+            if qg is None:
+                qg = self._queries_and_cache(layer, qkv, cos, sin, k_cache, v_cache, rows, write, packed, b, q)
             out = None if visible is None else cached_attention(qg, k_cache, v_cache, visible, horizon, self.scale)
             if out is None:
                 out = F.scaled_dot_product_attention(
