@@ -131,5 +131,8 @@ def test_placement_refuses_what_the_kernel_does_not_take() -> None:
         # cos 1, sin 0: rope is the identity; queries [1, kv_heads, groups, 4], key in slot 0
         assert torch.equal(q.reshape(2, 4), qkv[0, :8].view(2, 4))
         assert torch.equal(k[0, 0, 0], qkv[0, 8:12])
-        with pytest.raises(ValueError, match="reserve the cache first"):  # slot 3 of a 3-slot cache
-            QKVPlacement.build(torch.float32, torch.device("cpu"), **{**kw, "kv_slots": torch.tensor([3])})(qkv, k, k)
+        before = k.clone()
+        for bad in ({"kv_slots": torch.tensor([3])}, {"kv_rows": torch.tensor([-1])}, {"q_cols": torch.tensor([1])}):
+            with pytest.raises(ValueError, match="reserve the cache first"):  # checked before any write
+                QKVPlacement.build(torch.float32, torch.device("cpu"), **{**kw, **bad})(qkv + 1, k, k)
+            assert torch.equal(k, before)

@@ -121,7 +121,7 @@ def _load() -> object | None:
     for f in fn.rope_kv.values():
         f.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 6 + [ctypes.c_void_p] * 2 + [ctypes.c_float] * 2
                       + [ctypes.c_void_p] * 2 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
-                      + [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int])
+                      + [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 5 + [ctypes.c_int])
         f.restype = ctypes.c_int
     return fn if _agrees(fn) else None
 
@@ -163,8 +163,8 @@ def _agrees(fn: object) -> bool:
         zero = torch.zeros(1, dtype=torch.int64)
         roped_q, cache_k, cache_v = torch.empty(2, 20, dtype=dtype), torch.empty(20, dtype=dtype), torch.empty(20, dtype=dtype)
         fn.rope_kv[dtype](qkv.data_ptr(), 1, 80, 2, 1, 2, 20, wq.data_ptr(), None, 1e-6, 1e-6, cos.data_ptr(),
-                          sin.data_ptr(), 0, zero.data_ptr(), roped_q.data_ptr(), 40, 20, zero.data_ptr(),
-                          cache_k.data_ptr(), cache_v.data_ptr(), 20, 1)
+                          sin.data_ptr(), 0, zero.data_ptr(), zero.data_ptr(), 1, 1, roped_q.data_ptr(), zero.data_ptr(),
+                          zero.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(), 1, 1, 20, 20, 20, 1)
         heads = qkv.double().view(4, 20)
         heads = torch.cat([torch.nn.functional.rms_norm(heads[:2], (20,), wq.double(), 1e-6), heads[2:]])
         want_rope = heads * cos.double() + torch.cat([-heads[:, 10:], heads[:, :10]], -1) * sin.double()

@@ -50,43 +50,49 @@ static inline void norm_rope(const void *x, const void *w, float eps, const void
 
 /* qkv [T, width] (row t at qkv + t * width; q heads, then k heads, then v heads, d each);
  * cos, sin [T, d]; qw, kw [d] or NULL (no norm).
- * Queries of tokens q_from..T-1 only: head j of token t goes to
- *   q_out + q_base[t - q_from] + (j / groups) * q_kv_stride + (j % groups) * q_group_stride.
- * Keys and values of every token: kv head j of token t goes to
- *   k_cache (v_cache) + kv_base[t] + j * kv_head_stride.
- * Offsets in elements. Returns 0, or 1 for a head_dim the kernel does not take. */
+ * Queries of tokens q_from..T-1 only, token t at (q_rows, q_cols)[t - q_from] of a [batch, q_len]
+ * block: its head j goes to q_out[row][j / groups][(j % groups) * q_len + col] of a
+ * [batch, kv_heads, groups * q_len, d] tensor.
+ * Keys and values of every token: kv head j of token t goes to slot kv_slots[t] of row kv_rows[t]
+ * of caches [cache_rows, kv_heads, cache_slots, d] with the given strides (elements).
+ * Returns 0; 1 for a head_dim the kernel does not take; 2 when a place lies outside its tensor
+ * (checked before anything is written). */
 #define ROPE_KV(BF, T_)                                                                                    \
     if (d > MAX_HEAD_DIM || d % 2) return 1;                                                               \
+    for (int64_t t = 0; t < tokens; t++) {                                                                 \
+        if (kv_rows[t] < 0 || kv_rows[t] >= cache_rows || kv_slots[t] < 0 || kv_slots[t] >= cache_slots)   \
+            return 2;                                                                                      \
+        if (t >= q_from && (q_rows[t - q_from] < 0 || q_rows[t - q_from] >= batch ||                       \
+                            q_cols[t - q_from] < 0 || q_cols[t - q_from] >= q_len))                        \
+            return 2;                                                                                      \
+    }                                                                                                      \
+    const int64_t q_group = q_len * d, q_kv = groups * q_group, q_row = kv_heads * q_kv;                  \
     _Pragma("omp parallel for schedule(static) num_threads(threads) if (tokens >= 64)")                     \
     for (int64_t t = 0; t < tokens; t++) {                                                                 \
         const T_ *row = (const T_ *)qkv + t * width;                                                       \
         const T_ *c = (const T_ *)cos + t * d, *s = (const T_ *)sin + t * d;                               \
         if (t >= q_from) {                                                                                 \
-            T_ *q = (T_ *)q_out + q_base[t - q_from];                                                      \
+            T_ *q = (T_ *)q_out + q_rows[t - q_from] * q_row + q_cols[t - q_from] * d;                     \
             for (int64_t j = 0; j < heads; j++)                                                            \
-                norm_rope(row + j * d, qw, q_eps, c, s, q + (j / groups) * q_kv_stride +                   \
-                          (j % groups) * q_group_stride, d, BF);                                           \
+                norm_rope(row + j * d, qw, q_eps, c, s, q + (j / groups) * q_kv + (j % groups) * q_group,  \
+                          d, BF);                                                                          \
         }                                                                                                  \
+        const int64_t base = kv_rows[t] * stride_row + kv_slots[t] * stride_slot;                          \
         for (int64_t j = 0; j < kv_heads; j++) {                                                           \
-            const int64_t off = kv_base[t] + j * kv_head_stride;                                           \
+            const int64_t off = base + j * stride_head;                                                    \
             norm_rope(row + (heads + j) * d, kw, k_eps, c, s, (T_ *)k_cache + off, d, BF);                 \
             memcpy((T_ *)v_cache + off, row + (heads + kv_heads + j) * d, d * sizeof(T_));                 \
         }                                                                                                  \
     }                                                                                                      \
     return 0;
 
-int bs_rope_kv(const float *qkv, int64_t tokens, int64_t width, int64_t heads, int64_t kv_heads, int64_t groups,
-               int64_t d, const float *qw, const float *kw, float q_eps, float k_eps, const float *cos,
-               const float *sin, int64_t q_from, const int64_t *q_base, float *q_out, int64_t q_kv_stride,
-               int64_t q_group_stride, const int64_t *kv_base, float *k_cache, float *v_cache,
-               int64_t kv_head_stride, int threads) {
-    ROPE_KV(0, float)
-}
+#define ROPE_KV_ARGS(T_)                                                                                   \
+    const T_ *qkv, int64_t tokens, int64_t width, int64_t heads, int64_t kv_heads, int64_t groups, int64_t d,  \
+        const T_ *qw, const T_ *kw, float q_eps, float k_eps, const T_ *cos, const T_ *sin, int64_t q_from,    \
+        const int64_t *q_rows, const int64_t *q_cols, int64_t batch, int64_t q_len, T_ *q_out,                \
+        const int64_t *kv_rows, const int64_t *kv_slots, T_ *k_cache, T_ *v_cache, int64_t cache_rows,         \
+        int64_t cache_slots, int64_t stride_row, int64_t stride_head, int64_t stride_slot, int threads
 
-int bs_rope_kv_bf16(const uint16_t *qkv, int64_t tokens, int64_t width, int64_t heads, int64_t kv_heads,
-                    int64_t groups, int64_t d, const uint16_t *qw, const uint16_t *kw, float q_eps, float k_eps,
-                    const uint16_t *cos, const uint16_t *sin, int64_t q_from, const int64_t *q_base, uint16_t *q_out,
-                    int64_t q_kv_stride, int64_t q_group_stride, const int64_t *kv_base, uint16_t *k_cache,
-                    uint16_t *v_cache, int64_t kv_head_stride, int threads) {
-    ROPE_KV(1, uint16_t)
-}
+int bs_rope_kv(ROPE_KV_ARGS(float)) { ROPE_KV(0, float) }
+
+int bs_rope_kv_bf16(ROPE_KV_ARGS(uint16_t)) { ROPE_KV(1, uint16_t) }

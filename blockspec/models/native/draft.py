@@ -20,7 +20,7 @@ from blockspec.models.linear import linear, project
 from blockspec.models.native.attention import cached_attention, visible_keys
 from blockspec.models.native.cache import KVStore, StaticCache, attention_mask
 from blockspec.models.native.llama import padding_index, rms_norm, rope_bqhd
-from blockspec.models.native.qkv import QKVPlacement
+from blockspec.models.native.qkv import QKVPlacement, block_places
 
 
 def has_standard_forward(drafter: nn.Module) -> bool:
@@ -170,8 +170,7 @@ class StaticDrafter:
         # the block's queries in the attention's layout, every token's K/V in its slot: one call per layer
         place = QKVPlacement.build(dtype, block_embeds.device, heads=h, kv_heads=kvh, head_dim=d,
                                    cos=cos.reshape(-1, d), sin=sin.reshape(-1, d), kv_rows=all_rows, kv_slots=slots,
-                                   q_from=t, q_rows=all_rows[t:], q_cols=torch.arange(q, device=block_embeds.device).repeat(b),
-                                   batch=b, q_len=q)
+                                   q_from=t, q_rows=all_rows[t:], q_cols=block_places(b, q)[1], batch=b, q_len=q)
         masks: dict[tuple[bool, int | None], torch.Tensor | None] = {}
         visible = self._visible(block_positions, dtype)  # [b, q] or None: PyTorch's attention
         scale = d ** -0.5

@@ -16,7 +16,7 @@ from torch.nn import functional as F
 
 from blockspec.models.native.cache import KVStore, StaticCache, attention_mask
 from blockspec.models.native.config import NativeConfig
-from blockspec.models.native.qkv import QKVPlacement
+from blockspec.models.native.qkv import QKVPlacement, block_places
 from blockspec.models import rowmatmul
 from blockspec.models.linear import fast_cpu_single_row, project
 from blockspec.models.native.attention import cached_attention, visible_keys
@@ -129,8 +129,7 @@ class NativeLlama(nn.Module):
         if packed is not None:  # T real tokens: rows, write [T], cos, sin [T, 1, d]
             q_rows, q_cols, kv_rows, kv_slots = rows, packed % q, rows, write
         else:
-            q_rows = torch.arange(b, device=x.device).repeat_interleave(q)  # [b q]
-            q_cols = torch.arange(q, device=x.device).repeat(b)
+            q_rows, q_cols = block_places(b, q)  # [b q]
             kv_rows, kv_slots = q_rows, write.reshape(-1)
         return QKVPlacement.build(x.dtype, x.device, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=d,
                                   cos=cos.reshape(-1, d), sin=sin.reshape(-1, d), kv_rows=kv_rows,

@@ -10,6 +10,8 @@ for GPUs, autograd and other dtypes).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from blockspec.models import rowmatmul
@@ -20,13 +22,21 @@ def _kernel(dtype: torch.dtype, device: torch.device) -> object | None:
     return None if k is None or torch.is_grad_enabled() else k.rope_kv.get(dtype)
 
 
+@functools.lru_cache(maxsize=256)
+def block_places(batch: int, q_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, columns) [batch * q_len] of a [batch, q_len] block's tokens in row-major order (CPU;
+    cached: a forward of the same shape reuses them, never writes them)."""
+    return torch.arange(batch).repeat_interleave(q_len), torch.arange(q_len).repeat(batch)
+
+
 class QKVPlacement:
     """Where one forward's T tokens put their queries, keys and values.
 
     cos, sin [T, d]: each token's rotary tables in the model's dtype. kv_rows, kv_slots [T]: the
     cache row and slot of each token's K/V. Tokens q_from.. also have queries, placed at
-    (q_rows, q_cols) [T - q_from] of the attention's [batch, kv_heads, groups * q_len, d] layout
-    (row, column of a [batch, q_len] block); the other entries of that layout are zero.
+    (q_rows, q_cols) [T - q_from] of a [batch, q_len] block in the attention's [batch, kv_heads,
+    groups * q_len, d] layout; the other entries of that layout are zero. The kernel checks every
+    place against its tensor before writing anything.
     """
 
     def __init__(self, fn: object, *, heads: int, kv_heads: int, head_dim: int, cos: torch.Tensor,
@@ -37,24 +47,15 @@ class QKVPlacement:
         self.groups = heads // kv_heads
         self.cos, self.sin = cos.contiguous(), sin.contiguous()
         self.tokens = cos.shape[0]
-        self.kv_rows, self.kv_slots = kv_rows.reshape(-1).to(torch.int64), kv_slots.reshape(-1).to(torch.int64)
-        self.q_from, self.batch, self.q_len = q_from, batch, q_len
-        self.q_kv_stride = self.groups * q_len * head_dim
-        self.q_base = (q_rows.reshape(-1).to(torch.int64) * (kv_heads * self.q_kv_stride)
-                       + q_cols.reshape(-1).to(torch.int64) * head_dim).contiguous()
-        self.full = self.q_base.numel() == batch * q_len  # every entry of the query layout is written
-        # the kernel writes where these say: out-of-range entries would corrupt memory, not raise
-        if self.kv_rows.numel() != self.tokens or self.kv_slots.numel() != self.tokens \
-                or self.q_base.numel() != self.tokens - q_from:
+        index = [t.reshape(-1).to(torch.int64).contiguous() for t in (kv_rows, kv_slots, q_rows, q_cols)]
+        self.kv_rows, self.kv_slots, self.q_rows, self.q_cols = index
+        if not (self.kv_rows.numel() == self.kv_slots.numel() == self.tokens
+                and self.q_rows.numel() == self.q_cols.numel() == self.tokens - q_from):
             raise ValueError(f"need a row and slot for each of the {self.tokens} tokens and a query place for "
-                             f"tokens {q_from}..: got {self.kv_rows.numel()}, {self.kv_slots.numel()} and "
-                             f"{self.q_base.numel()}")
-        if q_rows.numel() and not (0 <= int(q_rows.min()) and int(q_rows.max()) < batch
-                                   and 0 <= int(q_cols.min()) and int(q_cols.max()) < q_len):
-            raise ValueError(f"query places must lie in [{batch}, {q_len}]")
-        self.kv_extent = (int(self.kv_rows.min()), int(self.kv_rows.max()), int(self.kv_slots.min()),
-                          int(self.kv_slots.max())) if self.tokens else (0, -1, 0, -1)
-        self._kv: tuple[tuple[int, ...], torch.Tensor] | None = None  # (cache strides, offsets [T])
+                             f"each of tokens {q_from}..: got {self.kv_rows.numel()}, {self.kv_slots.numel()}, "
+                             f"{self.q_rows.numel()} and {self.q_cols.numel()}")
+        self.q_from, self.batch, self.q_len = q_from, batch, q_len
+        self.full = self.q_rows.numel() == batch * q_len  # every entry of the query layout is written
 
     @classmethod
     def build(cls, dtype: torch.dtype, device: torch.device, **kwargs: object) -> QKVPlacement | None:
@@ -82,25 +83,21 @@ class QKVPlacement:
                 or k_cache.stride() != v_cache.stride() or k_cache.dim() != 4 or k_cache.stride(-1) != 1
                 or k_cache.shape[1] != kvh or k_cache.shape[-1] != d):
             return None
-        r0, r1, s0, s1 = self.kv_extent
-        if r0 < 0 or s0 < 0 or r1 >= k_cache.shape[0] or s1 >= k_cache.shape[2]:
-            raise ValueError(f"K/V rows {r0}..{r1} and slots {s0}..{s1} do not fit a cache of "
-                             f"{tuple(k_cache.shape)}; reserve the cache first")
         qkv = qkv.contiguous()
-        strides = k_cache.stride()
-        if self._kv is None or self._kv[0] != strides:
-            self._kv = (strides, (self.kv_rows * strides[0] + self.kv_slots * strides[2]).contiguous())
-        alloc = torch.empty if self.full else torch.zeros
-        q = alloc(self.batch, kvh, self.groups * self.q_len, d, dtype=dtype)
+        q = (torch.empty if self.full else torch.zeros)(self.batch, kvh, self.groups * self.q_len, d, dtype=dtype)
         qw, q_eps = q_norm if q_norm is not None else (None, 0.0)
         kw, k_eps = k_norm if k_norm is not None else (None, 0.0)
         qw = None if qw is None else qw.contiguous()
         kw = None if kw is None else kw.contiguous()
+        rows, _, slots, _ = k_cache.shape
+        s_row, s_head, s_slot, _ = k_cache.stride()
         rc = self.fn(qkv.data_ptr(), self.tokens, width, h, kvh, self.groups, d,
                      None if qw is None else qw.data_ptr(), None if kw is None else kw.data_ptr(), q_eps, k_eps,
-                     self.cos.data_ptr(), self.sin.data_ptr(), self.q_from, self.q_base.data_ptr(), q.data_ptr(),
-                     self.q_kv_stride, self.q_len * d, self._kv[1].data_ptr(), k_cache.data_ptr(),
-                     v_cache.data_ptr(), strides[1], torch.get_num_threads())
-        if rc != 0:
-            return None
-        return q
+                     self.cos.data_ptr(), self.sin.data_ptr(), self.q_from, self.q_rows.data_ptr(),
+                     self.q_cols.data_ptr(), self.batch, self.q_len, q.data_ptr(), self.kv_rows.data_ptr(),
+                     self.kv_slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), rows, slots, s_row, s_head,
+                     s_slot, torch.get_num_threads())
+        if rc == 2:
+            raise ValueError(f"a token's K/V row or slot lies outside a cache of {tuple(k_cache.shape)}, or its "
+                             f"query outside a [{self.batch}, {self.q_len}] block; reserve the cache first")
+        return q if rc == 0 else None
