@@ -462,6 +462,60 @@ def test_adaptive_probes_cost_at_most_their_share_of_plain_decoding(monkeypatch:
     assert adaptive.PROBE_SHARE == 0.05 and probes(5.0) == [4, 85, 166]
 
 
+def test_adaptive_cost_model_leaves_out_draft_passes_that_catch_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step whose draft pass also read joined prompts or a run of plain steps' context
+    (`DecodeBatch.caught_up`) costs more than its block size does: its time stays out of the cost
+    model (believed, it had priced drafting out for the rest of a run). Fake clock: a step costs
+    1 + 0.1 block seconds, 50 when it catches up."""
+    from blockspec.engine import adaptive
+
+    clock = SimpleNamespace(t=0.0)
+    monkeypatch.setattr(adaptive, "time", SimpleNamespace(perf_counter=lambda: clock.t))
+    rows = [SimpleNamespace(remaining=100, acceptance_rates=lambda prior, lookup=False: [0.9] * 3,
+                            stats=SimpleNamespace(accepted_by_position=[0] * 3, lookup_accepted_by_position=[0] * 3),
+                            tries=[0] * 3, lookup_tries=[0] * 3) for _ in range(2)]
+
+    def step(block: int, trim: object = None) -> int:
+        batch.caught_up = block > 1 and len(drafted) % 2 == 0  # every other draft pass catches up
+        drafted.extend([block] * (block > 1))
+        clock.t += 50.0 if batch.caught_up else 1.0 + 0.1 * block
+        batch.verified = 2 * block
+        return block
+
+    drafted: list[int] = []
+    batch = SimpleNamespace(drafter=object(), rows=rows, packs_padding=False, verified=0,
+                            lookup_plan=lambda: [[]] * 2, step=step, caught_up=False)
+    costs = CostModel(max_block=4)
+    costs.set(2, [1.0, 1.1, 1.2, 1.3])
+    policy = AdaptiveBlock(4, costs=costs, plain_every=1000, challenge_every=1000)
+    for _ in range(12):
+        policy.step(batch)
+    assert len(drafted) >= 8  # drafting kept winning
+    assert costs.measured[2] and all(t < 2.0 for t in costs.measured[2].values())
+
+
+def test_decode_batch_reports_draft_passes_that_catch_up(setup) -> None:
+    """`caught_up` after a step: its draft pass read rows that joined since the last one, or the
+    context of more than one plain step; not after a plain step or a steady drafting step."""
+    from blockspec.spec.decode import DecodeBatch, make_row
+
+    model, target, prompts, _ = setup
+    drafter = new_drafter_for_target(model.config, mask_token_id=47, num_layers=1, dtype=torch.float64)
+    batch = DecodeBatch(target, drafter, max_block=4)
+    rows = [make_row(i, len(p), SamplingParams(max_new_tokens=40), (), 4) for i, p in enumerate(prompts[:3])]
+    batch.join(prompts[:2], rows[:2])
+    seen = []
+    for block in (2, 3, 1, 2, 1, 1, 2, 2):
+        batch.step(block)
+        seen.append(batch.caught_up)
+    assert seen == [True, False, False, False, False, False, True, False]
+    batch.join(prompts[2:3], rows[2:3])
+    batch.step(1)
+    assert not batch.caught_up
+    batch.step(2)
+    assert batch.caught_up
+
+
 def _lookup_row(rate: float, drafted: float = 0.0) -> SimpleNamespace:
     """A row whose lookup proposals are accepted at `rate` and its drafts at `drafted`."""
     return SimpleNamespace(remaining=100,

@@ -346,6 +346,12 @@ class DecodeBatch:
         self.top_p = torch.zeros(0, dtype=torch.float32, device=d)
         self._plan: list[list[int]] | None = None
         self.verified = 0  # tokens the last step verified, over all rows (a ragged step's padding not counted)
+        # Context the drafter has not read yet beyond the last step's: rows that joined (whole
+        # prompts) and plain steps run since its last pass. `caught_up`: the last step's draft
+        # pass read such a backlog, so its time is not what a step of its size costs.
+        self._joined_since_draft = False
+        self._plain_since_draft = 0
+        self.caught_up = False
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -378,6 +384,7 @@ class DecodeBatch:
         caller must treat the whole batch as failed).
         """
         k = len(prompts)
+        self._joined_since_draft = True
         if k == 0:
             return
         d = self.device
@@ -503,6 +510,12 @@ class DecodeBatch:
         from_lookup = [0] * b
         lengths = [q] * b  # tokens each row verifies
         limit = padding = None  # a ragged step's proposals verified per row [b], padding [b, q]
+        # more than one plain step behind: a probe after a run of plain steps catches up on all of them
+        self.caught_up = q > 1 and (self._joined_since_draft or self._plain_since_draft > 1)
+        if q > 1:
+            self._joined_since_draft, self._plain_since_draft = False, 0
+        else:
+            self._plain_since_draft += 1
         if q > 1:
             draft_ids = torch.full((b, q), self.drafter.mask_token_id, dtype=torch.long, device=d)
             draft_ids[:, 0] = self.last
@@ -559,6 +572,7 @@ class DecodeBatch:
         q = max(lengths, default=1)
         if q == 1:
             return self.step(1)
+        self.caught_up = False  # no draft pass
         offsets = self.offsets[:q]
         positions = self.cur[:, None] + offsets  # [b, q]
         top = max(self.cur_host) + q
