@@ -514,9 +514,6 @@ class DecodeBatch:
         self.caught_up = q > 1 and (self._joined_since_draft or self._plain_since_draft > 1)
         if q > 1:
             self._joined_since_draft, self._plain_since_draft = False, 0
-        else:
-            self._plain_since_draft += 1
-        if q > 1:
             draft_ids = torch.full((b, q), self.drafter.mask_token_id, dtype=torch.long, device=d)
             draft_ids[:, 0] = self.last
             embeds = self.target.embed(draft_ids)  # [b, q, H]
@@ -552,6 +549,8 @@ class DecodeBatch:
                         draft_probs = draft_probs[:, : q - 1]
                 limit, padding, positions = _ragged(lengths, offsets, positions)
                 from_lookup = [min(m, n - 1) for m, n in zip(from_lookup, lengths)]
+        else:
+            self._plain_since_draft += 1
         return self._verify_and_commit(block_ids, positions, offsets, top, draft_probs, from_lookup, lengths,
                                        limit, padding)
 

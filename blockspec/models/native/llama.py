@@ -124,6 +124,8 @@ class NativeLlama(nn.Module):
                    rows: torch.Tensor, write: torch.Tensor, packed: torch.Tensor | None) -> QKVPlacement | None:
         """Where this forward's tokens put their queries and K/V, for the one-call CPU kernel
         (models/native/qkv.py); None where PyTorch's operators run instead."""
+        if not QKVPlacement.available(x.dtype, x.device):
+            return None
         cfg = self.cfg
         d = cfg.head_dim
         if packed is not None:  # T real tokens: rows, write [T], cos, sin [T, 1, d]

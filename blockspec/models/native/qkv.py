@@ -57,6 +57,11 @@ class QKVPlacement:
         self.q_from, self.batch, self.q_len = q_from, batch, q_len
         self.full = self.q_rows.numel() == batch * q_len  # every entry of the query layout is written
 
+    @staticmethod
+    def available(dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether `build` can return a placement here (the caller may skip building indices)."""
+        return _kernel(dtype, torch.device(device)) is not None
+
     @classmethod
     def build(cls, dtype: torch.dtype, device: torch.device, **kwargs: object) -> QKVPlacement | None:
         """A placement where the kernel takes `dtype` on `device` (CPU, fp32 or bf16, no
