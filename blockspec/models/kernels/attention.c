@@ -11,8 +11,11 @@
  * query rows of one KV head share each key and value load, and four keys' sums are reduced
  * together, but every score and output element gets its own, fixed arithmetic. So a query gets
  * the same bits alone or in any block, batch or thread split (batch invariance, as rows.c for
- * the projections). Speed: level with PyTorch's for blocks, 2x faster for one token per row
- * (BENCHMARKS.md, session 18).
+ * the projections). Products and sums are fused multiply-adds (fma16, as rows.c). Speed: level
+ * with PyTorch's for blocks, 2x faster for one token per row (BENCHMARKS.md, session 18); since
+ * session 26 each item prefetches its keys and values, which took SmolLM2's 30 layers at 250
+ * tokens of context from 7.1 to 4.6 ms for 16 rows x 1 token, 11.9 to 6.0 for 16 x 2 and 1.04
+ * to 0.85 for a 6-token verify (2 cores).
  *
  * Layouts: q [b, kvh, g * n, d] (the g query heads of one KV head together, n tokens each);
  * k, v: a cache [b, kvh, cap, d] with batch and head strides in elements; visible [b, n]: the
@@ -22,12 +25,13 @@
 #include <math.h>
 #include <stdlib.h>
 
-#include "vec.h" /* exp16 */
+#include "vec.h" /* exp16, fma16 */
 
 /* R (<= CH) query rows of one KV head: rows idx[r] of q and out (stride d) over keys/values k, v (row
  * stride d), row r seeing seen[r] of them. The keys and values are loaded once for the R rows; each
  * row's arithmetic is the same whatever R and the other rows (it is the loop body of the r-th row). */
 #define CH 4
+#define PREFETCH_KEYS 8 /* keys ahead */
 static inline __attribute__((always_inline)) void rows_of(const void *q, const void *k, const void *v, float *out,
                                                           const int64_t *idx, float *scores, const int64_t *seen,
                                                           int64_t stride, int64_t d, float scale, const int R,
@@ -46,8 +50,16 @@ static inline __attribute__((always_inline)) void rows_of(const void *q, const v
         total[r] = 0.0f;
     }
     /* scores, four keys at a time: each is reduced by reduce16's tree (reduce16x4) */
+    const int64_t row_bytes = d * (bf ? 2 : 4);
     for (int64_t j = 0; j < most; j += 4) {
         const int C = most - j < 4 ? (int)(most - j) : 4;
+        /* the keys of a later group, and this group's values for the pass after this one: each
+         * item streams its own strip of the cache, too short for the hardware prefetcher to
+         * ramp up (16 rows at 250 tokens of context ran at ~13 GB/s without these) */
+        for (int64_t off = 0; off < 4 * row_bytes; off += 64) {
+            __builtin_prefetch((const char *)at(k, (j + PREFETCH_KEYS) * d, bf) + off, 0, 3);
+            __builtin_prefetch((const char *)at(v, j * d, bf) + off, 0, 3);
+        }
         v16 acc[CH][4];
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++)
@@ -62,18 +74,28 @@ static inline __attribute__((always_inline)) void rows_of(const void *q, const v
                 if (c >= C) break;
                 const v16 kv = load(k, (j + c) * d + i, bf);
 #pragma GCC unroll 4
-                for (int r = 0; r < R; r++) acc[r][c] += qv[r] * kv;
+                for (int r = 0; r < R; r++) acc[r][c] = fma16(acc[r][c], qv[r], kv);
             }
         }
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
-            const v4 s4 = reduce16x4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
-            for (int c = 0; c < C && j + c < seen[r]; c++) {
-                float s = s4[c];
-                for (int64_t i = dv; i < d; i++) s += qf[r * d + i] * scalar(k, (j + c) * d + i, bf);
-                s *= scale;
-                scores[r * stride + j + c] = s;
-                top[r] = s > top[r] ? s : top[r];
+            v4 s4 = reduce16x4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+            const int live = seen[r] - j < C ? (int)(seen[r] - j) : C;
+            if (live <= 0) continue;
+            if (dv < d) /* a head dimension that is not a multiple of 16: its tail, scalar */
+                for (int c = 0; c < live; c++)
+                    for (int64_t i = dv; i < d; i++) s4[c] += qf[r * d + i] * scalar(k, (j + c) * d + i, bf);
+            s4 *= scale;
+            if (live == 4) {
+                memcpy(scores + r * stride + j, &s4, sizeof s4);
+                const float m01 = s4[0] > s4[1] ? s4[0] : s4[1], m23 = s4[2] > s4[3] ? s4[2] : s4[3];
+                const float m = m01 > m23 ? m01 : m23;
+                top[r] = m > top[r] ? m : top[r];
+            } else {
+                for (int c = 0; c < live; c++) {
+                    scores[r * stride + j + c] = s4[c];
+                    top[r] = s4[c] > top[r] ? s4[c] : top[r];
+                }
             }
         }
     }
@@ -103,9 +125,9 @@ static inline __attribute__((always_inline)) void rows_of(const void *q, const v
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
                 if (j >= seen[r]) continue;
-                const float p = scores[r * stride + j];
+                const v16 p = (v16){0} + scores[r * stride + j];
 #pragma GCC unroll 4
-                for (int u = 0; u < 4; u++) o[r][u] += p * vv[u];
+                for (int u = 0; u < 4; u++) o[r][u] = fma16(o[r][u], p, vv[u]);
             }
         }
 #pragma GCC unroll 4

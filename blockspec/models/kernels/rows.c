@@ -27,9 +27,6 @@
  * one-token decoding.
  */
 #include "vec.h"
-#if defined(__AVX512F__) || defined(__FMA__)
-#include <immintrin.h>
-#endif
 
 /* the bits of 32 bf16 elements from p + i, unconverted (for dp16) */
 static inline v16 load32h(const void *p, int64_t i) { return load16((const float *)((const uint16_t *)p + i)); }
@@ -45,24 +42,6 @@ static inline v16 dp16(v16 a, v16 b, v16 c) { (void)b, (void)c; return a; } /* n
 
 /* elements of `in` per vector step: 32 through dp16, else 16 */
 #define STEP(bf) ((bf) && DP ? 32 : 16)
-
-/* a + b * c, one rounding where the CPU has fused multiply-add (written out: the compiler must not
- * decide loop by loop, or rows would get different bits on different paths) */
-static inline v16 fma16(v16 a, v16 b, v16 c) {
-#if defined(__AVX512F__)
-    return (v16)_mm512_fmadd_ps((__m512)b, (__m512)c, (__m512)a);
-#elif defined(__FMA__)
-    v8 lo = (v8)_mm256_fmadd_ps((__m256)__builtin_shufflevector(b, b, 0, 1, 2, 3, 4, 5, 6, 7),
-                                (__m256)__builtin_shufflevector(c, c, 0, 1, 2, 3, 4, 5, 6, 7),
-                                (__m256)__builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7));
-    v8 hi = (v8)_mm256_fmadd_ps((__m256)__builtin_shufflevector(b, b, 8, 9, 10, 11, 12, 13, 14, 15),
-                                (__m256)__builtin_shufflevector(c, c, 8, 9, 10, 11, 12, 13, 14, 15),
-                                (__m256)__builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15));
-    return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-#else
-    return a + b * c;
-#endif
-}
 
 /* The one-row-at-a-time path's fp32 weight stream is prefetched this many bytes ahead, towards
  * the outer caches (locality 1): the hardware prefetcher alone kept one row at ~26 GB/s of the ~31

@@ -7,6 +7,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX512F__) || defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v8 __attribute__((vector_size(32)));
@@ -121,5 +124,23 @@ static inline float inv_rms(const void *x, int64_t n, float eps, const int bf) {
         ss += v * v;
     }
     return 1.0f / sqrtf(ss / (float)n + eps);
+}
+
+/* a + b * c, one rounding where the CPU has fused multiply-add (written out: the compiler must not
+ * decide loop by loop, or rows would get different bits on different paths) */
+static inline v16 fma16(v16 a, v16 b, v16 c) {
+#if defined(__AVX512F__)
+    return (v16)_mm512_fmadd_ps((__m512)b, (__m512)c, (__m512)a);
+#elif defined(__FMA__)
+    v8 lo = (v8)_mm256_fmadd_ps((__m256)__builtin_shufflevector(b, b, 0, 1, 2, 3, 4, 5, 6, 7),
+                                (__m256)__builtin_shufflevector(c, c, 0, 1, 2, 3, 4, 5, 6, 7),
+                                (__m256)__builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7));
+    v8 hi = (v8)_mm256_fmadd_ps((__m256)__builtin_shufflevector(b, b, 8, 9, 10, 11, 12, 13, 14, 15),
+                                (__m256)__builtin_shufflevector(c, c, 8, 9, 10, 11, 12, 13, 14, 15),
+                                (__m256)__builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15));
+    return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    return a + b * c;
+#endif
 }
 #endif
