@@ -46,20 +46,22 @@ def test_kernel_matches_f_linear_and_is_batch_invariant(n: int, dtype: torch.dty
 
 def test_linear_routes_few_rows_to_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
-    real = rowmatmul.rows_matmul
+    real = rowmatmul._product
 
     def spy(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        calls.append(x.shape[0])
+        calls.append(x.numel() // x.shape[-1])  # rows
         return real(x, w, b)
 
-    monkeypatch.setattr(rowmatmul, "rows_matmul", spy)
+    monkeypatch.setattr(rowmatmul, "_product", spy)
     g = torch.Generator().manual_seed(0)
     w = torch.randn(24, 40, generator=g)
     with torch.inference_mode():
         most = rowmatmul.max_rows()
         assert most >= 8
         for rows in (1, 3, most, most + 1):
-            x = torch.randn(2, rows, 40, generator=g)[:1]  # 3-D, a slice: the kernel gets a contiguous copy
+            x = torch.randn(2, rows, 40, generator=g)[:1]  # 3-D, contiguous: the kernel takes it as it is
+            if rows == 3:
+                x = torch.randn(2, rows, 80, generator=g)[:1, :, ::2]  # strided: the kernel gets a contiguous copy
             torch.testing.assert_close(linear_mod.linear(x, w), x @ w.t(), atol=1e-5, rtol=1e-5)
         linear_mod.linear(torch.randn(2, 24), w.t())  # a transposed weight view: not the kernel's
     assert calls == [1, 3, most]

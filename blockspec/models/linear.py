@@ -110,6 +110,10 @@ def linear(
     exact=False: the product need not be batch invariant (a drafter's, whose outputs are only
     proposals); a bf16 product then takes whichever kernel is faster for its row count.
     """
+    if CPU_MATMUL == "native" and not torch.is_grad_enabled():  # the decoding path, first and lean
+        out = rowmatmul.rows_linear(x, weight, bias, exact)
+        if out is not None:
+            return out
     if x.device.type != "cpu" or CPU_MATMUL == "mkl" or (
         torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     ):

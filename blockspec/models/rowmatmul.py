@@ -201,14 +201,39 @@ def max_rows(dtype: torch.dtype = torch.float32, exact: bool = True) -> int:
 def rows_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [n, in] @ weight[out, in]^T + bias -> [n, out] in x's dtype; x and weight both fp32 or
     both bf16, contiguous, on the CPU, `kernel()` set. bf16 sums in fp32 and rounds once."""
-    n, k = x.shape
+    return _product(x, weight, bias)
+
+
+def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                exact: bool = True) -> torch.Tensor | None:
+    """x [..., in] @ weight[out, in]^T + bias -> [..., out] in x's dtype through the kernel, or None
+    where it does not take them (no kernel; x, weight not contiguous CPU tensors of one dtype;
+    more rows than `max_rows(dtype, exact)`; shapes that do not fit). For callers without
+    autograd. The lean path of models/linear.py: a decoding step calls it ~150 times, where
+    reshaping to [rows, in] and back cost more than the kernel's own call."""
+    fn = _kernel if _kernel is not _UNTRIED else kernel()
+    if fn is None or not x.is_cpu:
+        return None
+    dtype, k = x.dtype, x.shape[-1]
+    if (dtype is not weight.dtype or weight.dim() != 2 or weight.shape[1] != k or k == 0
+            or not (x.is_contiguous() and weight.is_contiguous())):
+        return None
+    if not 0 < x.numel() // k <= (fn.max_rows if exact else fn.fast_rows).get(dtype, 0):
+        return None
+    if bias is not None and (bias.dtype is not dtype or bias.shape != (weight.shape[0],) or not bias.is_contiguous()):
+        return None
+    return _product(x, weight, bias)
+
+
+def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The kernel's product of contiguous x [..., in] (any leading shape) -> [..., out]."""
     fn = kernel()
+    k, n = x.shape[-1], weight.shape[0]
     if x.dtype == torch.bfloat16:
-        fn = fn.bf16
-        bias = None if bias is None else bias.float().contiguous()
-    out = torch.empty(n, weight.shape[0], dtype=torch.float32)
+        fn, bias = fn.bf16, None if bias is None else bias.float().contiguous()
+    out = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
     fn(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
-       n, k, weight.shape[0], torch.get_num_threads())
+       x.numel() // k, k, n, torch.get_num_threads())
     return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
