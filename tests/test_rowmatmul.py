@@ -64,6 +64,8 @@ def test_linear_routes_few_rows_to_the_kernel(monkeypatch: pytest.MonkeyPatch) -
                 x = torch.randn(2, rows, 80, generator=g)[:1, :, ::2]  # strided: the kernel gets a contiguous copy
             torch.testing.assert_close(linear_mod.linear(x, w), x @ w.t(), atol=1e-5, rtol=1e-5)
         linear_mod.linear(torch.randn(2, 24), w.t())  # a transposed weight view: not the kernel's
+        with pytest.raises(RuntimeError):  # in-features that do not fit: PyTorch's error, not the kernel's read
+            linear_mod.linear(torch.randn(1, 41), w)
     assert calls == [1, 3, most]
     calls.clear()
     with torch.inference_mode():

@@ -91,7 +91,8 @@ def native_takes(
     """Whether `linear` sends a CPU product (no autograd) to the native kernel."""
     return (
         CPU_MATMUL == "native" and x.dtype == weight.dtype and 0 < rows <= rowmatmul.max_rows(x.dtype, exact)
-        and weight.is_contiguous() and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
+        and weight.dim() == 2 and weight.shape[1] == x.shape[-1] and weight.is_contiguous()
+        and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
     )
 
 
