@@ -85,17 +85,6 @@ def fast_cpu_single_row() -> bool:
     return CPU_MATMUL in _ONEDNN_KINDS
 
 
-def native_takes(
-    rows: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, exact: bool = True
-) -> bool:
-    """Whether `linear` sends a CPU product (no autograd) to the native kernel."""
-    return (
-        CPU_MATMUL == "native" and x.dtype == weight.dtype and 0 < rows <= rowmatmul.max_rows(x.dtype, exact)
-        and weight.dim() == 2 and weight.shape[1] == x.shape[-1] and weight.is_contiguous()
-        and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
-    )
-
-
 def onednn_takes(rows: int, x_dtype: torch.dtype, w_dtype: torch.dtype) -> bool:
     """Whether `linear` sends a CPU product of `rows` rows to oneDNN (no autograd)."""
     if CPU_MATMUL not in _ONEDNN_KINDS or x_dtype not in _ONEDNN_DTYPES or w_dtype != x_dtype:
@@ -111,18 +100,14 @@ def linear(
     exact=False: the product need not be batch invariant (a drafter's, whose outputs are only
     proposals); a bf16 product then takes whichever kernel is faster for its row count.
     """
-    if CPU_MATMUL == "native" and not torch.is_grad_enabled():  # the decoding path, first and lean
+    autograd = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    if CPU_MATMUL == "native" and not autograd:  # the decoding path, first and lean
         out = rowmatmul.rows_linear(x, weight, bias, exact)
         if out is not None:
             return out
-    if x.device.type != "cpu" or CPU_MATMUL == "mkl" or (
-        torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    ):
+    if x.device.type != "cpu" or CPU_MATMUL == "mkl" or autograd:
         return F.linear(x, weight, bias)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if native_takes(rows, x, weight, bias, exact):
-        out = rowmatmul.rows_matmul(x.reshape(rows, x.shape[-1]).contiguous(), weight, bias)  # [rows, out]
-        return out.reshape(*x.shape[:-1], weight.shape[0])
     if onednn_takes(rows, x.dtype, weight.dtype):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     if not 1 < rows <= SMALL_ROWS:

@@ -207,22 +207,22 @@ def rows_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 exact: bool = True) -> torch.Tensor | None:
     """x [..., in] @ weight[out, in]^T + bias -> [..., out] in x's dtype through the kernel, or None
-    where it does not take them (no kernel; x, weight not contiguous CPU tensors of one dtype;
-    more rows than `max_rows(dtype, exact)`; shapes that do not fit). For callers without
-    autograd. The lean path of models/linear.py: a decoding step calls it ~150 times, where
-    reshaping to [rows, in] and back cost more than the kernel's own call."""
+    where it does not take them (no kernel; x, weight not CPU tensors of one dtype; a weight
+    that is not contiguous; more rows than `max_rows(dtype, exact)`; shapes that do not fit). A
+    strided x is copied first. For callers without autograd: models/linear.py's kernel path. A
+    decoding step calls it ~150 times, where reshaping to [rows, in] and back cost more than the
+    kernel's own call."""
     fn = _kernel if _kernel is not _UNTRIED else kernel()
     if fn is None or not x.is_cpu:
         return None
     dtype, k = x.dtype, x.shape[-1]
-    if (dtype is not weight.dtype or weight.dim() != 2 or weight.shape[1] != k or k == 0
-            or not (x.is_contiguous() and weight.is_contiguous())):
+    if dtype is not weight.dtype or weight.dim() != 2 or weight.shape[1] != k or k == 0 or not weight.is_contiguous():
         return None
     if not 0 < x.numel() // k <= (fn.max_rows if exact else fn.fast_rows).get(dtype, 0):
         return None
     if bias is not None and (bias.dtype is not dtype or bias.shape != (weight.shape[0],) or not bias.is_contiguous()):
         return None
-    return _product(x, weight, bias)
+    return _product(x if x.is_contiguous() else x.contiguous(), weight, bias)
 
 
 def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
