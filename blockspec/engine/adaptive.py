@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from blockspec.models.argmax import greedy_ids
+from blockspec.models.target import greedy_forward
 from blockspec.models.slots import EMPTY
 from blockspec.spec.decode import DecodeBatch, Row, Trim
 
@@ -328,8 +328,7 @@ def calibrate(batch: DecodeBatch, size: int, max_block: int, context: int = 8,
             t1 = time.perf_counter()
             if hasattr(tcache, "reserve"):
                 tcache.reserve(context + n)
-            logits, _ = target.forward(block_ids, block_pos, tcache, layer_ids)
-            greedy_ids(logits).tolist()
+            greedy_forward(target, block_ids, block_pos, tcache, layer_ids)[0].tolist()  # as a greedy step does
             elapsed = time.perf_counter() - t0
             tcache.reject(torch.zeros(size, n, dtype=torch.bool, device=d))
             tcache.compact(1.0)

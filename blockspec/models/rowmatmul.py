@@ -17,7 +17,8 @@ against oneDNN's 4.0-4.6 (BENCHMARKS.md, session 18).
 The same library holds `kernels/attention.c`, the target's batch-invariant attention for a few
 query tokens (models/native/attention.py), `kernels/norm.c`, RMSNorm in one call instead of
 PyTorch's ten small operators (`rms_norm` below), `kernels/peak.c`, a draft head's argmax with
-its softmax probability (`argmax_peak` below) or alone (`argmax`), and `kernels/rope.c`, a layer's
+its softmax probability (`argmax_peak` below) or alone (`argmax`), `bs_greedy_head` in rows.c, the
+greedy ids of an fp32 LM head screened in bf16 (models/greedy_head.py), and `kernels/rope.c`, a layer's
 query/key norms, rotary embedding and K/V cache writes in one call (models/native/qkv.py).
 
 Built with the system C compiler (`$CC`, else cc/gcc/clang; -O3 -march=native -fopenmp) into
@@ -123,6 +124,9 @@ def _load() -> object | None:
                       + [ctypes.c_void_p] * 2 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
                       + [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 5 + [ctypes.c_int])
         f.restype = ctypes.c_int
+    fn.greedy_head = lib.bs_greedy_head
+    fn.greedy_head.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int]
+    fn.greedy_head.restype = ctypes.c_int
     return fn if _agrees(fn) else None
 
 
@@ -170,6 +174,18 @@ def _agrees(fn: object) -> bool:
         want_rope = heads * cos.double() + torch.cat([-heads[:, 10:], heads[:, :10]], -1) * sin.double()
         roped = torch.cat([roped_q, cache_k[None], cache_v[None]]).double()
         want_rope[3] = heads[3]
+        if dtype == torch.float32:  # the greedy head: the argmax of the fp32 product, screened in bf16
+            head = torch.randn(40, 37, generator=torch.Generator().manual_seed(1))
+            head[7] = head[3]  # a tie: the first index wins
+            head_logits = torch.empty(3, 40)
+            fn(x.data_ptr(), head.data_ptr(), None, head_logits.data_ptr(), 3, 37, 40, 1)
+            xb, hb = x.bfloat16(), head.bfloat16()
+            norms, bound = head.double().norm(dim=1).float() * 1.001, x.double().norm(dim=1).float() * 0.0042
+            screen, ids, seen = torch.empty(3, 40), torch.empty(3, dtype=torch.int64), torch.empty(3, dtype=torch.int64)
+            fn.greedy_head(x.data_ptr(), xb.data_ptr(), head.data_ptr(), hb.data_ptr(), norms.data_ptr(),
+                           bound.data_ptr(), screen.data_ptr(), 3, 37, 40, ids.data_ptr(), seen.data_ptr(), 1)
+            if not torch.equal(ids, head_logits.argmax(-1)):
+                return False
         if not (torch.allclose(y, want, atol=tol, rtol=tol) and torch.allclose(att, want_att, atol=tol, rtol=tol)
                 and torch.allclose(normed.double(), want_norm, atol=4 * tol, rtol=4 * tol)
                 and torch.equal(top, logits.float().argmax(-1)) and torch.equal(alone, top)

@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from blockspec.errors import CheckpointError, ConfigError
+from blockspec.models.argmax import greedy_ids
 from blockspec.models.slots import EMPTY, SlotTable, gather_slots
 
 DTYPES = {
@@ -72,6 +73,25 @@ class Target(Protocol):
         layer_ids: tuple[int, ...] = (),
         last_logits_only: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+
+def greedy_forward(
+    target: Target,
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    cache: TargetCache,
+    layer_ids: tuple[int, ...] = (),
+    last_logits_only: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`target.forward`, but the greedy ids [b, q|1] (the argmax of each position's logits, the
+    first of ties) in place of the logits. A target whose class can find them without computing
+    every logit (the native one: `forward_greedy`) does; any other computes the logits. Looked up
+    on the class, so a wrapper that forwards attributes to a target still runs its own `forward`."""
+    fast = getattr(type(target), "forward_greedy", None)
+    if fast is not None:
+        return fast(target, ids, positions, cache, layer_ids, last_logits_only)
+    logits, feats = target.forward(ids, positions, cache, layer_ids, last_logits_only)
+    return greedy_ids(logits), feats
 
 
 class HFCache:
@@ -274,4 +294,4 @@ def embedding_scale_of(target_config: object) -> float:
     return math.sqrt(text.hidden_size) if "gemma" in str(getattr(text, "model_type", "")) else 1.0
 
 
-__all__ = ["EMPTY", "HFTarget", "HFCache", "Target", "TargetCache", "TargetInfo", "load_hf_target"]
+__all__ = ["EMPTY", "HFTarget", "HFCache", "Target", "TargetCache", "TargetInfo", "greedy_forward", "load_hf_target"]

@@ -24,14 +24,13 @@ import torch
 
 from blockspec.config import SamplingParams, SpecConfig
 from blockspec.errors import ConfigError, ContextLengthError
-from blockspec.models.argmax import greedy_ids
 from blockspec.models.drafter import DFlashDrafter, check_compatible
 from blockspec.models.native.draft import StaticDrafter, has_standard_forward
 from blockspec.models.slots import EMPTY
-from blockspec.models.target import Target
+from blockspec.models.target import Target, greedy_forward
 from blockspec.spec.lookup import LookupConfig, TokenIndex
 from blockspec.spec.sampling import RowRandom, probabilities, sample_from
-from blockspec.spec.verify import verify_greedy, verify_sampled
+from blockspec.spec.verify import accept_greedy, verify_sampled
 
 # Called after every step with (row index in the original prompt list, newly committed ids).
 OnTokens = Callable[[int, list[int]], None]
@@ -399,15 +398,16 @@ class DecodeBatch:
         tcache = spawn(k) if spawn is not None else self.target.new_cache(k)
         if _static_cache(tcache):
             tcache.reserve(longest)
-        logits, feats = self.target.forward(ids, positions, tcache, self.layer_ids, last_logits_only=True)
         params = [r.params for r in rows]
         random = RowRandom([sp.seed for sp in params])
         temperature = torch.tensor([sp.temperature for sp in params], dtype=torch.float32, device=d)
         top_k = torch.tensor([sp.top_k for sp in params], dtype=torch.long, device=d)
         top_p = torch.tensor([sp.top_p for sp in params], dtype=torch.float32, device=d)
         if all(sp.greedy for sp in params):
-            first = greedy_ids(logits[:, -1])  # [k]
+            best, feats = greedy_forward(self.target, ids, positions, tcache, self.layer_ids, last_logits_only=True)
+            first = best[:, -1]  # [k]
         else:
+            logits, feats = self.target.forward(ids, positions, tcache, self.layer_ids, last_logits_only=True)
             probs = probabilities(logits[:, -1:], temperature, top_k, top_p)  # [k, 1, V]
             first = sample_from(probs, random.uniforms(1).to(d))[:, 0]
         dcache = None
@@ -597,11 +597,12 @@ class DecodeBatch:
             # the attention horizon of the tokens verified (a trimmed block reads fewer slots:
             # those beyond it hold stale keys of rejected tokens)
             self.tcache.reserve(max(self.cur_host) + q)
-        logits, feats = self.target.forward(block_ids, positions, self.tcache, self.layer_ids)
         proposals = block_ids[:, 1:]
-        if self.all_greedy:
-            accepted, bonus = verify_greedy(proposals, logits, limit)
+        if self.all_greedy:  # the target's argmax only: a native target skips most of its head
+            best, feats = greedy_forward(self.target, block_ids, positions, self.tcache, self.layer_ids)
+            accepted, bonus = accept_greedy(proposals, best, limit)
         else:
+            logits, feats = self.target.forward(block_ids, positions, self.tcache, self.layer_ids)
             target_probs = self._probs(logits)
             if one_hot_drafts:
                 draft_probs = torch.zeros_like(target_probs[:, 1:]).scatter_(-1, proposals[..., None], 1.0)

@@ -24,7 +24,14 @@ def verify_greedy(
     `limit` [b]: row r verifies only its first limit[r] proposals (a ragged step); the target's
     logits past them are never read, so they may be anything.
     """
-    best = greedy_ids(target_logits)  # [b, m+1]
+    return accept_greedy(proposals, greedy_ids(target_logits), limit)
+
+
+def accept_greedy(
+    proposals: torch.Tensor, best: torch.Tensor, limit: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`verify_greedy` from the target's greedy ids best [b, m+1] (the argmax of its logits at
+    each block position) instead of the logits. Ids past a row's `limit` are never read."""
     m = proposals.shape[1]
     match = (proposals == best[:, :m]).to(torch.long)
     if limit is not None:

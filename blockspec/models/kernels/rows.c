@@ -260,3 +260,72 @@ int bs_rows_matmul_bf16(const uint16_t *x, const uint16_t *w, const float *bias,
     ROWS_MATMUL(1)
 }
 
+
+/* ---- the greedy head ---------------------------------------------------------------------------- */
+
+/* Greedy decoding needs only the argmax of each row of x . w^T, and for a target's LM head (49K
+ * fp32 rows for SmolLM2, a fifth of the bytes a one-token forward streams) most of the time goes
+ * to reading w. So the head is screened first: s = xb . wb^T, both rounded to bf16 (half the
+ * bytes), through the bf16 path above. With e_j a bound on |y_j - s_j|, y_j being the fp32 logit
+ * this file's fp32 path computes, no column j with s_j + e_j < max_k (s_k - e_k) can hold the
+ * maximum of y (its y_j is strictly below that k's), so only the columns left (candidates: 1-2
+ * per row, up to ~12, on SmolLM2's real hidden states) get their exact fp32 logit, through
+ * `tile`: the same arithmetic, so the same bits, as the full product. The maximum among them,
+ * the first of ties, is the full product's argmax.
+ * The caller gives e_j = bound[r] * wnorm[j]: with u = 2^-9, bf16 rounding moves the exact dot
+ * product by at most (2u + u^2) |x| |w_j| (Cauchy-Schwarz), and both computed sums add less than
+ * 80 fp32 roundings of sum |x_i w_ji| <= |x| |w_j|; so bound[r] = 2^-8 * 1.05 * |x_r| covers it
+ * with room for the roundings of the bound itself (models/greedy_head.py).
+ * Returns 0, or 1 when a row's screen held no finite value (then the caller computes the logits). */
+static int64_t greedy_row(const float *x, const float *w, const float *s, const float *wnorm, float e, int64_t in,
+                          int64_t out, int64_t *candidates) {
+    const int64_t nv = out - out % 16;
+    v16 lo = (v16){0} - INFINITY;
+    for (int64_t j = 0; j < nv; j += 16) {
+        const v16 v = load16(s + j) - load16(wnorm + j) * e;
+        lo = select16(v > lo, v, lo);
+    }
+    float lower = -INFINITY;
+    for (int l = 0; l < 16; l++) lower = lo[l] > lower ? lo[l] : lower;
+    for (int64_t j = nv; j < out; j++) {
+        const float v = s[j] - wnorm[j] * e;
+        lower = v > lower ? v : lower;
+    }
+    if (!isfinite(lower)) return -1;
+    float best = -INFINITY;
+    int64_t at_best = -1, seen = 0;
+    const v16 lower16 = (v16){0} + lower;
+    for (int64_t j = 0; j < out; j += 16) {
+        const int lanes = out - j < 16 ? (int)(out - j) : 16;
+        if (lanes == 16) {
+            const i16 hit = load16(s + j) + load16(wnorm + j) * e >= lower16;
+            const i16 none = {0};
+            if (!memcmp(&hit, &none, sizeof hit)) continue;
+        }
+        for (int l = 0; l < lanes; l++) {
+            if (!(s[j + l] + wnorm[j + l] * e >= lower)) continue;
+            float y;
+            tile(x, w + (j + l) * in, 0, &y, in, 1, 1, 0);
+            seen++;
+            if (y > best || at_best < 0) best = y, at_best = j + l; /* ascending j: ties keep the first */
+        }
+    }
+    *candidates = seen;
+    return at_best;
+}
+
+/* x [n, in] fp32 and its bf16 rounding xb; w [out, in] fp32 and its bf16 rounding wb; wnorm [out]:
+ * an upper bound of each |w_j|; bound [n] (see above); screen: n * out fp32 scratch. idx [n]: the
+ * argmax of each row of x . w^T; candidates [n]: how many columns each row computed exactly. */
+int bs_greedy_head(const float *x, const uint16_t *xb, const float *w, const uint16_t *wb, const float *wnorm,
+                   const float *bound, float *screen, int64_t n, int64_t in, int64_t out, int64_t *idx,
+                   int64_t *candidates, int threads) {
+    bs_rows_matmul_bf16(xb, wb, 0, screen, n, in, out, threads);
+    int failed = 0;
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if (n >= 2) reduction(|| : failed)")
+    for (int64_t r = 0; r < n; r++) {
+        idx[r] = greedy_row(x + r * in, w, screen + r * out, wnorm, bound[r], in, out, candidates + r);
+        if (idx[r] < 0) failed = 1;
+    }
+    return failed;
+}

@@ -5,7 +5,9 @@ in fp32, SDPA attention), arranged for speed: q/k/v projections are fused into o
 forwards and blocks of tokens project through models/linear.py (oneDNN on a CPU; where that is
 missing, one-token forwards use transposed [in, out] copies of the widest matrices), K/V go
 straight into the preallocated cache (models/native/cache.py), and grouped query heads attend
-as [kv_heads, groups * q] so the cache is never repeated per query head.
+as [kv_heads, groups * q] so the cache is never repeated per query head. Greedy steps ask for
+the argmax ids only (`forward_greedy`), which an fp32 head on a CPU finds by screening in bf16
+(models/greedy_head.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from blockspec.models.argmax import greedy_ids
+from blockspec.models.greedy_head import GreedyHead
 from blockspec.models.native.cache import KVStore, StaticCache, attention_mask
 from blockspec.models.native.config import NativeConfig
 from blockspec.models.native.qkv import QKVPlacement, block_places
@@ -87,6 +91,7 @@ class NativeLlama(nn.Module):
         # blocks of tokens. Costs memory; see `prepare_single_token_weights`.
         self.single: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] | None = None
         self.single_head: torch.Tensor | None = None
+        self._greedy_head: GreedyHead | None = None  # built at the first greedy forward that can use it
         self._split = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim)
 
     def prepare_single_token_weights(self, enabled: bool = True) -> None:
@@ -170,8 +175,13 @@ class NativeLlama(nn.Module):
         static: bool = False,
         packed: torch.Tensor | None = None,
         resume: tuple[int, torch.Tensor] | None = None,
+        greedy: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """ids, positions [b, q] (EMPTY = padding) -> logits [b, q|1, V], features [b, q, L*H].
+
+        greedy: the greedy ids [b, q|1] (int64, the argmax of each position's logits, the first of
+        ties) in place of the logits; an fp32 head on a CPU is then screened in bf16 and computes
+        only the near-maximal logits exactly (models/greedy_head.py), the same ids.
 
         packed [T]: flat indices (into b * q) of the tokens that are not padding. The projections,
         norms, rope, K/V writes and the LM head then run on those T tokens only, and attention on
@@ -249,13 +259,29 @@ class NativeLlama(nn.Module):
             if last_logits_only:  # the last column of every row, padding or not
                 x = _unpack(x, packed, b, q)
         x = x[:, -1:] if last_logits_only else x
+        if greedy:
+            head = self._screened_head()
+            best = None if head is None else head.ids(x)  # [b, q|1], or [T] when packed
+            if best is not None:
+                return (_unpack(best[:, None], packed, b, q)[..., 0] if packed is not None and not last_logits_only
+                        else best), features
         if self.single_head is not None and x.shape[0] * x.shape[1] == 1:
             logits = x @ self.single_head
         else:
             logits = project(self.lm_head, x)
         if packed is not None and not last_logits_only:
             logits = _unpack(logits, packed, b, q)
-        return logits, features
+        return (greedy_ids(logits) if greedy else logits), features
+
+    def _screened_head(self) -> GreedyHead | None:
+        """The LM head's bf16 screen (models/greedy_head.py), rebuilt if the weight changed; None
+        where it does not apply (not fp32 on a CPU, no kernel) and the logits are computed."""
+        w = self.lm_head.weight
+        if not GreedyHead.available(w):
+            return None
+        if self._greedy_head is None or not self._greedy_head.fits(w):
+            self._greedy_head = GreedyHead(w)
+        return self._greedy_head
 
 
 def _unpack(t: torch.Tensor, packed: torch.Tensor, b: int, q: int) -> torch.Tensor:
@@ -336,6 +362,25 @@ class NativeTarget:
         if not cache.fresh:
             cache.reserve(int(positions.max()) + 1)
         return self.net(ids, positions, cache, layer_ids, last_logits_only, packed=padding_index(positions))
+
+    @torch.inference_mode()
+    def forward_greedy(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: StaticCache,
+        layer_ids: tuple[int, ...] = (),
+        last_logits_only: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward`, but the greedy ids [b, q|1] in place of the logits (see models/target.py's
+        `greedy_forward`): on a CPU an fp32 head computes only its near-maximal logits exactly."""
+        if self.graphs is not None and self.graphs.handles(ids, cache, last_logits_only):
+            logits, feats = self.graphs.forward(ids, positions, cache, tuple(layer_ids))
+            return greedy_ids(logits), feats
+        if not cache.fresh:
+            cache.reserve(int(positions.max()) + 1)
+        return self.net(ids, positions, cache, layer_ids, last_logits_only, packed=padding_index(positions),
+                        greedy=True)
 
     @torch.inference_mode()
     def final_hidden(self, ids: torch.Tensor, start: int, x: torch.Tensor) -> torch.Tensor:
