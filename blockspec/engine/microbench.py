@@ -17,6 +17,7 @@ import time
 import torch
 
 from blockspec.config import SamplingParams, SpecConfig
+from blockspec.models.target import greedy_forward
 
 PROMPT = "Explain in a few sentences why the sky is blue, then give one example of Rayleigh scattering."
 
@@ -49,8 +50,7 @@ def forward_cost(target, n: int, context: int, repeats: int, layer_ids=()) -> fl
     def run() -> None:
         if hasattr(cache, "reserve"):
             cache.reserve(context + n)
-        logits, _ = target.forward(block, pos, cache, layer_ids)
-        logits.argmax(-1).tolist()
+        greedy_forward(target, block, pos, cache, layer_ids)[0].tolist()  # what a greedy step computes
         cache.reject(torch.zeros(1, n, dtype=torch.bool))
         cache.compact(1.0)
 
