@@ -357,11 +357,7 @@ class NativeTarget:
         last_logits_only: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Same contract as HFTarget.forward; positions are absolute, EMPTY marks padding."""
-        if self.graphs is not None and self.graphs.handles(ids, cache, last_logits_only):
-            return self.graphs.forward(ids, positions, cache, tuple(layer_ids))
-        if not cache.fresh:
-            cache.reserve(int(positions.max()) + 1)
-        return self.net(ids, positions, cache, layer_ids, last_logits_only, packed=padding_index(positions))
+        return self._run(ids, positions, cache, layer_ids, last_logits_only, greedy=False)
 
     @torch.inference_mode()
     def forward_greedy(
@@ -374,13 +370,17 @@ class NativeTarget:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`forward`, but the greedy ids [b, q|1] in place of the logits (see models/target.py's
         `greedy_forward`): on a CPU an fp32 head computes only its near-maximal logits exactly."""
+        return self._run(ids, positions, cache, layer_ids, last_logits_only, greedy=True)
+
+    def _run(self, ids: torch.Tensor, positions: torch.Tensor, cache: StaticCache, layer_ids: tuple[int, ...],
+             last_logits_only: bool, greedy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.graphs is not None and self.graphs.handles(ids, cache, last_logits_only):
             logits, feats = self.graphs.forward(ids, positions, cache, tuple(layer_ids))
-            return greedy_ids(logits), feats
+            return (greedy_ids(logits) if greedy else logits), feats
         if not cache.fresh:
             cache.reserve(int(positions.max()) + 1)
         return self.net(ids, positions, cache, layer_ids, last_logits_only, packed=padding_index(positions),
-                        greedy=True)
+                        greedy=greedy)
 
     @torch.inference_mode()
     def final_hidden(self, ids: torch.Tensor, start: int, x: torch.Tensor) -> torch.Tensor:
