@@ -100,6 +100,34 @@ def test_sampled_tokens_follow_target_distribution(shape: dict, drafter_kind: st
     assert chi2_pvalue(counts, joint) > 1e-3
 
 
+def _nucleus_by_full_sort(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The nucleus filter the plain way: sort every probability, keep the prefix before top_p."""
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    before = sorted_p.cumsum(dim=-1) - sorted_p
+    out = torch.zeros_like(probs).scatter(-1, order, sorted_p * (before < top_p[:, None, None]))
+    return out / out.sum(dim=-1, keepdim=True)
+
+
+@pytest.mark.parametrize("scale", [0.05, 1.0, 8.0])  # 0.05: nearly flat, the sorted head grows to all of V
+def test_top_p_sorts_only_the_head_yet_keeps_the_full_sorts_tokens(scale: float) -> None:
+    g = torch.Generator().manual_seed(int(scale * 100))
+    logits = torch.randn(3, 4, 3001, generator=g) * scale
+    top_p = torch.tensor([0.5, 0.9, 0.99])
+    ours = probabilities(logits, torch.ones(3), torch.zeros(3, dtype=torch.long), top_p)
+    want = _nucleus_by_full_sort(torch.softmax(logits, dim=-1), top_p)
+    assert torch.equal(ours, want)
+    kept = (ours > 0).sum(dim=-1)
+    assert bool((kept >= 1).all()) and bool((kept < 3001).all())
+
+
+def test_top_p_one_keeps_every_token_beside_rows_that_filter() -> None:
+    logits = torch.randn(2, 3, 500, generator=torch.Generator().manual_seed(7)) * 3
+    both = probabilities(logits, torch.ones(2), torch.zeros(2, dtype=torch.long), torch.tensor([1.0, 0.5]))
+    alone = probabilities(logits[:1], torch.ones(1), torch.zeros(1, dtype=torch.long), torch.tensor([1.0]))
+    assert torch.equal(both[:1], alone) and bool((both[0] > 0).all())
+    assert bool(((both[1] > 0).sum(dim=-1) < 500).all())
+
+
 def test_seed_reproducible_and_independent_of_batch_mates() -> None:
     model = make_tiny_target("llama", seed=2)
     drafter = new_drafter_for_target(model.config, mask_token_id=47, num_layers=1, dtype=torch.float64)

@@ -27,18 +27,41 @@ def probabilities(
         threshold = kth.gather(-1, (k - 1)[:, None, None].expand(b, n, 1))
         scaled = scaled.masked_fill(scaled < threshold, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
-    if bool((top_p < 1).any()):
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
-        before = sorted_p.cumsum(dim=-1) - sorted_p
-        keep = before < top_p.float()[:, None, None]
-        sorted_p = sorted_p * keep
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
+    nucleus = top_p < 1
+    if bool(nucleus.any()):
+        if bool(nucleus.all()):
+            probs = _top_p(probs, top_p)
+        else:  # rows with top_p 1 keep every token, whatever their batch-mates ask
+            probs = probs.clone()
+            probs[nucleus] = _top_p(probs[nucleus], top_p[nucleus])
     if bool(greedy.any()):
         onehot = _one_hot(logits.argmax(dim=-1), v)
         probs = torch.where(greedy[:, None, None], onehot, probs)
     return probs
+
+
+NUCLEUS_HEAD = 64  # tokens sorted first per position by `_top_p` (x8 until the nucleus fits)
+
+
+def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The nucleus filter of probs [b, n, V] by top_p [b] (< 1): per position, the most probable
+    tokens in descending order until the mass before one reaches top_p (at least the top token),
+    renormalised. Only the head of each distribution is sorted (torch.topk): once the mass of
+    the first k tokens reaches top_p no later token can be kept, so the result is the full sort's
+    (the same prefix sums, the same tokens, ties aside). A full sort of 49K probabilities took
+    ~15 ms a verified block on 2 cores and made sampled DFlash slower than plain decoding."""
+    v = probs.shape[-1]
+    p = top_p.float()[:, None, None]  # [b, 1, 1]
+    k = min(v, NUCLEUS_HEAD)
+    while True:
+        head, order = probs.topk(k, dim=-1)  # [b, n, k], descending
+        mass = head.cumsum(dim=-1)
+        if k == v or bool((mass[..., -1:] >= p).all()):
+            break
+        k = min(v, k * 8)  # a flat distribution (high temperature): look further
+    keep = mass - head < p  # the mass before each token
+    out = torch.zeros_like(probs).scatter_(-1, order, head * keep)
+    return out.div_(out.sum(dim=-1, keepdim=True))
 
 
 def _one_hot(index: torch.Tensor, v: int) -> torch.Tensor:
