@@ -131,6 +131,24 @@ def test_plan_validation():
         SuitePlan(settings=())
     with pytest.raises(ConfigError, match="clock"):
         SuitePlan(clock="gpu")
+    for bad in (0.0, 1.5):
+        with pytest.raises(ConfigError, match="top_p"):
+            SuitePlan(top_p=bad)
+
+
+def test_top_p_reaches_every_sampled_request(pipe, monkeypatch):
+    seen = []
+    runner = EngineRunner(pipe.target, None, 1)
+    original = runner.run
+
+    def spy(requests, concurrency, progress=None):
+        seen.extend(r.params for r in requests)
+        return original(requests, concurrency, progress)
+
+    monkeypatch.setattr(runner, "run", spy)
+    plan = SuitePlan(settings=(Setting(0.0, None), Setting(0.8, None)), max_new_tokens=4, warmup=False, top_p=0.5)
+    run_suite([runner], {"maths": SAMPLES["maths"][:1]}, pipe.tokenizer, plan, progress=False)
+    assert sorted((sp.temperature, sp.top_p) for sp in seen) == [(0.0, 1.0), (0.8, 0.5)]
 
 
 def test_engine_runner_keeps_concurrency_in_flight_and_is_lossless(pipe):

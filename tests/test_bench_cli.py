@@ -82,6 +82,15 @@ def test_bench_ragged_verify_both_adds_a_ragged_adaptive_runner(tmp_path, tiny_m
     assert rc == 2 and "add --adaptive" in capsys.readouterr().err
 
 
+def test_bench_top_p_is_recorded_and_rerunnable(tmp_path, tiny_model_dir, tiny_drafter_dir, capsys):
+    rc, out = _bench(tmp_path, tiny_model_dir, tiny_drafter_dir, "--datasets", "gsm8k", "--block-sizes", "2",
+                     "--temperature", "0.8", "--top-p", "0.5")
+    assert rc == 0, capsys.readouterr().err
+    data = json.loads((out / "results.json").read_text())
+    assert data["meta"]["top_p"] == 0.5 and "--top-p 0.5" in data["meta"]["command"]
+    assert "- top-p of the sampled settings: 0.5" in (out / "report.md").read_text()
+
+
 def test_bench_needs_a_drafter(tmp_path, tiny_model_dir, capsys):
     rc = main(["bench", "--target", str(tiny_model_dir), "--drafter", "none", "--out", str(tmp_path)])
     assert rc == 2

@@ -37,12 +37,15 @@ def run_endpoint(
     temperature: float,
     api_key: str | None,
     out: Path,
+    top_p: float = 1.0,
 ) -> str:
     """Benchmarks every data set at every concurrency level; writes report.md and results.json."""
     rows: list[tuple[str, EndpointLevel]] = []
     for task, samples in datasets.items():
         prompts = [s.turns[0] for s in samples]  # first turn: an endpoint sees no model-specific state
-        for level in run_endpoint_bench(url, model, prompts, concurrency, max_tokens, temperature, api_key):
+        extra = {"top_p": top_p} if top_p != 1.0 and temperature > 0 else None
+        for level in run_endpoint_bench(url, model, prompts, concurrency, max_tokens, temperature, api_key,
+                                        extra_body=extra):
             rows.append((task, level))
     table = markdown_table(rows, url, model)
     out.mkdir(parents=True, exist_ok=True)

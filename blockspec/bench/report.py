@@ -384,7 +384,9 @@ def markdown(summaries: Sequence[Summary], agreements: Sequence[Agreement], meta
         ("torch / transformers", f"{env.get('torch')} / {env.get('transformers')}" if env else None),
         ("torch threads", env.get("torch_threads")),
         ("load average (1 min) at start / end", _loads(meta.get("load_average_at_start"), env.get("load_average_1m"))),
-        ("max new tokens", meta.get("max_new_tokens")), ("prompts", meta.get("prompts")),
+        ("max new tokens", meta.get("max_new_tokens")),
+        ("top-p of the sampled settings", meta.get("top_p") if meta.get("top_p", 1.0) != 1.0 else None),
+        ("prompts", meta.get("prompts")),
         ("command", f"`{meta['command']}`" if meta.get("command") else None),
     ]
     lines += [f"- {k}: {v}" for k, v in facts if v not in (None, "")]

@@ -171,6 +171,7 @@ class SuitePlan:
     concurrency: tuple[int, ...] = (1,)
     settings: tuple[Setting, ...] = (Setting(0.0, None),)
     max_new_tokens: int = 128
+    top_p: float = 1.0  # the nucleus of every sampled request (temperature > 0); 1: off
     seed: int = 0
     warmup: bool = True
     warmup_tokens: int = 32
@@ -193,6 +194,8 @@ class SuitePlan:
             raise ConfigError("give at least one setting (temperature / thinking)")
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
 
 
 @dataclass
@@ -310,6 +313,7 @@ def run_task(
         prompts = [encode_turn(tokenizer, samples[i].turns, answers[i], turn, setting.thinking) for i in active]
         requests = [
             Request(tuple(p), SamplingParams(max_new_tokens=plan.max_new_tokens, temperature=setting.temperature,
+                                             top_p=plan.top_p if setting.temperature > 0 else 1.0,
                                              seed=_request_seed(plan.seed, str(samples[i].id), turn)),
                     messages=tuple(_messages_for(samples[i].turns, answers[i], turn)),
                     enable_thinking=setting.thinking)

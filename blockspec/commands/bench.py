@@ -101,6 +101,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated numbers of requests decoded together, e.g. 1,4,8 (default 1)")
     parser.add_argument("--temperature", type=_floats, default=(0.0,),
                         help="comma-separated temperatures, 0 = greedy (default 0)")
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="nucleus sampling for the temperatures above 0, every runner alike (default 1: off)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per turn (default 128)")
     parser.add_argument("--thinking", choices=("on", "off", "both"), default="off",
                         help="thinking mode for chat templates that have one (default off)")
@@ -218,8 +220,10 @@ def command_line(args: argparse.Namespace) -> str:
     parts += ["--seed", str(args.seed)]
     if args.block_sizes:
         parts += ["--block-sizes", joined(args.block_sizes)]
-    parts += ["--concurrency", joined(args.concurrency), "--temperature", joined(args.temperature),
-              "--max-new-tokens", str(args.max_new_tokens), "--thinking", args.thinking]
+    parts += ["--concurrency", joined(args.concurrency), "--temperature", joined(args.temperature)]
+    if args.top_p != 1.0:
+        parts += ["--top-p", f"{args.top_p:g}"]
+    parts += ["--max-new-tokens", str(args.max_new_tokens), "--thinking", args.thinking]
     if args.adaptive_only:
         parts.append("--adaptive-only")
     elif args.adaptive:
@@ -268,7 +272,7 @@ def run(args: argparse.Namespace) -> int:
 
         out = Path(args.out or f"runs/bench-endpoint-{_dt.datetime.now():%Y%m%d-%H%M%S}")
         table = run_endpoint(args.endpoint, args.model or str(args.target), datasets, tuple(args.concurrency),
-                             args.max_new_tokens, args.temperature[0], args.api_key, out)
+                             args.max_new_tokens, args.temperature[0], args.api_key, out, top_p=args.top_p)
         print(table)
         print(f"wrote {out / 'report.md'} and {out / 'results.json'}", file=sys.stderr)
         return 0
@@ -291,7 +295,7 @@ def run(args: argparse.Namespace) -> int:
     thinking = _thinking_modes(args.thinking, pipe.tokenizer, notes)
     settings = tuple(Setting(t, th) for t in args.temperature for th in thinking)
     plan = SuitePlan(concurrency=tuple(args.concurrency), settings=settings, max_new_tokens=args.max_new_tokens,
-                     seed=args.seed, warmup=args.warmup, clock=args.clock)
+                     top_p=args.top_p, seed=args.seed, warmup=args.warmup, clock=args.clock)
     if args.drafter == "fresh":
         notes.append("the drafter is freshly initialised (untrained): expect tau ~ 1 and DFlash slower than AR")
     for n in notes:
@@ -322,6 +326,7 @@ def run(args: argparse.Namespace) -> int:
         "block_sizes": list(block_sizes),
         "concurrency": list(args.concurrency),
         "temperatures": list(args.temperature),
+        "top_p": args.top_p,
         "thinking": args.thinking,
         "baselines": list(args.baselines),
         "prompts": ", ".join(f"{k} {len(v)}" for k, v in datasets.items())
