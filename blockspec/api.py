@@ -70,7 +70,7 @@ class Pipeline:
         drafter: DFlashDrafter | None,
         *,
         block_size: int | None = None,
-        adaptive_block: bool = False,
+        adaptive_block: bool = True,
         lookup: LookupConfig | None = None,
         drafter_source: str = "",
         target_source: str = "",
@@ -214,7 +214,7 @@ def load(
     dtype: str = "float32",
     device: str = "cpu",
     block_size: int | None = None,
-    adaptive_block: bool = False,
+    adaptive_block: bool = True,
     drafter_layers: int = 1,
     seed: int = 0,
     backend: str = "auto",
@@ -229,9 +229,12 @@ def load(
     without a drafter (plain autoregressive).
     backend: "native" (own Llama/Qwen2/Qwen3 code, static KV cache), "hf" (any transformers
     causal LM) or "auto" (native when the architecture is supported).
-    block_size: the block size (default: the drafter's); with adaptive_block, the largest block
-    a step may use: each step then takes the size that maximises expected tokens per second from
-    the step costs measured on this machine (a CPU favours short blocks) and the acceptance so far.
+    block_size: the block size (default: the drafter's); with adaptive_block (the default), the
+    largest block a step may use: each step then takes the size that maximises expected tokens per
+    second from the step costs measured on this machine (a CPU favours short blocks) and the
+    acceptance so far, down to plain decoding where drafting does not pay (sampling at a low
+    acceptance, a large batch). adaptive_block=False verifies the whole block at every step, as
+    the published DFlash does.
     draft_vocab: use the drafter's draft_vocab.safetensors when it has one (proposals from the
     tokens it was trained on; cheaper drafting, same output); False drafts from every token.
     drafter_dtype: the drafter's dtype; "auto" is the target's, except bfloat16 for a float32

@@ -29,6 +29,15 @@ def test_generate_chat_equals_plain_decoding(pipe) -> None:
     assert fast.text == pipe.tokenizer.decode(fast.token_ids, skip_special_tokens=True)
     assert fast.stats.block_size == 4 and plain.stats.block_size == 1
     assert fast.stats.prefill_s > 0 and fast.tokens_per_s > 0
+    assert pipe.adaptive_block  # the default: each step picks its block size, up to the drafter's
+
+
+def test_fixed_blocks_on_request(tiny_model_dir: Path, tiny_drafter_dir: Path) -> None:
+    fixed = blockspec.load(str(tiny_model_dir), str(tiny_drafter_dir), adaptive_block=False)
+    out = fixed.generate(MESSAGES, max_new_tokens=12, ignore_eos=True)
+    assert not fixed.adaptive_block and fixed.decoder.block_choices == {}
+    plain = fixed.generate(MESSAGES, max_new_tokens=12, ignore_eos=True, block_size=1)
+    assert out.token_ids == plain.token_ids
 
 
 def test_chat_template_applied_and_thinking_switch(pipe) -> None:
@@ -111,14 +120,21 @@ def test_cli_generate_lookup_on_by_default_and_off_on_request(tiny_model_dir: Pa
     assert on["dflash"]["lookup_steps"] > 0 and off["dflash"]["lookup_steps"] == 0
 
 
-def test_cli_generate_adaptive_block(tiny_model_dir: Path, tiny_drafter_dir: Path) -> None:
-    r = _cli("generate", "--target", str(tiny_model_dir), "--drafter", str(tiny_drafter_dir), "--adaptive-block",
-             "--prompt", "How much does Janet make?", "--max-new-tokens", "12", "--compare", "--json")
+def test_cli_generate_adaptive_block_by_default(tiny_model_dir: Path, tiny_drafter_dir: Path) -> None:
+    base = ("generate", "--target", str(tiny_model_dir), "--drafter", str(tiny_drafter_dir),
+            "--prompt", "How much does Janet make?", "--max-new-tokens", "12", "--compare", "--json")
+    for extra in ((), ("--adaptive-block",)):  # the default, and the flag of earlier versions
+        r = _cli(*base, *extra)
+        assert r.returncode == 0, r.stderr
+        report = json.loads(r.stdout)
+        assert report["identical"] is True
+        choices = {int(b): n for b, n in report["block_choices"].items()}
+        assert choices and set(choices) <= set(range(1, 5)) and sum(choices.values()) >= 1
+    r = _cli(*base, "--no-adaptive-block")  # the published behaviour: the whole block every step
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
-    assert report["identical"] is True
-    choices = {int(b): n for b, n in report["block_choices"].items()}
-    assert choices and set(choices) <= set(range(1, 5)) and sum(choices.values()) >= 1
+    assert report["identical"] is True and "block_choices" not in report
+    assert report["dflash"]["block_size"] == 4
 
 
 def test_cli_demo_adaptive_by_default(tiny_model_dir: Path, tiny_drafter_dir: Path) -> None:

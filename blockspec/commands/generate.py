@@ -26,9 +26,11 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_adaptive_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--adaptive-block", action="store_true",
+    p.add_argument("--adaptive-block", action=argparse.BooleanOptionalAction, default=True,
                    help="choose each step's block size (up to --block-size) from step costs measured on this "
-                        "machine and the acceptance so far; same output, usually faster on a CPU")
+                        "machine and the acceptance so far, down to plain decoding where drafting does not pay; "
+                        "same output (default: on; --no-adaptive-block verifies the whole block every step, "
+                        "as the published DFlash does)")
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:

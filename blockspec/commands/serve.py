@@ -32,9 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_lookup_argument(parser)
     parser.add_argument("--device", default="cpu", help="cpu | cuda[:N] | mps (default cpu)")
     parser.add_argument("--block-size", type=int, default=None, help="speculation block size (default: the drafter's)")
-    parser.add_argument("--adaptive-block", action="store_true",
+    parser.add_argument("--adaptive-block", action=argparse.BooleanOptionalAction, default=True,
                         help="choose each step's block size (up to --block-size) from measured step costs and "
-                             "acceptance, so drafting never costs more than it buys under load (same output)")
+                             "acceptance, so drafting never costs more than it buys under load (same output; "
+                             "default: on; --no-adaptive-block verifies the whole block every step)")
     parser.add_argument("--max-batch", type=int, default=16, help="requests decoded together per step (default 16)")
     parser.add_argument("--max-queue", type=int, default=64,
                         help="waiting requests beyond the batch; more get HTTP 429 (default 64)")
