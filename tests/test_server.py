@@ -178,6 +178,18 @@ def test_seeded_sampling_is_reproducible(server, client):
     assert a == b
 
 
+def test_the_server_takes_requests_once_its_adaptive_engine_is_calibrated(pipe):
+    engine = Engine(pipe.target, pipe.drafter, EngineConfig(max_batch=4, block_size=4, adaptive_block=True),
+                    tokenizer=pipe.tokenizer)
+    app = create_app(pipe, engine=engine, served_model_name=MODEL)
+    try:
+        with BackgroundServer(app) as srv:
+            assert engine.ready  # start-up waited for the step timings; no request pays for them
+            assert httpx.get(f"{srv.url}/health").json() == {"status": "ok"}
+    finally:
+        engine.stop()
+
+
 def test_models_health_and_metrics(server, client, pipe):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL

@@ -145,6 +145,11 @@ class Engine:
         self.start()
         return self._ready.wait(timeout)
 
+    @property
+    def ready(self) -> bool:
+        """Whether the decode loop has calibrated (adaptive block size) and takes requests."""
+        return self._ready.is_set()
+
     @torch.inference_mode()
     def run_until_idle(self, on_finished: Callable[[int], None] | None = None) -> None:
         """Decodes on the calling thread until nothing is waiting or running, for an engine made

@@ -96,6 +96,9 @@ def create_app(
         pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="blockspec-events")
         asyncio.get_running_loop().set_default_executor(pool)
         state.engine.start()
+        # Requests are taken once the engine has timed its steps (adaptive block size: a few
+        # seconds on a CPU), so the first one does not wait for that.
+        await asyncio.to_thread(state.engine.wait_ready)
         try:
             yield
         finally:
