@@ -68,8 +68,10 @@ def verify_sampled(
     accepted = ok.cumprod(dim=1).sum(dim=1)  # [b]
     rows = torch.arange(b, device=proposals.device)
     p_at = target_probs[rows, accepted]  # [b, V]
-    pad = draft_probs.new_zeros(b, 1, target_probs.shape[-1])
-    q_at = torch.cat([draft_probs, pad], dim=1)[rows, accepted]
+    if m > 0:  # q after the last proposal is 0 (the bonus follows p), without copying draft_probs
+        q_at = draft_probs[rows, accepted.clamp(max=m - 1)] * (accepted < m).to(draft_probs.dtype)[:, None]
+    else:
+        q_at = draft_probs.new_zeros(b, target_probs.shape[-1])
     if limit is not None:  # a row that accepted all it verified ends its block: the bonus follows p
         q_at = q_at * (accepted < limit).to(q_at.dtype)[:, None]
     residual = (p_at - q_at).clamp_min(0)
