@@ -31,8 +31,7 @@ def probabilities(
     if bool(nucleus.any()):
         if bool(nucleus.all()):
             probs = _top_p(probs, top_p)
-        else:  # rows with top_p 1 keep every token, whatever their batch-mates ask
-            probs = probs.clone()
+        else:  # rows with top_p 1 keep every token, whatever their batch-mates ask (probs is softmax's own)
             probs[nucleus] = _top_p(probs[nucleus], top_p[nucleus])
     if bool(greedy.any()):
         onehot = _one_hot(logits.argmax(dim=-1), v)
