@@ -44,13 +44,32 @@ def test_kernel_matches_f_linear_and_is_batch_invariant(n: int, dtype: torch.dty
                 assert torch.equal(got[r : r + 1], rowmatmul.rows_matmul(x[r : r + 1].clone(), w, bias))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_residual_connection_in_the_product_call_has_the_bits_of_a_separate_addition(dtype: torch.dtype) -> None:
+    """linear(..., residual=r) is r + linear(...), bit for bit, on every path: the kernel's fp32
+    call that adds r itself (one weight row at a time and register tiles, with and without bias),
+    bf16 (added afterwards), rows past the kernel's limit (PyTorch's GEMM) and a residual that
+    only broadcasts (added afterwards, as before)."""
+    g = torch.Generator().manual_seed(3)
+    with torch.inference_mode():
+        for n in (1, 3, 5, 8, 17, rowmatmul.max_rows() + 5):
+            x, w, b = (t.to(dtype) for t in (torch.randn(n, 200, generator=g), torch.randn(33, 200, generator=g),
+                                             torch.randn(33, generator=g)))
+            r = torch.randn(n, 33, generator=g).to(dtype)
+            for bias in (None, b):
+                separate = r + linear_mod.linear(x, w, bias)
+                assert torch.equal(linear_mod.linear(x, w, bias, residual=r), separate)
+            row = torch.randn(33, generator=g).to(dtype)  # broadcast over the rows
+            assert torch.equal(linear_mod.linear(x, w, b, residual=row), row + linear_mod.linear(x, w, b))
+
+
 def test_linear_routes_few_rows_to_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
     real = rowmatmul._product
 
-    def spy(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    def spy(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, residual: torch.Tensor | None = None) -> torch.Tensor:
         calls.append(x.numel() // x.shape[-1])  # rows
-        return real(x, w, b)
+        return real(x, w, b, residual)
 
     monkeypatch.setattr(rowmatmul, "_product", spy)
     g = torch.Generator().manual_seed(0)

@@ -93,18 +93,27 @@ def onednn_takes(rows: int, x_dtype: torch.dtype, w_dtype: torch.dtype) -> bool:
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, exact: bool = True
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, exact: bool = True,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [..., in] @ weight[out, in]^T + bias -> [..., out] (see the module docstring).
 
     exact=False: the product need not be batch invariant (a drafter's, whose outputs are only
     proposals); a bf16 product then takes whichever kernel is faster for its row count.
+    residual: returns `residual + product` (a residual connection), the same bits as adding it
+    afterwards; the native kernel adds it in the same call.
     """
     autograd = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     if CPU_MATMUL == "native" and not autograd:  # the decoding path, first and lean
-        out = rowmatmul.rows_linear(x, weight, bias, exact)
+        out = rowmatmul.rows_linear(x, weight, bias, exact, residual)
         if out is not None:
             return out
+    out = _linear(x, weight, bias, autograd)
+    return out if residual is None else residual + out
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, autograd: bool) -> torch.Tensor:
+    """`linear` through PyTorch's kernels (models/linear.py's choice among them)."""
     if x.device.type != "cpu" or CPU_MATMUL == "mkl" or autograd:
         return F.linear(x, weight, bias)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
@@ -121,6 +130,7 @@ def linear(
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def project(module: nn.Linear, x: torch.Tensor, *, exact: bool = True) -> torch.Tensor:
-    """`module(x)` for an nn.Linear, through `linear`."""
-    return linear(x, module.weight, module.bias, exact=exact)
+def project(module: nn.Linear, x: torch.Tensor, *, exact: bool = True,
+            residual: torch.Tensor | None = None) -> torch.Tensor:
+    """`module(x)` for an nn.Linear (plus `residual`), through `linear`."""
+    return linear(x, module.weight, module.bias, exact=exact, residual=residual)

@@ -104,6 +104,9 @@ def _load() -> object | None:
     for f in (fn, fn.bf16):
         f.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
         f.restype = ctypes.c_int
+    fn.res = lib.bs_rows_matmul_res
+    fn.res.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    fn.res.restype = ctypes.c_int
     fn.max_rows = {torch.float32: int(lib.bs_rows_max()), torch.bfloat16: int(lib.bs_rows_max_bf16())}
     fn.fast_rows = {torch.float32: fn.max_rows[torch.float32], torch.bfloat16: int(lib.bs_rows_fast_bf16())}
     fn.attention = {torch.float32: lib.bs_attention, torch.bfloat16: lib.bs_attention_bf16}
@@ -145,6 +148,11 @@ def _agrees(fn: object) -> bool:
         product = fn if dtype == torch.float32 else fn.bf16
         product(xd.data_ptr(), wd.data_ptr(), b.data_ptr(), y.data_ptr(), 3, 37, 5, 1)
         want = torch.nn.functional.linear(xd.double(), wd.double(), b.double()).float()
+        if dtype == torch.float32:  # the residual connection's call: the product's bits, then one addition
+            residual, with_res = torch.randn(3, 5, generator=g), torch.empty(3, 5)
+            fn.res(xd.data_ptr(), wd.data_ptr(), b.data_ptr(), residual.data_ptr(), with_res.data_ptr(), 3, 37, 5, 1)
+            if not torch.equal(with_res, residual + y):
+                return False
         qd, kd, vd = q.to(dtype), k.to(dtype), v.to(dtype)
         att = torch.empty(1, 1, 2, 20)
         fn.attention[dtype](qd.data_ptr(), kd.data_ptr(), vd.data_ptr(), att.data_ptr(), visible.data_ptr(),
@@ -221,9 +229,9 @@ def rows_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                exact: bool = True) -> torch.Tensor | None:
-    """x [..., in] @ weight[out, in]^T + bias -> [..., out] in x's dtype through the kernel, or None
-    where it does not take them (no kernel; x, weight not CPU tensors of one dtype; a weight
+                exact: bool = True, residual: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x [..., in] @ weight[out, in]^T + bias (+ residual: see `_product`) -> [..., out] in x's
+    dtype through the kernel, or None where it does not take them (no kernel; x, weight not CPU tensors of one dtype; a weight
     that is not contiguous; more rows than `max_rows(dtype, exact)`; shapes that do not fit). A
     strided x is copied first. For callers without autograd: models/linear.py's kernel path. A
     decoding step calls it ~150 times, where reshaping to [rows, in] and back cost more than the
@@ -238,19 +246,29 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         return None
     if bias is not None and (bias.dtype is not dtype or bias.shape != (weight.shape[0],) or not bias.is_contiguous()):
         return None
-    return _product(x if x.is_contiguous() else x.contiguous(), weight, bias)
+    return _product(x if x.is_contiguous() else x.contiguous(), weight, bias, residual)
 
 
-def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The kernel's product of contiguous x [..., in] (any leading shape) -> [..., out]."""
+def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel's product of contiguous x [..., in] (any leading shape) -> [..., out], plus
+    `residual` if given: `residual + product`, bit for bit (fp32 adds it in the same call, saving
+    a pass and an operator per residual connection; other cases add it afterwards)."""
     fn = kernel()
     k, n = x.shape[-1], weight.shape[0]
+    shape = (*x.shape[:-1], n)
+    out = torch.empty(shape, dtype=torch.float32)
+    if (residual is not None and x.dtype == torch.float32 and residual.dtype == torch.float32
+            and residual.shape == shape and residual.is_contiguous()):
+        fn.res(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), residual.data_ptr(),
+               out.data_ptr(), x.numel() // k, k, n, torch.get_num_threads())
+        return out
     if x.dtype == torch.bfloat16:
         fn, bias = fn.bf16, None if bias is None else bias.float().contiguous()
-    out = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
     fn(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
        x.numel() // k, k, n, torch.get_num_threads())
-    return out if x.dtype == torch.float32 else out.to(x.dtype)
+    out = out if x.dtype == torch.float32 else out.to(x.dtype)
+    return out if residual is None else residual + out
 
 
 def argmax_peak(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -52,7 +52,8 @@ static inline v16 dp16(v16 a, v16 b, v16 c) { (void)b, (void)c; return a; } /* n
 
 /* MR rows (MR <= 8) of x (row stride in) times one weight row w -> y[r * ldy] */
 static inline __attribute__((always_inline)) void tile(const void *x, const void *w, const float *bias, float *y,
-                                                       int64_t in, int64_t ldy, const int MR, const int bf) {
+                                                       const float *res, int64_t in, int64_t ldy, const int MR,
+                                                       const int bf) {
     const int64_t kv = in - in % STEP(bf);
     v16 acc[8];
 #pragma GCC unroll 8
@@ -73,25 +74,28 @@ static inline __attribute__((always_inline)) void tile(const void *x, const void
     for (int r = 0; r < MR; r++) {
         float s = reduce16(acc[r]);
         for (int64_t k = kv; k < in; k++) s += scalar(w, k, bf) * scalar(x, r * in + k, bf);
-        y[r * ldy] = bias ? s + *bias : s;
+        s = bias ? s + *bias : s;
+        y[r * ldy] = res ? res[r * ldy] + s : s;
     }
 }
 
 /* one output column for all n rows, eight rows at a time */
 static inline __attribute__((always_inline)) void column(const void *x, const void *w, const float *bias, float *y,
-                                                         int64_t n, int64_t in, int64_t ldy, const int bf) {
+                                                         const float *res, int64_t n, int64_t in, int64_t ldy,
+                                                         const int bf) {
     int64_t r = 0;
-    for (; r + 8 <= n; r += 8) tile(at(x, r * in, bf), w, bias, y + r * ldy, in, ldy, 8, bf);
+    for (; r + 8 <= n; r += 8) tile(at(x, r * in, bf), w, bias, y + r * ldy, res ? res + r * ldy : 0, in, ldy, 8, bf);
     x = at(x, r * in, bf);
     y += r * ldy;
+    res = res ? res + r * ldy : 0;
     switch (n - r) {
-    case 7: tile(x, w, bias, y, in, ldy, 7, bf); break;
-    case 6: tile(x, w, bias, y, in, ldy, 6, bf); break;
-    case 5: tile(x, w, bias, y, in, ldy, 5, bf); break;
-    case 4: tile(x, w, bias, y, in, ldy, 4, bf); break;
-    case 3: tile(x, w, bias, y, in, ldy, 3, bf); break;
-    case 2: tile(x, w, bias, y, in, ldy, 2, bf); break;
-    case 1: tile(x, w, bias, y, in, ldy, 1, bf); break;
+    case 7: tile(x, w, bias, y, res, in, ldy, 7, bf); break;
+    case 6: tile(x, w, bias, y, res, in, ldy, 6, bf); break;
+    case 5: tile(x, w, bias, y, res, in, ldy, 5, bf); break;
+    case 4: tile(x, w, bias, y, res, in, ldy, 4, bf); break;
+    case 3: tile(x, w, bias, y, res, in, ldy, 3, bf); break;
+    case 2: tile(x, w, bias, y, res, in, ldy, 2, bf); break;
+    case 1: tile(x, w, bias, y, res, in, ldy, 1, bf); break;
     }
 }
 
@@ -147,8 +151,8 @@ static inline v16 keep(v16 v) {
 /* rows x cols tile (rows <= BR, cols <= BC): x rows and w rows of stride `in` -> y[r * ldy + c];
  * `next`: the following tile's weights, prefetched while this one runs */
 static inline __attribute__((always_inline)) void block(const void *x, const void *w, const float *bias, float *y,
-                                                        const void *next, int64_t in, int64_t ldy, const int rows,
-                                                        const int cols, const int bf) {
+                                                        const float *res, const void *next, int64_t in, int64_t ldy,
+                                                        const int rows, const int cols, const int bf) {
     const int64_t kv = in - in % STEP(bf);
     const v16 z = {0};
     v16 acc[BR][BC];
@@ -187,7 +191,8 @@ static inline __attribute__((always_inline)) void block(const void *x, const voi
         for (int c = 0; c < cols; c++) {
             float t = s[c];
             for (int64_t k = kv; k < in; k++) t += scalar(w, c * in + k, bf) * scalar(x, r * in + k, bf);
-            y[r * ldy + c] = bias ? t + bias[c] : t;
+            t = bias ? t + bias[c] : t;
+            y[r * ldy + c] = res ? res[r * ldy + c] + t : t;
         }
     }
 }
@@ -197,27 +202,28 @@ static inline __attribute__((always_inline)) void block(const void *x, const voi
     for (int64_t r0 = 0; r0 < n; r0 += BR) {                                                           \
         const void *xr = at(x, r0 * in, bf);                                                                 \
         float *yr = y + r0 * ldy;                                                                      \
+        const float *rr = res ? res + r0 * ldy : 0;                                                    \
         switch (n - r0 < BR ? n - r0 : BR) {                                                           \
-        case 4: block(xr, w, bias, yr, next, in, ldy, 4, COLS, bf); break;                                 \
-        case 3: block(xr, w, bias, yr, next, in, ldy, 3, COLS, bf); break;                                 \
-        case 2: block(xr, w, bias, yr, next, in, ldy, 2, COLS, bf); break;                                 \
-        default: block(xr, w, bias, yr, next, in, ldy, 1, COLS, bf); break;                                \
+        case 4: block(xr, w, bias, yr, rr, next, in, ldy, 4, COLS, bf); break;                                 \
+        case 3: block(xr, w, bias, yr, rr, next, in, ldy, 3, COLS, bf); break;                                 \
+        case 2: block(xr, w, bias, yr, rr, next, in, ldy, 2, COLS, bf); break;                                 \
+        default: block(xr, w, bias, yr, rr, next, in, ldy, 1, COLS, bf); break;                                \
         }                                                                                              \
     }
 #else
 #define ROW_BLOCKS(COLS)                                                                               \
     for (int64_t r0 = 0; r0 < n; r0 += BR) {                                                           \
         if (n - r0 >= 2)                                                                               \
-            block(at(x, r0 * in, bf), w, bias, y + r0 * ldy, next, in, ldy, 2, COLS, bf);                         \
+            block(at(x, r0 * in, bf), w, bias, y + r0 * ldy, res ? res + r0 * ldy : 0, next, in, ldy, 2, COLS, bf);                         \
         else                                                                                           \
-            block(at(x, r0 * in, bf), w, bias, y + r0 * ldy, next, in, ldy, 1, COLS, bf);                         \
+            block(at(x, r0 * in, bf), w, bias, y + r0 * ldy, res ? res + r0 * ldy : 0, next, in, ldy, 1, COLS, bf);                         \
     }
 #endif
 
 /* `cols` (<= BC) output columns for all n rows */
 static inline __attribute__((always_inline)) void blocks(const void *x, const void *w, const float *bias, float *y,
-                                                         const void *next, int64_t n, int64_t in, int64_t ldy, int cols,
-                                                         const int bf) {
+                                                         const float *res, const void *next, int64_t n, int64_t in,
+                                                         int64_t ldy, int cols, const int bf) {
     switch (cols) {
     case BC: ROW_BLOCKS(BC) break;
 #if BC == 4
@@ -236,7 +242,7 @@ static inline __attribute__((always_inline)) void blocks(const void *x, const vo
     if (n < ((BF) ? TILE_ROWS_BF16 : TILE_ROWS)) {                                                     \
         _Pragma("omp parallel for schedule(static) num_threads(threads)")                              \
         for (int64_t j = 0; j < out; j++)                                                              \
-            column(x, at(w, j * in, BF), bias ? bias + j : 0, y + j, n, in, out, BF);                  \
+            column(x, at(w, j * in, BF), bias ? bias + j : 0, y + j, res ? res + j : 0, n, in, out, BF); \
         return 0;                                                                                      \
     }                                                                                                  \
     const int64_t groups = (out + BC - 1) / BC;                                                        \
@@ -245,18 +251,28 @@ static inline __attribute__((always_inline)) void blocks(const void *x, const vo
         const int64_t j = g * BC;                                                                      \
         const int cols = out - j < BC ? (int)(out - j) : BC;                                           \
         const void *next = at(w, (g + 1 < groups ? j + BC : j) * in, BF);                              \
-        blocks(x, at(w, j * in, BF), bias ? bias + j : 0, y + j, next, n, in, out, cols, BF);          \
+        blocks(x, at(w, j * in, BF), bias ? bias + j : 0, y + j, res ? res + j : 0, next, n, in, out, cols, BF); \
     }                                                                                                  \
     return 0;
 
 int bs_rows_matmul(const float *x, const float *w, const float *bias, float *y, int64_t n, int64_t in,
                    int64_t out, int threads) {
+    const float *res = 0;
+    ROWS_MATMUL(0)
+}
+
+/* y = res + (x . w^T + bias), res laid out like y: a layer's residual connection in the same
+ * call. The product is rounded first, then added to res with one more rounding: the bits of
+ * computing the product and adding it to res afterwards, as a separate addition would. */
+int bs_rows_matmul_res(const float *x, const float *w, const float *bias, const float *res, float *y, int64_t n,
+                       int64_t in, int64_t out, int threads) {
     ROWS_MATMUL(0)
 }
 
 /* x, w: bf16 bit patterns */
 int bs_rows_matmul_bf16(const uint16_t *x, const uint16_t *w, const float *bias, float *y, int64_t n, int64_t in,
                         int64_t out, int threads) {
+    const float *res = 0;
     ROWS_MATMUL(1)
 }
 
@@ -305,7 +321,7 @@ static int64_t greedy_row(const float *x, const float *w, const float *s, const 
         for (int l = 0; l < lanes; l++) {
             if (!(s[j + l] + wnorm[j + l] * e >= lower)) continue;
             float y;
-            tile(x, w + (j + l) * in, 0, &y, in, 1, 1, 0);
+            tile(x, w + (j + l) * in, 0, &y, 0, in, 1, 1, 0);
             seen++;
             if (y > best || at_best < 0) best = y, at_best = j + l; /* ascending j: ties keep the first */
         }

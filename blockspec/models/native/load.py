@@ -53,10 +53,11 @@ def native_state_dict(hf_state: dict[str, torch.Tensor], net: NativeLlama) -> di
             out[p + "q_norm"] = take(a + "q_norm.weight")
             out[p + "k_norm"] = take(a + "k_norm.weight")
         m = p + "mlp."
-        for mine, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
-            out[p + f"{mine}.weight"] = take(m + f"{theirs}.weight")
-            if layer.down.bias is not None:
-                out[p + f"{mine}.bias"] = take(m + f"{theirs}.bias")
+        out[p + "gate_up.weight"] = torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
+        out[p + "down.weight"] = take(m + "down_proj.weight")
+        if layer.down.bias is not None:
+            out[p + "gate_up.bias"] = torch.cat([take(m + "gate_proj.bias"), take(m + "up_proj.bias")])
+            out[p + "down.bias"] = take(m + "down_proj.bias")
     head = src.pop("lm_head.weight", None)
     if not net.cfg.tie_word_embeddings:
         if head is None:
