@@ -1,6 +1,7 @@
 /* y[n, out] = x[n, in] . w[out, in]^T (+ bias[out]) for a few rows n (decoding, verification), summed
- * in fp32. x and w are both fp32 (bs_rows_matmul) or both bf16 (bs_rows_matmul_bf16, for bf16
- * models: half the bytes to stream). bias and y are fp32.
+ * in fp32. x and w are both fp32 (bs_rows_matmul; bs_rows_matmul_res also adds a residual
+ * res[n, out]) or both bf16 (bs_rows_matmul_bf16, for bf16 models: half the bytes to stream).
+ * bias and y are fp32.
  *
  * Built at first use by blockspec/models/rowmatmul.py (gcc or clang, -O3 -march=native -fopenmp
  * -std=c11, under which the compiler never fuses a * b + c itself). Written with GCC vector
