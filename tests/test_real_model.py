@@ -59,3 +59,20 @@ def test_bf16_target_dflash_equals_its_own_plain_decoding(smollm2_dir) -> None:
     ours = spec.generate_ids(prompts, params)
     assert [r.token_ids for r in ours] == [r.token_ids for r in plain.generate_ids(prompts, params)]
     assert sum(r.stats.mean_tau for r in ours) / len(ours) > 1.2
+
+
+@pytest.mark.slow
+def test_the_q4_1_target_runs_packed_with_the_bits_of_its_fp32_weights(smollm2_dir) -> None:
+    """SmolLM2-135M-Instruct comes from a Q4_1 GGUF: every projection packs (models/packed.py),
+    and a prefill plus a 6-token verification give the logits of the unpacked fp32 model exactly."""
+    from blockspec.models.native import load_native_target
+
+    packed = load_native_target(smollm2_dir, "float32")
+    plain = load_native_target(smollm2_dir, "float32", pack_weights=False)
+    layers = packed.net.layers
+    assert sum(m.packed is not None for layer in layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)) == 120
+    ids = torch.randint(0, 49152, (1, 40), generator=torch.Generator().manual_seed(0))
+    caches = [t.new_cache(1, 64) for t in (packed, plain)]
+    for chunk, pos in ((ids[:, :34], torch.arange(34)), (ids[:, 34:], torch.arange(34, 40))):
+        a, b = (t.forward(chunk, pos[None], c, (1, 14, 27)) for t, c in zip((packed, plain), caches))
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])

@@ -106,6 +106,7 @@ def load_native_target(
     *,
     eos_token_ids: tuple[int, ...] | None = None,
     single_token_weights: bool | None = None,
+    pack_weights: bool | None = None,
 ) -> NativeTarget:
     """A NativeTarget from a Hugging Face model object or a local model directory.
 
@@ -114,6 +115,9 @@ def load_native_target(
     single_token_weights: keep transposed copies of the widest matrices for one-token forwards
     where the CPU kernel is MKL's (~20% faster plain decoding there, ~70% more weight memory;
     with oneDNN, models/linear.py's default, none are made); None = on for CPU devices.
+    pack_weights: keep a 4-bit copy of each projection whose fp32 weights are exactly of a 4-bit
+    GGUF's form (models/packed.py: the same outputs, bit for bit, from a fifth of the bytes);
+    None = on for fp32 on the CPU.
     """
     if isinstance(source, torch.nn.Module):
         hf_config = source.config
@@ -154,6 +158,10 @@ def load_native_target(
     if single_token_weights is None:
         single_token_weights = torch.device(device).type == "cpu"
     net.prepare_single_token_weights(single_token_weights)
+    if pack_weights is None:
+        pack_weights = torch.device(device).type == "cpu" and dtype == torch.float32
+    if pack_weights:
+        net.pack_weights()
     return NativeTarget(net, eos_token_ids if eos_token_ids is not None else default_eos, text_config)
 
 

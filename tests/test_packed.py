@@ -1,0 +1,139 @@
+"""Packed 4-bit copies of fp32 weights that a Q4_1 GGUF left (models/packed.py): exact, or absent."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_tiny_target
+from test_spec_lossless import ragged_prompts
+
+from blockspec.config import SamplingParams, SpecConfig
+from blockspec.models import rowmatmul
+from blockspec.models.drafter import new_drafter_for_target
+from blockspec.models.linear import linear, project
+from blockspec.models.native import load_native_target
+from blockspec.models.packed import PackedQ4, pack_q4, q4_linear, unpack_q4
+from blockspec.spec.decode import SpecDecoder
+
+needs_kernel = pytest.mark.skipif(rowmatmul.kernel() is None, reason="the native CPU kernel did not build here")
+
+
+def gguf_q4_1(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` through a real Q4_1 round trip (the gguf package's quantizer and dequantizer), as
+    a Q4_1 GGUF file's weights reach us."""
+    gguf = pytest.importorskip("gguf")
+    from gguf import GGMLQuantizationType, quants
+
+    data = weight.detach().float().numpy()
+    back = quants.dequantize(quants.quantize(data, GGMLQuantizationType.Q4_1), GGMLQuantizationType.Q4_1)
+    assert gguf is not None and back.dtype == np.float32
+    return torch.from_numpy(np.ascontiguousarray(back)).reshape(weight.shape)
+
+
+def test_gguf_q4_1_weights_pack_exactly_and_others_do_not() -> None:
+    g = torch.Generator().manual_seed(0)
+    w = gguf_q4_1(torch.randn(40, 96, generator=g) * 0.1)
+    w[3, :32] = 0.25  # a constant block: d = 0
+    packed = pack_q4(w)
+    assert packed is not None and packed.shape == (40, 96)
+    assert packed.qs.shape == (40, 48) and packed.dm.shape == (40, 3, 2)
+    assert torch.equal(unpack_q4(packed), w)
+    assert packed.matches(w)
+    assert pack_q4(torch.randn(40, 96, generator=g)) is None  # fp32 weights not of that form
+    assert pack_q4(w[:, :80].contiguous()) is None  # inputs not a multiple of 32
+    assert pack_q4(w.double()) is None and pack_q4(w.bfloat16()) is None
+    inf = w.clone()
+    inf[0, 0] = float("inf")
+    assert pack_q4(inf) is None
+    mixed = w.clone()
+    mixed[5, 40] += 1e-3  # one weight off the grid of its block
+    assert pack_q4(mixed) is None
+    with pytest.raises(ValueError, match="PackedQ4 needs"):
+        PackedQ4(packed.qs, packed.dm[:, :2], packed.source)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 13, 16, 33, 128])
+def test_packed_product_has_the_bits_of_the_fp32_kernel(rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    w = gguf_q4_1(torch.randn(70, 128, generator=g) * 0.05)
+    packed = pack_q4(w)
+    x, bias, res = torch.randn(rows, 128, generator=g), torch.randn(70, generator=g), torch.randn(rows, 70, generator=g)
+    assert torch.equal(q4_linear(x, packed, None), linear(x, w))
+    assert torch.equal(q4_linear(x, packed, bias), linear(x, w, bias))
+    assert torch.equal(q4_linear(x, packed, bias, res), linear(x, w, bias, residual=res))
+    assert torch.equal(q4_linear(x, packed, bias, res.t().contiguous().t()), res + linear(x, w, bias))  # strided
+    torch.testing.assert_close(q4_linear(x, packed, bias), torch.nn.functional.linear(x.double(), w.double(),
+                                                                                        bias.double()).float())
+    x3 = x.reshape(1, rows, 128)
+    assert torch.equal(q4_linear(x3, packed, None)[0], linear(x, w))
+
+
+@needs_kernel
+def test_packed_product_declines_what_it_cannot_take() -> None:
+    w = gguf_q4_1(torch.randn(8, 64) * 0.1)
+    packed = pack_q4(w)
+    assert q4_linear(torch.randn(2, 64).double(), packed, None) is None
+    assert q4_linear(torch.randn(2, 32), packed, None) is None  # wrong width
+    assert q4_linear(torch.randn(rowmatmul.max_rows() + 1, 64), packed, None) is None  # a long prefill: fp32
+    assert q4_linear(torch.randn(2, 64, requires_grad=True), packed, None) is None  # autograd: F.linear
+
+
+def _q4_model(seed: int):
+    """A tiny fp32 Llama whose projections hold Q4_1 GGUF weights (as a converted GGUF's do)."""
+    model = make_tiny_target("llama", seed=seed, dtype=torch.float32, hidden_size=64, intermediate_size=96,
+                             num_attention_heads=4, num_key_value_heads=2)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and "proj" in name:
+                p.copy_(gguf_q4_1(p))
+    return model
+
+
+@needs_kernel
+def test_native_target_with_packed_weights_computes_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    import blockspec.models.linear as linear_module
+
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape)
+        return q4_linear(*args, **kwargs)
+
+    monkeypatch.setattr(linear_module, "q4_linear", counting)
+    model = _q4_model(seed=3)
+    packed = load_native_target(model, dtype="float32")
+    plain = load_native_target(model, dtype="float32", pack_weights=False)
+    layers = packed.net.layers
+    assert all(m.packed is not None for layer in layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    assert all(getattr(m, "packed", None) is None for layer in plain.net.layers for m in (layer.qkv, layer.o))
+    ids = torch.tensor([[5, 9, 11, 2, 30, 7, 7, 1]])
+    caches = (packed.new_cache(1, 32), plain.new_cache(1, 32))
+    outs = [t.forward(ids, torch.arange(8)[None], c, (1, 3)) for t, c in zip((packed, plain), caches)]
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert len(calls) == 4 * len(layers)  # the packed target's projections, and only those, went packed
+    step = torch.tensor([[4, 8, 15]])
+    outs = [t.forward(step, torch.arange(8, 11)[None], c, (1, 3)) for t, c in zip((packed, plain), caches)]
+    assert torch.equal(outs[0][0], outs[1][0])
+    # greedy DFlash on the packed target equals plain decoding on the unpacked one
+    prompts = ragged_prompts(3, seed=4, vocab=48)
+    truth = [r.token_ids for r in SpecDecoder(plain, None, SpecConfig(block_size=1)).generate(
+        prompts, SamplingParams(max_new_tokens=12))]
+    drafter = new_drafter_for_target(model.config, mask_token_id=47, num_layers=1, dtype=torch.float32)
+    got = SpecDecoder(packed, drafter, SpecConfig(block_size=8)).generate(prompts, SamplingParams(max_new_tokens=12))
+    assert [r.token_ids for r in got] == truth
+
+
+@needs_kernel
+def test_a_weight_changed_after_packing_is_read_from_its_fp32_tensor() -> None:
+    model = _q4_model(seed=5)
+    target = load_native_target(model, dtype="float32")
+    o = target.net.layers[0].o
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        before = project(o, x)
+        o.weight.mul_(3.0)  # in place: the packed copy is stale now
+        after, want = project(o, x), linear(x, o.weight)
+    assert not o.packed.matches(o.weight)
+    assert torch.equal(after, want) and not torch.equal(after, before)
