@@ -1,4 +1,4 @@
-"""Packed 4-bit copies of fp32 weights that a Q4_1 GGUF left (models/packed.py): exact, or absent."""
+"""Packed copies of fp32 weights that a Q4_1 or Q8_0 GGUF left (models/packed.py): exact, or absent."""
 
 from __future__ import annotations
 
@@ -13,81 +13,102 @@ from blockspec.models import rowmatmul
 from blockspec.models.drafter import new_drafter_for_target
 from blockspec.models.linear import linear, project
 from blockspec.models.native import load_native_target
-from blockspec.models.packed import PackedQ4, pack_q4, q4_linear, unpack_q4
+from blockspec.models.packed import PackedWeight, pack, pack_q4, pack_q8, packed_linear, unpack
 from blockspec.spec.decode import SpecDecoder
 
 needs_kernel = pytest.mark.skipif(rowmatmul.kernel() is None, reason="the native CPU kernel did not build here")
 
 
-def gguf_q4_1(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` through a real Q4_1 round trip (the gguf package's quantizer and dequantizer), as
-    a Q4_1 GGUF file's weights reach us."""
-    gguf = pytest.importorskip("gguf")
+def gguf_round_trip(weight: torch.Tensor, kind: str = "Q4_1") -> torch.Tensor:
+    """`weight` through a real GGUF round trip (the gguf package's quantizer and dequantizer for
+    `kind`), as a GGUF file's weights reach us."""
+    pytest.importorskip("gguf")
     from gguf import GGMLQuantizationType, quants
 
-    data = weight.detach().float().numpy()
-    back = quants.dequantize(quants.quantize(data, GGMLQuantizationType.Q4_1), GGMLQuantizationType.Q4_1)
-    assert gguf is not None and back.dtype == np.float32
+    qtype = getattr(GGMLQuantizationType, kind)
+    back = quants.dequantize(quants.quantize(weight.detach().float().numpy(), qtype), qtype)
+    assert back.dtype == np.float32
     return torch.from_numpy(np.ascontiguousarray(back)).reshape(weight.shape)
 
 
 def test_gguf_q4_1_weights_pack_exactly_and_others_do_not() -> None:
     g = torch.Generator().manual_seed(0)
-    w = gguf_q4_1(torch.randn(40, 96, generator=g) * 0.1)
+    w = gguf_round_trip(torch.randn(40, 96, generator=g) * 0.1)
     w[3, :32] = 0.25  # a constant block: d = 0
     packed = pack_q4(w)
-    assert packed is not None and packed.shape == (40, 96)
-    assert packed.qs.shape == (40, 48) and packed.dm.shape == (40, 3, 2)
-    assert torch.equal(unpack_q4(packed), w)
-    assert packed.matches(w)
-    assert pack_q4(torch.randn(40, 96, generator=g)) is None  # fp32 weights not of that form
-    assert pack_q4(w[:, :80].contiguous()) is None  # inputs not a multiple of 32
-    assert pack_q4(w.double()) is None and pack_q4(w.bfloat16()) is None
+    assert packed is not None and packed.bits == 4 and packed.shape == (40, 96)
+    assert packed.qs.shape == (40, 48) and packed.sc.shape == (40, 3, 2)
+    assert torch.equal(unpack(packed), w)
+    assert packed.matches(w) and pack(w).bits == 4
+    assert pack(torch.randn(40, 96, generator=g)) is None  # fp32 weights not of either form
+    assert pack(w[:, :80].contiguous()) is None  # inputs not a multiple of 32
+    assert pack(w.double()) is None and pack(w.bfloat16()) is None
     inf = w.clone()
     inf[0, 0] = float("inf")
-    assert pack_q4(inf) is None
+    assert pack(inf) is None
     mixed = w.clone()
     mixed[5, 40] += 1e-3  # one weight off the grid of its block
     assert pack_q4(mixed) is None
-    with pytest.raises(ValueError, match="PackedQ4 needs"):
-        PackedQ4(packed.qs, packed.dm[:, :2], packed.source)
+    with pytest.raises(ValueError, match="PackedWeight of 4 bits needs"):
+        PackedWeight(4, packed.qs, packed.sc[:, :2], packed.source)
+
+
+def test_gguf_q8_0_weights_pack_in_8_bits_exactly() -> None:
+    g = torch.Generator().manual_seed(1)
+    w = gguf_round_trip(torch.randn(24, 64, generator=g) * 0.3, "Q8_0")
+    w[2, 32:] = 0.0  # an all-zero block
+    assert pack_q4(w) is None  # more than 16 values per block
+    packed = pack(w)
+    assert packed is not None and packed.bits == 8 and packed.qs.dtype == torch.int8
+    assert packed.qs.shape == (24, 64) and packed.sc.shape == (24, 2, 1)
+    assert torch.equal(unpack(packed), w)
+    q4_grid = gguf_round_trip(torch.randn(8, 64, generator=g))
+    assert pack_q8(q4_grid) is None or torch.equal(unpack(pack_q8(q4_grid)), q4_grid)  # m != 0: rarely d q
+    shifted = w.clone()
+    shifted[0, 0] += 1e-4
+    assert pack(shifted) is None
 
 
 @needs_kernel
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 13, 16, 33, 128])
-def test_packed_product_has_the_bits_of_the_fp32_kernel(rows: int) -> None:
+def test_packed_product_has_the_bits_of_the_fp32_kernel(rows: int, kind: str) -> None:
     g = torch.Generator().manual_seed(rows)
-    w = gguf_q4_1(torch.randn(70, 128, generator=g) * 0.05)
-    packed = pack_q4(w)
+    w = gguf_round_trip(torch.randn(70, 128, generator=g) * 0.05, kind)
+    packed = pack(w)
+    assert packed.bits == (4 if kind == "Q4_1" else 8)
     x, bias, res = torch.randn(rows, 128, generator=g), torch.randn(70, generator=g), torch.randn(rows, 70, generator=g)
-    assert torch.equal(q4_linear(x, packed, None), linear(x, w))
-    assert torch.equal(q4_linear(x, packed, bias), linear(x, w, bias))
-    assert torch.equal(q4_linear(x, packed, bias, res), linear(x, w, bias, residual=res))
-    assert torch.equal(q4_linear(x, packed, bias, res.t().contiguous().t()), res + linear(x, w, bias))  # strided
-    torch.testing.assert_close(q4_linear(x, packed, bias), torch.nn.functional.linear(x.double(), w.double(),
+    assert torch.equal(packed_linear(x, packed, None), linear(x, w))
+    assert torch.equal(packed_linear(x, packed, bias), linear(x, w, bias))
+    assert torch.equal(packed_linear(x, packed, bias, res), linear(x, w, bias, residual=res))
+    assert torch.equal(packed_linear(x, packed, bias, res.t().contiguous().t()), res + linear(x, w, bias))  # strided
+    torch.testing.assert_close(packed_linear(x, packed, bias), torch.nn.functional.linear(x.double(), w.double(),
                                                                                         bias.double()).float())
     x3 = x.reshape(1, rows, 128)
-    assert torch.equal(q4_linear(x3, packed, None)[0], linear(x, w))
+    assert torch.equal(packed_linear(x3, packed, None)[0], linear(x, w))
 
 
 @needs_kernel
 def test_packed_product_declines_what_it_cannot_take() -> None:
-    w = gguf_q4_1(torch.randn(8, 64) * 0.1)
-    packed = pack_q4(w)
-    assert q4_linear(torch.randn(2, 64).double(), packed, None) is None
-    assert q4_linear(torch.randn(2, 32), packed, None) is None  # wrong width
-    assert q4_linear(torch.randn(rowmatmul.max_rows() + 1, 64), packed, None) is None  # a long prefill: fp32
-    assert q4_linear(torch.randn(2, 64, requires_grad=True), packed, None) is None  # autograd: F.linear
+    w = gguf_round_trip(torch.randn(8, 64) * 0.1)
+    packed = pack(w)
+    assert packed_linear(torch.randn(2, 64).double(), packed, None) is None
+    assert packed_linear(torch.randn(2, 32), packed, None) is None  # wrong width
+    assert packed_linear(torch.randn(rowmatmul.max_rows() + 1, 64), packed, None) is None  # a long prefill: fp32
+    assert packed_linear(torch.randn(2, 64, requires_grad=True), packed, None) is None  # autograd: F.linear
 
 
 def _q4_model(seed: int):
-    """A tiny fp32 Llama whose projections hold Q4_1 GGUF weights (as a converted GGUF's do)."""
+    """A tiny fp32 Llama whose projections hold Q4_1 GGUF weights and its head Q8_0 ones (as
+    SmolLM2-135M-Instruct's GGUF file has them)."""
     model = make_tiny_target("llama", seed=seed, dtype=torch.float32, hidden_size=64, intermediate_size=96,
                              num_attention_heads=4, num_key_value_heads=2)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 2 and "proj" in name:
-                p.copy_(gguf_q4_1(p))
+                p.copy_(gguf_round_trip(p))
+            elif name == "lm_head.weight":
+                p.copy_(gguf_round_trip(p, "Q8_0"))
     return model
 
 
@@ -99,23 +120,29 @@ def test_native_target_with_packed_weights_computes_the_same_bits(monkeypatch: p
 
     def counting(*args, **kwargs):
         calls.append(args[0].shape)
-        return q4_linear(*args, **kwargs)
+        return packed_linear(*args, **kwargs)
 
-    monkeypatch.setattr(linear_module, "q4_linear", counting)
+    monkeypatch.setattr(linear_module, "packed_linear", counting)
     model = _q4_model(seed=3)
     packed = load_native_target(model, dtype="float32")
     plain = load_native_target(model, dtype="float32", pack_weights=False)
     layers = packed.net.layers
-    assert all(m.packed is not None for layer in layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    assert all(m.packed.bits == 4 for layer in layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    assert packed.net.lm_head.packed.bits == 8
     assert all(getattr(m, "packed", None) is None for layer in plain.net.layers for m in (layer.qkv, layer.o))
     ids = torch.tensor([[5, 9, 11, 2, 30, 7, 7, 1]])
     caches = (packed.new_cache(1, 32), plain.new_cache(1, 32))
     outs = [t.forward(ids, torch.arange(8)[None], c, (1, 3)) for t, c in zip((packed, plain), caches)]
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
-    assert len(calls) == 4 * len(layers)  # the packed target's projections, and only those, went packed
+    assert len(calls) == 4 * len(layers) + 1  # the packed target's projections and its head went packed
     step = torch.tensor([[4, 8, 15]])
     outs = [t.forward(step, torch.arange(8, 11)[None], c, (1, 3)) for t, c in zip((packed, plain), caches)]
     assert torch.equal(outs[0][0], outs[1][0])
+    # greedy steps take the head's bf16 screen, not its packed copy, and agree with the logits
+    calls.clear()
+    best, _ = packed.forward_greedy(torch.tensor([[16, 23]]), torch.arange(11, 13)[None], caches[0], ())
+    logits, _ = plain.forward(torch.tensor([[16, 23]]), torch.arange(11, 13)[None], caches[1], ())
+    assert torch.equal(best, logits.argmax(-1)) and len(calls) == 4 * len(layers)
     # greedy DFlash on the packed target equals plain decoding on the unpacked one
     prompts = ragged_prompts(3, seed=4, vocab=48)
     truth = [r.token_ids for r in SpecDecoder(plain, None, SpecConfig(block_size=1)).generate(

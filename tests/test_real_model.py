@@ -63,14 +63,16 @@ def test_bf16_target_dflash_equals_its_own_plain_decoding(smollm2_dir) -> None:
 
 @pytest.mark.slow
 def test_the_q4_1_target_runs_packed_with_the_bits_of_its_fp32_weights(smollm2_dir) -> None:
-    """SmolLM2-135M-Instruct comes from a Q4_1 GGUF: every projection packs (models/packed.py),
-    and a prefill plus a 6-token verification give the logits of the unpacked fp32 model exactly."""
+    """SmolLM2-135M-Instruct comes from a GGUF of Q4_1 projections and a Q8_0 embedding: all of them
+    pack (models/packed.py), and a prefill plus a 6-token verification give the logits of the
+    unpacked fp32 model exactly."""
     from blockspec.models.native import load_native_target
 
     packed = load_native_target(smollm2_dir, "float32")
     plain = load_native_target(smollm2_dir, "float32", pack_weights=False)
     layers = packed.net.layers
-    assert sum(m.packed is not None for layer in layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)) == 120
+    assert sum(m.packed.bits == 4 for layer in layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)) == 120
+    assert packed.net.lm_head.packed.bits == 8  # the embedding, Q8_0 in the GGUF file, is the tied head
     ids = torch.randint(0, 49152, (1, 40), generator=torch.Generator().manual_seed(0))
     caches = [t.new_cache(1, 64) for t in (packed, plain)]
     for chunk, pos in ((ids[:, :34], torch.arange(34)), (ids[:, 34:], torch.arange(34, 40))):

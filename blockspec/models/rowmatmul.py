@@ -12,8 +12,9 @@ aim at the outer caches, which took 8 fp32 rows of those projections and head fr
 The kernel is also batch invariant: a row gets the same bits alone or beside others.
 bf16 products (a bf16 drafter, or a bf16 target) sum in fp32 and stream half the bytes; with
 AVX512_BF16 they multiply in pairs, and a 16-20 row draft pass's projections took 1.8-2.2 ms
-against oneDNN's 4.0-4.6 (BENCHMARKS.md, session 18). fp32 weights that a 4-bit GGUF left are
-multiplied from a packed copy with the fp32 product's bits (`bs_rows_matmul_q4`, models/packed.py).
+against oneDNN's 4.0-4.6 (BENCHMARKS.md, session 18). fp32 weights that a 4- or 8-bit GGUF left are
+multiplied from a packed copy with the fp32 product's bits (`bs_rows_matmul_q4` / `_q8`,
+models/packed.py).
 
 The same library holds `kernels/attention.c`, the target's batch-invariant attention for a few
 query tokens (models/native/attention.py), `kernels/norm.c`, RMSNorm in one call instead of
@@ -108,9 +109,10 @@ def _load() -> object | None:
     fn.res = lib.bs_rows_matmul_res
     fn.res.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     fn.res.restype = ctypes.c_int
-    fn.q4 = lib.bs_rows_matmul_q4
-    fn.q4.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-    fn.q4.restype = ctypes.c_int
+    fn.q4, fn.q8 = lib.bs_rows_matmul_q4, lib.bs_rows_matmul_q8
+    for f in (fn.q4, fn.q8):
+        f.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        f.restype = ctypes.c_int
     fn.max_rows = {torch.float32: int(lib.bs_rows_max()), torch.bfloat16: int(lib.bs_rows_max_bf16())}
     fn.fast_rows = {torch.float32: fn.max_rows[torch.float32], torch.bfloat16: int(lib.bs_rows_fast_bf16())}
     fn.attention = {torch.float32: lib.bs_attention, torch.bfloat16: lib.bs_attention_bf16}
@@ -157,7 +159,7 @@ def _agrees(fn: object) -> bool:
             fn.res(xd.data_ptr(), wd.data_ptr(), b.data_ptr(), residual.data_ptr(), with_res.data_ptr(), 3, 37, 5, 1)
             if not torch.equal(with_res, residual + y):
                 return False
-            if not _q4_agrees(fn):
+            if not _packed_agrees(fn):
                 return False
         qd, kd, vd = q.to(dtype), k.to(dtype), v.to(dtype)
         att = torch.empty(1, 1, 2, 20)
@@ -209,23 +211,27 @@ def _agrees(fn: object) -> bool:
     return True
 
 
-def _q4_agrees(fn: object) -> bool:
-    """The 4-bit path (models/packed.py) gives the fp32 path's bits on the weights it encodes, at
-    one row and at a tile's worth, with bias and residual."""
+def _packed_agrees(fn: object) -> bool:
+    """The packed paths (models/packed.py) give the fp32 path's bits on the weights they encode,
+    at one row and at a tile's worth, with bias and residual."""
     g = torch.Generator().manual_seed(2)
-    qs = torch.randint(0, 256, (6, 32), dtype=torch.uint8, generator=g)  # 6 weight rows, 64 inputs
-    dm = torch.stack([torch.rand(6, 2, generator=g).half().float(), torch.randn(6, 2, generator=g).half().float()], -1)
-    q = torch.cat([qs.view(6, 2, 16) & 15, qs.view(6, 2, 16) >> 4], -1).float()
-    w = (dm[..., 1:] + dm[..., :1] * q).reshape(6, 64).contiguous()
+    qs4 = torch.randint(0, 256, (6, 32), dtype=torch.uint8, generator=g)  # 6 weight rows, 64 inputs
+    sc4 = torch.stack([torch.rand(6, 2, generator=g).half().float(), torch.randn(6, 2, generator=g).half().float()], -1)
+    q4 = torch.cat([qs4.view(6, 2, 16) & 15, qs4.view(6, 2, 16) >> 4], -1).float()
+    w4 = (sc4[..., 1:] + sc4[..., :1] * q4).reshape(6, 64).contiguous()
+    qs8 = torch.randint(-128, 128, (6, 64), dtype=torch.int8, generator=g)
+    sc8 = torch.rand(6, 2, 1, generator=g).half().float()
+    w8 = (qs8.view(6, 2, 32).float() * sc8).reshape(6, 64).contiguous()
     b = torch.randn(6, generator=g)
-    for n in (1, 6):
-        x, res = torch.randn(n, 64, generator=g), torch.randn(n, 6, generator=g)
-        y, y4 = torch.empty(n, 6), torch.empty(n, 6)
-        fn.res(x.data_ptr(), w.data_ptr(), b.data_ptr(), res.data_ptr(), y.data_ptr(), n, 64, 6, 1)
-        if fn.q4(x.data_ptr(), qs.data_ptr(), dm.data_ptr(), b.data_ptr(), res.data_ptr(), y4.data_ptr(), n, 64, 6, 1):
-            return False
-        if not torch.equal(y, y4):
-            return False
+    for f, qs, sc, w in ((fn.q4, qs4, sc4, w4), (fn.q8, qs8, sc8, w8)):
+        for n in (1, 6, 12):
+            x, res = torch.randn(n, 64, generator=g), torch.randn(n, 6, generator=g)
+            y, yp = torch.empty(n, 6), torch.empty(n, 6)
+            fn.res(x.data_ptr(), w.data_ptr(), b.data_ptr(), res.data_ptr(), y.data_ptr(), n, 64, 6, 1)
+            if f(x.data_ptr(), qs.data_ptr(), sc.data_ptr(), b.data_ptr(), res.data_ptr(), yp.data_ptr(), n, 64, 6, 1):
+                return False
+            if not torch.equal(y, yp):
+                return False
     return True
 
 

@@ -1,7 +1,7 @@
 /* y[n, out] = x[n, in] . w[out, in]^T (+ bias[out]) for a few rows n (decoding, verification), summed
  * in fp32. x and w are both fp32 (bs_rows_matmul; bs_rows_matmul_res also adds a residual
  * res[n, out]) or both bf16 (bs_rows_matmul_bf16, for bf16 models: half the bytes to stream);
- * bs_rows_matmul_q4 takes fp32 weights stored as 4 bits (below) and gives bs_rows_matmul's bits.
+ * bs_rows_matmul_q4 / _q8 take fp32 weights stored in 4 / 8 bits (below) with bs_rows_matmul's bits.
  * bias and y are fp32.
  *
  * Built at first use by blockspec/models/rowmatmul.py (gcc or clang, -O3 -march=native -fopenmp
@@ -281,50 +281,70 @@ int bs_rows_matmul_bf16(const uint16_t *x, const uint16_t *w, const float *bias,
 }
 
 
-/* ---- 4-bit weights that hold fp32 values exactly ------------------------------------------------ */
+/* ---- fp32 weights that a 4- or 8-bit GGUF left, stored packed ----------------------------------- */
 
-/* A model converted from a 4-bit GGUF (Q4_1: SmolLM2-135M-Instruct's projections) has fp32 weights
- * that take at most 16 values per 32 consecutive inputs, each m + d q for an integer q in 0..15,
- * where d has so few significant bits that d q is exact in fp32. models/packed.py finds such
- * matrices and keeps them as 4-bit q plus (d, m) per 32 inputs: 0.75 bytes per weight instead of 4.
- * Here each weight vector is rebuilt in registers as m + d q, one rounding (d q is exact), which
- * are exactly the fp32 weights, and then multiplied and summed like the fp32 path above: the same
- * 16-wide partial sums over `in` in order, the same reduction tree, bias and residual. So every
- * output has the bits of bs_rows_matmul on the fp32 weights, for any n (tested), and a one-token
- * step streams a fifth of the bytes.
- * Layout, `in` a multiple of 32: qs [out, in / 2] bytes, 16 per block of 32 inputs: byte i holds
- * input i in its low nibble and input 16 + i in its high one; dm [out, in / 32, 2]: d, m. */
+/* A model converted from a GGUF file of Q4_1 or Q8_0 weights (SmolLM2-135M-Instruct: Q4_1
+ * projections, a Q8_0 embedding that is also its LM head) has fp32 weights that are, per 32
+ * consecutive inputs, m + d q (Q4_1: q in 0..15) or d q (Q8_0: q in -128..127), with d (and m)
+ * fp16 numbers. d has 11 significant bits, so d q is exact in fp32. models/packed.py finds such
+ * matrices and keeps q plus the block's scales: 0.75 (4-bit) or 1.125 (8-bit) bytes per weight
+ * instead of 4. Here each weight vector is rebuilt in registers (m + d q: one rounding, of an
+ * exact product; d q: exact), which gives exactly the fp32 weights, and is then multiplied and
+ * summed like the fp32 path above: the same 16-wide partial sums over `in` in order, the same
+ * reduction tree, bias and residual. So every output has the bits of bs_rows_matmul on the fp32
+ * weights, for any n (tested), and a one-token step streams a fifth (a third) of the bytes.
+ * Layouts, `in` a multiple of 32, per block of 32 inputs:
+ * - 4-bit: qs [out, in / 2] bytes, 16 per block, byte i holding input i in its low nibble and
+ *   input 16 + i in its high one; sc [out, in / 32, 2]: d, m;
+ * - 8-bit: qs [out, in] signed bytes; sc [out, in / 32]: d. */
 typedef uint8_t b16 __attribute__((vector_size(16)));
+typedef int8_t s16 __attribute__((vector_size(16)));
 /* Up to 8 rows, one weight row at a time, each weight vector rebuilt once for all rows (6 rows of
  * SmolLM2-135M's projections: 5.0 ms against 5.6 through tiles that rebuild it per 4 rows) */
-#define Q4_TILE_ROWS 9
+#define PACKED_TILE_ROWS 9
 
-/* inputs 0..15 (hi = 0) or 16..31 (hi = 1) of the block at qs, its d and m broadcast */
-static inline v16 q4_half(const uint8_t *qs, v16 d, v16 m, const int hi) {
+/* the 16 weights from input k + 16 * hi of a packed weight row (k a multiple of 32); bits: 4 or 8 */
+static inline v16 packed16(const uint8_t *qs, const float *sc, int64_t k, const int hi, const int bits) {
+    if (bits == 4) {
+        const uint8_t *p = qs + k / 2;
+        const v16 d = (v16){0} + sc[k / 16], m = (v16){0} + sc[k / 16 + 1];
 #if defined(__AVX512F__)
-    /* GCC widens a byte vector element by element; one instruction here */
-    const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
-    const i16 q = (i16)(hi ? _mm512_srli_epi32(w, 4) : _mm512_and_si512(w, _mm512_set1_epi32(15)));
+        /* GCC widens a byte vector element by element; one instruction here */
+        const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+        const i16 q = (i16)(hi ? _mm512_srli_epi32(w, 4) : _mm512_and_si512(w, _mm512_set1_epi32(15)));
 #else
-    b16 b;
-    memcpy(&b, qs, sizeof b);
-    const i16 wide = __builtin_convertvector(b, i16), q = hi ? wide >> 4 : wide & 15;
+        b16 b;
+        memcpy(&b, p, sizeof b);
+        const i16 wide = __builtin_convertvector(b, i16), q = hi ? wide >> 4 : wide & 15;
 #endif
-    return fma16(m, d, __builtin_convertvector(q, v16));
+        return fma16(m, d, __builtin_convertvector(q, v16));
+    }
+    const int8_t *p = (const int8_t *)qs + k + 16 * hi;
+#if defined(__AVX512F__)
+    const i16 q = (i16)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+#else
+    s16 b;
+    memcpy(&b, p, sizeof b);
+    const i16 q = __builtin_convertvector(b, i16);
+#endif
+    return __builtin_convertvector(q, v16) * sc[k / 32];
 }
 
+/* bytes of qs and floats of sc per weight row */
+#define QS_ROW(bits, in) ((bits) == 4 ? (in) / 2 : (in))
+#define SC_ROW(bits, in) ((bits) == 4 ? (in) / 16 : (in) / 32)
+
 /* MR rows (MR <= 8) of x times one packed weight row -> y[r * ldy] (cf. tile) */
-static inline __attribute__((always_inline)) void tile_q4(const float *x, const uint8_t *qs, const float *dm,
-                                                          const float *bias, float *y, const float *res, int64_t in,
-                                                          int64_t ldy, const int MR) {
+static inline __attribute__((always_inline)) void tile_packed(const float *x, const uint8_t *qs, const float *sc,
+                                                              const float *bias, float *y, const float *res,
+                                                              int64_t in, int64_t ldy, const int MR, const int bits) {
     v16 acc[8];
 #pragma GCC unroll 8
     for (int r = 0; r < MR; r++) acc[r] = (v16){0};
     for (int64_t k = 0; k < in; k += 32) {
-        __builtin_prefetch(qs + k / 2 + 1024, 0, 1);
-        __builtin_prefetch(dm + k / 16 + 256, 0, 1);
-        const v16 d = (v16){0} + dm[k / 16], m = (v16){0} + dm[k / 16 + 1];
-        const v16 lo = q4_half(qs + k / 2, d, m, 0), hi = q4_half(qs + k / 2, d, m, 1);
+        __builtin_prefetch(qs + QS_ROW(bits, k) + 1024, 0, 1);
+        __builtin_prefetch(sc + SC_ROW(bits, k) + 256, 0, 1);
+        const v16 lo = packed16(qs, sc, k, 0, bits), hi = packed16(qs, sc, k, 1, bits);
 #pragma GCC unroll 8
         for (int r = 0; r < MR; r++) acc[r] = fma16(acc[r], lo, load16(x + r * in + k));
 #pragma GCC unroll 8
@@ -338,66 +358,74 @@ static inline __attribute__((always_inline)) void tile_q4(const float *x, const 
     }
 }
 
-static inline __attribute__((always_inline)) void column_q4(const float *x, const uint8_t *qs, const float *dm,
-                                                            const float *bias, float *y, const float *res, int64_t n,
-                                                            int64_t in, int64_t ldy) {
+static inline __attribute__((always_inline)) void column_packed(const float *x, const uint8_t *qs, const float *sc,
+                                                                const float *bias, float *y, const float *res,
+                                                                int64_t n, int64_t in, int64_t ldy, const int bits) {
     int64_t r = 0;
-    for (; r + 8 <= n; r += 8) tile_q4(x + r * in, qs, dm, bias, y + r * ldy, res ? res + r * ldy : 0, in, ldy, 8);
+    for (; r + 8 <= n; r += 8)
+        tile_packed(x + r * in, qs, sc, bias, y + r * ldy, res ? res + r * ldy : 0, in, ldy, 8, bits);
     x += r * in;
     y += r * ldy;
     res = res ? res + r * ldy : 0;
     switch (n - r) {
-    case 7: tile_q4(x, qs, dm, bias, y, res, in, ldy, 7); break;
-    case 6: tile_q4(x, qs, dm, bias, y, res, in, ldy, 6); break;
-    case 5: tile_q4(x, qs, dm, bias, y, res, in, ldy, 5); break;
-    case 4: tile_q4(x, qs, dm, bias, y, res, in, ldy, 4); break;
-    case 3: tile_q4(x, qs, dm, bias, y, res, in, ldy, 3); break;
-    case 2: tile_q4(x, qs, dm, bias, y, res, in, ldy, 2); break;
-    case 1: tile_q4(x, qs, dm, bias, y, res, in, ldy, 1); break;
+    case 7: tile_packed(x, qs, sc, bias, y, res, in, ldy, 7, bits); break;
+    case 6: tile_packed(x, qs, sc, bias, y, res, in, ldy, 6, bits); break;
+    case 5: tile_packed(x, qs, sc, bias, y, res, in, ldy, 5, bits); break;
+    case 4: tile_packed(x, qs, sc, bias, y, res, in, ldy, 4, bits); break;
+    case 3: tile_packed(x, qs, sc, bias, y, res, in, ldy, 3, bits); break;
+    case 2: tile_packed(x, qs, sc, bias, y, res, in, ldy, 2, bits); break;
+    case 1: tile_packed(x, qs, sc, bias, y, res, in, ldy, 1, bits); break;
     }
 }
 
-/* y = x . w^T (+ bias) (+ res) with w packed as above; the bits of bs_rows_matmul(_res) on the
- * unpacked weights. Returns 0; 1 if `in` is not a multiple of 32, 2 if a buffer could not be allocated. */
-int bs_rows_matmul_q4(const float *x, const uint8_t *qs, const float *dm, const float *bias, const float *res,
-                      float *y, int64_t n, int64_t in, int64_t out, int threads) {
-    if (in % 32) return 1;
-    const int64_t ldy = out;
-    if (n < Q4_TILE_ROWS) {
-        _Pragma("omp parallel for schedule(static) num_threads(threads)")
-        for (int64_t j = 0; j < out; j++)
-            column_q4(x, qs + j * (in / 2), dm + j * (in / 16), bias ? bias + j : 0, y + j, res ? res + j : 0, n, in,
-                      ldy);
-        return 0;
-    }
-    /* more rows: each tile's BC weight rows are rebuilt once into an fp32 buffer (in L1/L2) that
-     * the fp32 tiles then read, rather than once per group of BR rows */
-    const int64_t groups = (out + BC - 1) / BC;
-    int failed = 0;
-    _Pragma("omp parallel num_threads(threads) reduction(|| : failed)")
-    {
-        float *buf = malloc((size_t)(BC * in) * sizeof(float));
-        if (!buf) failed = 1;
-        _Pragma("omp for schedule(static)")
-        for (int64_t g = 0; g < groups; g++) {
-            if (!buf) continue;
-            const int64_t j = g * BC, nj = g + 1 < groups ? j + BC : j;
-            const int cols = out - j < BC ? (int)(out - j) : BC;
-            for (int c = 0; c < cols; c++) {
-                const uint8_t *qc = qs + (j + c) * (in / 2);
-                const float *dmc = dm + (j + c) * (in / 16);
-                for (int64_t k = 0; k < in; k += 32) {
-                    const v16 d = (v16){0} + dmc[k / 16], m = (v16){0} + dmc[k / 16 + 1];
-                    const v16 lo = q4_half(qc + k / 2, d, m, 0), hi = q4_half(qc + k / 2, d, m, 1);
-                    memcpy(buf + c * in + k, &lo, sizeof lo);
-                    memcpy(buf + c * in + k + 16, &hi, sizeof hi);
-                }
-            }
-            blocks(x, buf, bias ? bias + j : 0, y + j, res ? res + j : 0, qs + nj * (in / 2), n, in, ldy, cols, 0);
-        }
-        free(buf);
-    }
+/* One body per width, with a literal `bits` (see ROWS_MATMUL). From PACKED_TILE_ROWS rows, each
+ * tile's BC weight rows are rebuilt once into an fp32 buffer (in L1/L2) that the fp32 tiles then
+ * read, rather than once per group of BR rows. */
+#define PACKED_MATMUL(BITS)                                                                            \
+    if (in % 32) return 1;                                                                             \
+    const int64_t ldy = out, qrow = QS_ROW(BITS, in), srow = SC_ROW(BITS, in);                         \
+    if (n < PACKED_TILE_ROWS) {                                                                        \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                              \
+        for (int64_t j = 0; j < out; j++)                                                              \
+            column_packed(x, qs + j * qrow, sc + j * srow, bias ? bias + j : 0, y + j, res ? res + j : 0, n, in, ldy, \
+                          BITS);                                                                       \
+        return 0;                                                                                      \
+    }                                                                                                  \
+    const int64_t groups = (out + BC - 1) / BC;                                                        \
+    int failed = 0;                                                                                    \
+    _Pragma("omp parallel num_threads(threads) reduction(|| : failed)")                                \
+    {                                                                                                  \
+        float *buf = malloc((size_t)(BC * in) * sizeof(float));                                        \
+        if (!buf) failed = 1;                                                                          \
+        _Pragma("omp for schedule(static)")                                                            \
+        for (int64_t g = 0; g < groups; g++) {                                                         \
+            if (!buf) continue;                                                                        \
+            const int64_t j = g * BC, nj = g + 1 < groups ? j + BC : j;                                \
+            const int cols = out - j < BC ? (int)(out - j) : BC;                                       \
+            for (int c = 0; c < cols; c++)                                                             \
+                for (int64_t k = 0; k < in; k += 32) {                                                 \
+                    const v16 lo = packed16(qs + (j + c) * qrow, sc + (j + c) * srow, k, 0, BITS);     \
+                    const v16 hi = packed16(qs + (j + c) * qrow, sc + (j + c) * srow, k, 1, BITS);     \
+                    memcpy(buf + c * in + k, &lo, sizeof lo);                                          \
+                    memcpy(buf + c * in + k + 16, &hi, sizeof hi);                                     \
+                }                                                                                      \
+            blocks(x, buf, bias ? bias + j : 0, y + j, res ? res + j : 0, qs + nj * qrow, n, in, ldy, cols, 0); \
+        }                                                                                              \
+        free(buf);                                                                                     \
+    }                                                                                                  \
     return failed ? 2 : 0;
+
+/* y = x . w^T (+ bias) (+ res, may be null) with w packed as above; the bits of bs_rows_matmul(_res)
+ * on the unpacked weights. Returns 0; 1 if `in` is not a multiple of 32, 2 if a tile buffer could
+ * not be allocated. */
+int bs_rows_matmul_q4(const float *x, const uint8_t *qs, const float *sc, const float *bias, const float *res,
+                      float *y, int64_t n, int64_t in, int64_t out, int threads) {
+    PACKED_MATMUL(4)
+}
+
+int bs_rows_matmul_q8(const float *x, const uint8_t *qs, const float *sc, const float *bias, const float *res,
+                      float *y, int64_t n, int64_t in, int64_t out, int threads) {
+    PACKED_MATMUL(8)
 }
 
 /* ---- the greedy head ---------------------------------------------------------------------------- */

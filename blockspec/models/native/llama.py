@@ -111,11 +111,14 @@ class NativeLlama(nn.Module):
             self.single_head = self.lm_head.weight.t().contiguous()
 
     def pack_weights(self) -> int:
-        """Packs the projections whose fp32 weights a 4-bit GGUF left (models/packed.py); the
-        outputs keep their bits and a decoding step streams a fifth of the bytes (SmolLM2-135M from
-        its Q4_1 file, 2 cores: the 120 projections at 1 token 3.1 ms against 9.0, at 6 tokens 5.1
-        against 10.6; BENCHMARKS.md, session 29). Returns how many were packed."""
-        return pack_linears([m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)])
+        """Packs the projections and the LM head whose fp32 weights a 4- or 8-bit GGUF left
+        (models/packed.py); the outputs keep their bits and a decoding step streams a fifth of the
+        bytes (SmolLM2-135M from its GGUF file, 2 cores: the 120 Q4_1 projections at 1 token 3.1 ms
+        against 9.0, at 6 tokens 5.1 against 10.6; its Q8_0 head's logits at 1 token 0.6 ms against
+        2.8; BENCHMARKS.md, session 29). Greedy steps keep the bf16 screen of the head
+        (models/greedy_head.py), which is faster still. Returns how many were packed."""
+        modules = [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        return pack_linears([*modules, self.lm_head])
 
     def _masks(
         self, positions: torch.Tensor, cache: StaticCache, static: bool = False
