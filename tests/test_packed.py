@@ -164,3 +164,12 @@ def test_a_weight_changed_after_packing_is_read_from_its_fp32_tensor() -> None:
         after, want = project(o, x), linear(x, o.weight)
     assert not o.packed.matches(o.weight)
     assert torch.equal(after, want) and not torch.equal(after, before)
+
+
+def test_packing_can_be_turned_off_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _q4_model(seed=6)
+    monkeypatch.setenv("BLOCKSPEC_PACK_WEIGHTS", "0")
+    assert getattr(load_native_target(model, dtype="float32").net.layers[0].o, "packed", None) is None
+    monkeypatch.setenv("BLOCKSPEC_PACK_WEIGHTS", "1")
+    assert load_native_target(model, dtype="float32").net.layers[0].o.packed is not None
+    assert getattr(load_native_target(model, dtype="float64").net.layers[0].o, "packed", None) is None  # fp32 only

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -12,6 +13,8 @@ from blockspec.models.native.config import native_config, unsupported_reason
 from blockspec.models.native.llama import NativeLlama, NativeTarget
 from blockspec.models.rope import Rotary, rope_inv_freq
 from blockspec.models.target import DTYPES
+
+PACK_ENV = "BLOCKSPEC_PACK_WEIGHTS"  # "0": keep streaming fp32 weights that could be packed
 
 
 def is_native_supported(hf_config: object) -> bool:
@@ -117,7 +120,8 @@ def load_native_target(
     with oneDNN, models/linear.py's default, none are made); None = on for CPU devices.
     pack_weights: keep a 4-bit copy of each projection whose fp32 weights are exactly of a 4-bit
     GGUF's form (models/packed.py: the same outputs, bit for bit, from a fifth of the bytes);
-    None = on for fp32 on the CPU.
+    None = on for fp32 on the CPU unless $BLOCKSPEC_PACK_WEIGHTS is 0 (to compare against
+    streaming the fp32 weights).
     """
     if isinstance(source, torch.nn.Module):
         hf_config = source.config
@@ -159,7 +163,8 @@ def load_native_target(
         single_token_weights = torch.device(device).type == "cpu"
     net.prepare_single_token_weights(single_token_weights)
     if pack_weights is None:
-        pack_weights = torch.device(device).type == "cpu" and dtype == torch.float32
+        pack_weights = (torch.device(device).type == "cpu" and dtype == torch.float32
+                        and os.environ.get(PACK_ENV, "1") != "0")
     if pack_weights:
         net.pack_weights()
     return NativeTarget(net, eos_token_ids if eos_token_ids is not None else default_eos, text_config)
