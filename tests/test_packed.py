@@ -13,7 +13,7 @@ from blockspec.models import rowmatmul
 from blockspec.models.drafter import new_drafter_for_target
 from blockspec.models.linear import linear, project
 from blockspec.models.native import load_native_target
-from blockspec.models.packed import PackedWeight, pack, pack_q4, pack_q8, packed_linear, unpack
+from blockspec.models.packed import BF16_MAX_ROWS, PackedWeight, pack, pack_for, pack_q4, pack_q8, packed_linear, unpack
 from blockspec.spec.decode import SpecDecoder
 
 needs_kernel = pytest.mark.skipif(rowmatmul.kernel() is None, reason="the native CPU kernel did not build here")
@@ -89,6 +89,34 @@ def test_packed_product_has_the_bits_of_the_fp32_kernel(rows: int, kind: str) ->
 
 
 @needs_kernel
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 40, 200])
+def test_bf16_roundings_of_packed_values_multiply_with_the_bits_of_the_bf16_kernel(rows: int, kind: str) -> None:
+    g = torch.Generator().manual_seed(100 + rows)
+    source = gguf_round_trip(torch.randn(36, 96, generator=g) * 0.05, kind)
+    weight = source.bfloat16()  # a bf16 model converted from the GGUF
+    packed = pack_for(weight, source)
+    assert packed is not None and packed.dtype == torch.bfloat16 and packed.matches(weight)
+    x, bias = torch.randn(rows, 96, generator=g).bfloat16(), torch.randn(36, generator=g).bfloat16()
+    res = torch.randn(rows, 36, generator=g).bfloat16()
+    for lo in range(0, rows, BF16_MAX_ROWS):  # more rows than that take the bf16 weights
+        xs, rs = x[lo : lo + BF16_MAX_ROWS], res[lo : lo + BF16_MAX_ROWS]
+        assert torch.equal(packed_linear(xs, packed, bias), linear(xs, weight, bias))
+        assert torch.equal(packed_linear(xs, packed, None, rs), linear(xs, weight, residual=rs))
+    assert (packed_linear(x, packed, None) is None) == (rows > BF16_MAX_ROWS)
+    fn = rowmatmul.kernel()  # the kernel itself takes any number of rows
+    y, want = torch.empty(rows, 36), torch.empty(rows, 36)
+    fn.bf16(x.data_ptr(), weight.data_ptr(), None, want.data_ptr(), rows, 96, 36, 2)
+    f = fn.q4_bf16 if packed.bits == 4 else fn.q8_bf16
+    assert f(x.data_ptr(), packed.qs.data_ptr(), packed.sc.data_ptr(), None, y.data_ptr(), rows, 96, 36, 2) == 0
+    assert torch.equal(y, want)
+    assert packed_linear(x.float(), packed, None) is None  # an fp32 x: not this weight's dtype
+    assert pack_for(weight, None) is None and pack_for(weight, source[:, :64]) is None
+    assert pack_for(weight, torch.randn(36, 96, generator=g)) is None  # a source it was not rounded from
+    assert pack_for(weight.half(), source) is None
+
+
+@needs_kernel
 def test_packed_product_declines_what_it_cannot_take() -> None:
     w = gguf_round_trip(torch.randn(8, 64) * 0.1)
     packed = pack(w)
@@ -153,6 +181,21 @@ def test_native_target_with_packed_weights_computes_the_same_bits(monkeypatch: p
 
 
 @needs_kernel
+def test_bf16_native_target_packs_its_fp32_sources_and_keeps_its_bits() -> None:
+    model = _q4_model(seed=8)
+    packed = load_native_target(model, dtype="bfloat16")
+    plain = load_native_target(model, dtype="bfloat16", pack_weights=False)
+    layers = packed.net.layers
+    assert all(m.packed.dtype == torch.bfloat16 for layer in layers for m in (layer.qkv, layer.o, layer.down))
+    assert packed.net.lm_head.packed.bits == 8
+    ids = torch.tensor([[5, 9, 11, 2, 30, 7, 7, 1, 4, 8]])
+    caches = (packed.new_cache(1, 32), plain.new_cache(1, 32))
+    for chunk, pos in ((ids[:, :7], torch.arange(7)), (ids[:, 7:], torch.arange(7, 10))):
+        a, b = (t.forward(chunk, pos[None], c, (1, 3)) for t, c in zip((packed, plain), caches))
+        assert a[0].dtype == torch.bfloat16 and torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@needs_kernel
 def test_a_weight_changed_after_packing_is_read_from_its_fp32_tensor() -> None:
     model = _q4_model(seed=5)
     target = load_native_target(model, dtype="float32")
@@ -172,4 +215,4 @@ def test_packing_can_be_turned_off_from_the_environment(monkeypatch: pytest.Monk
     assert getattr(load_native_target(model, dtype="float32").net.layers[0].o, "packed", None) is None
     monkeypatch.setenv("BLOCKSPEC_PACK_WEIGHTS", "1")
     assert load_native_target(model, dtype="float32").net.layers[0].o.packed is not None
-    assert getattr(load_native_target(model, dtype="float64").net.layers[0].o, "packed", None) is None  # fp32 only
+    assert getattr(load_native_target(model, dtype="float64").net.layers[0].o, "packed", None) is None

@@ -25,6 +25,11 @@ from blockspec.models import rowmatmul
 BLOCK = 32  # inputs per block of scales, as in GGUF's Q4_1 and Q8_0
 _ULPS = (0, -1, 1, -2, 2)  # fp16 neighbours of the estimated d tried, nearest first
 _SAMPLE = 64  # weight rows tried first: a matrix of another form is turned down after these
+# bf16 weights stream 2 bytes each and multiply in pairs (AVX512_BF16), so rebuilding them from 4
+# bits pays only for a few rows: SmolLM2-135M's projections, 2 cores, 1 row 3.6 ms against 4.4,
+# 4 rows 4.6 against 5.3, 6 rows 5.4 against 5.3, 16 rows 9.2 against 7.6 (BENCHMARKS.md, session
+# 29). More rows take the bf16 weights (the same bits either way).
+BF16_MAX_ROWS = 4
 
 
 @dataclass(frozen=True)
@@ -37,17 +42,19 @@ class PackedWeight:
     bits: int
     qs: torch.Tensor
     sc: torch.Tensor
-    source: tuple[int, int]  # the fp32 weight's (data_ptr, _version) when packed
+    source: tuple[int, int]  # the model weight's (data_ptr, _version) when packed
+    dtype: torch.dtype = torch.float32  # the model weight's: fp32 (the values) or bf16 (their roundings)
 
     def __post_init__(self) -> None:
         out, width = self.qs.shape
         n_in = width * 2 if self.bits == 4 else width
         dtype, scales = (torch.uint8, 2) if self.bits == 4 else (torch.int8, 1)
         if self.bits not in (4, 8) or self.qs.dtype != dtype or self.sc.dtype != torch.float32 or \
-                self.sc.shape != (out, n_in // BLOCK, scales):
+                self.sc.shape != (out, n_in // BLOCK, scales) or self.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"a PackedWeight of 4 bits needs qs uint8 [out, in / 2] and sc fp32 [out, in / 32, 2], "
                              f"of 8 bits qs int8 [out, in] and sc fp32 [out, in / 32, 1]; got bits={self.bits}, qs "
-                             f"{self.qs.dtype} {tuple(self.qs.shape)}, sc {self.sc.dtype} {tuple(self.sc.shape)}")
+                             f"{self.qs.dtype} {tuple(self.qs.shape)}, sc {self.sc.dtype} {tuple(self.sc.shape)}, "
+                             f"for fp32 or bf16 weights (got {self.dtype})")
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -56,7 +63,13 @@ class PackedWeight:
 
     def matches(self, weight: torch.Tensor) -> bool:
         """Whether `weight` is still the tensor this was packed from, unchanged since."""
-        return (weight.data_ptr(), weight._version) == self.source
+        return identity(weight) == self.source
+
+
+def identity(weight: torch.Tensor) -> tuple[int, int]:
+    """(data_ptr, version) of a weight: what changes when it is replaced or changed in place
+    (tensors made under inference_mode keep no version: -1)."""
+    return weight.data_ptr(), -1 if weight.is_inference() else weight._version
 
 
 def _blocks(weight: torch.Tensor) -> torch.Tensor | None:
@@ -110,7 +123,7 @@ def pack_q4(weight: torch.Tensor) -> PackedWeight | None:
     q = q.to(torch.uint8)
     out, n_in = weight.shape
     qs = (q[..., :16] | (q[..., 16:] << 4)).reshape(out, n_in // 2)  # [out, in / 2]
-    return PackedWeight(4, qs.contiguous(), torch.cat([d, lo], dim=-1).contiguous(), (weight.data_ptr(), weight._version))
+    return PackedWeight(4, qs.contiguous(), torch.cat([d, lo], dim=-1).contiguous(), identity(weight))
 
 
 def pack_q8(weight: torch.Tensor) -> PackedWeight | None:
@@ -125,7 +138,7 @@ def pack_q8(weight: torch.Tensor) -> PackedWeight | None:
     q, d = fit
     out, n_in = weight.shape
     return PackedWeight(8, q.to(torch.int8).reshape(out, n_in).contiguous(), d.contiguous(),
-                        (weight.data_ptr(), weight._version))
+                        identity(weight))
 
 
 def pack(weight: torch.Tensor) -> PackedWeight | None:
@@ -145,37 +158,64 @@ def unpack(packed: PackedWeight) -> torch.Tensor:
 def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None,
                   residual: torch.Tensor | None = None) -> torch.Tensor | None:
     """x [..., in] @ W^T + bias (+ residual) -> [..., out] for W packed in `packed`, through the
-    kernel: the bits of the fp32 kernel's product on W. None where the kernel does not take it
-    (no kernel, x not fp32 on the CPU, more rows than the fp32 kernel takes, shapes that do not
-    fit); the caller then uses the fp32 weight."""
+    kernel: the bits of the kernel's product on the model weight (fp32, or bf16 for a bf16
+    model). None where the kernel does not take it (no kernel, x not of the weight's dtype on the
+    CPU, more rows than the kernel takes, shapes that do not fit); the caller then uses the
+    model weight."""
     fn = rowmatmul.kernel()
-    if fn is None or x.dtype != torch.float32 or not x.is_cpu or (torch.is_grad_enabled() and x.requires_grad):
+    dtype = x.dtype
+    if fn is None or dtype != packed.dtype or not x.is_cpu or (torch.is_grad_enabled() and x.requires_grad):
         return None
     out, n_in = packed.shape
-    if x.shape[-1] != n_in or not 0 < x.numel() // n_in <= fn.max_rows[torch.float32]:
+    if x.shape[-1] != n_in or not 0 < x.numel() // n_in <= (fn.max_rows[dtype] if dtype == torch.float32
+                                                             else BF16_MAX_ROWS):
         return None
-    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (out,) or not bias.is_contiguous()):
+    if bias is not None and (bias.dtype != dtype or bias.shape != (out,) or not bias.is_contiguous()):
         return None
     shape = (*x.shape[:-1], out)
-    if residual is not None and (residual.dtype != torch.float32 or residual.shape != shape
-                                 or not residual.is_contiguous()):
+    if residual is not None and (dtype == torch.bfloat16 or residual.dtype != dtype or residual.shape != shape
+                                 or not residual.is_contiguous()):  # added afterwards, as rowmatmul does
         y = packed_linear(x, packed, bias)
         return None if y is None else residual + y
     x = x if x.is_contiguous() else x.contiguous()
     y = torch.empty(shape, dtype=torch.float32)
-    f = fn.q4 if packed.bits == 4 else fn.q8
-    failed = f(x.data_ptr(), packed.qs.data_ptr(), packed.sc.data_ptr(), None if bias is None else bias.data_ptr(),
-               None if residual is None else residual.data_ptr(), y.data_ptr(), x.numel() // n_in, n_in, out,
-               torch.get_num_threads())
-    return None if failed else y  # failed: out of memory for a tile buffer
+    rows, threads = x.numel() // n_in, torch.get_num_threads()
+    qs, sc = packed.qs.data_ptr(), packed.sc.data_ptr()
+    if dtype == torch.float32:
+        f = fn.q4 if packed.bits == 4 else fn.q8
+        failed = f(x.data_ptr(), qs, sc, None if bias is None else bias.data_ptr(),
+                   None if residual is None else residual.data_ptr(), y.data_ptr(), rows, n_in, out, threads)
+    else:
+        f = fn.q4_bf16 if packed.bits == 4 else fn.q8_bf16
+        bias = None if bias is None else bias.float().contiguous()
+        failed = f(x.data_ptr(), qs, sc, None if bias is None else bias.data_ptr(), y.data_ptr(), rows, n_in, out,
+                   threads)
+    if failed:  # out of memory for a tile buffer
+        return None
+    return y if dtype == torch.float32 else y.to(dtype)
 
 
-def pack_linears(modules: list[torch.nn.Linear]) -> int:
-    """Packs each nn.Linear's weight where it is exactly of a packed form (as `module.packed`,
-    which `models/linear.project` then uses); returns how many were packed."""
+def pack_for(weight: torch.Tensor, source: torch.Tensor | None = None) -> PackedWeight | None:
+    """The packed form of a model weight: fp32, `weight` itself packed (`pack`); bf16, its fp32
+    `source` (what it was rounded from) packed, if the bf16 rounding of every packed value is
+    `weight`'s. None where neither holds."""
+    if weight.dtype == torch.float32:
+        return pack(weight)
+    if weight.dtype != torch.bfloat16 or source is None or source.shape != weight.shape:
+        return None
+    packed = pack(source)
+    if packed is None or not torch.equal(unpack(packed).to(torch.bfloat16), weight.detach()):
+        return None
+    return PackedWeight(packed.bits, packed.qs, packed.sc, identity(weight), torch.bfloat16)
+
+
+def pack_linears(modules: list[torch.nn.Linear], sources: list[torch.Tensor | None] | None = None) -> int:
+    """Packs each nn.Linear's weight where it is exactly of a packed form, or (bf16) the rounding
+    of its fp32 source in `sources` that is (as `module.packed`, which `models/linear.project`
+    then uses); returns how many were packed."""
     done = 0
-    for module in modules:
-        packed = pack(module.weight)
+    for i, module in enumerate(modules):
+        packed = pack_for(module.weight, None if sources is None else sources[i])
         module.packed = packed
         done += packed is not None
     return done

@@ -113,6 +113,10 @@ def _load() -> object | None:
     for f in (fn.q4, fn.q8):
         f.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.c_int]
         f.restype = ctypes.c_int
+    fn.q4_bf16, fn.q8_bf16 = lib.bs_rows_matmul_q4_bf16, lib.bs_rows_matmul_q8_bf16
+    for f in (fn.q4_bf16, fn.q8_bf16):
+        f.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        f.restype = ctypes.c_int
     fn.max_rows = {torch.float32: int(lib.bs_rows_max()), torch.bfloat16: int(lib.bs_rows_max_bf16())}
     fn.fast_rows = {torch.float32: fn.max_rows[torch.float32], torch.bfloat16: int(lib.bs_rows_fast_bf16())}
     fn.attention = {torch.float32: lib.bs_attention, torch.bfloat16: lib.bs_attention_bf16}
@@ -212,8 +216,9 @@ def _agrees(fn: object) -> bool:
 
 
 def _packed_agrees(fn: object) -> bool:
-    """The packed paths (models/packed.py) give the fp32 path's bits on the weights they encode,
-    at one row and at a tile's worth, with bias and residual."""
+    """The packed paths (models/packed.py) give the fp32 path's bits on the weights they encode
+    (and the bf16 path's on their bf16 roundings), at one row and at a tile's worth, with bias
+    and residual."""
     g = torch.Generator().manual_seed(2)
     qs4 = torch.randint(0, 256, (6, 32), dtype=torch.uint8, generator=g)  # 6 weight rows, 64 inputs
     sc4 = torch.stack([torch.rand(6, 2, generator=g).half().float(), torch.randn(6, 2, generator=g).half().float()], -1)
@@ -229,6 +234,14 @@ def _packed_agrees(fn: object) -> bool:
             y, yp = torch.empty(n, 6), torch.empty(n, 6)
             fn.res(x.data_ptr(), w.data_ptr(), b.data_ptr(), res.data_ptr(), y.data_ptr(), n, 64, 6, 1)
             if f(x.data_ptr(), qs.data_ptr(), sc.data_ptr(), b.data_ptr(), res.data_ptr(), yp.data_ptr(), n, 64, 6, 1):
+                return False
+            if not torch.equal(y, yp):
+                return False
+            # bf16: the bf16 path on the weights' bf16 roundings
+            xb, wb = x.bfloat16(), w.bfloat16()
+            fn.bf16(xb.data_ptr(), wb.data_ptr(), b.data_ptr(), y.data_ptr(), n, 64, 6, 1)
+            fb = fn.q4_bf16 if f is fn.q4 else fn.q8_bf16
+            if fb(xb.data_ptr(), qs.data_ptr(), sc.data_ptr(), b.data_ptr(), yp.data_ptr(), n, 64, 6, 1):
                 return False
             if not torch.equal(y, yp):
                 return False

@@ -428,6 +428,136 @@ int bs_rows_matmul_q8(const float *x, const uint8_t *qs, const float *sc, const 
     PACKED_MATMUL(8)
 }
 
+/* bf16 models: the weights are the bf16 roundings of the packed values (a GGUF converted to bf16),
+ * x is bf16, and the result has the bits of bs_rows_matmul_bf16 on those weights: each rebuilt
+ * fp32 weight is rounded to bf16 (to nearest, ties to even, as PyTorch converts), then multiplied
+ * as that path does (in pairs through dp16 where the CPU has AVX512_BF16, else widened). */
+
+/* fp32 lanes rounded to bf16 and widened back (finite inputs) */
+static inline v16 round_bf16(v16 v) {
+    u16 u;
+    memcpy(&u, &v, sizeof u);
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&v, &u, sizeof v);
+    return v;
+}
+
+#if DP
+/* the 32 weights from input k as bf16 bits in input order, the operand of dp16 */
+static inline v16 packed32h(const uint8_t *qs, const float *sc, int64_t k, const int bits) {
+    const v16 lo = packed16(qs, sc, k, 0, bits), hi = packed16(qs, sc, k, 1, bits);
+    return (v16)_mm512_cvtne2ps_pbh((__m512)hi, (__m512)lo);
+}
+#endif
+
+/* the 32 weights from input k, rounded to bf16, stored at out */
+static inline void packed_to_bf16(const uint8_t *qs, const float *sc, int64_t k, uint16_t *out, const int bits) {
+#if DP
+    const v16 h = packed32h(qs, sc, k, bits);
+    memcpy(out, &h, sizeof h);
+#else
+    for (int hi = 0; hi < 2; hi++) {
+        const v16 w = round_bf16(packed16(qs, sc, k, hi, bits));
+        u16 u;
+        memcpy(&u, &w, sizeof u);
+        const h16 h = __builtin_convertvector(u >> 16, h16);
+        memcpy(out + 16 * hi, &h, sizeof h);
+    }
+#endif
+}
+
+/* MR rows (MR <= 8) of bf16 x times one packed weight row -> y[r * ldy] (cf. tile with bf = 1) */
+static inline __attribute__((always_inline)) void tile_packed_bf16(const uint16_t *x, const uint8_t *qs,
+                                                                   const float *sc, const float *bias, float *y,
+                                                                   int64_t in, int64_t ldy, const int MR,
+                                                                   const int bits) {
+    v16 acc[8];
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; r++) acc[r] = (v16){0};
+    for (int64_t k = 0; k < in; k += 32) {
+        __builtin_prefetch(qs + QS_ROW(bits, k) + 1024, 0, 1);
+        __builtin_prefetch(sc + SC_ROW(bits, k) + 256, 0, 1);
+#if DP
+        const v16 wv = packed32h(qs, sc, k, bits);
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; r++) acc[r] = dp16(acc[r], wv, load32h(x, r * in + k));
+#else
+        const v16 lo = round_bf16(packed16(qs, sc, k, 0, bits)), hi = round_bf16(packed16(qs, sc, k, 1, bits));
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; r++) acc[r] = fma16(acc[r], lo, load(x, r * in + k, 1));
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; r++) acc[r] = fma16(acc[r], hi, load(x, r * in + k + 16, 1));
+#endif
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; r++) {
+        float s = reduce16(acc[r]);
+        y[r * ldy] = bias ? s + *bias : s;
+    }
+}
+
+static inline __attribute__((always_inline)) void column_packed_bf16(const uint16_t *x, const uint8_t *qs,
+                                                                     const float *sc, const float *bias, float *y,
+                                                                     int64_t n, int64_t in, int64_t ldy,
+                                                                     const int bits) {
+    int64_t r = 0;
+    for (; r + 8 <= n; r += 8) tile_packed_bf16(x + r * in, qs, sc, bias, y + r * ldy, in, ldy, 8, bits);
+    x += r * in;
+    y += r * ldy;
+    switch (n - r) {
+    case 7: tile_packed_bf16(x, qs, sc, bias, y, in, ldy, 7, bits); break;
+    case 6: tile_packed_bf16(x, qs, sc, bias, y, in, ldy, 6, bits); break;
+    case 5: tile_packed_bf16(x, qs, sc, bias, y, in, ldy, 5, bits); break;
+    case 4: tile_packed_bf16(x, qs, sc, bias, y, in, ldy, 4, bits); break;
+    case 3: tile_packed_bf16(x, qs, sc, bias, y, in, ldy, 3, bits); break;
+    case 2: tile_packed_bf16(x, qs, sc, bias, y, in, ldy, 2, bits); break;
+    case 1: tile_packed_bf16(x, qs, sc, bias, y, in, ldy, 1, bits); break;
+    }
+}
+
+/* as PACKED_MATMUL; the tiles' buffer holds bf16 weights for the bf16 tiles */
+#define PACKED_MATMUL_BF16(BITS)                                                                       \
+    if (in % 32) return 1;                                                                             \
+    const int64_t ldy = out, qrow = QS_ROW(BITS, in), srow = SC_ROW(BITS, in);                         \
+    const float *res = 0;                                                                              \
+    if (n < PACKED_TILE_ROWS) {                                                                        \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                              \
+        for (int64_t j = 0; j < out; j++)                                                              \
+            column_packed_bf16(x, qs + j * qrow, sc + j * srow, bias ? bias + j : 0, y + j, n, in, ldy, BITS); \
+        return 0;                                                                                      \
+    }                                                                                                  \
+    const int64_t groups = (out + BC - 1) / BC;                                                        \
+    int failed = 0;                                                                                    \
+    _Pragma("omp parallel num_threads(threads) reduction(|| : failed)")                                \
+    {                                                                                                  \
+        uint16_t *buf = malloc((size_t)(BC * in) * sizeof(uint16_t));                                  \
+        if (!buf) failed = 1;                                                                          \
+        _Pragma("omp for schedule(static)")                                                            \
+        for (int64_t g = 0; g < groups; g++) {                                                         \
+            if (!buf) continue;                                                                        \
+            const int64_t j = g * BC, nj = g + 1 < groups ? j + BC : j;                                \
+            const int cols = out - j < BC ? (int)(out - j) : BC;                                       \
+            for (int c = 0; c < cols; c++)                                                             \
+                for (int64_t k = 0; k < in; k += 32)                                                   \
+                    packed_to_bf16(qs + (j + c) * qrow, sc + (j + c) * srow, k, buf + c * in + k, BITS); \
+            blocks(x, buf, bias ? bias + j : 0, y + j, res, qs + nj * qrow, n, in, ldy, cols, 1);      \
+        }                                                                                              \
+        free(buf);                                                                                     \
+    }                                                                                                  \
+    return failed ? 2 : 0;
+
+/* x bf16 [n, in], weights packed (bits 4 or 8) whose bf16 roundings are the model's weights;
+ * y fp32: the bits of bs_rows_matmul_bf16 on those bf16 weights. Returns as bs_rows_matmul_q4. */
+int bs_rows_matmul_q4_bf16(const uint16_t *x, const uint8_t *qs, const float *sc, const float *bias, float *y,
+                           int64_t n, int64_t in, int64_t out, int threads) {
+    PACKED_MATMUL_BF16(4)
+}
+
+int bs_rows_matmul_q8_bf16(const uint16_t *x, const uint8_t *qs, const float *sc, const float *bias, float *y,
+                           int64_t n, int64_t in, int64_t out, int threads) {
+    PACKED_MATMUL_BF16(8)
+}
+
 /* ---- the greedy head ---------------------------------------------------------------------------- */
 
 /* Greedy decoding needs only the argmax of each row of x . w^T, and for a target's LM head (49K

@@ -110,15 +110,21 @@ class NativeLlama(nn.Module):
             ]
             self.single_head = self.lm_head.weight.t().contiguous()
 
-    def pack_weights(self) -> int:
+    def pack_weights(self, sources: dict[str, torch.Tensor] | None = None) -> int:
         """Packs the projections and the LM head whose fp32 weights a 4- or 8-bit GGUF left
         (models/packed.py); the outputs keep their bits and a decoding step streams a fifth of the
         bytes (SmolLM2-135M from its GGUF file, 2 cores: the 120 Q4_1 projections at 1 token 3.1 ms
         against 9.0, at 6 tokens 5.1 against 10.6; its Q8_0 head's logits at 1 token 0.6 ms against
         2.8; BENCHMARKS.md, session 29). Greedy steps keep the bf16 screen of the head
-        (models/greedy_head.py), which is faster still. Returns how many were packed."""
-        modules = [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        return pack_linears([*modules, self.lm_head])
+        (models/greedy_head.py), which is faster still. A bf16 model packs the fp32 `sources` it
+        was rounded from (its native state dict before the cast), where their packed values round
+        to its weights. Returns how many were packed."""
+        names = [f"layers.{i}.{n}" for i in range(len(self.layers)) for n in ("qkv", "o", "gate_up", "down")]
+        modules = [self.get_submodule(n) for n in names] + [self.lm_head]
+        if sources is None:
+            return pack_linears(modules)
+        head = "embed.weight" if self.lm_head.weight is self.embed.weight else "lm_head.weight"
+        return pack_linears(modules, [sources.get(n + ".weight") for n in names] + [sources.get(head)])
 
     def _masks(
         self, positions: torch.Tensor, cache: StaticCache, static: bool = False

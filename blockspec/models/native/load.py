@@ -118,10 +118,10 @@ def load_native_target(
     single_token_weights: keep transposed copies of the widest matrices for one-token forwards
     where the CPU kernel is MKL's (~20% faster plain decoding there, ~70% more weight memory;
     with oneDNN, models/linear.py's default, none are made); None = on for CPU devices.
-    pack_weights: keep a 4-bit copy of each projection whose fp32 weights are exactly of a 4-bit
-    GGUF's form (models/packed.py: the same outputs, bit for bit, from a fifth of the bytes);
-    None = on for fp32 on the CPU unless $BLOCKSPEC_PACK_WEIGHTS is 0 (to compare against
-    streaming the fp32 weights).
+    pack_weights: keep a packed copy of each projection (and the head) whose weights are exactly
+    of a 4- or 8-bit GGUF's form, or for bf16 their roundings (models/packed.py: the same outputs,
+    bit for bit, from fewer bytes); None = on for fp32 and bf16 on the CPU unless
+    $BLOCKSPEC_PACK_WEIGHTS is 0 (to compare against streaming the weights themselves).
     """
     if isinstance(source, torch.nn.Module):
         hf_config = source.config
@@ -163,10 +163,10 @@ def load_native_target(
         single_token_weights = torch.device(device).type == "cpu"
     net.prepare_single_token_weights(single_token_weights)
     if pack_weights is None:
-        pack_weights = (torch.device(device).type == "cpu" and dtype == torch.float32
+        pack_weights = (torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16)
                         and os.environ.get(PACK_ENV, "1") != "0")
     if pack_weights:
-        net.pack_weights()
+        net.pack_weights(mapped if dtype == torch.bfloat16 else None)
     return NativeTarget(net, eos_token_ids if eos_token_ids is not None else default_eos, text_config)
 
 
