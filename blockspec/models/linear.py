@@ -135,7 +135,7 @@ def project(module: nn.Linear, x: torch.Tensor, *, exact: bool = True,
             residual: torch.Tensor | None = None) -> torch.Tensor:
     """`module(x)` for an nn.Linear (plus `residual`), through `linear`; from the module's packed
     copy (models/packed.py: the same bits from fewer bytes) where it has one."""
-    packed = getattr(module, "packed", None)
+    packed = module.__dict__.get("packed")  # not getattr: nn.Module's miss path is slow, and most modules miss
     if packed is not None and CPU_MATMUL == "native" and packed.matches(module.weight):
         out = packed_linear(x, packed, module.bias, residual)
         if out is not None:
