@@ -334,100 +334,6 @@ static inline v16 packed16(const uint8_t *qs, const float *sc, int64_t k, const 
 #define QS_ROW(bits, in) ((bits) == 4 ? (in) / 2 : (in))
 #define SC_ROW(bits, in) ((bits) == 4 ? (in) / 16 : (in) / 32)
 
-/* MR rows (MR <= 8) of x times one packed weight row -> y[r * ldy] (cf. tile) */
-static inline __attribute__((always_inline)) void tile_packed(const float *x, const uint8_t *qs, const float *sc,
-                                                              const float *bias, float *y, const float *res,
-                                                              int64_t in, int64_t ldy, const int MR, const int bits) {
-    v16 acc[8];
-#pragma GCC unroll 8
-    for (int r = 0; r < MR; r++) acc[r] = (v16){0};
-    for (int64_t k = 0; k < in; k += 32) {
-        __builtin_prefetch(qs + QS_ROW(bits, k) + 1024, 0, 1);
-        __builtin_prefetch(sc + SC_ROW(bits, k) + 256, 0, 1);
-        const v16 lo = packed16(qs, sc, k, 0, bits), hi = packed16(qs, sc, k, 1, bits);
-#pragma GCC unroll 8
-        for (int r = 0; r < MR; r++) acc[r] = fma16(acc[r], lo, load16(x + r * in + k));
-#pragma GCC unroll 8
-        for (int r = 0; r < MR; r++) acc[r] = fma16(acc[r], hi, load16(x + r * in + k + 16));
-    }
-#pragma GCC unroll 8
-    for (int r = 0; r < MR; r++) {
-        float s = reduce16(acc[r]);
-        s = bias ? s + *bias : s;
-        y[r * ldy] = res ? res[r * ldy] + s : s;
-    }
-}
-
-static inline __attribute__((always_inline)) void column_packed(const float *x, const uint8_t *qs, const float *sc,
-                                                                const float *bias, float *y, const float *res,
-                                                                int64_t n, int64_t in, int64_t ldy, const int bits) {
-    int64_t r = 0;
-    for (; r + 8 <= n; r += 8)
-        tile_packed(x + r * in, qs, sc, bias, y + r * ldy, res ? res + r * ldy : 0, in, ldy, 8, bits);
-    x += r * in;
-    y += r * ldy;
-    res = res ? res + r * ldy : 0;
-    switch (n - r) {
-    case 7: tile_packed(x, qs, sc, bias, y, res, in, ldy, 7, bits); break;
-    case 6: tile_packed(x, qs, sc, bias, y, res, in, ldy, 6, bits); break;
-    case 5: tile_packed(x, qs, sc, bias, y, res, in, ldy, 5, bits); break;
-    case 4: tile_packed(x, qs, sc, bias, y, res, in, ldy, 4, bits); break;
-    case 3: tile_packed(x, qs, sc, bias, y, res, in, ldy, 3, bits); break;
-    case 2: tile_packed(x, qs, sc, bias, y, res, in, ldy, 2, bits); break;
-    case 1: tile_packed(x, qs, sc, bias, y, res, in, ldy, 1, bits); break;
-    }
-}
-
-/* One body per width, with a literal `bits` (see ROWS_MATMUL). From PACKED_TILE_ROWS rows, each
- * tile's BC weight rows are rebuilt once into an fp32 buffer (in L1/L2) that the fp32 tiles then
- * read, rather than once per group of BR rows. */
-#define PACKED_MATMUL(BITS)                                                                            \
-    if (in % 32) return 1;                                                                             \
-    const int64_t ldy = out, qrow = QS_ROW(BITS, in), srow = SC_ROW(BITS, in);                         \
-    if (n < PACKED_TILE_ROWS) {                                                                        \
-        _Pragma("omp parallel for schedule(static) num_threads(threads)")                              \
-        for (int64_t j = 0; j < out; j++)                                                              \
-            column_packed(x, qs + j * qrow, sc + j * srow, bias ? bias + j : 0, y + j, res ? res + j : 0, n, in, ldy, \
-                          BITS);                                                                       \
-        return 0;                                                                                      \
-    }                                                                                                  \
-    const int64_t groups = (out + BC - 1) / BC;                                                        \
-    int failed = 0;                                                                                    \
-    _Pragma("omp parallel num_threads(threads) reduction(|| : failed)")                                \
-    {                                                                                                  \
-        float *buf = malloc((size_t)(BC * in) * sizeof(float));                                        \
-        if (!buf) failed = 1;                                                                          \
-        _Pragma("omp for schedule(static)")                                                            \
-        for (int64_t g = 0; g < groups; g++) {                                                         \
-            if (!buf) continue;                                                                        \
-            const int64_t j = g * BC, nj = g + 1 < groups ? j + BC : j;                                \
-            const int cols = out - j < BC ? (int)(out - j) : BC;                                       \
-            for (int c = 0; c < cols; c++)                                                             \
-                for (int64_t k = 0; k < in; k += 32) {                                                 \
-                    const v16 lo = packed16(qs + (j + c) * qrow, sc + (j + c) * srow, k, 0, BITS);     \
-                    const v16 hi = packed16(qs + (j + c) * qrow, sc + (j + c) * srow, k, 1, BITS);     \
-                    memcpy(buf + c * in + k, &lo, sizeof lo);                                          \
-                    memcpy(buf + c * in + k + 16, &hi, sizeof hi);                                     \
-                }                                                                                      \
-            blocks(x, buf, bias ? bias + j : 0, y + j, res ? res + j : 0, qs + nj * qrow, n, in, ldy, cols, 0); \
-        }                                                                                              \
-        free(buf);                                                                                     \
-    }                                                                                                  \
-    return failed ? 2 : 0;
-
-/* y = x . w^T (+ bias) (+ res, may be null) with w packed as above; the bits of bs_rows_matmul(_res)
- * on the unpacked weights. Returns 0; 1 if `in` is not a multiple of 32, 2 if a tile buffer could
- * not be allocated. */
-int bs_rows_matmul_q4(const float *x, const uint8_t *qs, const float *sc, const float *bias, const float *res,
-                      float *y, int64_t n, int64_t in, int64_t out, int threads) {
-    PACKED_MATMUL(4)
-}
-
-int bs_rows_matmul_q8(const float *x, const uint8_t *qs, const float *sc, const float *bias, const float *res,
-                      float *y, int64_t n, int64_t in, int64_t out, int threads) {
-    PACKED_MATMUL(8)
-}
-
 /* bf16 models: the weights are the bf16 roundings of the packed values (a GGUF converted to bf16),
  * x is bf16, and the result has the bits of bs_rows_matmul_bf16 on those weights: each rebuilt
  * fp32 weight is rounded to bf16 (to nearest, ties to even, as PyTorch converts), then multiplied
@@ -466,11 +372,11 @@ static inline void packed_to_bf16(const uint8_t *qs, const float *sc, int64_t k,
 #endif
 }
 
-/* MR rows (MR <= 8) of bf16 x times one packed weight row -> y[r * ldy] (cf. tile with bf = 1) */
-static inline __attribute__((always_inline)) void tile_packed_bf16(const uint16_t *x, const uint8_t *qs,
-                                                                   const float *sc, const float *bias, float *y,
-                                                                   int64_t in, int64_t ldy, const int MR,
-                                                                   const int bits) {
+/* MR rows (MR <= 8) of x (fp32, or bf16 if bf) times one packed weight row -> y[r * ldy] (cf. tile) */
+static inline __attribute__((always_inline)) void tile_packed(const void *x, const uint8_t *qs, const float *sc,
+                                                              const float *bias, float *y, const float *res,
+                                                              int64_t in, int64_t ldy, const int MR, const int bits,
+                                                              const int bf) {
     v16 acc[8];
 #pragma GCC unroll 8
     for (int r = 0; r < MR; r++) acc[r] = (v16){0};
@@ -478,59 +384,74 @@ static inline __attribute__((always_inline)) void tile_packed_bf16(const uint16_
         __builtin_prefetch(qs + QS_ROW(bits, k) + 1024, 0, 1);
         __builtin_prefetch(sc + SC_ROW(bits, k) + 256, 0, 1);
 #if DP
-        const v16 wv = packed32h(qs, sc, k, bits);
+        if (bf) {
+            const v16 wv = packed32h(qs, sc, k, bits);
 #pragma GCC unroll 8
-        for (int r = 0; r < MR; r++) acc[r] = dp16(acc[r], wv, load32h(x, r * in + k));
-#else
-        const v16 lo = round_bf16(packed16(qs, sc, k, 0, bits)), hi = round_bf16(packed16(qs, sc, k, 1, bits));
-#pragma GCC unroll 8
-        for (int r = 0; r < MR; r++) acc[r] = fma16(acc[r], lo, load(x, r * in + k, 1));
-#pragma GCC unroll 8
-        for (int r = 0; r < MR; r++) acc[r] = fma16(acc[r], hi, load(x, r * in + k + 16, 1));
+            for (int r = 0; r < MR; r++) acc[r] = dp16(acc[r], wv, load32h(x, r * in + k));
+            continue;
+        }
 #endif
+        v16 lo = packed16(qs, sc, k, 0, bits), hi = packed16(qs, sc, k, 1, bits);
+        if (bf) lo = round_bf16(lo), hi = round_bf16(hi);
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; r++) acc[r] = fma16(acc[r], lo, load(x, r * in + k, bf));
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; r++) acc[r] = fma16(acc[r], hi, load(x, r * in + k + 16, bf));
     }
 #pragma GCC unroll 8
     for (int r = 0; r < MR; r++) {
         float s = reduce16(acc[r]);
-        y[r * ldy] = bias ? s + *bias : s;
+        s = bias ? s + *bias : s;
+        y[r * ldy] = res ? res[r * ldy] + s : s;
     }
 }
 
-static inline __attribute__((always_inline)) void column_packed_bf16(const uint16_t *x, const uint8_t *qs,
-                                                                     const float *sc, const float *bias, float *y,
-                                                                     int64_t n, int64_t in, int64_t ldy,
-                                                                     const int bits) {
+static inline __attribute__((always_inline)) void column_packed(const void *x, const uint8_t *qs, const float *sc,
+                                                                const float *bias, float *y, const float *res,
+                                                                int64_t n, int64_t in, int64_t ldy, const int bits,
+                                                                const int bf) {
     int64_t r = 0;
-    for (; r + 8 <= n; r += 8) tile_packed_bf16(x + r * in, qs, sc, bias, y + r * ldy, in, ldy, 8, bits);
-    x += r * in;
+    for (; r + 8 <= n; r += 8)
+        tile_packed(at(x, r * in, bf), qs, sc, bias, y + r * ldy, res ? res + r * ldy : 0, in, ldy, 8, bits, bf);
+    x = at(x, r * in, bf);
     y += r * ldy;
+    res = res ? res + r * ldy : 0;
     switch (n - r) {
-    case 7: tile_packed_bf16(x, qs, sc, bias, y, in, ldy, 7, bits); break;
-    case 6: tile_packed_bf16(x, qs, sc, bias, y, in, ldy, 6, bits); break;
-    case 5: tile_packed_bf16(x, qs, sc, bias, y, in, ldy, 5, bits); break;
-    case 4: tile_packed_bf16(x, qs, sc, bias, y, in, ldy, 4, bits); break;
-    case 3: tile_packed_bf16(x, qs, sc, bias, y, in, ldy, 3, bits); break;
-    case 2: tile_packed_bf16(x, qs, sc, bias, y, in, ldy, 2, bits); break;
-    case 1: tile_packed_bf16(x, qs, sc, bias, y, in, ldy, 1, bits); break;
+    case 7: tile_packed(x, qs, sc, bias, y, res, in, ldy, 7, bits, bf); break;
+    case 6: tile_packed(x, qs, sc, bias, y, res, in, ldy, 6, bits, bf); break;
+    case 5: tile_packed(x, qs, sc, bias, y, res, in, ldy, 5, bits, bf); break;
+    case 4: tile_packed(x, qs, sc, bias, y, res, in, ldy, 4, bits, bf); break;
+    case 3: tile_packed(x, qs, sc, bias, y, res, in, ldy, 3, bits, bf); break;
+    case 2: tile_packed(x, qs, sc, bias, y, res, in, ldy, 2, bits, bf); break;
+    case 1: tile_packed(x, qs, sc, bias, y, res, in, ldy, 1, bits, bf); break;
     }
 }
 
-/* as PACKED_MATMUL; the tiles' buffer holds bf16 weights for the bf16 tiles */
-#define PACKED_MATMUL_BF16(BITS)                                                                       \
+/* the 32 fp32 weights from input k, stored at out */
+static inline void packed_to_f32(const uint8_t *qs, const float *sc, int64_t k, float *out, const int bits) {
+    const v16 lo = packed16(qs, sc, k, 0, bits), hi = packed16(qs, sc, k, 1, bits);
+    memcpy(out, &lo, sizeof lo);
+    memcpy(out + 16, &hi, sizeof hi);
+}
+
+/* One body per width and element type, with literal `BITS` and `BF` (see ROWS_MATMUL). From
+ * PACKED_TILE_ROWS rows, each tile's BC weight rows are rebuilt once into a buffer (in L1/L2) of
+ * fp32 or bf16 weights that the plain tiles then read, rather than once per group of BR rows. */
+#define PACKED_MATMUL(BITS, BF)                                                                        \
     if (in % 32) return 1;                                                                             \
     const int64_t ldy = out, qrow = QS_ROW(BITS, in), srow = SC_ROW(BITS, in);                         \
-    const float *res = 0;                                                                              \
     if (n < PACKED_TILE_ROWS) {                                                                        \
         _Pragma("omp parallel for schedule(static) num_threads(threads)")                              \
         for (int64_t j = 0; j < out; j++)                                                              \
-            column_packed_bf16(x, qs + j * qrow, sc + j * srow, bias ? bias + j : 0, y + j, n, in, ldy, BITS); \
+            column_packed(x, qs + j * qrow, sc + j * srow, bias ? bias + j : 0, y + j, res ? res + j : 0, n, in, \
+                          ldy, BITS, BF);                                                              \
         return 0;                                                                                      \
     }                                                                                                  \
     const int64_t groups = (out + BC - 1) / BC;                                                        \
     int failed = 0;                                                                                    \
     _Pragma("omp parallel num_threads(threads) reduction(|| : failed)")                                \
     {                                                                                                  \
-        uint16_t *buf = malloc((size_t)(BC * in) * sizeof(uint16_t));                                  \
+        void *buf = malloc((size_t)(BC * in) * ((BF) ? sizeof(uint16_t) : sizeof(float)));            \
         if (!buf) failed = 1;                                                                          \
         _Pragma("omp for schedule(static)")                                                            \
         for (int64_t g = 0; g < groups; g++) {                                                         \
@@ -538,24 +459,43 @@ static inline __attribute__((always_inline)) void column_packed_bf16(const uint1
             const int64_t j = g * BC, nj = g + 1 < groups ? j + BC : j;                                \
             const int cols = out - j < BC ? (int)(out - j) : BC;                                       \
             for (int c = 0; c < cols; c++)                                                             \
-                for (int64_t k = 0; k < in; k += 32)                                                   \
-                    packed_to_bf16(qs + (j + c) * qrow, sc + (j + c) * srow, k, buf + c * in + k, BITS); \
-            blocks(x, buf, bias ? bias + j : 0, y + j, res, qs + nj * qrow, n, in, ldy, cols, 1);      \
+                for (int64_t k = 0; k < in; k += 32) {                                                 \
+                    const uint8_t *qc = qs + (j + c) * qrow;                                           \
+                    const float *scc = sc + (j + c) * srow;                                            \
+                    if (BF) packed_to_bf16(qc, scc, k, (uint16_t *)buf + c * in + k, BITS);            \
+                    else packed_to_f32(qc, scc, k, (float *)buf + c * in + k, BITS);                   \
+                }                                                                                      \
+            blocks(x, buf, bias ? bias + j : 0, y + j, res ? res + j : 0, qs + nj * qrow, n, in, ldy, cols, BF); \
         }                                                                                              \
         free(buf);                                                                                     \
     }                                                                                                  \
     return failed ? 2 : 0;
 
-/* x bf16 [n, in], weights packed (bits 4 or 8) whose bf16 roundings are the model's weights;
+/* fp32 x and weights: y = x . w^T (+ bias) (+ res, may be null) with w packed as above; the bits
+ * of bs_rows_matmul(_res) on the unpacked weights. Returns 0; 1 if `in` is not a multiple of 32,
+ * 2 if a tile buffer could not be allocated. */
+int bs_rows_matmul_q4(const float *x, const uint8_t *qs, const float *sc, const float *bias, const float *res,
+                      float *y, int64_t n, int64_t in, int64_t out, int threads) {
+    PACKED_MATMUL(4, 0)
+}
+
+int bs_rows_matmul_q8(const float *x, const uint8_t *qs, const float *sc, const float *bias, const float *res,
+                      float *y, int64_t n, int64_t in, int64_t out, int threads) {
+    PACKED_MATMUL(8, 0)
+}
+
+/* bf16 x [n, in], weights packed (bits 4 or 8) whose bf16 roundings are the model's weights;
  * y fp32: the bits of bs_rows_matmul_bf16 on those bf16 weights. Returns as bs_rows_matmul_q4. */
 int bs_rows_matmul_q4_bf16(const uint16_t *x, const uint8_t *qs, const float *sc, const float *bias, float *y,
                            int64_t n, int64_t in, int64_t out, int threads) {
-    PACKED_MATMUL_BF16(4)
+    const float *res = 0;
+    PACKED_MATMUL(4, 1)
 }
 
 int bs_rows_matmul_q8_bf16(const uint16_t *x, const uint8_t *qs, const float *sc, const float *bias, float *y,
                            int64_t n, int64_t in, int64_t out, int threads) {
-    PACKED_MATMUL_BF16(8)
+    const float *res = 0;
+    PACKED_MATMUL(8, 1)
 }
 
 /* ---- the greedy head ---------------------------------------------------------------------------- */
