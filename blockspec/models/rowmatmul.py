@@ -14,7 +14,7 @@ bf16 products (a bf16 drafter, or a bf16 target) sum in fp32 and stream half the
 AVX512_BF16 they multiply in pairs, and a 16-20 row draft pass's projections took 1.8-2.2 ms
 against oneDNN's 4.0-4.6 (BENCHMARKS.md, session 18). fp32 weights that a 4- or 8-bit GGUF left are
 multiplied from a packed copy with the fp32 product's bits (`bs_rows_matmul_q4` / `_q8`,
-models/packed.py).
+models/packed.py), and their bf16 roundings with the bf16 product's (`_q4_bf16` / `_q8_bf16`).
 
 The same library holds `kernels/attention.c`, the target's batch-invariant attention for a few
 query tokens (models/native/attention.py), `kernels/norm.c`, RMSNorm in one call instead of

@@ -1,7 +1,8 @@
 /* y[n, out] = x[n, in] . w[out, in]^T (+ bias[out]) for a few rows n (decoding, verification), summed
  * in fp32. x and w are both fp32 (bs_rows_matmul; bs_rows_matmul_res also adds a residual
  * res[n, out]) or both bf16 (bs_rows_matmul_bf16, for bf16 models: half the bytes to stream);
- * bs_rows_matmul_q4 / _q8 take fp32 weights stored in 4 / 8 bits (below) with bs_rows_matmul's bits.
+ * bs_rows_matmul_q4 / _q8 take fp32 weights stored in 4 / 8 bits (below) with bs_rows_matmul's bits,
+ * and _q4_bf16 / _q8_bf16 the bf16 roundings of such weights with bs_rows_matmul_bf16's.
  * bias and y are fp32.
  *
  * Built at first use by blockspec/models/rowmatmul.py (gcc or clang, -O3 -march=native -fopenmp
