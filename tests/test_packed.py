@@ -13,6 +13,7 @@ from blockspec.models import rowmatmul
 from blockspec.models.drafter import new_drafter_for_target
 from blockspec.models.linear import linear, project
 from blockspec.models.native import load_native_target
+from blockspec.models.native.llama import PACKED_HEAD_ROWS
 from blockspec.models.packed import BF16_MAX_ROWS, PackedWeight, pack, pack_for, pack_q4, pack_q8, packed_linear, unpack
 from blockspec.spec.decode import SpecDecoder
 
@@ -166,11 +167,16 @@ def test_native_target_with_packed_weights_computes_the_same_bits(monkeypatch: p
     step = torch.tensor([[4, 8, 15]])
     outs = [t.forward(step, torch.arange(8, 11)[None], c, (1, 3)) for t, c in zip((packed, plain), caches)]
     assert torch.equal(outs[0][0], outs[1][0])
-    # greedy steps take the head's bf16 screen, not its packed copy, and agree with the logits
-    calls.clear()
-    best, _ = packed.forward_greedy(torch.tensor([[16, 23]]), torch.arange(11, 13)[None], caches[0], ())
-    logits, _ = plain.forward(torch.tensor([[16, 23]]), torch.arange(11, 13)[None], caches[1], ())
-    assert torch.equal(best, logits.argmax(-1)) and len(calls) == 4 * len(layers)
+    # greedy steps of a few tokens take the head's packed copy, longer ones its bf16 screen; both
+    # give the argmax of the unpacked model's logits
+    start = 11
+    for n, head_calls in ((PACKED_HEAD_ROWS, 1), (PACKED_HEAD_ROWS + 2, 0)):
+        calls.clear()
+        step, pos = torch.arange(16, 16 + n)[None], torch.arange(start, start + n)[None]
+        best, _ = packed.forward_greedy(step, pos, caches[0], ())
+        logits, _ = plain.forward(step, pos, caches[1], ())
+        assert torch.equal(best, logits.argmax(-1)) and len(calls) == 4 * len(layers) + head_calls
+        start += n
     # greedy DFlash on the packed target equals plain decoding on the unpacked one
     prompts = ragged_prompts(3, seed=4, vocab=48)
     truth = [r.token_ids for r in SpecDecoder(plain, None, SpecConfig(block_size=1)).generate(

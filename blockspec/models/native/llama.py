@@ -53,6 +53,9 @@ def _matmul(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) 
     return out if bias is None else out + bias
 
 
+PACKED_HEAD_ROWS = 3  # greedy rows whose ids come from a packed head's logits (`_packed_head_takes`)
+
+
 class NativeLayer(nn.Module):
     """One decoder layer's weights; q/k/v fused into qkv [(h + 2 kvh) d, H], gate and up into
     gate_up [2 I, H]. One product instead of two: each output column is the same dot product
@@ -276,7 +279,7 @@ class NativeLlama(nn.Module):
                 x = _unpack(x, packed, b, q)
         x = x[:, -1:] if last_logits_only else x
         if greedy:
-            head = self._screened_head()
+            head = None if self._packed_head_takes(x) else self._screened_head()
             best = None if head is None else head.ids(x)  # [b, q|1], or [T] when packed
             if best is not None:
                 return (_unpack(best[:, None], packed, b, q)[..., 0] if packed is not None and not last_logits_only
@@ -288,6 +291,16 @@ class NativeLlama(nn.Module):
         if packed is not None and not last_logits_only:
             logits = _unpack(logits, packed, b, q)
         return (greedy_ids(logits) if greedy else logits), features
+
+    def _packed_head_takes(self, x: torch.Tensor) -> bool:
+        """Whether greedy ids of x [..., H] come faster from all the logits of the head's packed
+        copy (models/packed.py) than from the bf16 screen: up to PACKED_HEAD_ROWS rows (SmolLM2's
+        8-bit head, whole forwards at 1-3 tokens 0.1-0.3 ms faster, level at 4, slower from 6;
+        BENCHMARKS.md, session 29). The ids are the same either way: both are the argmax of the
+        same fp32 logits, the first of ties."""
+        packed = self.lm_head.__dict__.get("packed")
+        return (packed is not None and x.dtype == torch.float32 and x.numel() <= PACKED_HEAD_ROWS * x.shape[-1]
+                and packed.matches(self.lm_head.weight))
 
     def _screened_head(self) -> GreedyHead | None:
         """The LM head's bf16 screen (models/greedy_head.py), rebuilt if the weight changed; None
