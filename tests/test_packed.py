@@ -159,6 +159,8 @@ def test_native_target_with_packed_weights_computes_the_same_bits(monkeypatch: p
     assert all(m.packed.bits == 4 for layer in layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
     assert packed.net.lm_head.packed.bits == 8
     assert all(getattr(m, "packed", None) is None for layer in plain.net.layers for m in (layer.qkv, layer.o))
+    assert packed.net.packed_summary() == f"{4 * len(layers)} matrices in 4 bits, 1 matrix in 8 bits"
+    assert plain.net.packed_summary() is None
     ids = torch.tensor([[5, 9, 11, 2, 30, 7, 7, 1]])
     caches = (packed.new_cache(1, 32), plain.new_cache(1, 32))
     outs = [t.forward(ids, torch.arange(8)[None], c, (1, 3)) for t, c in zip((packed, plain), caches)]
@@ -222,3 +224,29 @@ def test_packing_can_be_turned_off_from_the_environment(monkeypatch: pytest.Monk
     monkeypatch.setenv("BLOCKSPEC_PACK_WEIGHTS", "1")
     assert load_native_target(model, dtype="float32").net.layers[0].o.packed is not None
     assert getattr(load_native_target(model, dtype="float64").net.layers[0].o, "packed", None) is None
+
+
+@needs_kernel
+def test_bench_reports_a_packed_target_and_stays_lossless(tmp_path, tiny_model_dir, tiny_drafter_dir) -> None:
+    import shutil
+
+    import transformers as tf
+
+    from blockspec.cli import main
+
+    model_dir = tmp_path / "q4_1"
+    shutil.copytree(tiny_model_dir, model_dir)
+    model = tf.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and "proj" in name:
+                p.copy_(gguf_round_trip(p))
+    model.save_pretrained(str(model_dir))
+    out = tmp_path / "out"
+    rc = main(["bench", "--target", str(model_dir), "--drafter", str(tiny_drafter_dir), "--datasets", "gsm8k",
+               "--limit", "2", "--max-new-tokens", "8", "--adaptive-only", "--no-progress", "--no-warmup",
+               "--out", str(out)])
+    md = (out / "report.md").read_text()
+    assert rc == 0
+    assert "- packed weights: 16 matrices in 4 bits (exact; BLOCKSPEC_PACK_WEIGHTS=0 turns them off)" in md
+    assert "Lossless check: passed" in md

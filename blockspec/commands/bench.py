@@ -318,6 +318,7 @@ def run(args: argparse.Namespace) -> int:
                     if args.drafter == "fresh" else pipe.drafter_source),
         "drafter_block_size": pipe.drafter.block_size,
         "backend": f"{args.backend} ({type(pipe.target).__name__})",
+        "packed_weights": _packed(pipe.target),
         "dtype": args.dtype,
         "drafter_dtype": str(next(pipe.drafter.parameters()).dtype).removeprefix("torch."),
         "device": args.device,
@@ -343,3 +344,10 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     return 0
+
+
+def _packed(target: object) -> str | None:
+    """The target's packed weights (models/packed.py) for the report, or None."""
+    net = getattr(target, "net", None)
+    summary = net.packed_summary() if hasattr(net, "packed_summary") else None
+    return None if summary is None else f"{summary} (exact; BLOCKSPEC_PACK_WEIGHTS=0 turns them off)"

@@ -12,6 +12,8 @@ the argmax ids only (`forward_greedy`), which an fp32 head on a CPU finds by scr
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -291,6 +293,14 @@ class NativeLlama(nn.Module):
         if packed is not None and not last_logits_only:
             logits = _unpack(logits, packed, b, q)
         return (greedy_ids(logits) if greedy else logits), features
+
+    def packed_summary(self) -> str | None:
+        """What `pack_weights` packed, e.g. "120 matrices in 4 bits, 1 in 8 bits", or None."""
+        modules = [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        bits = Counter(p.bits for m in (*modules, self.lm_head) if (p := m.__dict__.get("packed")) is not None)
+        if not bits:
+            return None
+        return ", ".join(f"{n} {'matrices' if n > 1 else 'matrix'} in {b} bits" for b, n in sorted(bits.items()))
 
     def _packed_head_takes(self, x: torch.Tensor) -> bool:
         """Whether greedy ids of x [..., H] come faster from all the logits of the head's packed
