@@ -120,16 +120,18 @@ class NativeLlama(nn.Module):
         (models/packed.py); the outputs keep their bits and a decoding step streams a fifth of the
         bytes (SmolLM2-135M from its GGUF file, 2 cores: the 120 Q4_1 projections at 1 token 3.1 ms
         against 9.0, at 6 tokens 5.1 against 10.6; its Q8_0 head's logits at 1 token 0.6 ms against
-        2.8; BENCHMARKS.md, session 29). Greedy steps keep the bf16 screen of the head
-        (models/greedy_head.py), which is faster still. A bf16 model packs the fp32 `sources` it
-        was rounded from (its native state dict before the cast), where their packed values round
-        to its weights. Returns how many were packed."""
+        2.8; BENCHMARKS.md, session 29). Greedy steps of more than PACKED_HEAD_ROWS tokens keep the
+        bf16 screen of the head (models/greedy_head.py), which is faster there. A bf16 model packs
+        the fp32 `sources` it was rounded from (its native state dict before the cast), where their
+        packed values round to its weights. Returns how many were packed."""
+        pairs = self._packable()
+        return pack_linears([m for _, m in pairs], None if sources is None else [sources.get(n) for n, _ in pairs])
+
+    def _packable(self) -> list[tuple[str, nn.Linear]]:
+        """(name of its weight in the native state dict, module) of each matrix `pack_weights` tries."""
         names = [f"layers.{i}.{n}" for i in range(len(self.layers)) for n in ("qkv", "o", "gate_up", "down")]
-        modules = [self.get_submodule(n) for n in names] + [self.lm_head]
-        if sources is None:
-            return pack_linears(modules)
-        head = "embed.weight" if self.lm_head.weight is self.embed.weight else "lm_head.weight"
-        return pack_linears(modules, [sources.get(n + ".weight") for n in names] + [sources.get(head)])
+        head = "embed" if self.lm_head.weight is self.embed.weight else "lm_head"
+        return [(n + ".weight", self.get_submodule(n)) for n in names] + [(head + ".weight", self.lm_head)]
 
     def _masks(
         self, positions: torch.Tensor, cache: StaticCache, static: bool = False
@@ -296,8 +298,7 @@ class NativeLlama(nn.Module):
 
     def packed_summary(self) -> str | None:
         """What `pack_weights` packed, e.g. "120 matrices in 4 bits, 1 in 8 bits", or None."""
-        modules = [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        bits = Counter(p.bits for m in (*modules, self.lm_head) if (p := m.__dict__.get("packed")) is not None)
+        bits = Counter(p.bits for _, m in self._packable() if (p := m.__dict__.get("packed")) is not None)
         if not bits:
             return None
         return ", ".join(f"{n} {'matrices' if n > 1 else 'matrix'} in {b} bits" for b, n in sorted(bits.items()))

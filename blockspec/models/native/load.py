@@ -14,7 +14,7 @@ from blockspec.models.native.llama import NativeLlama, NativeTarget
 from blockspec.models.rope import Rotary, rope_inv_freq
 from blockspec.models.target import DTYPES
 
-PACK_ENV = "BLOCKSPEC_PACK_WEIGHTS"  # "0": keep streaming fp32 weights that could be packed
+PACK_ENV = "BLOCKSPEC_PACK_WEIGHTS"  # "0": stream the weights themselves, packable or not
 
 
 def is_native_supported(hf_config: object) -> bool:
