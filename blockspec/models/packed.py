@@ -175,27 +175,7 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
         return None
     if bias is not None and (bias.dtype != dtype or bias.shape != (out,) or not bias.is_contiguous()):
         return None
-    shape = (*x.shape[:-1], out)
-    if residual is not None and (dtype == torch.bfloat16 or residual.dtype != dtype or residual.shape != shape
-                                 or not residual.is_contiguous()):  # added afterwards, as rowmatmul does
-        y = packed_linear(x, packed, bias)
-        return None if y is None else residual + y
-    x = x if x.is_contiguous() else x.contiguous()
-    y = torch.empty(shape, dtype=torch.float32)
-    rows, threads = x.numel() // n_in, torch.get_num_threads()
-    qs, sc = packed.qs.data_ptr(), packed.sc.data_ptr()
-    if dtype == torch.float32:
-        f = fn.q4 if packed.bits == 4 else fn.q8
-        failed = f(x.data_ptr(), qs, sc, None if bias is None else bias.data_ptr(),
-                   None if residual is None else residual.data_ptr(), y.data_ptr(), rows, n_in, out, threads)
-    else:
-        f = fn.q4_bf16 if packed.bits == 4 else fn.q8_bf16
-        bias = None if bias is None else bias.float().contiguous()
-        failed = f(x.data_ptr(), qs, sc, None if bias is None else bias.data_ptr(), y.data_ptr(), rows, n_in, out,
-                   threads)
-    if failed:  # out of memory for a tile buffer
-        return None
-    return y if dtype == torch.float32 else y.to(dtype)
+    return rowmatmul._product(x if x.is_contiguous() else x.contiguous(), None, bias, residual, packed)
 
 
 def pack_for(weight: torch.Tensor, source: torch.Tensor | None = None) -> PackedWeight | None:

@@ -294,26 +294,38 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return _product(x if x.is_contiguous() else x.contiguous(), weight, bias, residual)
 
 
-def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-             residual: torch.Tensor | None = None) -> torch.Tensor:
+def _product(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+             residual: torch.Tensor | None = None, packed: object | None = None) -> torch.Tensor | None:
     """The kernel's product of contiguous x [..., in] (any leading shape) -> [..., out], plus
     `residual` if given: `residual + product`, bit for bit (fp32 adds it in the same call, saving
-    a pass and an operator per residual connection; other cases add it afterwards)."""
+    a pass and an operator per residual connection; other cases add it afterwards). The weight is
+    `weight`, or, with `packed` (a models/packed.PackedWeight of x's dtype), the packed copy of it;
+    then None where the kernel could not allocate its tile buffer."""
     fn = kernel()
-    k, n = x.shape[-1], weight.shape[0]
+    k, n = x.shape[-1], (weight if packed is None else packed.qs).shape[0]
     shape = (*x.shape[:-1], n)
     out = torch.empty(shape, dtype=torch.float32)
-    if (residual is not None and x.dtype == torch.float32 and residual.dtype == torch.float32
-            and residual.shape == shape and residual.is_contiguous()):
-        fn.res(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), residual.data_ptr(),
-               out.data_ptr(), x.numel() // k, k, n, torch.get_num_threads())
-        return out
-    if x.dtype == torch.bfloat16:
-        fn, bias = fn.bf16, None if bias is None else bias.float().contiguous()
-    fn(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
-       x.numel() // k, k, n, torch.get_num_threads())
-    out = out if x.dtype == torch.float32 else out.to(x.dtype)
-    return out if residual is None else residual + out
+    rows, threads = x.numel() // k, torch.get_num_threads()
+    fp32 = x.dtype == torch.float32
+    fused = (residual is not None and fp32 and residual.dtype == torch.float32 and residual.shape == shape
+             and residual.is_contiguous())
+    if bias is not None and not fp32:
+        bias = bias.float().contiguous()
+    b, r = None if bias is None else bias.data_ptr(), residual.data_ptr() if fused else None
+    if packed is not None:
+        args = (x.data_ptr(), packed.qs.data_ptr(), packed.sc.data_ptr(), b)
+        if fp32:
+            failed = (fn.q4 if packed.bits == 4 else fn.q8)(*args, r, out.data_ptr(), rows, k, n, threads)
+        else:
+            failed = (fn.q4_bf16 if packed.bits == 4 else fn.q8_bf16)(*args, out.data_ptr(), rows, k, n, threads)
+        if failed:
+            return None
+    elif fused:
+        fn.res(x.data_ptr(), weight.data_ptr(), b, r, out.data_ptr(), rows, k, n, threads)
+    else:
+        (fn if fp32 else fn.bf16)(x.data_ptr(), weight.data_ptr(), b, out.data_ptr(), rows, k, n, threads)
+    out = out if fp32 else out.to(x.dtype)
+    return out if residual is None or fused else residual + out
 
 
 def argmax_peak(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
