@@ -46,7 +46,7 @@ import torch
 from blockspec.zoo import cache_root
 
 SOURCES = tuple(Path(__file__).parent / "kernels" / name
-                for name in ("rows.c", "attention.c", "norm.c", "peak.c", "rope.c"))  # one library
+                for name in ("rows.c", "attention.c", "norm.c", "peak.c", "rope.c", "layers.c"))  # one library
 HEADERS = (Path(__file__).parent / "kernels" / "vec.h",)
 DISABLE_ENV = "BLOCKSPEC_CPU_KERNELS"
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
@@ -140,6 +140,15 @@ def _load() -> object | None:
     fn.greedy_head = lib.bs_greedy_head
     fn.greedy_head.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int]
     fn.greedy_head.restype = ctypes.c_int
+    fn.silu_mul = lib.bs_silu_mul
+    fn.silu_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+    fn.silu_mul.restype = ctypes.c_int
+    fn.layers = lib.bs_layers
+    fn.layers.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3
+                          + [ctypes.c_float] * 3 + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2
+                          + [ctypes.c_int64] * 5 + [ctypes.c_void_p] + [ctypes.c_int64] + [ctypes.c_float]
+                          + [ctypes.c_int64] + [ctypes.c_void_p] * 9 + [ctypes.c_int64] + [ctypes.c_int])
+    fn.layers.restype = ctypes.c_int
     return fn if _agrees(fn) else None
 
 
@@ -356,6 +365,24 @@ def _peak(logits: torch.Tensor, with_peak: bool) -> tuple[torch.Tensor, torch.Te
     f(x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], top.data_ptr(), None if peak is None else peak.data_ptr(),
       torch.get_num_threads())
     return top, peak
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up of gate_up [..., 2 I] (gate first) -> [..., I] through `kernels/layers.c`
+    (fp32 on the CPU), or None where the kernel does not take it (the caller then uses PyTorch's
+    operators). The native target's MLP uses it on both of its paths (the Python loop and
+    `bs_layers`), so their bits agree."""
+    fn = kernel()
+    if fn is None or gate_up.dtype != torch.float32 or not gate_up.is_cpu or gate_up.shape[-1] % 2 \
+            or torch.is_grad_enabled() and gate_up.requires_grad:
+        return None
+    if not gate_up.is_contiguous():
+        gate_up = gate_up.contiguous()
+    inter = gate_up.shape[-1] // 2
+    out = torch.empty((*gate_up.shape[:-1], inter), dtype=torch.float32)
+    fn.silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // max(1, 2 * inter), inter,
+                torch.get_num_threads())
+    return out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:

@@ -22,6 +22,7 @@ from blockspec.models.argmax import greedy_ids
 from blockspec.models.greedy_head import GreedyHead
 from blockspec.models.native.cache import KVStore, StaticCache, attention_mask
 from blockspec.models.native.config import NativeConfig
+from blockspec.models.native.program import LayerProgram
 from blockspec.models.native.qkv import QKVPlacement, block_places
 from blockspec.models import rowmatmul
 from blockspec.models.linear import fast_cpu_single_row, project
@@ -100,6 +101,8 @@ class NativeLlama(nn.Module):
         self.single: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] | None = None
         self.single_head: torch.Tensor | None = None
         self._greedy_head: GreedyHead | None = None  # built at the first greedy forward that can use it
+        self._program: LayerProgram | None = None  # the layer loop in one call, built at the first forward it fits
+        self._program_tried = False
         self._split = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim)
 
     def prepare_single_token_weights(self, enabled: bool = True) -> None:
@@ -125,6 +128,7 @@ class NativeLlama(nn.Module):
         the fp32 `sources` it was rounded from (its native state dict before the cast), where their
         packed values round to its weights. Returns how many were packed."""
         pairs = self._packable()
+        self._program, self._program_tried = None, False  # its table points at what gets packed now
         return pack_linears([m for _, m in pairs], None if sources is None else [sources.get(n) for n, _ in pairs])
 
     def _packable(self) -> list[tuple[str, nn.Linear]]:
@@ -242,8 +246,11 @@ class NativeLlama(nn.Module):
         captured: dict[int, torch.Tensor] = {}
         last = cfg.num_layers - 1
         single = self.single if b * q == 1 else None
+        ran = None
+        if packed is None and start == 0 and not static and single is None and visible is not None:
+            ran = self._run_program(x, place, visible, horizon, cache, layer_ids)
         for i, layer in enumerate(self.layers):
-            if i < start:
+            if i < start or ran is not None:
                 continue
             y = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
             qkv = project(layer.qkv, y) if single is None else _matmul(y, single[i][0], layer.qkv.bias)
@@ -268,15 +275,21 @@ class NativeLlama(nn.Module):
             x = project(layer.o, out, residual=x)
             y = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
             gate_up = project(layer.gate_up, y) if single is None else _matmul(y, single[i][1], single[i][2])
-            gate, up = gate_up.chunk(2, dim=-1)
-            x = project(layer.down, F.silu(gate) * up, residual=x)
+            x = project(layer.down, silu_mul(gate_up), residual=x)
             if i in wanted and i != last:
                 captured[i] = x
+        if ran is not None:
+            x, features = ran
         cache.note_written(positions)
         x = rms_norm(x, self.norm, cfg.rms_norm_eps)
-        if last in wanted:
-            captured[last] = x  # HF's hidden_states[-1] is taken after the final norm
-        features = torch.cat([captured[i] for i in layer_ids], dim=-1) if layer_ids else None
+        if ran is None:
+            if last in wanted:
+                captured[last] = x  # HF's hidden_states[-1] is taken after the final norm
+            features = torch.cat([captured[i] for i in layer_ids], dim=-1) if layer_ids else None
+        elif last in wanted:
+            h_ = cfg.hidden_size
+            at = layer_ids.index(last) * h_
+            features[..., at : at + h_] = x
         if packed is not None:
             features = _unpack(features, packed, b, q) if features is not None else None
             if last_logits_only:  # the last column of every row, padding or not
@@ -295,6 +308,34 @@ class NativeLlama(nn.Module):
         if packed is not None and not last_logits_only:
             logits = _unpack(logits, packed, b, q)
         return (greedy_ids(logits) if greedy else logits), features
+
+    def _run_program(self, x: torch.Tensor, place: QKVPlacement | None, visible: torch.Tensor, horizon: int,
+                     cache: StaticCache, layer_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The layer loop as one kernel call (models/native/program.py) -> (last layer's output
+        [b, q, H], features with every captured layer but the last filled), or None where the
+        program does not take this pass (the Python loop then runs: same bits)."""
+        b, q, hidden = x.shape
+        fn = rowmatmul.kernel()
+        if (place is None or not place.full or x.dtype != torch.float32 or fn is None
+                or b * q > fn.max_rows[torch.float32] or len(set(layer_ids)) != len(layer_ids)
+                or torch.is_grad_enabled() and x.requires_grad):
+            return None
+        program = self._program
+        if program is None or not program.fits():
+            if program is None and self._program_tried:
+                return None
+            self._program_tried = True
+            program = self._program = LayerProgram.build(self)
+            if program is None:
+                return None
+        last = self.cfg.num_layers - 1
+        capture = [-1] * self.cfg.num_layers
+        for j, i in enumerate(layer_ids):
+            if i != last:
+                capture[i] = j * hidden
+        features = torch.empty(b, q, len(layer_ids) * hidden) if layer_ids else None
+        out = program.run(x.clone(), place, visible, horizon, cache, capture, features)  # x stays for a rerun
+        return None if out is None else (out, features)
 
     def packed_summary(self) -> str | None:
         """What `pack_weights` packed, e.g. "120 matrices in 4 bits, 1 in 8 bits", or None."""
@@ -322,6 +363,16 @@ class NativeLlama(nn.Module):
         if self._greedy_head is None or not self._greedy_head.fits(w):
             self._greedy_head = GreedyHead(w)
         return self._greedy_head
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of gate_up [..., 2 I] -> [..., I]: the CPU kernel's (the same bits as the
+    one-call layer loop) where it takes it, else PyTorch's."""
+    out = rowmatmul.silu_mul(gate_up)
+    if out is None:
+        gate, up = gate_up.chunk(2, dim=-1)
+        out = F.silu(gate) * up
+    return out
 
 
 def _unpack(t: torch.Tensor, packed: torch.Tensor, b: int, q: int) -> torch.Tensor:

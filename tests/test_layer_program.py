@@ -1,0 +1,118 @@
+"""The native target's layer loop as one kernel call (models/native/program.py): the Python loop's bits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_tiny_target
+from test_packed import gguf_round_trip, needs_kernel
+from test_spec_lossless import ragged_prompts
+
+from blockspec.config import SamplingParams, SpecConfig
+from blockspec.models import rowmatmul
+from blockspec.models.drafter import new_drafter_for_target
+from blockspec.models.native import load_native_target
+from blockspec.models.native.llama import NativeLlama
+from blockspec.spec.decode import SpecDecoder
+
+pytestmark = needs_kernel
+
+
+def _model(family: str, seed: int, gguf: bool = False):
+    model = make_tiny_target(family, seed=seed, dtype=torch.float32, hidden_size=64, intermediate_size=96,
+                             num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4, vocab_size=200)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.3)  # Qwen2's q/k/v biases: nonzero, so a misplaced one shows
+            elif gguf and p.dim() == 2 and "proj" in name:
+                p.copy_(gguf_round_trip(p))
+            elif "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def _python_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(NativeLlama, "_run_program", lambda *args, **kwargs: None)
+
+
+def _passes(target, layer_ids: tuple[int, ...]) -> list:
+    """A ragged prefill, then blocks of 1, 4 and 3 tokens for 3 rows: logits, features and the
+    caches' contents after each."""
+    g = torch.Generator().manual_seed(0)
+    cache = target.new_cache(3, capacity=48)
+    prompts = torch.randint(0, 200, (3, 9), generator=g)
+    out = [target.forward(prompts, torch.arange(9)[None].expand(3, 9).contiguous(), cache, layer_ids)]
+    start = 9
+    for q in (1, 4, 3):
+        ids = torch.randint(0, 200, (3, q), generator=g)
+        pos = torch.arange(start, start + q)[None].expand(3, q).contiguous()
+        out.append(target.forward(ids, pos, cache, layer_ids))
+        out.append(target.forward_greedy(ids, pos, cache, layer_ids))
+        start += q
+    keys = [k.clone() for k in cache.store.keys]
+    return out, keys
+
+
+@pytest.mark.parametrize("family,gguf", [("llama", False), ("llama", True), ("qwen2", False), ("qwen3", False)])
+def test_one_call_layer_loop_has_the_python_loops_bits(family: str, gguf: bool,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _model(family, seed=5, gguf=gguf)
+    layer_ids = (0, 2, 3)  # the first layer, a middle one and the last (taken after the final norm)
+    fast = load_native_target(model, dtype="float32", eos_token_ids=())
+    got, got_keys = _passes(fast, layer_ids)
+    program = fast.net._program
+    assert program is not None, "the one-call loop did not run"
+    assert program.kinds() == [(4, 4, 4, 4) if gguf else (0, 0, 0, 0)] * 4
+    slow = load_native_target(model, dtype="float32", eos_token_ids=())
+    _python_loop(monkeypatch)
+    want, want_keys = _passes(slow, layer_ids)
+    assert slow.net._program is None
+    for (a, fa), (b, fb) in zip(got, want):
+        assert torch.equal(a, b)
+        assert torch.equal(fa, fb)
+    assert all(torch.equal(a, b) for a, b in zip(got_keys, want_keys))
+
+
+def test_a_weight_changed_after_the_first_forward_is_read_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _model("llama", seed=6)
+    target = load_native_target(model, dtype="float32", eos_token_ids=())
+    ids, pos = torch.tensor([[3, 1, 4, 1, 5]]), torch.arange(5)[None]
+    before, _ = target.forward(ids, pos, target.new_cache(1, 16))
+    first = target.net._program
+    with torch.no_grad():
+        target.net.layers[1].down.weight.mul_(-2.0)  # in place: same tensor, new version
+        target.net.layers[2].input_norm.add_(0.5)
+    after, _ = target.forward(ids, pos, target.new_cache(1, 16))
+    assert target.net._program is not first and not torch.equal(before, after)
+    _python_loop(monkeypatch)
+    want, _ = target.forward(ids, pos, target.new_cache(1, 16))
+    assert torch.equal(after, want)
+
+
+def test_greedy_dflash_through_the_one_call_loop_equals_plain_decoding(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _model("qwen3", seed=7, gguf=False)
+    target = load_native_target(model, dtype="float32", eos_token_ids=())
+    prompts = ragged_prompts(3, seed=2, vocab=200)
+    drafter = new_drafter_for_target(model.config, mask_token_id=199, num_layers=1, dtype=torch.float32)
+    got = SpecDecoder(target, drafter, SpecConfig(block_size=6)).generate(prompts, SamplingParams(max_new_tokens=14))
+    assert target.net._program is not None
+    _python_loop(monkeypatch)
+    plain = load_native_target(model, dtype="float32", eos_token_ids=())
+    truth = SpecDecoder(plain, None, SpecConfig(block_size=1)).generate(prompts, SamplingParams(max_new_tokens=14))
+    assert [r.token_ids for r in got] == [r.token_ids for r in truth]
+
+
+def test_silu_mul_kernel_is_pytorchs_activation_and_batch_invariant() -> None:
+    g = torch.Generator().manual_seed(0)
+    for inter in (16, 96, 37):  # a tail that is not a whole vector
+        gate_up = torch.randn(5, 2 * inter, generator=g) * 4
+        gate_up[0, :6] = torch.tensor([0.0, -0.0, 80.0, -80.0, 1e-30, -1e-30])
+        gate_up[1, :4] = torch.tensor([200.0, -200.0, 1e4, -1e4])
+        got = rowmatmul.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        want = torch.nn.functional.silu(gate.double()) * up.double()
+        assert torch.allclose(got.double(), want, rtol=2e-6, atol=1e-30)
+        for r in range(5):  # a row alone gets the bits it gets among others
+            assert torch.equal(rowmatmul.silu_mul(gate_up[r : r + 1].clone()), got[r : r + 1])
+    assert rowmatmul.silu_mul(torch.randn(2, 8, dtype=torch.float64)) is None  # not fp32: the caller's operators
