@@ -56,7 +56,7 @@ def _matmul(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) 
     return out if bias is None else out + bias
 
 
-PACKED_HEAD_ROWS = 3  # greedy rows whose ids come from a packed head's logits (`_packed_head_takes`)
+PACKED_HEAD_ROWS = 6  # greedy rows whose ids come from a packed head's logits (`_packed_head_takes`)
 
 
 class NativeLayer(nn.Module):
@@ -347,8 +347,10 @@ class NativeLlama(nn.Module):
     def _packed_head_takes(self, x: torch.Tensor) -> bool:
         """Whether greedy ids of x [..., H] come faster from all the logits of the head's packed
         copy (models/packed.py) than from the bf16 screen: up to PACKED_HEAD_ROWS rows (SmolLM2's
-        8-bit head, whole forwards at 1-3 tokens 0.1-0.3 ms faster, level at 4, slower from 6;
-        BENCHMARKS.md, session 29). The ids are the same either way: both are the argmax of the
+        8-bit head after a forward's weights left the cache: 0.76 / 1.02 / 1.26 ms at 1 / 4 / 6
+        rows against the screen's 1.30-1.40, 1.70 against 1.46 at 8; with the one-call layer loop,
+        held-out DFlash at batch 1 ran 2.4% faster with 6 than with 3; BENCHMARKS.md, session 30).
+        The ids are the same either way: both are the argmax of the
         same fp32 logits, the first of ties."""
         packed = self.lm_head.__dict__.get("packed")
         return (packed is not None and x.dtype == torch.float32 and x.numel() <= PACKED_HEAD_ROWS * x.shape[-1]
