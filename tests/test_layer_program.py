@@ -10,9 +10,11 @@ from test_spec_lossless import ragged_prompts
 
 from blockspec.config import SamplingParams, SpecConfig
 from blockspec.models import rowmatmul
-from blockspec.models.drafter import new_drafter_for_target
+from blockspec.models.drafter import init_drafter_weights, new_drafter_for_target
 from blockspec.models.native import load_native_target
+from blockspec.models.native.draft import StaticDrafter
 from blockspec.models.native.llama import NativeLlama
+from blockspec.models.slots import EMPTY
 from blockspec.spec.decode import SpecDecoder
 
 pytestmark = needs_kernel
@@ -54,17 +56,19 @@ def _passes(target, layer_ids: tuple[int, ...]) -> list:
     return out, keys
 
 
-@pytest.mark.parametrize("family,gguf", [("llama", False), ("llama", True), ("qwen2", False), ("qwen3", False)])
-def test_one_call_layer_loop_has_the_python_loops_bits(family: str, gguf: bool,
+@pytest.mark.parametrize("family,gguf,dtype", [("llama", False, "float32"), ("llama", True, "float32"),
+                                               ("qwen2", False, "float32"), ("qwen3", False, "float32"),
+                                               ("llama", True, "bfloat16"), ("qwen2", False, "bfloat16")])
+def test_one_call_layer_loop_has_the_python_loops_bits(family: str, gguf: bool, dtype: str,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     model = _model(family, seed=5, gguf=gguf)
     layer_ids = (0, 2, 3)  # the first layer, a middle one and the last (taken after the final norm)
-    fast = load_native_target(model, dtype="float32", eos_token_ids=())
+    fast = load_native_target(model, dtype=dtype, eos_token_ids=())
     got, got_keys = _passes(fast, layer_ids)
     program = fast.net._program
     assert program is not None, "the one-call loop did not run"
-    assert program.kinds() == [(4, 4, 4, 4) if gguf else (0, 0, 0, 0)] * 4
-    slow = load_native_target(model, dtype="float32", eos_token_ids=())
+    assert program.kinds() == [(4, 4, 4, 4) if gguf else (0, 0, 0, 0)] * 4  # bf16: packed up to 4 rows
+    slow = load_native_target(model, dtype=dtype, eos_token_ids=())
     _python_loop(monkeypatch)
     want, want_keys = _passes(slow, layer_ids)
     assert slow.net._program is None
@@ -103,6 +107,54 @@ def test_greedy_dflash_through_the_one_call_loop_equals_plain_decoding(monkeypat
     assert [r.token_ids for r in got] == [r.token_ids for r in truth]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_drafter_pass_as_one_call_has_the_python_loops_bits(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two draft passes over a padded context whose last slot the block overlaps: outputs and
+    the context cache, with and without the one-call loop."""
+    model = make_tiny_target("llama", seed=9, dtype=torch.float32)
+    drafter = new_drafter_for_target(model.config, mask_token_id=47, num_layers=2, dtype=dtype)
+    init_drafter_weights(drafter, std=0.3, seed=1)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    kernel = rowmatmul.kernel()
+    name = "layers" if dtype == torch.float32 else "layers_bf16"
+    calls = []
+    real = getattr(kernel, name)
+    monkeypatch.setattr(kernel, name, lambda *args: calls.append(1) or real(*args))
+    runs = {}
+    for one_call in (True, False):
+        static = StaticDrafter(drafter)
+        if not one_call:
+            monkeypatch.setattr(StaticDrafter, "_layer_program", lambda *args: None)
+        g = torch.Generator().manual_seed(3)
+        width = len(drafter.target_layer_ids) * 32
+        feats = torch.randn(2, 7, width, generator=g).to(dtype)
+        ctx_pos = torch.tensor([[EMPTY, EMPTY, 0, 1, 2, 3, 4], list(range(7))])
+        cache = static.new_cache(2)
+        start = torch.tensor([5, 6])  # row 1's block starts on its last context slot
+        outs = []
+        with torch.inference_mode():
+            for keep_n in ([2, 3], [1, 4]):
+                q = 8
+                block_pos = start[:, None] + torch.arange(q)
+                embeds = torch.randn(2, q, 32, generator=g).to(dtype)
+                cache.reserve(int(block_pos.max()) + 1, 64)
+                outs.append(static(feats, ctx_pos, embeds, block_pos, cache))
+                keep = torch.arange(q)[None] < torch.tensor(keep_n)[:, None]
+                feats = torch.randn(2, q, width, generator=g).to(dtype)
+                ctx_pos = torch.where(keep, block_pos, torch.full_like(block_pos, EMPTY))
+                start = start + torch.tensor(keep_n)
+        assert len(calls) == (2 if one_call else 0), "the one-call loop did not run"
+        calls.clear()
+        runs[one_call] = (outs, [t.clone() for i in range(2) for t in cache.layer(i)])
+    for a, b in zip(runs[True][0], runs[False][0]):
+        assert torch.equal(a, b)
+    for a, b in zip(runs[True][1], runs[False][1]):
+        assert torch.equal(a[:, :, :20], b[:, :, :20])  # the slots written (the scratch slot aside)
+
+
 def test_silu_mul_kernel_is_pytorchs_activation_and_batch_invariant() -> None:
     g = torch.Generator().manual_seed(0)
     for inter in (16, 96, 37):  # a tail that is not a whole vector
@@ -115,4 +167,12 @@ def test_silu_mul_kernel_is_pytorchs_activation_and_batch_invariant() -> None:
         assert torch.allclose(got.double(), want, rtol=2e-6, atol=1e-30)
         for r in range(5):  # a row alone gets the bits it gets among others
             assert torch.equal(rowmatmul.silu_mul(gate_up[r : r + 1].clone()), got[r : r + 1])
-    assert rowmatmul.silu_mul(torch.randn(2, 8, dtype=torch.float64)) is None  # not fp32: the caller's operators
+        # bf16: silu rounded to bf16, then the product rounded, as PyTorch's bf16 operators
+        hb = gate_up.bfloat16()
+        gate, up = hb.chunk(2, dim=-1)
+        want = torch.nn.functional.silu(gate) * up
+        got = rowmatmul.silu_mul(hb)
+        assert got.dtype == torch.bfloat16
+        assert (got.float() - want.float()).abs().le(want.float().abs() * 2**-7).all()  # at most a bf16 ulp apart
+        assert (got == want).float().mean() > 0.98
+    assert rowmatmul.silu_mul(torch.randn(2, 8, dtype=torch.float64)) is None  # the caller's operators

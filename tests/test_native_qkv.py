@@ -12,6 +12,7 @@ from blockspec.models import rowmatmul
 from blockspec.models.drafter import init_drafter_weights, new_drafter_for_target
 from blockspec.models.native import load_native_target
 from blockspec.models.native.draft import StaticDrafter
+from blockspec.models.native.llama import NativeLlama
 from blockspec.models.native.qkv import QKVPlacement
 from blockspec.models.slots import EMPTY
 
@@ -21,7 +22,10 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 
 def _counted(monkeypatch: pytest.MonkeyPatch, enabled: bool) -> list[bool]:
-    """Turns the placement off (PyTorch's operators), or counts the layers it placed."""
+    """Turns the placement off (PyTorch's operators), or counts the layers it placed. The Python
+    layer loops run either way (the one-call loops call the kernel directly: tests/test_layer_program.py)."""
+    monkeypatch.setattr(NativeLlama, "_run_program", lambda *args, **kwargs: None)
+    monkeypatch.setattr(StaticDrafter, "_layer_program", lambda *args: None)
     if not enabled:
         monkeypatch.setattr(QKVPlacement, "build", classmethod(lambda cls, *a, **k: None))
         return []

@@ -140,15 +140,16 @@ def _load() -> object | None:
     fn.greedy_head = lib.bs_greedy_head
     fn.greedy_head.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int]
     fn.greedy_head.restype = ctypes.c_int
-    fn.silu_mul = lib.bs_silu_mul
-    fn.silu_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
-    fn.silu_mul.restype = ctypes.c_int
-    fn.layers = lib.bs_layers
-    fn.layers.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3
-                          + [ctypes.c_float] * 3 + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2
-                          + [ctypes.c_int64] * 5 + [ctypes.c_void_p] + [ctypes.c_int64] + [ctypes.c_float]
-                          + [ctypes.c_int64] + [ctypes.c_void_p] * 9 + [ctypes.c_int64] + [ctypes.c_int])
-    fn.layers.restype = ctypes.c_int
+    fn.silu_mul = {torch.float32: lib.bs_silu_mul, torch.bfloat16: lib.bs_silu_mul_bf16}
+    for f in fn.silu_mul.values():
+        f.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+        f.restype = ctypes.c_int
+    fn.layers, fn.layers_bf16, fn.layers_layout = lib.bs_layers, lib.bs_layers_bf16, lib.bs_layers_layout
+    for f in (fn.layers, fn.layers_bf16):
+        f.argtypes = [ctypes.c_void_p] * 23 + [ctypes.c_int]
+        f.restype = ctypes.c_int
+    fn.layers_layout.argtypes = [ctypes.c_void_p]
+    fn.layers_layout.restype = ctypes.c_int
     return fn if _agrees(fn) else None
 
 
@@ -369,19 +370,18 @@ def _peak(logits: torch.Tensor, with_peak: bool) -> tuple[torch.Tensor, torch.Te
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """silu(gate) * up of gate_up [..., 2 I] (gate first) -> [..., I] through `kernels/layers.c`
-    (fp32 on the CPU), or None where the kernel does not take it (the caller then uses PyTorch's
-    operators). The native target's MLP uses it on both of its paths (the Python loop and
-    `bs_layers`), so their bits agree."""
+    (fp32 or bf16 on the CPU; bf16 rounds where PyTorch's bf16 operators do), or None where the
+    kernel does not take it (the caller then uses PyTorch's operators). The native models use it
+    on both of their paths (the Python loops and `bs_layers`), so their bits agree."""
     fn = kernel()
-    if fn is None or gate_up.dtype != torch.float32 or not gate_up.is_cpu or gate_up.shape[-1] % 2 \
-            or torch.is_grad_enabled() and gate_up.requires_grad:
+    f = None if fn is None else fn.silu_mul.get(gate_up.dtype)
+    if f is None or not gate_up.is_cpu or gate_up.shape[-1] % 2 or torch.is_grad_enabled() and gate_up.requires_grad:
         return None
     if not gate_up.is_contiguous():
         gate_up = gate_up.contiguous()
     inter = gate_up.shape[-1] // 2
-    out = torch.empty((*gate_up.shape[:-1], inter), dtype=torch.float32)
-    fn.silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // max(1, 2 * inter), inter,
-                torch.get_num_threads())
+    out = torch.empty((*gate_up.shape[:-1], inter), dtype=gate_up.dtype)
+    f(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // max(1, 2 * inter), inter, torch.get_num_threads())
     return out
 
 

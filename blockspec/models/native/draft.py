@@ -15,11 +15,13 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from blockspec.models import rowmatmul
 from blockspec.models.drafter import DFlashDrafter, RMSNorm
 from blockspec.models.linear import linear, project
 from blockspec.models.native.attention import cached_attention, visible_keys
 from blockspec.models.native.cache import KVStore, StaticCache, attention_mask
-from blockspec.models.native.llama import padding_index, rms_norm, rope_bqhd
+from blockspec.models.native.llama import padding_index, rms_norm, rope_bqhd, silu_mul
+from blockspec.models.native.program import LayerProgram, LayerWeights, parameters_of
 from blockspec.models.native.qkv import QKVPlacement, block_places
 
 
@@ -45,6 +47,7 @@ class StaticDrafter:
         self.layer_kinds = [(layer.self_attn.causal, layer.self_attn.sliding_window) for layer in drafter.layers]
         self.plain = all(not causal and window is None for causal, window in self.layer_kinds)
         self._fused: tuple[tuple, list] | None = None  # (weight versions, per layer weights)
+        self._program: tuple[list, LayerProgram | None] | None = None  # (the fused weights it read, program)
 
     def _fused_weights(self) -> list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]:
         """Per layer: q/k/v weights stacked [(h + 2 kvh) d, H] (and bias), gate/up stacked
@@ -66,6 +69,34 @@ class StaticDrafter:
                 fused.append((w_qkv, b_qkv, w_gate_up))
             self._fused = (key, fused)
         return self._fused[1]
+
+    def _layer_program(self, fused: list) -> LayerProgram | None:
+        """The pass's layer loop as one kernel call (models/native/program.py), built from these
+        fused weights; None where it cannot run (the Python loop below then runs: same bits)."""
+        if self._program is not None and self._program[0] is fused:
+            program = self._program[1]
+            if program is None or program.fits():
+                return program
+        program = None
+        layers = self.module.layers
+        eps = {(layer.input_layernorm.eps, layer.post_attention_layernorm.eps, layer.self_attn.q_norm.eps,
+                layer.self_attn.k_norm.eps) for layer in layers}
+        if len(eps) == 1:
+            (rms, post, q_eps, k_eps), = eps
+            if rms == post:
+                weights = [LayerWeights(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                                        layer.self_attn.q_norm.weight, layer.self_attn.k_norm.weight,
+                                        ((None, w_qkv, b_qkv), (None, layer.self_attn.o_proj.weight,
+                                                                layer.self_attn.o_proj.bias),
+                                         (None, w_gate_up, None),
+                                         (None, layer.mlp.down_proj.weight, layer.mlp.down_proj.bias)))
+                           for layer, (w_qkv, b_qkv, w_gate_up) in zip(layers, fused)]
+                modules = [m for layer in layers for m in (layer.input_layernorm, layer.post_attention_layernorm,
+                                                           layer.self_attn.q_norm, layer.self_attn.k_norm,
+                                                           layer.self_attn.o_proj, layer.mlp.down_proj)]
+                program = LayerProgram.build(weights, (rms, q_eps, k_eps), parameters_of(modules))
+        self._program = (fused, program)
+        return program
 
     @property
     def block_size(self) -> int:
@@ -175,6 +206,16 @@ class StaticDrafter:
         visible = self._visible(block_positions, dtype)  # [b, q] or None: PyTorch's attention
         scale = d ** -0.5
         x = block_embeds
+        if place is not None and visible is not None and not torch.is_grad_enabled():
+            program = self._layer_program(fused)
+            kernel = rowmatmul.kernel()
+            if (program is not None and program.dtype == dtype
+                    and t + b * q <= kernel.fast_rows.get(dtype, 0)):  # as `linear(exact=False)` takes them
+                out = program.run(x.contiguous().clone(), place, visible, horizon, cache,
+                                  inter=cfg.intermediate_size, scale=scale, ctx=ctx)
+                if out is not None:
+                    cache.fresh = False
+                    return _norm(m.norm, out)
         nq, nk = h * d, kvh * d
         for i, layer in enumerate(m.layers):
             attn = layer.self_attn
@@ -202,7 +243,7 @@ class StaticDrafter:
                 )
             out = out.view(b, kvh, g, q, d).permute(0, 3, 1, 2, 4).reshape(b, q, h * d)
             x = x + project(attn.o_proj, out, exact=False)
-            gate, up = linear(_norm(layer.post_attention_layernorm, x), w_gate_up, exact=False).chunk(2, dim=-1)
-            x = x + project(layer.mlp.down_proj, F.silu(gate) * up, exact=False)
+            gate_up = linear(_norm(layer.post_attention_layernorm, x), w_gate_up, exact=False)
+            x = x + project(layer.mlp.down_proj, silu_mul(gate_up), exact=False)
         cache.fresh = False
         return _norm(m.norm, x)

@@ -22,11 +22,11 @@ from blockspec.models.argmax import greedy_ids
 from blockspec.models.greedy_head import GreedyHead
 from blockspec.models.native.cache import KVStore, StaticCache, attention_mask
 from blockspec.models.native.config import NativeConfig
-from blockspec.models.native.program import LayerProgram
+from blockspec.models.native.program import LayerProgram, target_program
 from blockspec.models.native.qkv import QKVPlacement, block_places
 from blockspec.models import rowmatmul
 from blockspec.models.linear import fast_cpu_single_row, project
-from blockspec.models.packed import pack_linears
+from blockspec.models.packed import BF16_MAX_ROWS, pack_linears
 from blockspec.models.native.attention import cached_attention, visible_keys
 from blockspec.models.rope import Rotary, rope_inv_freq
 from blockspec.models.slots import EMPTY
@@ -316,25 +316,28 @@ class NativeLlama(nn.Module):
         program does not take this pass (the Python loop then runs: same bits)."""
         b, q, hidden = x.shape
         fn = rowmatmul.kernel()
-        if (place is None or not place.full or x.dtype != torch.float32 or fn is None
-                or b * q > fn.max_rows[torch.float32] or len(set(layer_ids)) != len(layer_ids)
-                or torch.is_grad_enabled() and x.requires_grad):
+        if (place is None or not place.full or fn is None or b * q > fn.max_rows.get(x.dtype, 0)
+                or len(set(layer_ids)) != len(layer_ids) or torch.is_grad_enabled() and x.requires_grad):
             return None
         program = self._program
         if program is None or not program.fits():
             if program is None and self._program_tried:
                 return None
             self._program_tried = True
-            program = self._program = LayerProgram.build(self)
+            program = self._program = target_program(self)
             if program is None:
                 return None
+        if program.dtype != x.dtype:
+            return None
         last = self.cfg.num_layers - 1
         capture = [-1] * self.cfg.num_layers
         for j, i in enumerate(layer_ids):
             if i != last:
                 capture[i] = j * hidden
-        features = torch.empty(b, q, len(layer_ids) * hidden) if layer_ids else None
-        out = program.run(x.clone(), place, visible, horizon, cache, capture, features)  # x stays for a rerun
+        features = torch.empty(b, q, len(layer_ids) * hidden, dtype=x.dtype) if layer_ids else None
+        out = program.run(x.clone(), place, visible, horizon, cache, inter=self.cfg.intermediate_size,
+                          scale=self.scale, capture=capture, features=features,
+                          packed_max=BF16_MAX_ROWS)  # x.clone(): x stays for a rerun
         return None if out is None else (out, features)
 
     def packed_summary(self) -> str | None:
