@@ -146,7 +146,10 @@ def test_drafter_pass_as_one_call_has_the_python_loops_bits(dtype: torch.dtype, 
                 feats = torch.randn(2, q, width, generator=g).to(dtype)
                 ctx_pos = torch.where(keep, block_pos, torch.full_like(block_pos, EMPTY))
                 start = start + torch.tensor(keep_n)
-        assert len(calls) == (2 if one_call else 0), "the one-call loop did not run"
+        # 12 context rows and 16 block rows: within the kernel's rows on AVX-512 (an AVX2 build
+        # takes 8 fp32 rows and runs the Python loop here)
+        takes = rowmatmul.max_rows(dtype, exact=False) >= 28
+        assert len(calls) == (2 if one_call and takes else 0), "the one-call loop did not run"
         calls.clear()
         runs[one_call] = (outs, [t.clone() for i in range(2) for t in cache.layer(i)])
     for a, b in zip(runs[True][0], runs[False][0]):

@@ -79,6 +79,9 @@ def test_packed_product_has_the_bits_of_the_fp32_kernel(rows: int, kind: str) ->
     packed = pack(w)
     assert packed.bits == (4 if kind == "Q4_1" else 8)
     x, bias, res = torch.randn(rows, 128, generator=g), torch.randn(70, generator=g), torch.randn(rows, 70, generator=g)
+    if rows > rowmatmul.max_rows(torch.float32):  # an AVX2 build takes 8 fp32 rows: the caller keeps the weight
+        assert packed_linear(x, packed, None) is None
+        return
     assert torch.equal(packed_linear(x, packed, None), linear(x, w))
     assert torch.equal(packed_linear(x, packed, bias), linear(x, w, bias))
     assert torch.equal(packed_linear(x, packed, bias, res), linear(x, w, bias, residual=res))
