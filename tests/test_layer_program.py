@@ -6,6 +6,7 @@ import pytest
 import torch
 from conftest import make_tiny_target
 from test_packed import gguf_round_trip, needs_kernel
+from test_native_qkv import draft_passes
 from test_spec_lossless import ragged_prompts
 
 from blockspec.config import SamplingParams, SpecConfig
@@ -14,7 +15,6 @@ from blockspec.models.drafter import init_drafter_weights, new_drafter_for_targe
 from blockspec.models.native import load_native_target
 from blockspec.models.native.draft import StaticDrafter
 from blockspec.models.native.llama import NativeLlama
-from blockspec.models.slots import EMPTY
 from blockspec.spec.decode import SpecDecoder
 
 pytestmark = needs_kernel
@@ -128,26 +128,10 @@ def test_drafter_pass_as_one_call_has_the_python_loops_bits(dtype: torch.dtype, 
         static = StaticDrafter(drafter)
         if not one_call:
             monkeypatch.setattr(StaticDrafter, "_layer_program", lambda *args: None)
-        g = torch.Generator().manual_seed(3)
-        width = len(drafter.target_layer_ids) * 32
-        feats = torch.randn(2, 7, width, generator=g).to(dtype)
-        ctx_pos = torch.tensor([[EMPTY, EMPTY, 0, 1, 2, 3, 4], list(range(7))])
-        cache = static.new_cache(2)
-        start = torch.tensor([5, 6])  # row 1's block starts on its last context slot
-        outs = []
         with torch.inference_mode():
-            for keep_n in ([2, 3], [1, 4]):
-                q = 8
-                block_pos = start[:, None] + torch.arange(q)
-                embeds = torch.randn(2, q, 32, generator=g).to(dtype)
-                cache.reserve(int(block_pos.max()) + 1, 64)
-                outs.append(static(feats, ctx_pos, embeds, block_pos, cache))
-                keep = torch.arange(q)[None] < torch.tensor(keep_n)[:, None]
-                feats = torch.randn(2, q, width, generator=g).to(dtype)
-                ctx_pos = torch.where(keep, block_pos, torch.full_like(block_pos, EMPTY))
-                start = start + torch.tensor(keep_n)
-        # 12 context rows and 16 block rows: within the kernel's rows on AVX-512 (an AVX2 build
-        # takes 8 fp32 rows and runs the Python loop here)
+            outs, cache = draft_passes(static, dtype)
+        # up to 12 context rows and 16 block rows: within the kernel's rows on AVX-512 (an AVX2
+        # build takes 8 fp32 rows and runs the Python loop here)
         takes = rowmatmul.max_rows(dtype, exact=False) >= 28
         assert len(calls) == (2 if one_call and takes else 0), "the one-call loop did not run"
         calls.clear()

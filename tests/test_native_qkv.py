@@ -79,6 +79,30 @@ def test_target_forward_same_bits_as_pytorch_operators(family: str, dtype: torch
             assert torch.equal(a[:, :, :42], b[:, :, :42])  # committed slots (the scratch slot aside)
 
 
+def draft_passes(static: StaticDrafter, dtype: torch.dtype) -> tuple[list[torch.Tensor], object]:
+    """Two draft passes (blocks of 4, then 8) for 2 rows over a padded context whose last slot
+    row 1's block overlaps, the second pass's context being the first's accepted prefix: the
+    passes' outputs and the cache."""
+    g = torch.Generator().manual_seed(3)
+    width = len(static.target_layer_ids) * 32
+    feats = torch.randn(2, 7, width, generator=g).to(dtype)
+    ctx_pos = torch.tensor([[EMPTY, EMPTY, 0, 1, 2, 3, 4], list(range(7))])
+    cache = static.new_cache(2)
+    start = torch.tensor([5, 6])  # row 1's block starts on its last context slot
+    outs = []
+    for step, keep_n in enumerate(([2, 3], [1, 4])):
+        q = 4 + 4 * step
+        block_pos = start[:, None] + torch.arange(q)
+        embeds = torch.randn(2, q, 32, generator=g).to(dtype)
+        cache.reserve(int(block_pos.max()) + 1, 64)
+        outs.append(static(feats, ctx_pos, embeds, block_pos, cache))
+        keep = torch.arange(q)[None] < torch.tensor(keep_n)[:, None]
+        feats = torch.randn(2, q, width, generator=g).to(dtype)
+        ctx_pos = torch.where(keep, block_pos, torch.full_like(block_pos, EMPTY))
+        start = start + torch.tensor(keep_n)
+    return outs, cache
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_static_drafter_same_bits_as_pytorch_operators(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two draft passes over a padded context whose last slots the block overlaps."""
@@ -88,25 +112,9 @@ def test_static_drafter_same_bits_as_pytorch_operators(dtype: torch.dtype, monke
     static = StaticDrafter(drafter)
     runs = {}
     for enabled in (True, False):
-        g = torch.Generator().manual_seed(3)
-        width = len(drafter.target_layer_ids) * 32
-        feats = torch.randn(2, 7, width, generator=g).to(dtype)
-        ctx_pos = torch.tensor([[EMPTY, EMPTY, 0, 1, 2, 3, 4], list(range(7))])
-        cache = static.new_cache(2)
-        start = torch.tensor([5, 6])  # row 1's block starts on its last context slot
-        outs = []
         with monkeypatch.context() as patch:
             placed = _counted(patch, enabled)
-            for step, keep_n in enumerate(([2, 3], [1, 4])):
-                q = 4 + 4 * step
-                block_pos = start[:, None] + torch.arange(q)
-                embeds = torch.randn(2, q, 32, generator=g).to(dtype)
-                cache.reserve(int(block_pos.max()) + 1, 64)
-                outs.append(static(feats, ctx_pos, embeds, block_pos, cache))
-                keep = torch.arange(q)[None] < torch.tensor(keep_n)[:, None]
-                feats = torch.randn(2, q, width, generator=g).to(dtype)
-                ctx_pos = torch.where(keep, block_pos, torch.full_like(block_pos, EMPTY))
-                start = start + torch.tensor(keep_n)
+            outs, cache = draft_passes(static, dtype)
         if enabled:
             assert placed and all(placed)
         runs[enabled] = (outs, [t.clone() for i in range(2) for t in cache.layer(i)])

@@ -47,7 +47,7 @@ from blockspec.zoo import cache_root
 
 SOURCES = tuple(Path(__file__).parent / "kernels" / name
                 for name in ("rows.c", "attention.c", "norm.c", "peak.c", "rope.c", "layers.c"))  # one library
-HEADERS = (Path(__file__).parent / "kernels" / "vec.h",)
+HEADERS = tuple(Path(__file__).parent / "kernels" / name for name in ("vec.h", "kernels.h"))
 DISABLE_ENV = "BLOCKSPEC_CPU_KERNELS"
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 

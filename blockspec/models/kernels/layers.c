@@ -1,12 +1,12 @@
-/* A native Llama-family target's decoder layers for one forward of a few fp32 tokens, in one call.
+/* A native model's decoder layers for one forward of a few tokens, in one call.
  *
  * Why: each layer is about ten kernel calls (two norms, four products, the q/k/v placement,
  * attention, the activation, the head permute), and from Python each costs a few microseconds
- * of argument checks and ctypes conversion beyond the kernel itself: ~1.3 ms of a 6.3 ms
- * one-token SmolLM2-135M forward on 2 cores, where the kernels take ~4.8 (BENCHMARKS.md, session
- * 30). Here the loop over layers runs in C and calls the same kernels with the same arguments
- * in the same order (models/native/program.py prepares them), so every output has the bits of
- * the Python loop in models/native/llama.py.
+ * of argument checks and ctypes conversion beyond the kernel itself: ~2 ms of a 6.9 ms
+ * one-token SmolLM2-135M forward on 2 cores, which takes 4.9 ms in one call (BENCHMARKS.md,
+ * session 30). Here the loop over layers runs in C and calls the same kernels with the same
+ * arguments in the same order (models/native/program.py prepares them), so every output has
+ * the bits of the Python loops in models/native/llama.py and models/native/draft.py.
  *
  * The drafter's pass (models/native/draft.py) is the same loop with a context: the first `ctx`
  * rows of each layer's q/k/v projection are the drafter's projected target features (the same
@@ -18,38 +18,7 @@
  * call it too on the CPU, so the two cannot differ by PyTorch's own exp.
  */
 #include "vec.h"
-
-int bs_rows_matmul(const float *x, const float *w, const float *bias, float *y, int64_t n, int64_t in,
-                   int64_t out, int threads);
-int bs_rows_matmul_res(const float *x, const float *w, const float *bias, const float *res, float *y, int64_t n,
-                       int64_t in, int64_t out, int threads);
-int bs_rows_matmul_q4(const float *x, const uint8_t *qs, const float *sc, const float *bias, const float *res,
-                      float *y, int64_t n, int64_t in, int64_t out, int threads);
-int bs_rows_matmul_q8(const float *x, const uint8_t *qs, const float *sc, const float *bias, const float *res,
-                      float *y, int64_t n, int64_t in, int64_t out, int threads);
-int bs_rows_matmul_bf16(const uint16_t *x, const uint16_t *w, const float *bias, float *y, int64_t n, int64_t in,
-                        int64_t out, int threads);
-int bs_rows_matmul_q4_bf16(const uint16_t *x, const uint8_t *qs, const float *sc, const float *bias, float *y,
-                           int64_t n, int64_t in, int64_t out, int threads);
-int bs_rows_matmul_q8_bf16(const uint16_t *x, const uint8_t *qs, const float *sc, const float *bias, float *y,
-                           int64_t n, int64_t in, int64_t out, int threads);
-int bs_rms_norm(const float *x, const float *w, float *y, int64_t rows, int64_t n, float eps, int threads);
-int bs_rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t rows, int64_t n, float eps,
-                     int threads);
-#define ROPE_KV_PARAMS(T_)                                                                                 \
-    const T_ *qkv, int64_t tokens, int64_t width, int64_t heads, int64_t kv_heads, int64_t groups, int64_t d,  \
-        const T_ *qw, const T_ *kw, float q_eps, float k_eps, const T_ *cos, const T_ *sin, int64_t q_from,    \
-        const int64_t *q_rows, const int64_t *q_cols, int64_t batch, int64_t q_len, T_ *q_out,                \
-        const int64_t *kv_rows, const int64_t *kv_slots, T_ *k_cache, T_ *v_cache, int64_t cache_rows,         \
-        int64_t cache_slots, int64_t stride_row, int64_t stride_head, int64_t stride_slot, int threads
-int bs_rope_kv(ROPE_KV_PARAMS(float));
-int bs_rope_kv_bf16(ROPE_KV_PARAMS(uint16_t));
-int bs_attention(const float *q, const float *k, const float *v, float *out, const int64_t *visible, int64_t b,
-                 int64_t kvh, int64_t g, int64_t n, int64_t d, int64_t sb, int64_t sh, int64_t horizon, float scale,
-                 int threads);
-int bs_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, float *out, const int64_t *visible,
-                      int64_t b, int64_t kvh, int64_t g, int64_t n, int64_t d, int64_t sb, int64_t sh, int64_t horizon,
-                      float scale, int threads);
+#include "kernels.h"
 
 /* silu(g) per lane, g * e / (1 + e) with e = e^-|g| (g >= 0: g / (1 + e)), so e never
  * overflows; exp16 is vec.h's (relative error ~1e-7). Lane by lane: batch invariant. */

@@ -15,6 +15,7 @@
  * Token by token, head by head: batch invariant.
  */
 #include "vec.h"
+#include "kernels.h"
 
 #define MAX_HEAD_DIM 1024
 
@@ -85,13 +86,6 @@ static inline void norm_rope(const void *x, const void *w, float eps, const void
         }                                                                                                  \
     }                                                                                                      \
     return 0;
-
-#define ROPE_KV_ARGS(T_)                                                                                   \
-    const T_ *qkv, int64_t tokens, int64_t width, int64_t heads, int64_t kv_heads, int64_t groups, int64_t d,  \
-        const T_ *qw, const T_ *kw, float q_eps, float k_eps, const T_ *cos, const T_ *sin, int64_t q_from,    \
-        const int64_t *q_rows, const int64_t *q_cols, int64_t batch, int64_t q_len, T_ *q_out,                \
-        const int64_t *kv_rows, const int64_t *kv_slots, T_ *k_cache, T_ *v_cache, int64_t cache_rows,         \
-        int64_t cache_slots, int64_t stride_row, int64_t stride_head, int64_t stride_slot, int threads
 
 int bs_rope_kv(ROPE_KV_ARGS(float)) { ROPE_KV(0, float) }
 

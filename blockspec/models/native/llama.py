@@ -286,10 +286,9 @@ class NativeLlama(nn.Module):
             if last in wanted:
                 captured[last] = x  # HF's hidden_states[-1] is taken after the final norm
             features = torch.cat([captured[i] for i in layer_ids], dim=-1) if layer_ids else None
-        elif last in wanted:
-            h_ = cfg.hidden_size
-            at = layer_ids.index(last) * h_
-            features[..., at : at + h_] = x
+        elif last in wanted:  # the one-call loop filled the other captured layers' columns
+            at = layer_ids.index(last) * cfg.hidden_size
+            features[..., at : at + cfg.hidden_size] = x
         if packed is not None:
             features = _unpack(features, packed, b, q) if features is not None else None
             if last_logits_only:  # the last column of every row, padding or not
@@ -353,8 +352,8 @@ class NativeLlama(nn.Module):
         8-bit head after a forward's weights left the cache: 0.76 / 1.02 / 1.26 ms at 1 / 4 / 6
         rows against the screen's 1.30-1.40, 1.70 against 1.46 at 8; with the one-call layer loop,
         held-out DFlash at batch 1 ran 2.4% faster with 6 than with 3; BENCHMARKS.md, session 30).
-        The ids are the same either way: both are the argmax of the
-        same fp32 logits, the first of ties."""
+        The ids are the same either way: both are the argmax of the same fp32 logits, the first of
+        ties."""
         packed = self.lm_head.__dict__.get("packed")
         return (packed is not None and x.dtype == torch.float32 and x.numel() <= PACKED_HEAD_ROWS * x.shape[-1]
                 and packed.matches(self.lm_head.weight))
