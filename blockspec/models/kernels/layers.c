@@ -33,23 +33,29 @@ static inline v16 silu16(v16 g) {
 static inline void silu_mul(const void *gate_up, void *y, int64_t rows, int64_t inter, int threads, const int bf) {
     _Pragma("omp parallel for schedule(static) num_threads(threads) if (rows * inter >= 65536)")
     for (int64_t r = 0; r < rows; r++) {
+        const int64_t g0 = r * 2 * inter, u0 = g0 + inter;
         for (int64_t k = 0; k < inter; k += 16) {
             const int64_t lanes = inter - k < 16 ? inter - k : 16;
-            float gt[16] = {0}, ut[16] = {0}, o[16];
-            for (int64_t l = 0; l < lanes; l++) {
-                gt[l] = scalar(gate_up, r * 2 * inter + k + l, bf);
-                ut[l] = scalar(gate_up, r * 2 * inter + inter + k + l, bf);
+            v16 g, u;
+            if (lanes == 16) {
+                g = load(gate_up, g0 + k, bf), u = load(gate_up, u0 + k, bf);
+            } else { /* the tail through the same lanes, padded */
+                float gt[16] = {0}, ut[16] = {0};
+                for (int64_t l = 0; l < lanes; l++)
+                    gt[l] = scalar(gate_up, g0 + k + l, bf), ut[l] = scalar(gate_up, u0 + k + l, bf);
+                g = load16(gt), u = load16(ut);
             }
-            v16 s = silu16(load16(gt));
+            const v16 s = silu16(g);
+            float o[16];
             if (!bf) {
-                s = s * load16(ut);
-                memcpy(o, &s, sizeof s);
+                const v16 p = s * u;
+                memcpy(o, &p, sizeof p);
                 memcpy((float *)y + r * inter + k, o, (size_t)lanes * sizeof(float));
             } else {
                 memcpy(o, &s, sizeof s);
                 for (int64_t l = 0; l < lanes; l++) {
                     const uint16_t h = to_bf16(o[l]);
-                    ((uint16_t *)y)[r * inter + k + l] = to_bf16(scalar(&h, 0, 1) * ut[l]);
+                    ((uint16_t *)y)[r * inter + k + l] = to_bf16(scalar(&h, 0, 1) * u[l]);
                 }
             }
         }

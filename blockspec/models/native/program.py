@@ -49,12 +49,12 @@ class LayerProgram:
     """The pointer table of one model's layers (`build`); `run` is a forward's layer loop."""
 
     def __init__(self, dtype: torch.dtype, table: torch.Tensor, eps: tuple[float, float, float],
-                 watched: list[Watched], keep: list[torch.Tensor], dims: int) -> None:
+                 watched: list[Watched], keep: list[object], dims: int) -> None:
         self.dtype = dtype
         self.table = table  # [layers * fields] int64
         self.eps = eps  # rms, q-norm, k-norm
         self.watched = watched
-        self.keep = keep  # copies the table points into (fp32 biases of a bf16 model)
+        self.keep = keep  # what else the table points into: packed copies, fp32 biases of a bf16 model
         self.dims = dims
         self.key = self._key()
 
@@ -81,7 +81,7 @@ class LayerProgram:
             return t is None or (t.dtype == dtype and t.is_contiguous() and t.device.type == "cpu")
 
         rows: list[int] = []
-        keep: list[torch.Tensor] = []
+        keep: list[object] = []
         for layer in layers:
             norms = (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm)
             if not all(plain(n) for n in norms):
@@ -94,6 +94,8 @@ class LayerProgram:
                     bias = bias.float().contiguous()  # the kernel adds an fp32 bias, as rowmatmul._product
                     keep.append(bias)
                 use = packed is not None and packed.dtype == dtype and packed.matches(weight)
+                if use:
+                    keep.append(packed)  # its bytes stay alive for the table even if the module's copy is replaced
                 rows += [packed.bits if use else 0, packed.qs.data_ptr() if use else 0,
                          packed.sc.data_ptr() if use else 0, 0 if bias is None else bias.data_ptr(),
                          weight.data_ptr()]
