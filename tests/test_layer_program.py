@@ -78,6 +78,19 @@ def test_one_call_layer_loop_has_the_python_loops_bits(family: str, gguf: bool, 
     assert all(torch.equal(a, b) for a, b in zip(got_keys, want_keys))
 
 
+def test_environment_keeps_the_python_loops(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _model("llama", seed=6)
+    ids, pos = torch.tensor([[3, 1, 4, 1, 5]]), torch.arange(5)[None]
+    monkeypatch.setenv("BLOCKSPEC_LAYER_LOOP", "0")
+    off = load_native_target(model, dtype="float32", eos_token_ids=())
+    want, _ = off.forward(ids, pos, off.new_cache(1, 16))
+    assert off.net._program is None
+    monkeypatch.setenv("BLOCKSPEC_LAYER_LOOP", "1")
+    on = load_native_target(model, dtype="float32", eos_token_ids=())
+    got, _ = on.forward(ids, pos, on.new_cache(1, 16))
+    assert on.net._program is not None and torch.equal(got, want)
+
+
 def test_a_weight_changed_after_the_first_forward_is_read_again(monkeypatch: pytest.MonkeyPatch) -> None:
     model = _model("llama", seed=6)
     target = load_native_target(model, dtype="float32", eos_token_ids=())

@@ -11,6 +11,7 @@ ragged passes, resumed passes, causal or windowed draft layers).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,7 @@ from blockspec.models.native.cache import StaticCache
 from blockspec.models.native.qkv import QKVPlacement
 
 DTYPES = (torch.float32, torch.bfloat16)
+ENV = "BLOCKSPEC_LAYER_LOOP"  # "0": keep the Python loops (to compare, or to rule the C loop out)
 Watched = tuple[dict | None, str | None, torch.Tensor]  # (holder such as module._parameters, key, tensor)
 
 
@@ -67,10 +69,10 @@ class LayerProgram:
               watched: list[Watched]) -> LayerProgram | None:
         """The program of these layers, or None where the kernel cannot run them (no kernel, a
         dtype other than fp32 or bf16, tensors not contiguous on the CPU, layers with and without
-        q/k norms). `watched`: the tensors whose change (`fits`) means the layers must be read
+        q/k norms) or $BLOCKSPEC_LAYER_LOOP is 0. `watched`: the tensors whose change (`fits`) means the layers must be read
         again, each with the dict and key it is held under (a module's `_parameters`), if any."""
         layout = _layout()
-        if layout is None or not layers:
+        if layout is None or not layers or os.environ.get(ENV, "1") == "0":
             return None
         dims, fields, product_fields = layout
         dtype = layers[0].input_norm.dtype
