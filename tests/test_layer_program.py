@@ -39,7 +39,7 @@ def _python_loop(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _passes(target, layer_ids: tuple[int, ...]) -> list:
-    """A ragged prefill, then blocks of 1, 4 and 3 tokens for 3 rows: logits, features and the
+    """A 9-token prefill, then blocks of 1, 4 and 3 tokens for 3 rows: logits, features and the
     caches' contents after each."""
     g = torch.Generator().manual_seed(0)
     cache = target.new_cache(3, capacity=48)
