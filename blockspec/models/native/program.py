@@ -22,6 +22,7 @@ from blockspec.models.native.cache import StaticCache
 from blockspec.models.native.qkv import QKVPlacement
 
 DTYPES = (torch.float32, torch.bfloat16)
+DIMS = 18  # the int64 geometry values `run` passes (kernels/layers.c's D_COUNT; `build` checks)
 ENV = "BLOCKSPEC_LAYER_LOOP"  # "0": keep the Python loops (to compare, or to rule the C loop out)
 Watched = tuple[dict | None, str | None, torch.Tensor]  # (holder such as module._parameters, key, tensor)
 
@@ -51,13 +52,12 @@ class LayerProgram:
     """The pointer table of one model's layers (`build`); `run` is a forward's layer loop."""
 
     def __init__(self, dtype: torch.dtype, table: torch.Tensor, eps: tuple[float, float, float],
-                 watched: list[Watched], keep: list[object], dims: int) -> None:
+                 watched: list[Watched], keep: list[object]) -> None:
         self.dtype = dtype
         self.table = table  # [layers * fields] int64
         self.eps = eps  # rms, q-norm, k-norm
         self.watched = watched
         self.keep = keep  # what else the table points into: packed copies, fp32 biases of a bf16 model
-        self.dims = dims
         self.key = self._key()
 
     def _key(self) -> tuple[tuple[int, int], ...]:
@@ -101,9 +101,9 @@ class LayerProgram:
                 rows += [packed.bits if use else 0, packed.qs.data_ptr() if use else 0,
                          packed.sc.data_ptr() if use else 0, 0 if bias is None else bias.data_ptr(),
                          weight.data_ptr()]
-        if len(rows) != fields * len(layers) or fields != 4 + 4 * product_fields:
+        if len(rows) != fields * len(layers) or fields != 4 + 4 * product_fields or dims != DIMS:
             return None
-        return cls(dtype, torch.tensor(rows, dtype=torch.int64), eps, watched, keep, dims)
+        return cls(dtype, torch.tensor(rows, dtype=torch.int64), eps, watched, keep)
 
     def kinds(self) -> list[tuple[int, ...]]:
         """Per layer, what each product (q/k/v, o, gate/up, down) reads: 0 the weight, 4 or 8 its
@@ -144,8 +144,7 @@ class LayerProgram:
         layers = len(store.keys)
         dims = [t, tokens, hidden, layers, h, kvh, d, inter, b, q, cache.batch, k0.shape[2], s_row, s_head, s_slot,
                 horizon, 0 if features is None else features.shape[-1], packed_max]
-        if len(dims) != self.dims:
-            return None
+        assert len(dims) == DIMS  # the order of kernels/layers.c's D_* values
         dims_t = torch.tensor(dims, dtype=torch.int64)  # named: a temporary would be freed before the call
         kin = torch.empty(t + tokens, hidden, dtype=dtype)
         if ctx is not None:
