@@ -97,3 +97,57 @@ def test_bf16_speculative_greedy_equals_plain_greedy() -> None:
     drafter = new_drafter_for_target(model.config, mask_token_id=47, num_layers=1, dtype=torch.bfloat16)
     spec = [r.token_ids for r in SpecDecoder(target, drafter, SpecConfig(block_size=8)).generate(prompts, params)]
     assert spec == plain
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_long_prefills_of_whole_prompts_attend_under_the_causal_rule(monkeypatch: pytest.MonkeyPatch,
+                                                                     family: str) -> None:
+    """Passes of more than 64 tokens keep PyTorch's attention. Whole prompts from position 0
+    (padding after them) go through it with is_causal (the keys above the diagonal skipped, no
+    mask read), with the logits of each prompt alone in Hugging Face's model; a pass that starts
+    after some context keeps the mask, and so does a left-padded batch."""
+    import torch.nn.functional as F
+
+    model = make_tiny_target(family, seed=12, dtype=torch.float32)
+    target = load_native_target(model, dtype=None, eos_token_ids=())
+    assert target.net.cfg.groups > 1
+    calls: list[bool] = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(*args, is_causal=False, **kw):
+        calls.append(is_causal)
+        return sdpa(*args, is_causal=is_causal, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    gen = torch.Generator().manual_seed(5)
+    lengths = [100, 70, 83]
+    ids = torch.randint(0, 48, (3, 100), generator=gen)
+    positions = torch.arange(100).repeat(3, 1)
+    positions[torch.arange(100)[None] >= torch.tensor(lengths)[:, None]] = EMPTY
+    logits, _ = target.forward(ids, positions, target.new_cache(3))
+    assert calls and all(calls)  # every layer, causal
+    for row, n in enumerate(lengths):
+        with torch.no_grad():
+            ref = model(ids[row : row + 1, :n]).logits[0]
+        torch.testing.assert_close(logits[row, :n], ref, atol=2e-5, rtol=2e-5)
+    # alone (batch 1: no host check needed) as in the batch
+    calls.clear()
+    alone, _ = target.forward(ids[1:2, :70], positions[1:2, :70], target.new_cache(1))
+    assert calls and all(calls)
+    torch.testing.assert_close(alone[0], logits[1, :70], atol=2e-5, rtol=2e-5)
+    # 70 tokens after 30 of context: the mask
+    calls.clear()
+    cache = target.new_cache(1)
+    target.forward(ids[:1, :30], positions[:1, :30], cache)
+    later, _ = target.forward(ids[:1, 30:], positions[:1, 30:], cache)
+    assert calls and not any(calls)
+    torch.testing.assert_close(later[0], logits[0, 30:], atol=2e-5, rtol=2e-5)
+    # left padding: positions are not their columns
+    calls.clear()
+    left = torch.full((2, 100), EMPTY)
+    left[0] = torch.arange(100)
+    left[1, 30:] = torch.arange(70)
+    shifted = torch.cat([ids[1:2, 70:], ids[1:2, :70]], dim=1)  # row 1's prompt at the end
+    got, _ = target.forward(torch.cat([ids[:1], shifted]), left, target.new_cache(2))
+    assert calls and not any(calls)
+    torch.testing.assert_close(got[1, 30:], logits[1, :70], atol=2e-5, rtol=2e-5)
