@@ -24,16 +24,25 @@ def _case(b: int, kvh: int, g: int, n: int, d: int, cap: int, dtype: torch.dtype
     return q, k, v
 
 
+SPANS = {  # positions of 3 rows verifying 5 tokens each; cache capacity
+    "short": ([[20, 21, 22, 23, 24], [7, 8, 9, 10, 11], [EMPTY, EMPTY, 30, 31, 32]], 40),
+    # across the kernel's key chunks (256): its partial results joined
+    "long": ([[253, 254, 255, 256, 257], [600, 601, 602, 603, 604], [EMPTY, EMPTY, 510, 511, 512]], 620),
+}
+
+
+@pytest.mark.parametrize("span", sorted(SPANS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("d", [8, 64, 72])
-def test_matches_sdpa_and_each_query_gets_its_bits_alone(dtype: torch.dtype, d: int) -> None:
+def test_matches_sdpa_and_each_query_gets_its_bits_alone(dtype: torch.dtype, d: int, span: str) -> None:
     """Numbers as PyTorch's attention under the target's causal mask, zeros for padding (a
     packed forward never reads them), and a query's output bits are the same in a block of 5, in
-    a batch of 3 rows or alone."""
+    a batch of 3 rows or alone, on one thread or two."""
     assert rowmatmul.kernel() is not None
-    b, kvh, g, n, cap = 3, 2, 3, 5, 40
+    b, kvh, g, n = 3, 2, 3, 5
+    layout, cap = SPANS[span]
     q, k, v = _case(b, kvh, g, n, d, cap, dtype, seed=d)
-    positions = torch.tensor([[20, 21, 22, 23, 24], [7, 8, 9, 10, 11], [EMPTY, EMPTY, 30, 31, 32]])
+    positions = torch.tensor(layout)
     horizon = int(positions.max()) + 1
     visible = native_attention.visible_keys(positions, static=False, dtype=dtype)
     got = native_attention.cached_attention(q, k, v, visible, horizon, 0.3)
@@ -50,8 +59,13 @@ def test_matches_sdpa_and_each_query_gets_its_bits_alone(dtype: torch.dtype, d: 
         for t in range(n):
             alone_q = rows[bi : bi + 1, :, :, t : t + 1].reshape(1, kvh, g, d).contiguous()
             seen = visible[bi : bi + 1, t : t + 1].clone()
-            alone = native_attention.cached_attention(
-                alone_q, k[bi : bi + 1].contiguous(), v[bi : bi + 1].contiguous(), seen, horizon, 0.3)
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1 + (bi + t) % 2)
+            try:  # its own horizon
+                alone = native_attention.cached_attention(alone_q, k[bi : bi + 1].contiguous(),
+                                                          v[bi : bi + 1].contiguous(), seen, max(1, int(seen)), 0.3)
+            finally:
+                torch.set_num_threads(threads)
             assert torch.equal(alone.view(kvh, g, d), got.view(b, kvh, g, n, d)[bi, :, :, t])
 
 

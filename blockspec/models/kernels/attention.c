@@ -7,15 +7,18 @@
  * speculative output drifted from plain decoding within a few dozen tokens. Here every query row
  * is computed the same way whatever the block: scores over its visible keys in key order (16-wide
  * partial sums over the head dimension, one fixed reduction tree), a softmax with the maximum
- * subtracted (exp16, lane by lane), then the weighted sum of values in key order. Up to CH
- * query rows of one KV head share each key and value load, and four keys' sums are reduced
- * together, but every score and output element gets its own, fixed arithmetic. So a query gets
- * the same bits alone or in any block, batch or thread split (batch invariance, as rows.c for
- * the projections). Products and sums are fused multiply-adds (fma16, as rows.c). Speed: level
- * with PyTorch's for blocks, 2x faster for one token per row (BENCHMARKS.md, session 18); since
- * session 26 each item prefetches its keys and values, which took SmolLM2's 30 layers at 250
- * tokens of context from 7.1 to 4.6 ms for 16 rows x 1 token, 11.9 to 6.0 for 16 x 2 and 1.04
- * to 0.85 for a 6-token verify (2 cores).
+ * subtracted (exp16, lane by lane), then the weighted sum of values in key order; over more than
+ * KEY_CHUNK keys, that per chunk of keys (fixed boundaries from key 0), the chunks then joined in
+ * order. Up to CH query rows of one KV head share each key and value load, and four keys' sums
+ * are reduced together, but every score and output element gets its own, fixed arithmetic. So a
+ * query gets the same bits alone or in any block, batch or thread split (batch invariance, as
+ * rows.c for the projections). Products and sums are fused multiply-adds (fma16, as rows.c).
+ * Speed: level with PyTorch's for blocks, 2x faster for one token per row (BENCHMARKS.md, session
+ * 18); since session 26 each item prefetches its keys and values, which took SmolLM2's 30 layers
+ * at 250 tokens of context from 7.1 to 4.6 ms for 16 rows x 1 token, 11.9 to 6.0 for 16 x 2 and
+ * 1.04 to 0.85 for a 6-token verify (2 cores); since session 31 the chunks share a lone row's
+ * long context between threads (a 4-token SmolLM2 verify at 3,000 tokens of context: 16-17.5
+ * -> 13.5-14 ms a forward).
  *
  * Layouts: q [b, kvh, g * n, d] (the g query heads of one KV head together, n tokens each);
  * k, v: a cache [b, kvh, cap, d] with batch and head strides in elements; visible [b, n]: the
@@ -23,32 +26,52 @@
  * v are fp32 (bs_attention) or bf16 (bs_attention_bf16).
  */
 #include <math.h>
+#include <omp.h>
 #include <stdlib.h>
 
 #include "vec.h" /* exp16, fma16 */
 
-/* R (<= CH) query rows of one KV head: rows idx[r] of q and out (stride d) over keys/values k, v (row
- * stride d), row r seeing seen[r] of them. The keys and values are loaded once for the R rows; each
- * row's arithmetic is the same whatever R and the other rows (it is the loop body of the r-th row). */
+/* Keys are taken in chunks of KEY_CHUNK (from key 0, whatever the batch): one work item is (batch
+ * row, KV head, chunk), so a lone row's keys are shared between threads (one token over a long
+ * context has only one item per KV head otherwise: 3 items for 2 threads on SmolLM2), and the
+ * query rows of a verified block take turns on a chunk while it sits in the core's cache, where
+ * each group of CH rows streamed the whole context from memory before. A query that sees at most
+ * KEY_CHUNK keys is computed in one item as before; a longer one gets each chunk's maximum, sum
+ * of exponentials and unnormalised output, which `combine` joins in chunk order. Either way the
+ * arithmetic depends on the query's own number of keys only. */
 #define CH 4
+#define KEY_CHUNK 256 /* a multiple of 16 */
 #define PREFETCH_KEYS 8 /* keys ahead */
-static inline __attribute__((always_inline)) void rows_of(const void *q, const void *k, const void *v, float *out,
-                                                          const int64_t *idx, float *scores, const int64_t *seen,
-                                                          int64_t stride, int64_t d, float scale, const int R,
-                                                          const int bf) {
-    const int64_t dv = d & ~(int64_t)15;
-    int64_t most = 0;
-    float top[CH], total[CH];
+
+/* R (<= CH) query rows of one KV head, rows idx[r] of q and out (stride d), over the keys
+ * [j0, j0 + KEY_CHUNK) of k, v (row stride d) that each sees (seen[r] > j0 of them in all). The
+ * keys and values are loaded once for the R rows; each row's arithmetic is the same whatever R
+ * and the other rows (it is the loop body of the r-th row): scores in key order, the softmax with
+ * the chunk's maximum subtracted, then the weighted sum of values in key order. A row with
+ * seen[r] <= KEY_CHUNK gets its output; a longer one writes (maximum, sum, unnormalised output)
+ * to part + slot[r] * (d + 2). scores: CH * KEY_CHUNK floats. */
+static inline __attribute__((always_inline)) void chunk_rows(const void *q, const void *k, const void *v,
+                                                             float *out, float *part, const int64_t *idx,
+                                                             const int64_t *slot, float *scores, const int64_t *seen,
+                                                             int64_t j0, int64_t d, float scale, const int R,
+                                                             const int bf) {
+    const int64_t dv = d & ~(int64_t)15, stride = KEY_CHUNK;
+    int64_t most = 0, len[CH];
+    float top[CH], total[CH], *dst[CH];
     float qf[R * d]; /* the rows in fp32 once (exact), not widened again for every key */
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++)
         for (int64_t i = 0; i < d; i++) qf[r * d + i] = scalar(q, idx[r] * d + i, bf);
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) {
-        most = seen[r] > most ? seen[r] : most;
+        len[r] = seen[r] - j0 < KEY_CHUNK ? seen[r] - j0 : KEY_CHUNK;
+        most = len[r] > most ? len[r] : most;
         top[r] = -INFINITY;
         total[r] = 0.0f;
+        dst[r] = seen[r] <= KEY_CHUNK ? out + idx[r] * d : part + slot[r] * (d + 2) + 2;
     }
+    k = at(k, j0 * d, bf);
+    v = at(v, j0 * d, bf);
     /* scores, four keys at a time: each is reduced by reduce16's tree (reduce16x4) */
     const int64_t row_bytes = d * (bf ? 2 : 4);
     for (int64_t j = 0; j < most; j += 4) {
@@ -80,7 +103,7 @@ static inline __attribute__((always_inline)) void rows_of(const void *q, const v
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
             v4 s4 = reduce16x4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
-            const int live = seen[r] - j < C ? (int)(seen[r] - j) : C;
+            const int live = len[r] - j < C ? (int)(len[r] - j) : C;
             if (live <= 0) continue;
             if (dv < d) /* a head dimension that is not a multiple of 16: its tail, scalar */
                 for (int c = 0; c < live; c++)
@@ -101,8 +124,8 @@ static inline __attribute__((always_inline)) void rows_of(const void *q, const v
     }
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) {
-        for (int64_t j = 0; j < seen[r]; j += 16) {
-            const int64_t left = seen[r] - j < 16 ? seen[r] - j : 16;
+        for (int64_t j = 0; j < len[r]; j += 16) {
+            const int64_t left = len[r] - j < 16 ? len[r] - j : 16;
             v16 x = (v16){0} - 100.0f; /* lanes past the row's keys: exp underflows to 0 */
             memcpy(&x, scores + r * stride + j, (size_t)left * sizeof(float));
             const v16 e = exp16(x - top[r]);
@@ -124,7 +147,7 @@ static inline __attribute__((always_inline)) void rows_of(const void *q, const v
             for (int u = 0; u < 4; u++) vv[u] = u < nv ? load(v, j * d + i0 + 16 * u, bf) : (v16){0};
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
-                if (j >= seen[r]) continue;
+                if (j >= len[r]) continue;
                 const v16 p = (v16){0} + scores[r * stride + j];
 #pragma GCC unroll 4
                 for (int u = 0; u < 4; u++) o[r][u] = fma16(o[r][u], p, vv[u]);
@@ -132,87 +155,168 @@ static inline __attribute__((always_inline)) void rows_of(const void *q, const v
         }
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++)
-            for (int u = 0; u < nv; u++) memcpy(out + idx[r] * d + i0 + 16 * u, &o[r][u], sizeof o[r][u]);
+            for (int u = 0; u < nv; u++) memcpy(dst[r] + i0 + 16 * u, &o[r][u], sizeof o[r][u]);
     }
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) {
         for (int64_t i = dv; i < d; i++) {
             float t = 0.0f;
-            for (int64_t j = 0; j < seen[r]; j++) t += scores[r * stride + j] * scalar(v, j * d + i, bf);
-            out[idx[r] * d + i] = t;
+            for (int64_t j = 0; j < len[r]; j++) t += scores[r * stride + j] * scalar(v, j * d + i, bf);
+            dst[r][i] = t;
         }
     }
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) {
+        if (seen[r] > KEY_CHUNK) { /* a chunk of a longer row: `combine` finishes it */
+            dst[r][-2] = top[r];
+            dst[r][-1] = total[r];
+            continue;
+        }
         const float inv = seen[r] > 0 ? 1.0f / total[r] : 0.0f;
-        for (int64_t i = 0; i < d; i++) out[idx[r] * d + i] *= inv;
+        for (int64_t i = 0; i < d; i++) dst[r][i] *= inv;
     }
 }
 
-/* Work items: (batch row, KV head, up to CH of the row's query rows that see a key). A query
- * token that sees no key (visible 0: padding of a ragged verify, whose output nobody reads) gets
- * zeros and costs nothing, so a row verifying one token beside rows verifying four pays for one.
- * Which rows share an item does not change any row's arithmetic (rows_of). */
+/* out[d] of a query from its `chunks` partial results p (each: maximum, sum, d unnormalised
+ * outputs), joined in chunk order under the largest maximum */
+static void combine(float *out, const float *p, int64_t chunks, int64_t d) {
+    float top = -INFINITY, total = 0.0f;
+    for (int64_t c = 0; c < chunks; c++) top = p[c * (d + 2)] > top ? p[c * (d + 2)] : top;
+    for (int64_t i = 0; i < d; i++) out[i] = 0.0f;
+    for (int64_t c = 0; c < chunks; c++) {
+        const float *pc = p + c * (d + 2), w = expf(pc[0] - top);
+        total += w * pc[1];
+        for (int64_t i = 0; i < d; i++) out[i] += w * pc[2 + i];
+    }
+    const float inv = 1.0f / total;
+    for (int64_t i = 0; i < d; i++) out[i] *= inv;
+}
+
+/* Work items: (batch row, KV head, key chunk, up to CH of the row's query rows that see a key in
+ * the chunk), in that order, so the items of one chunk follow each other (its keys and values are
+ * read from memory once) and a thread's items are neighbours in the cache. Each thread takes a
+ * contiguous run of items holding an equal share of the keys (a chunk's tail and a verified
+ * block's short rows weigh less). A query token that sees no key (visible 0: padding of a ragged
+ * verify, whose output nobody reads) gets zeros and costs nothing, so a row verifying one token
+ * beside rows verifying four pays for one. Which rows share an item, and which thread runs it,
+ * does not change any row's arithmetic (chunk_rows). */
 static inline __attribute__((always_inline)) int attention(const void *q, const void *k, const void *v, float *out,
                                                            const int64_t *visible, int64_t b, int64_t kvh,
                                                            int64_t g, int64_t n, int64_t d, int64_t sb, int64_t sh,
                                                            int64_t horizon, float scale, int threads, const int bf) {
-    const int64_t m = g * n, stride = horizon > 0 ? horizon : 1;
-    /* per batch row: its live query rows (head-major, as laid out in q), then the items over them */
+    const int64_t m = g * n;
+    /* per batch row: its live query rows (head-major, as laid out in q) and the keys each sees,
+     * its chunks, and where its longer queries' partial results go (per KV head, row, chunk) */
     int64_t *live = malloc((size_t)(b * m + 1) * sizeof(int64_t));
+    int64_t *sees = malloc((size_t)(b * m + 1) * sizeof(int64_t));
     int64_t *count = malloc((size_t)(b + 1) * sizeof(int64_t));
-    int64_t *item_row = malloc((size_t)(b * ((m + CH - 1) / CH) + 1) * sizeof(int64_t));
-    int64_t *item_at = malloc((size_t)(b * ((m + CH - 1) / CH) + 1) * sizeof(int64_t));
-    if (!live || !count || !item_row || !item_at) {
-        free(live), free(count), free(item_row), free(item_at);
-        return -1;
-    }
-    int64_t per_head = 0; /* items of one KV head */
-    for (int64_t bi = 0; bi < b; bi++) {
-        int64_t c = 0;
-        for (int64_t r = 0; r < m; r++)
-            if (visible[bi * n + r % n] > 0) live[bi * m + c++] = r;
+    int64_t *chunks = malloc((size_t)(b + 1) * sizeof(int64_t));
+    int64_t *first = malloc((size_t)(b + 1) * sizeof(int64_t)); /* first slot of the row's partials */
+    int64_t *item = 0, *work = 0; /* per item: bi, hi, c, R, CH row indices; keys before it */
+    float *part = 0;
+    int failed = !live || !sees || !count || !chunks || !first;
+    int64_t items = 0, slots = 0;
+    for (int64_t bi = 0; bi < b && !failed; bi++) {
+        int64_t c = 0, most = 0;
+        for (int64_t r = 0; r < m; r++) {
+            const int64_t s = visible[bi * n + r % n] < horizon ? visible[bi * n + r % n] : horizon;
+            if (s <= 0) continue;
+            live[bi * m + c] = r, sees[bi * m + c++] = s;
+            most = s > most ? s : most;
+        }
         count[bi] = c;
-        for (int64_t r0 = 0; r0 < c; r0 += CH) item_row[per_head] = bi, item_at[per_head++] = r0;
-    }
-    const int64_t items = per_head * kvh;
-    int failed = 0;
-    _Pragma("omp parallel num_threads(threads) reduction(|| : failed)")
-    {
-        float *scores = malloc((size_t)(CH * stride) * sizeof(float));
-        if (!scores) failed = 1;
-        else {
-            _Pragma("omp for schedule(static) nowait")
-            for (int64_t bh = 0; bh < b * kvh; bh++) { /* zeros for the query rows that see nothing */
-                const int64_t bi = bh / kvh;
-                if (count[bi] == m) continue;
-                for (int64_t r = 0; r < m; r++)
-                    if (visible[bi * n + r % n] <= 0) memset(out + (bh * m + r) * d, 0, (size_t)d * sizeof(float));
-            }
-            _Pragma("omp for schedule(static)")
-            for (int64_t it = 0; it < items; it++) {
-                const int64_t j = it / kvh, hi = it % kvh, bi = item_row[j], r0 = item_at[j];
-                const int R = count[bi] - r0 < CH ? (int)(count[bi] - r0) : CH;
-                const int64_t *idx = live + bi * m + r0;
-                int64_t seen[CH];
-                for (int r = 0; r < R; r++) {
-                    const int64_t s = visible[bi * n + idx[r] % n];
-                    seen[r] = s < horizon ? s : horizon;
-                }
-                const int64_t qr = (bi * kvh + hi) * m, kv = bi * sb + hi * sh;
-                const void *qp = at(q, qr * d, bf), *kp = at(k, kv, bf), *vp = at(v, kv, bf);
-                float *op = out + qr * d;
-                switch (R) {
-                case 4: rows_of(qp, kp, vp, op, idx, scores, seen, stride, d, scale, 4, bf); break;
-                case 3: rows_of(qp, kp, vp, op, idx, scores, seen, stride, d, scale, 3, bf); break;
-                case 2: rows_of(qp, kp, vp, op, idx, scores, seen, stride, d, scale, 2, bf); break;
-                default: rows_of(qp, kp, vp, op, idx, scores, seen, stride, d, scale, 1, bf); break;
-                }
-            }
-            free(scores);
+        chunks[bi] = (most + KEY_CHUNK - 1) / KEY_CHUNK;
+        first[bi] = slots;
+        if (chunks[bi] > 1) slots += kvh * c * chunks[bi];
+        for (int64_t ch = 0; ch < chunks[bi]; ch++) {
+            int64_t rows = 0;
+            for (int64_t li = 0; li < c; li++) rows += sees[bi * m + li] > ch * KEY_CHUNK;
+            items += kvh * ((rows + CH - 1) / CH);
         }
     }
-    free(live), free(count), free(item_row), free(item_at);
+    enum { FIELDS = 4 + CH };
+    if (!failed) {
+        item = malloc((size_t)(items * FIELDS + 1) * sizeof(int64_t));
+        work = malloc((size_t)(items + 1) * sizeof(int64_t));
+        part = slots ? malloc((size_t)(slots * (d + 2)) * sizeof(float)) : 0;
+        failed = !item || !work || (slots && !part);
+    }
+    if (failed) {
+        free(live), free(sees), free(count), free(chunks), free(first), free(item), free(work), free(part);
+        return -1;
+    }
+    int64_t it = 0;
+    work[0] = 0;
+    for (int64_t bi = 0; bi < b; bi++)
+        for (int64_t hi = 0; hi < kvh; hi++)
+            for (int64_t ch = 0; ch < chunks[bi]; ch++) {
+                const int64_t j0 = ch * KEY_CHUNK;
+                int64_t *f = 0, keys = 0;
+                for (int64_t li = 0; li < count[bi]; li++) {
+                    const int64_t s = sees[bi * m + li];
+                    if (s <= j0) continue;
+                    if (!f || f[3] == CH) {
+                        if (f) work[it] = work[it - 1] + keys, keys = 0;
+                        f = item + it++ * FIELDS;
+                        f[0] = bi, f[1] = hi, f[2] = ch, f[3] = 0;
+                    }
+                    f[4 + f[3]++] = li;
+                    keys += (s - j0 < KEY_CHUNK ? s - j0 : KEY_CHUNK) + 16; /* + a row's fixed cost */
+                }
+                if (f) work[it] = work[it - 1] + keys;
+            }
+    const int64_t total = work[items];
+    _Pragma("omp parallel num_threads(threads) reduction(|| : failed)")
+    {
+        const int64_t nt = omp_get_num_threads(), self = omp_get_thread_num();
+        float *scores = malloc((size_t)(CH * KEY_CHUNK) * sizeof(float));
+        if (!scores) failed = 1;
+        _Pragma("omp for schedule(static) nowait")
+        for (int64_t bh = 0; bh < b * kvh; bh++) { /* zeros for the query rows that see nothing */
+            const int64_t bi = bh / kvh;
+            if (count[bi] == m) continue;
+            for (int64_t r = 0; r < m; r++)
+                if (visible[bi * n + r % n] <= 0 || horizon <= 0) memset(out + (bh * m + r) * d, 0, (size_t)d * sizeof(float));
+        }
+        for (int64_t i = 0; i < items && scores; i++) {
+            /* the thread whose share of the keys holds this item's middle */
+            if ((work[i] + work[i + 1]) / 2 * nt / (total > 0 ? total : 1) != self) continue;
+            const int64_t *f = item + i * FIELDS, bi = f[0], hi = f[1], ch = f[2], j0 = ch * KEY_CHUNK;
+            const int R = (int)f[3];
+            const int64_t qr = (bi * kvh + hi) * m, kv = bi * sb + hi * sh;
+            int64_t idx[CH], seen[CH], slot[CH];
+            for (int r = 0; r < R; r++) {
+                const int64_t li = f[4 + r];
+                idx[r] = live[bi * m + li], seen[r] = sees[bi * m + li];
+                slot[r] = first[bi] + (hi * count[bi] + li) * chunks[bi] + ch;
+            }
+            const void *qp = at(q, qr * d, bf), *kp = at(k, kv, bf), *vp = at(v, kv, bf);
+            float *op = out + qr * d;
+            switch (R) {
+            case 4: chunk_rows(qp, kp, vp, op, part, idx, slot, scores, seen, j0, d, scale, 4, bf); break;
+            case 3: chunk_rows(qp, kp, vp, op, part, idx, slot, scores, seen, j0, d, scale, 3, bf); break;
+            case 2: chunk_rows(qp, kp, vp, op, part, idx, slot, scores, seen, j0, d, scale, 2, bf); break;
+            default: chunk_rows(qp, kp, vp, op, part, idx, slot, scores, seen, j0, d, scale, 1, bf); break;
+            }
+        }
+        if (slots) { /* the queries longer than a chunk, once every chunk is done */
+            _Pragma("omp barrier")
+            _Pragma("omp for schedule(static)")
+            for (int64_t bh = 0; bh < b * kvh; bh++) {
+                const int64_t bi = bh / kvh, hi = bh % kvh;
+                if (chunks[bi] < 2) continue;
+                for (int64_t li = 0; li < count[bi]; li++) {
+                    const int64_t s = sees[bi * m + li];
+                    if (s <= KEY_CHUNK) continue;
+                    combine(out + ((bi * kvh + hi) * m + live[bi * m + li]) * d,
+                            part + (first[bi] + (hi * count[bi] + li) * chunks[bi]) * (d + 2),
+                            (s + KEY_CHUNK - 1) / KEY_CHUNK, d);
+                }
+            }
+        }
+        free(scores);
+    }
+    free(live), free(sees), free(count), free(chunks), free(first), free(item), free(work), free(part);
     return failed ? -1 : 0;
 }
 
