@@ -130,3 +130,17 @@ def test_limit_parsing():
     assert _limits("4,mt-bench=0") == {"*": 4, "mt-bench": 0}
     with pytest.raises(argparse.ArgumentTypeError):
         _limits("gsm8k=x")
+
+
+def test_bench_context_puts_other_problems_in_front(tmp_path, tiny_model_dir, tiny_drafter_dir, capsys):
+    rc, out = _bench(tmp_path, tiny_model_dir, tiny_drafter_dir, "--datasets", "gsm8k", "--block-sizes", "4",
+                     "--adaptive-only", "--lookup", "off", "--context", "400")
+    assert rc == 0, capsys.readouterr().err
+    data = json.loads((out / "results.json").read_text())
+    assert data["meta"]["context_tokens"] == 400 and "--context 400" in data["meta"]["command"]
+    assert data["requests"] and all(r["prompt_tokens"] >= 400 for r in data["requests"])
+    assert data["lossless"]["passed"] is True
+    assert "to at least 400 tokens" in (out / "report.md").read_text()
+    rc = main(["bench", "--target", str(tiny_model_dir), "--drafter", str(tiny_drafter_dir), "--context", "400",
+               "--endpoint", "http://127.0.0.1:9/v1", "--out", str(tmp_path / "e")])
+    assert rc == 2 and "--context counts tokens" in capsys.readouterr().err

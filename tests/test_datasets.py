@@ -156,3 +156,27 @@ def test_sample_validation():
         Sample("", ("hi",))
     with pytest.raises(ConfigError):
         Sample("x", ["hi"])  # type: ignore[arg-type]
+
+
+def test_with_context_puts_other_problems_in_front_until_long_enough():
+    pool = load_dataset("gsm8k", limit=40)
+    words = lambda text: len(text.split())  # noqa: E731  (a stand-in tokenizer)
+    got = ds.with_context(pool[:3], pool, 300, words)
+    for sample, padded in zip(pool[:3], got):
+        assert padded.id == sample.id and padded.reference == sample.reference
+        first = padded.prompt
+        assert first.startswith(ds.CONTEXT_INTRO) and first.endswith(ds.CONTEXT_OUTRO + sample.prompt)
+        assert words(first) >= 300
+        context = first[len(ds.CONTEXT_INTRO) : -len(ds.CONTEXT_OUTRO + sample.prompt)]
+        pieces = context.split("\n\n")
+        assert sample.prompt not in pieces  # never itself
+        position = [p.id for p in pool].index(sample.id)
+        assert pieces[0].startswith(pool[position + 1].prompt.split("\n\n")[0])  # the ones after it, in order
+        assert words(first) - words(pieces[-1]) < 300 + 20  # no more than needed
+    assert [s.prompt for s in got] != [s.prompt for s in pool[:3]] and len({s.prompt for s in got}) == 3
+    two_turns = load_dataset("mt-bench", limit=2)
+    padded = ds.with_context(two_turns, two_turns, 50, words)
+    assert padded[0].turns[1:] == two_turns[0].turns[1:]  # only the first turn grows
+    assert ds.with_context(pool[:2], pool, 0, words) == pool[:2]
+    with pytest.raises(ConfigError, match="ask for fewer"):
+        ds.with_context(pool[:1], pool[:3], 100_000, words)

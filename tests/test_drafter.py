@@ -86,13 +86,24 @@ def _published_dir(tmp_path: Path, target) -> Path:
     return save_drafter(drafter, tmp_path / "drafter")
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "windowed"])
 def test_reference_package_same_hidden_states(tmp_path: Path, family: str) -> None:
+    """windowed: bidirectional layers with a sliding window shorter than the context (as the
+    shipped SmolLM2 drafter has), which the reference reads from the same config keys."""
     from dflash.model import DFlashDraftModel
 
-    target = make_tiny_target(family, dtype=torch.float32)
+    target = make_tiny_target("qwen3" if family == "windowed" else family, dtype=torch.float32)
     path = _published_dir(tmp_path, target)
+    if family == "windowed":
+        config = json.loads((path / "config.json").read_text())
+        config.update(layer_types=["sliding_attention"] * 2, sliding_window=6, is_causal=False)
+        del config["use_sliding_window"]
+        (path / "config.json").write_text(json.dumps(config))
+        path = save_drafter(load_drafter(path), tmp_path / "saved")  # as `blockspec train` writes it
     ours = load_drafter(path)
+    if family == "windowed":
+        assert all(not layer.self_attn.causal and layer.self_attn.sliding_window == 6 for layer in ours.layers)
+        assert json.loads((path / "config.json").read_text())["use_sliding_window"] is True
     ref = DFlashDraftModel.from_pretrained(str(path)).float().eval()
     assert list(ref.target_layer_ids) == list(ours.target_layer_ids)
     g = torch.Generator().manual_seed(0)

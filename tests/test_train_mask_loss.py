@@ -17,13 +17,16 @@ from blockspec.train.anchors import (
 from blockspec.train.loss import block_loss, default_gamma, fused_head_ce, position_weights
 
 
-def brute_force_mask(anchors: list[int], B: int, S: int) -> torch.Tensor:
+def brute_force_mask(anchors: list[int], B: int, S: int, window: int | None = None) -> torch.Tensor:
     n = len(anchors)
     m = torch.zeros(n * B, S + n * B, dtype=torch.bool)
     for qi in range(n * B):
         a = qi // B
+        position = anchors[a] + qi % B
         for j in range(S):
             m[qi, j] = j < anchors[a]  # strictly before the anchor
+            if window is not None:
+                m[qi, j] &= position - j < window  # a sliding window reaches this far back
         for kj in range(n * B):
             m[qi, S + kj] = kj // B == a  # own block only, both directions
     return m
@@ -33,6 +36,34 @@ def test_mask_matches_brute_force():
     for anchors, B, S in (([0, 3, 7], 4, 12), ([5], 16, 40), ([2, 9, 10, 20], 3, 23)):
         got = block_attention_mask(torch.tensor(anchors), B, S)
         assert torch.equal(got, brute_force_mask(anchors, B, S))
+        for window in (5, 8):
+            got = block_attention_mask(torch.tensor(anchors), B, S, window)
+            assert torch.equal(got, brute_force_mask(anchors, B, S, window))
+    narrow = block_attention_mask(torch.tensor([10]), 4, 12, 5)
+    assert narrow[0, 6] and not narrow[0, 5] and narrow[3, 9] and not narrow[3, 8]  # each query its own reach
+    assert narrow[0, 12:].all()  # the block itself stays whole
+
+
+def test_trainer_takes_one_bidirectional_attention_kind():
+    import pytest
+    from conftest import make_tiny_target
+
+    from blockspec.errors import ConfigError
+    from blockspec.models.drafter import new_drafter_for_target
+    from blockspec.train.trainer import attention_window
+
+    drafter = new_drafter_for_target(make_tiny_target("llama").config, mask_token_id=47, num_layers=2)
+    assert attention_window(drafter) is None
+    for layer in drafter.layers:
+        layer.self_attn.sliding_window = 64
+    assert attention_window(drafter) == 64
+    drafter.layers[0].self_attn.sliding_window = 32
+    with pytest.raises(ConfigError, match="attend alike"):
+        attention_window(drafter)
+    drafter.layers[0].self_attn.sliding_window = 64
+    drafter.layers[1].self_attn.causal = True
+    with pytest.raises(ConfigError, match="is_causal to false"):
+        attention_window(drafter)
 
 
 def test_mask_context_is_strict_and_blocks_are_isolated():

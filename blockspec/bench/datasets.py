@@ -334,6 +334,43 @@ def load_dataset(
     return samples if limit is None else samples[:limit]
 
 
+CONTEXT_INTRO = "Some other problems, for reference only:\n\n"
+CONTEXT_OUTRO = "\n\nNow solve this one:\n\n"
+
+
+def with_context(samples: Sequence[Sample], pool: Sequence[Sample], tokens: int,
+                 count: Callable[[str], int]) -> list[Sample]:
+    """Each sample with other problems in front of its first turn, until that turn holds at least
+    `tokens` tokens (by `count`): the same tasks, decoded over a long context.
+
+    The other problems are the first turns of `pool` (the whole set, say) in order, starting
+    after the sample itself and wrapping around, never the sample itself. tokens 0: unchanged.
+    """
+    if tokens < 0:
+        raise ConfigError(f"context tokens must be >= 0, got {tokens}")
+    if tokens == 0:
+        return list(samples)
+    out = []
+    for sample in samples:
+        ids = [s.id for s in pool]
+        start = ids.index(sample.id) + 1 if sample.id in ids else 0
+        others = [pool[(start + i) % len(pool)] for i in range(len(pool))]
+        others = [o.prompt for o in others if o.id != sample.id]
+        have = count(CONTEXT_INTRO + CONTEXT_OUTRO + sample.prompt)
+        used: list[str] = []
+        for text in others:
+            if have >= tokens:
+                break
+            used.append(text)
+            have += count("\n\n" + text)
+        if have < tokens:
+            raise ConfigError(f"{sample.id}: the other prompts hold only {have} of the {tokens} context tokens "
+                              "asked for; ask for fewer")
+        first = CONTEXT_INTRO + "\n\n".join(used) + CONTEXT_OUTRO + sample.prompt
+        out.append(Sample(sample.id, (first, *sample.turns[1:]), sample.reference))
+    return out
+
+
 def is_held_out(name: str, split: str | None = None) -> bool:
     """True for benchmark splits (never train on them)."""
     spec = _spec(name)

@@ -385,6 +385,8 @@ def markdown(summaries: Sequence[Summary], agreements: Sequence[Agreement], meta
         ("torch threads", env.get("torch_threads")),
         ("load average (1 min) at start / end", _loads(meta.get("load_average_at_start"), env.get("load_average_1m"))),
         ("max new tokens", meta.get("max_new_tokens")),
+        ("context", f"other problems in front of each prompt, to at least {meta['context_tokens']} tokens"
+         if meta.get("context_tokens") else None),
         ("top-p of the sampled settings", meta.get("top_p") if meta.get("top_p", 1.0) != 1.0 else None),
         ("prompts", meta.get("prompts")),
         ("command", f"`{meta['command']}`" if meta.get("command") else None),

@@ -104,6 +104,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0,
                         help="nucleus sampling for the temperatures above 0, every runner alike (default 1: off)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per turn (default 128)")
+    parser.add_argument("--context", type=int, default=0, metavar="TOKENS",
+                        help="put other problems of the same set in front of each prompt until it holds at least "
+                             "this many tokens: the same tasks over a long context (default 0: off)")
     parser.add_argument("--thinking", choices=("on", "off", "both"), default="off",
                         help="thinking mode for chat templates that have one (default off)")
     parser.add_argument("--baselines", type=_names, default=(),
@@ -156,6 +159,16 @@ def _load_datasets(names: tuple[str, ...], limits: dict[str, int], shuffle: bool
         n = limits.get(name, limits.get("*", 16))
         out[name] = list(load_dataset(name, limit=n or None, shuffle=shuffle, seed=seed))
     return out
+
+
+def _with_context(datasets: dict[str, list], tokens: int, tokenizer: object) -> dict[str, list]:
+    """Each set's prompts with other problems of the whole set in front (`datasets.with_context`)."""
+    from blockspec.bench.datasets import load_dataset, with_context
+
+    def count(text: str) -> int:
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    return {name: with_context(samples, load_dataset(name), tokens, count) for name, samples in datasets.items()}
 
 
 def _hf_model(args: argparse.Namespace, pipe: object) -> object:
@@ -224,6 +237,8 @@ def command_line(args: argparse.Namespace) -> str:
     if args.top_p != 1.0:
         parts += ["--top-p", f"{args.top_p:g}"]
     parts += ["--max-new-tokens", str(args.max_new_tokens), "--thinking", args.thinking]
+    if args.context:
+        parts += ["--context", str(args.context)]
     if args.adaptive_only:
         parts.append("--adaptive-only")
     elif args.adaptive:
@@ -265,6 +280,11 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    if args.context < 0:
+        raise ConfigError(f"--context must be >= 0 tokens, got {args.context}")
+    if args.context and args.endpoint:
+        raise ConfigError("--context counts tokens with the target's tokenizer, which --endpoint does not load; "
+                          "run in-process (drop --endpoint) or leave --context at 0")
     notes: list[str] = []
     datasets = _load_datasets(args.datasets, args.limit, args.shuffle, args.seed)
     if args.endpoint:
@@ -279,6 +299,8 @@ def run(args: argparse.Namespace) -> int:
     pipe = load(args.target, args.drafter, dtype=args.dtype, device=args.device,
                 drafter_layers=args.drafter_layers, seed=args.seed, backend=args.backend,
                 drafter_dtype=args.drafter_dtype)
+    if args.context:
+        datasets = _with_context(datasets, args.context, pipe.tokenizer)
     block_sizes = args.block_sizes or (pipe.drafter.block_size,)
     if 1 in block_sizes:
         raise ConfigError("--block-sizes lists DFlash block sizes (>= 2); plain decoding always runs as AR")
@@ -324,6 +346,7 @@ def run(args: argparse.Namespace) -> int:
         "device": args.device,
         "clock": args.clock,
         "max_new_tokens": args.max_new_tokens,
+        "context_tokens": args.context,
         "block_sizes": list(block_sizes),
         "concurrency": list(args.concurrency),
         "temperatures": list(args.temperature),

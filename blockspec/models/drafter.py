@@ -187,7 +187,8 @@ class DrafterConfig:
         out.setdefault("hidden_act", "silu")
         out.setdefault("attention_dropout", 0.0)
         out.setdefault("initializer_range", 0.02)
-        out.setdefault("use_sliding_window", False)
+        # transformers' Qwen3Config (which the reference package reads) drops the window unless this is set
+        out.setdefault("use_sliding_window", self.sliding_window is not None and "sliding_attention" in self.layer_types)
         return out
 
     def hf_rope_config(self) -> object:

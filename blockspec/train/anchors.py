@@ -45,15 +45,22 @@ def block_positions(anchors: torch.Tensor, block_size: int) -> torch.Tensor:
     return (anchors[:, None] + offsets[None, :]).reshape(-1)
 
 
-def block_attention_mask(anchors: torch.Tensor, block_size: int, ctx_len: int) -> torch.Tensor:
+def block_attention_mask(anchors: torch.Tensor, block_size: int, ctx_len: int,
+                         window: int | None = None) -> torch.Tensor:
     """Boolean mask [n*B, ctx_len + n*B] (True = may attend) for packed blocks.
 
-    Query i belongs to block a = i // B. Context key j is visible iff j < anchors[a]; block key m
-    is visible iff m // B == a.
+    Query i belongs to block a = i // B and sits at position anchors[a] + i % B. Context key j is
+    visible iff j < anchors[a] (and, for a drafter whose layers have a sliding `window`, the
+    query's position - j < window, as it attends at inference); block key m is visible iff
+    m // B == a.
     """
     n = int(anchors.shape[0])
     q_block = torch.arange(n * block_size, device=anchors.device) // block_size  # [nB]
-    ctx = torch.arange(ctx_len, device=anchors.device)[None, :] < anchors[q_block][:, None]  # [nB, c]
+    keys = torch.arange(ctx_len, device=anchors.device)[None, :]  # [1, c]
+    ctx = keys < anchors[q_block][:, None]  # [nB, c]
+    if window is not None:
+        position = anchors[q_block] + torch.arange(n * block_size, device=anchors.device) % block_size  # [nB]
+        ctx &= position[:, None] - keys < window
     own = q_block[:, None] == q_block[None, :]  # [nB, nB]
     return torch.cat([ctx, own], dim=1)
 

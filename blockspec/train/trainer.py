@@ -231,6 +231,18 @@ def prepare_sequence(
     return SeqBatch(ids, mask, ex.id, anchors, labels, pos_weights[None, :] * valid.float())
 
 
+def attention_window(drafter: DFlashDrafter) -> int | None:
+    """The sliding window every layer of the drafter attends within (None: the whole context),
+    for the training mask. Training builds one mask for all layers, so causal layers and layers
+    with different windows are refused."""
+    kinds = {(layer.self_attn.causal, layer.self_attn.sliding_window) for layer in drafter.layers}
+    if len(kinds) > 1 or any(causal for causal, _ in kinds):
+        raise ConfigError(f"training needs drafter layers that attend alike and bidirectionally within a block; "
+                          f"these have (causal, sliding_window) = {sorted(kinds, key=str)}: set layer_types to one "
+                          "kind and is_causal to false in the drafter's config.json")
+    return next(iter(kinds))[1]
+
+
 def sequence_forward(
     drafter: DFlashDrafter,
     target: object,
@@ -260,7 +272,7 @@ def sequence_forward(
     block_ids[:, 0] = seq.ids.to(device)[anchors]
     with torch.no_grad():
         embeds = target.embed(block_ids.reshape(1, n * B)).float() * drafter.cfg.input_embedding_scale  # [1, nB, H]
-    mask = block_attention_mask(anchors, B, S)[None, None]  # [1, 1, nB, S+nB]
+    mask = block_attention_mask(anchors, B, S, attention_window(drafter))[None, None]  # [1, 1, nB, S+nB]
     ctx_pos = torch.arange(S, device=device)[None]
     blk_pos = block_positions(anchors, B)[None]
     dtype = drafter.fc.weight.dtype
@@ -331,6 +343,7 @@ class Trainer:
             self._check_resumable()
         else:
             self.drafter = self._new_drafter()
+        attention_window(self.drafter)  # refused here, before any data is read, if it cannot be trained
         self.drafter.train()
         # a single process has nothing to shard: "fsdp" then trains the plain drafter
         self.fsdp = cfg.parallel == "fsdp" and self.dist.active

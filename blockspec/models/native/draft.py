@@ -46,6 +46,9 @@ class StaticDrafter:
         self.cfg = cfg
         self.layer_kinds = [(layer.self_attn.causal, layer.self_attn.sliding_window) for layer in drafter.layers]
         self.plain = all(not causal and window is None for causal, window in self.layer_kinds)
+        # bidirectional layers whose windows reach further than a pass can look act as plain ones
+        self.reach = None if any(causal for causal, _ in self.layer_kinds) else min(
+            (window for _, window in self.layer_kinds if window is not None), default=None)
         self._fused: tuple[tuple, list] | None = None  # (weight versions, per layer weights)
         self._program: tuple[list, LayerProgram | None] | None = None  # (the fused weights it read, program)
 
@@ -137,13 +140,21 @@ class StaticDrafter:
             mask = mask[:, :, None].expand(b, 1, groups, q, horizon).reshape(b, 1, groups * q, horizon)
         return mask
 
-    def _visible(self, block_positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    def _plain_for(self, horizon: int, q: int) -> bool:
+        """Whether this pass's layers all see every slot below the block's end: no causal layer,
+        and any sliding window longer than every key-query distance (slots 0..horizon-1, blocks
+        of q). A drafter trained on short sequences can carry a window (the one shipped for
+        SmolLM2: 512) that changes nothing until the context outgrows it, and until then its
+        passes take the plain fast path."""
+        return self.plain or (self.reach is not None and horizon <= self.reach and q <= self.reach)
+
+    def _visible(self, block_positions: torch.Tensor, dtype: torch.dtype, plain: bool) -> torch.Tensor | None:
         """Keys each block query sees [b, q] for the CPU attention kernel (`cached_attention`):
         all of its row's slots below the block's end, the committed context and the whole block.
         None where PyTorch's attention runs instead: other devices or dtypes, causal or windowed
         layers. Why: PyTorch's CPU attention with a mask cost 170-280 us per layer at 8 rows
         (SmolLM2's drafter, 2 cores), most of a batched draft pass's attention."""
-        if not self.plain:
+        if not plain:
             return None
         b, q = block_positions.shape
         # the keys of a query at the block's last position are exactly those slots
@@ -203,7 +214,8 @@ class StaticDrafter:
                                    cos=cos.reshape(-1, d), sin=sin.reshape(-1, d), kv_rows=all_rows, kv_slots=slots,
                                    q_from=t, q_rows=all_rows[t:], q_cols=block_places(b, q)[1], batch=b, q_len=q)
         masks: dict[tuple[bool, int | None], torch.Tensor | None] = {}
-        visible = self._visible(block_positions, dtype)  # [b, q] or None: PyTorch's attention
+        plain = self._plain_for(horizon, q)
+        visible = self._visible(block_positions, dtype, plain)  # [b, q] or None: PyTorch's attention
         scale = d ** -0.5
         x = block_embeds
         if place is not None and visible is not None and not torch.is_grad_enabled():
@@ -237,7 +249,7 @@ class StaticDrafter:
             out = None if visible is None else cached_attention(qg, k_cache, v_cache, visible, horizon, scale)
             if out is None:
                 if kind not in masks:  # built only here: the kernel's mask is `visible`
-                    masks[kind] = None if (b == 1 and self.plain) else self._mask(kind, block_positions, horizon, g)
+                    masks[kind] = None if (b == 1 and plain) else self._mask(kind, block_positions, horizon, g)
                 out = F.scaled_dot_product_attention(
                     qg, k_cache[:, :, :horizon], v_cache[:, :, :horizon], attn_mask=masks[kind]
                 )
