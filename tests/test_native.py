@@ -249,10 +249,13 @@ def test_static_drafter_equals_module_forward(monkeypatch: pytest.MonkeyPatch, d
         start = start + torch.tensor(keep_n)
 
 
-def test_static_drafter_with_a_sliding_window_equals_module_forward(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Bidirectional layers with a sliding window (the shipped SmolLM2 drafter's config): while
-    the context fits in the window the pass takes the plain path (the CPU kernel, no mask), after
-    that PyTorch's attention under the window; both as the module attends."""
+@pytest.mark.parametrize("window", [12, 3])
+def test_static_drafter_with_a_sliding_window_equals_module_forward(monkeypatch: pytest.MonkeyPatch,
+                                                                    window: int) -> None:
+    """Bidirectional layers with a sliding window (the shipped SmolLM2 drafter's config) attend
+    as the module does: through the CPU kernel, from each query's first key once the context
+    outgrows the window (12); through PyTorch's attention under a mask where a block is wider
+    than the window (3)."""
     if rowmatmul.kernel() is None:
         pytest.skip("no C compiler: the kernel path is not built here")
     import torch.nn.functional as F
@@ -260,29 +263,33 @@ def test_static_drafter_with_a_sliding_window_equals_module_forward(monkeypatch:
     model = make_tiny_target("llama", seed=9)
     drafter = new_drafter_for_target(model.config, mask_token_id=47, num_layers=2, dtype=torch.float32)
     init_drafter_weights(drafter, std=0.3, seed=1)
-    window = 12
+    whole = new_drafter_for_target(model.config, mask_token_id=47, num_layers=2, dtype=torch.float32)
+    whole.load_state_dict(drafter.state_dict())  # the same weights, no window
     for layer in drafter.layers:
         layer.self_attn.sliding_window = window
     static = StaticDrafter(drafter)
-    assert not static.plain and static.reach == window
+    assert not static.plain and static.reach == window == static.window
     calls: list[int] = []
     sdpa = F.scaled_dot_product_attention
     monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or sdpa(*a, **k))
     g = torch.Generator().manual_seed(3)
     width = len(drafter.target_layer_ids) * 32
-    dyn_cache, st_cache = drafter.new_cache(1), static.new_cache(1)
+    dyn_cache, st_cache, whole_cache = drafter.new_cache(1), static.new_cache(1), whole.new_cache(1)
     feats = torch.randn(1, 4, width, generator=g)
     ctx_pos = torch.arange(4)[None]
     start, q = 4, 4
-    for step in range(5):  # blocks end at 8, 11, 14, ...: the window is outgrown at the third
+    for step in range(6):  # blocks end at 8, 11, 14, ..., 23
         block_pos = start + torch.arange(q)[None]
         embeds = torch.randn(1, q, 32, generator=g)
         want = drafter(feats, ctx_pos, embeds, block_pos, dyn_cache)
+        unwindowed = whole(feats, ctx_pos, embeds, block_pos, whole_cache)
         st_cache.reserve(int(block_pos.max()) + 1, 64)
         calls.clear()
         got = static(feats, ctx_pos, embeds, block_pos, st_cache)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-        assert bool(calls) == (start + q > window), (step, start + q)
+        assert bool(calls) == (q > window), step  # the kernel whenever a block fits in the window
+        outgrown = start + q > window
+        assert outgrown == (not torch.allclose(got, unwindowed, atol=1e-3)), step  # the window really cuts
         feats = torch.randn(1, 3, width, generator=g)
         ctx_pos = block_pos[:, :3]  # three accepted
         start += 3

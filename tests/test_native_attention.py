@@ -69,6 +69,35 @@ def test_matches_sdpa_and_each_query_gets_its_bits_alone(dtype: torch.dtype, d: 
             assert torch.equal(alone.view(kvh, g, d), got.view(b, kvh, g, n, d)[bi, :, :, t])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_first_key_per_query_is_a_sliding_window(dtype: torch.dtype) -> None:
+    """start [b, n]: each query sees keys start .. visible - 1 (a drafter's sliding window), in
+    and across the kernel's key chunks; a query's bits alone equal its bits in the batch."""
+    b, kvh, g, n, d, cap = 2, 2, 3, 4, 64, 700
+    q, k, v = _case(b, kvh, g, n, d, cap, dtype, seed=7)
+    visible = torch.tensor([[600, 600, 600, 600], [40, 41, 42, 43]])
+    start = torch.tensor([[89, 90, 300, 599], [0, 30, 41, 0]])
+    got = native_attention.cached_attention(q, k, v, visible, 600, 0.3, start)
+    keys = torch.arange(600)
+    see = (keys >= start[:, :, None]) & (keys < visible[:, :, None])  # [b, n, S]
+    mask = see[:, None].expand(b, g, n, 600).reshape(b, 1, g * n, 600)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k[:, :, :600].double(), v[:, :, :600].double(), attn_mask=mask, scale=0.3)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+    rows = q.view(b, kvh, g, n, d)
+    for bi in range(b):
+        for t in range(n):
+            alone = native_attention.cached_attention(
+                rows[bi : bi + 1, :, :, t : t + 1].reshape(1, kvh, g, d).contiguous(), k[bi : bi + 1].contiguous(),
+                v[bi : bi + 1].contiguous(), visible[bi : bi + 1, t : t + 1].clone(), 600, 0.3,
+                start[bi : bi + 1, t : t + 1].clone())
+            assert torch.equal(alone.view(kvh, g, d), got.view(b, kvh, g, n, d)[bi, :, :, t])
+    # no start is start 0
+    zero = native_attention.cached_attention(q, k, v, visible, 600, 0.3, torch.zeros_like(start))
+    assert torch.equal(zero, native_attention.cached_attention(q, k, v, visible, 600, 0.3))
+
+
 def test_only_cpu_passes_of_a_few_tokens_take_the_kernel() -> None:
     few, fp32 = torch.arange(4)[None], torch.float32
     assert native_attention.visible_keys(few, static=False, dtype=fp32).tolist() == [[1, 2, 3, 4]]

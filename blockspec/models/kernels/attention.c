@@ -44,19 +44,20 @@
 #define PREFETCH_KEYS 8 /* keys ahead */
 
 /* R (<= CH) query rows of one KV head, rows idx[r] of q and out (stride d), over the keys
- * [j0, j0 + KEY_CHUNK) of k, v (row stride d) that each sees (seen[r] > j0 of them in all). The
- * keys and values are loaded once for the R rows; each row's arithmetic is the same whatever R
- * and the other rows (it is the loop body of the r-th row): scores in key order, the softmax with
- * the chunk's maximum subtracted, then the weighted sum of values in key order. A row with
- * seen[r] <= KEY_CHUNK gets its output; a longer one writes (maximum, sum, unnormalised output)
- * to part + slot[r] * (d + 2). scores: CH * KEY_CHUNK floats. */
+ * [j0, j0 + KEY_CHUNK) of k, v (row stride d) that each sees (keys lo[r] .. seen[r] - 1 in all,
+ * some of them in this chunk). The keys and values are loaded once for the R rows; each row's
+ * arithmetic is the same whatever R and the other rows (it is the loop body of the r-th row):
+ * scores in key order, the softmax with the chunk's maximum subtracted, then the weighted sum of
+ * values in key order. A row whose keys all lie in this chunk gets its output; any other writes
+ * (maximum, sum, unnormalised output) to part + slot[r] * (d + 2). scores: CH * KEY_CHUNK floats. */
 static inline __attribute__((always_inline)) void chunk_rows(const void *q, const void *k, const void *v,
                                                              float *out, float *part, const int64_t *idx,
                                                              const int64_t *slot, float *scores, const int64_t *seen,
-                                                             int64_t j0, int64_t d, float scale, const int R,
-                                                             const int bf) {
+                                                             const int64_t *lo, int64_t j0, int64_t d, float scale,
+                                                             const int R, const int bf) {
     const int64_t dv = d & ~(int64_t)15, stride = KEY_CHUNK;
-    int64_t most = 0, len[CH];
+    int64_t most = 0, least = KEY_CHUNK, len[CH], beg[CH]; /* per row: its keys [beg, len) of the chunk */
+    int whole[CH];
     float top[CH], total[CH], *dst[CH];
     float qf[R * d]; /* the rows in fp32 once (exact), not widened again for every key */
 #pragma GCC unroll 4
@@ -65,16 +66,19 @@ static inline __attribute__((always_inline)) void chunk_rows(const void *q, cons
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) {
         len[r] = seen[r] - j0 < KEY_CHUNK ? seen[r] - j0 : KEY_CHUNK;
+        beg[r] = lo[r] > j0 ? lo[r] - j0 : 0;
         most = len[r] > most ? len[r] : most;
+        least = beg[r] < least ? beg[r] : least;
         top[r] = -INFINITY;
         total[r] = 0.0f;
-        dst[r] = seen[r] <= KEY_CHUNK ? out + idx[r] * d : part + slot[r] * (d + 2) + 2;
+        whole[r] = lo[r] / KEY_CHUNK == (seen[r] - 1) / KEY_CHUNK;
+        dst[r] = whole[r] ? out + idx[r] * d : part + slot[r] * (d + 2) + 2;
     }
     k = at(k, j0 * d, bf);
     v = at(v, j0 * d, bf);
     /* scores, four keys at a time: each is reduced by reduce16's tree (reduce16x4) */
     const int64_t row_bytes = d * (bf ? 2 : 4);
-    for (int64_t j = 0; j < most; j += 4) {
+    for (int64_t j = least & ~(int64_t)3; j < most; j += 4) {
         const int C = most - j < 4 ? (int)(most - j) : 4;
         /* the keys of a later group, and this group's values for the pass after this one: each
          * item streams its own strip of the cache, too short for the hardware prefetcher to
@@ -109,13 +113,14 @@ static inline __attribute__((always_inline)) void chunk_rows(const void *q, cons
                 for (int c = 0; c < live; c++)
                     for (int64_t i = dv; i < d; i++) s4[c] += qf[r * d + i] * scalar(k, (j + c) * d + i, bf);
             s4 *= scale;
-            if (live == 4) {
+            if (live == 4 && j >= beg[r]) {
                 memcpy(scores + r * stride + j, &s4, sizeof s4);
                 const float m01 = s4[0] > s4[1] ? s4[0] : s4[1], m23 = s4[2] > s4[3] ? s4[2] : s4[3];
                 const float m = m01 > m23 ? m01 : m23;
                 top[r] = m > top[r] ? m : top[r];
             } else {
                 for (int c = 0; c < live; c++) {
+                    if (j + c < beg[r]) continue; /* before the row's window */
                     scores[r * stride + j + c] = s4[c];
                     top[r] = s4[c] > top[r] ? s4[c] : top[r];
                 }
@@ -124,7 +129,7 @@ static inline __attribute__((always_inline)) void chunk_rows(const void *q, cons
     }
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) {
-        for (int64_t j = 0; j < len[r]; j += 16) {
+        for (int64_t j = beg[r]; j < len[r]; j += 16) {
             const int64_t left = len[r] - j < 16 ? len[r] - j : 16;
             v16 x = (v16){0} - 100.0f; /* lanes past the row's keys: exp underflows to 0 */
             memcpy(&x, scores + r * stride + j, (size_t)left * sizeof(float));
@@ -141,13 +146,13 @@ static inline __attribute__((always_inline)) void chunk_rows(const void *q, cons
         for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
             for (int u = 0; u < 4; u++) o[r][u] = (v16){0};
-        for (int64_t j = 0; j < most; j++) {
+        for (int64_t j = least; j < most; j++) {
             v16 vv[4];
 #pragma GCC unroll 4
             for (int u = 0; u < 4; u++) vv[u] = u < nv ? load(v, j * d + i0 + 16 * u, bf) : (v16){0};
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
-                if (j >= len[r]) continue;
+                if (j < beg[r] || j >= len[r]) continue;
                 const v16 p = (v16){0} + scores[r * stride + j];
 #pragma GCC unroll 4
                 for (int u = 0; u < 4; u++) o[r][u] = fma16(o[r][u], p, vv[u]);
@@ -161,18 +166,18 @@ static inline __attribute__((always_inline)) void chunk_rows(const void *q, cons
     for (int r = 0; r < R; r++) {
         for (int64_t i = dv; i < d; i++) {
             float t = 0.0f;
-            for (int64_t j = 0; j < len[r]; j++) t += scores[r * stride + j] * scalar(v, j * d + i, bf);
+            for (int64_t j = beg[r]; j < len[r]; j++) t += scores[r * stride + j] * scalar(v, j * d + i, bf);
             dst[r][i] = t;
         }
     }
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) {
-        if (seen[r] > KEY_CHUNK) { /* a chunk of a longer row: `combine` finishes it */
+        if (!whole[r]) { /* a chunk of a longer row: `combine` finishes it */
             dst[r][-2] = top[r];
             dst[r][-1] = total[r];
             continue;
         }
-        const float inv = seen[r] > 0 ? 1.0f / total[r] : 0.0f;
+        const float inv = seen[r] > lo[r] ? 1.0f / total[r] : 0.0f;
         for (int64_t i = 0; i < d; i++) dst[r][i] *= inv;
     }
 }
@@ -192,6 +197,16 @@ static void combine(float *out, const float *p, int64_t chunks, int64_t d) {
     for (int64_t i = 0; i < d; i++) out[i] *= inv;
 }
 
+/* the keys a query token sees end at visible[i] (at most horizon) and start at start[i] (0 when
+ * start is null: the whole prefix; a sliding window's first key otherwise) */
+static inline int64_t keys_to(const int64_t *visible, int64_t i, int64_t horizon) {
+    return visible[i] < horizon ? visible[i] : horizon;
+}
+static inline int64_t keys_from(const int64_t *start, int64_t i, int64_t to) {
+    const int64_t f = start ? start[i] : 0;
+    return f < 0 ? 0 : f < to ? f : to;
+}
+
 /* Work items: (batch row, KV head, key chunk, up to CH of the row's query rows that see a key in
  * the chunk), in that order, so the items of one chunk follow each other (its keys and values are
  * read from memory once) and a thread's items are neighbours in the cache. Each thread takes a
@@ -201,36 +216,40 @@ static void combine(float *out, const float *p, int64_t chunks, int64_t d) {
  * beside rows verifying four pays for one. Which rows share an item, and which thread runs it,
  * does not change any row's arithmetic (chunk_rows). */
 static inline __attribute__((always_inline)) int attention(const void *q, const void *k, const void *v, float *out,
-                                                           const int64_t *visible, int64_t b, int64_t kvh,
+                                                           const int64_t *visible, const int64_t *start,
+                                                           int64_t b, int64_t kvh,
                                                            int64_t g, int64_t n, int64_t d, int64_t sb, int64_t sh,
                                                            int64_t horizon, float scale, int threads, const int bf) {
     const int64_t m = g * n;
-    /* per batch row: its live query rows (head-major, as laid out in q) and the keys each sees,
-     * its chunks, and where its longer queries' partial results go (per KV head, row, chunk) */
+    /* per batch row: its live query rows (head-major, as laid out in q) and the keys each sees
+     * (from, sees), its chunks, and where its longer queries' partial results go (per KV head,
+     * row, chunk) */
     int64_t *live = malloc((size_t)(b * m + 1) * sizeof(int64_t));
     int64_t *sees = malloc((size_t)(b * m + 1) * sizeof(int64_t));
+    int64_t *from = malloc((size_t)(b * m + 1) * sizeof(int64_t));
     int64_t *count = malloc((size_t)(b + 1) * sizeof(int64_t));
     int64_t *chunks = malloc((size_t)(b + 1) * sizeof(int64_t));
-    int64_t *first = malloc((size_t)(b + 1) * sizeof(int64_t)); /* first slot of the row's partials */
+    int64_t *slot0 = malloc((size_t)(b + 1) * sizeof(int64_t)); /* first slot of the row's partials */
     int64_t *item = 0, *work = 0; /* per item: bi, hi, c, R, CH row indices; keys before it */
     float *part = 0;
-    int failed = !live || !sees || !count || !chunks || !first;
+    int failed = !live || !sees || !from || !count || !chunks || !slot0;
     int64_t items = 0, slots = 0;
     for (int64_t bi = 0; bi < b && !failed; bi++) {
         int64_t c = 0, most = 0;
         for (int64_t r = 0; r < m; r++) {
-            const int64_t s = visible[bi * n + r % n] < horizon ? visible[bi * n + r % n] : horizon;
-            if (s <= 0) continue;
-            live[bi * m + c] = r, sees[bi * m + c++] = s;
+            const int64_t s = keys_to(visible, bi * n + r % n, horizon), f = keys_from(start, bi * n + r % n, s);
+            if (s <= f) continue;
+            live[bi * m + c] = r, from[bi * m + c] = f, sees[bi * m + c++] = s;
             most = s > most ? s : most;
         }
         count[bi] = c;
         chunks[bi] = (most + KEY_CHUNK - 1) / KEY_CHUNK;
-        first[bi] = slots;
+        slot0[bi] = slots;
         if (chunks[bi] > 1) slots += kvh * c * chunks[bi];
         for (int64_t ch = 0; ch < chunks[bi]; ch++) {
             int64_t rows = 0;
-            for (int64_t li = 0; li < c; li++) rows += sees[bi * m + li] > ch * KEY_CHUNK;
+            for (int64_t li = 0; li < c; li++)
+                rows += sees[bi * m + li] > ch * KEY_CHUNK && from[bi * m + li] < (ch + 1) * KEY_CHUNK;
             items += kvh * ((rows + CH - 1) / CH);
         }
     }
@@ -242,7 +261,7 @@ static inline __attribute__((always_inline)) int attention(const void *q, const 
         failed = !item || !work || (slots && !part);
     }
     if (failed) {
-        free(live), free(sees), free(count), free(chunks), free(first), free(item), free(work), free(part);
+        free(live), free(sees), free(from), free(count), free(chunks), free(slot0), free(item), free(work), free(part);
         return -1;
     }
     int64_t it = 0;
@@ -253,15 +272,15 @@ static inline __attribute__((always_inline)) int attention(const void *q, const 
                 const int64_t j0 = ch * KEY_CHUNK;
                 int64_t *f = 0, keys = 0;
                 for (int64_t li = 0; li < count[bi]; li++) {
-                    const int64_t s = sees[bi * m + li];
-                    if (s <= j0) continue;
+                    const int64_t s = sees[bi * m + li], fr = from[bi * m + li];
+                    if (s <= j0 || fr >= j0 + KEY_CHUNK) continue;
                     if (!f || f[3] == CH) {
                         if (f) work[it] = work[it - 1] + keys, keys = 0;
                         f = item + it++ * FIELDS;
                         f[0] = bi, f[1] = hi, f[2] = ch, f[3] = 0;
                     }
                     f[4 + f[3]++] = li;
-                    keys += (s - j0 < KEY_CHUNK ? s - j0 : KEY_CHUNK) + 16; /* + a row's fixed cost */
+                    keys += (s - j0 < KEY_CHUNK ? s - j0 : KEY_CHUNK) - (fr > j0 ? fr - j0 : 0) + 16; /* + a row's fixed cost */
                 }
                 if (f) work[it] = work[it - 1] + keys;
             }
@@ -275,8 +294,10 @@ static inline __attribute__((always_inline)) int attention(const void *q, const 
         for (int64_t bh = 0; bh < b * kvh; bh++) { /* zeros for the query rows that see nothing */
             const int64_t bi = bh / kvh;
             if (count[bi] == m) continue;
-            for (int64_t r = 0; r < m; r++)
-                if (visible[bi * n + r % n] <= 0 || horizon <= 0) memset(out + (bh * m + r) * d, 0, (size_t)d * sizeof(float));
+            for (int64_t r = 0; r < m; r++) {
+                const int64_t s = keys_to(visible, bi * n + r % n, horizon);
+                if (s <= keys_from(start, bi * n + r % n, s)) memset(out + (bh * m + r) * d, 0, (size_t)d * sizeof(float));
+            }
         }
         for (int64_t i = 0; i < items && scores; i++) {
             /* the thread whose share of the keys holds this item's middle */
@@ -284,19 +305,19 @@ static inline __attribute__((always_inline)) int attention(const void *q, const 
             const int64_t *f = item + i * FIELDS, bi = f[0], hi = f[1], ch = f[2], j0 = ch * KEY_CHUNK;
             const int R = (int)f[3];
             const int64_t qr = (bi * kvh + hi) * m, kv = bi * sb + hi * sh;
-            int64_t idx[CH], seen[CH], slot[CH];
+            int64_t idx[CH], seen[CH], lo[CH], slot[CH];
             for (int r = 0; r < R; r++) {
                 const int64_t li = f[4 + r];
-                idx[r] = live[bi * m + li], seen[r] = sees[bi * m + li];
-                slot[r] = first[bi] + (hi * count[bi] + li) * chunks[bi] + ch;
+                idx[r] = live[bi * m + li], seen[r] = sees[bi * m + li], lo[r] = from[bi * m + li];
+                slot[r] = slot0[bi] + (hi * count[bi] + li) * chunks[bi] + ch;
             }
             const void *qp = at(q, qr * d, bf), *kp = at(k, kv, bf), *vp = at(v, kv, bf);
             float *op = out + qr * d;
             switch (R) {
-            case 4: chunk_rows(qp, kp, vp, op, part, idx, slot, scores, seen, j0, d, scale, 4, bf); break;
-            case 3: chunk_rows(qp, kp, vp, op, part, idx, slot, scores, seen, j0, d, scale, 3, bf); break;
-            case 2: chunk_rows(qp, kp, vp, op, part, idx, slot, scores, seen, j0, d, scale, 2, bf); break;
-            default: chunk_rows(qp, kp, vp, op, part, idx, slot, scores, seen, j0, d, scale, 1, bf); break;
+            case 4: chunk_rows(qp, kp, vp, op, part, idx, slot, scores, seen, lo, j0, d, scale, 4, bf); break;
+            case 3: chunk_rows(qp, kp, vp, op, part, idx, slot, scores, seen, lo, j0, d, scale, 3, bf); break;
+            case 2: chunk_rows(qp, kp, vp, op, part, idx, slot, scores, seen, lo, j0, d, scale, 2, bf); break;
+            default: chunk_rows(qp, kp, vp, op, part, idx, slot, scores, seen, lo, j0, d, scale, 1, bf); break;
             }
         }
         if (slots) { /* the queries longer than a chunk, once every chunk is done */
@@ -306,29 +327,28 @@ static inline __attribute__((always_inline)) int attention(const void *q, const 
                 const int64_t bi = bh / kvh, hi = bh % kvh;
                 if (chunks[bi] < 2) continue;
                 for (int64_t li = 0; li < count[bi]; li++) {
-                    const int64_t s = sees[bi * m + li];
-                    if (s <= KEY_CHUNK) continue;
+                    const int64_t c0 = from[bi * m + li] / KEY_CHUNK, c1 = (sees[bi * m + li] - 1) / KEY_CHUNK;
+                    if (c0 == c1) continue;
                     combine(out + ((bi * kvh + hi) * m + live[bi * m + li]) * d,
-                            part + (first[bi] + (hi * count[bi] + li) * chunks[bi]) * (d + 2),
-                            (s + KEY_CHUNK - 1) / KEY_CHUNK, d);
+                            part + (slot0[bi] + (hi * count[bi] + li) * chunks[bi] + c0) * (d + 2), c1 - c0 + 1, d);
                 }
             }
         }
         free(scores);
     }
-    free(live), free(sees), free(count), free(chunks), free(first), free(item), free(work), free(part);
+    free(live), free(sees), free(from), free(count), free(chunks), free(slot0), free(item), free(work), free(part);
     return failed ? -1 : 0;
 }
 
 /* Returns 0, or -1 when scratch memory could not be allocated. */
-int bs_attention(const float *q, const float *k, const float *v, float *out, const int64_t *visible, int64_t b,
-                 int64_t kvh, int64_t g, int64_t n, int64_t d, int64_t sb, int64_t sh, int64_t horizon, float scale,
-                 int threads) {
-    return attention(q, k, v, out, visible, b, kvh, g, n, d, sb, sh, horizon, scale, threads, 0);
+int bs_attention(const float *q, const float *k, const float *v, float *out, const int64_t *visible,
+                 const int64_t *start, int64_t b, int64_t kvh, int64_t g, int64_t n, int64_t d, int64_t sb, int64_t sh,
+                 int64_t horizon, float scale, int threads) {
+    return attention(q, k, v, out, visible, start, b, kvh, g, n, d, sb, sh, horizon, scale, threads, 0);
 }
 
 int bs_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, float *out, const int64_t *visible,
-                      int64_t b, int64_t kvh, int64_t g, int64_t n, int64_t d, int64_t sb, int64_t sh, int64_t horizon,
-                      float scale, int threads) {
-    return attention(q, k, v, out, visible, b, kvh, g, n, d, sb, sh, horizon, scale, threads, 1);
+                      const int64_t *start, int64_t b, int64_t kvh, int64_t g, int64_t n, int64_t d, int64_t sb,
+                      int64_t sh, int64_t horizon, float scale, int threads) {
+    return attention(q, k, v, out, visible, start, b, kvh, g, n, d, sb, sh, horizon, scale, threads, 1);
 }

@@ -127,8 +127,8 @@ enum { D_CTX, D_TOKENS, D_HIDDEN, D_LAYERS, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_I
  * drafter's; ctx = 0 for a target), the rest is scratch. kv [layers, 2]: each layer's K and V
  * cache (the batch's first row). The tokens are the [batch, q_len] block in row-major order;
  * cos, sin [ctx + tokens, d], q_rows, q_cols [tokens], kv_rows, kv_slots [ctx + tokens] and the
- * cache geometry as bs_rope_kv takes them (queries from token ctx on), visible, horizon and scale
- * as bs_attention. Scratch: qkv [ctx + tokens, (heads + 2 kv_heads) d], q [batch, kv_heads,
+ * cache geometry as bs_rope_kv takes them (queries from token ctx on), visible, start (null, or
+ * each query's first key), horizon and scale as bs_attention. Scratch: qkv [ctx + tokens, (heads + 2 kv_heads) d], q [batch, kv_heads,
  * groups * q_len, d], att (fp32) like q, o_in [tokens, heads d], gate_up [tokens, 2 inter], act
  * [tokens, inter], acc (fp32, bf16 only) as large as the largest product's output.
  * capture [layers]: a column offset into features [tokens, feat_width] for that layer's output,
@@ -137,7 +137,8 @@ enum { D_CTX, D_TOKENS, D_HIDDEN, D_LAYERS, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_I
 static inline int layers_loop(void *x, void *xb, const int64_t *dims, const float *scal, const int64_t *lw,
                               const int64_t *kv, const void *cos, const void *sin, const int64_t *q_rows,
                               const int64_t *q_cols, const int64_t *kv_rows, const int64_t *kv_slots,
-                              const int64_t *visible, void *kin, void *qkv, void *q, float *att, void *o_in,
+                              const int64_t *visible, const int64_t *start, void *kin, void *qkv, void *q, float *att,
+                              void *o_in,
                               void *gate_up, void *act, float *acc, const int64_t *capture, void *features,
                               int threads, const int bf) {
     const int64_t ctx = dims[D_CTX], tokens = dims[D_TOKENS], hidden = dims[D_HIDDEN], heads = dims[D_HEADS];
@@ -166,10 +167,10 @@ static inline int layers_loop(void *x, void *xb, const int64_t *dims, const floa
                              dims[D_CACHE_SLOTS], dims[D_STRIDE_ROW], dims[D_STRIDE_HEAD], dims[D_STRIDE_SLOT],
                              threads);
         if (rc) return 20 + rc;
-        rc = bf ? bs_attention_bf16(q, k_cache, v_cache, att, visible, batch, kv_heads, groups, q_len, d,
+        rc = bf ? bs_attention_bf16(q, k_cache, v_cache, att, visible, start, batch, kv_heads, groups, q_len, d,
                                     dims[D_STRIDE_ROW], dims[D_STRIDE_HEAD], dims[D_HORIZON], scale, threads)
-                : bs_attention(q, k_cache, v_cache, att, visible, batch, kv_heads, groups, q_len, d, dims[D_STRIDE_ROW],
-                               dims[D_STRIDE_HEAD], dims[D_HORIZON], scale, threads);
+                : bs_attention(q, k_cache, v_cache, att, visible, start, batch, kv_heads, groups, q_len, d,
+                               dims[D_STRIDE_ROW], dims[D_STRIDE_HEAD], dims[D_HORIZON], scale, threads);
         if (rc) return 31;
         /* [batch, kv_heads, groups, q_len, d] -> [batch, q_len, heads d], PyTorch's permute (bf16:
          * the attention's output rounded to bf16 first, as the Python loop casts it) */
@@ -206,12 +207,13 @@ static inline int layers_loop(void *x, void *xb, const int64_t *dims, const floa
 #define LAYERS_ARGS(T_)                                                                                   \
     T_ *x, T_ *xb, const int64_t *dims, const float *scal, const int64_t *lw, const int64_t *kv, const T_ *cos, \
         const T_ *sin, const int64_t *q_rows, const int64_t *q_cols, const int64_t *kv_rows,                 \
-        const int64_t *kv_slots, const int64_t *visible, T_ *kin, T_ *qkv, T_ *q, float *att, T_ *o_in,        \
-        T_ *gate_up, T_ *act, float *acc, const int64_t *capture, T_ *features, int threads
+        const int64_t *kv_slots, const int64_t *visible, const int64_t *start, T_ *kin, T_ *qkv, T_ *q,       \
+        float *att, T_ *o_in, T_ *gate_up, T_ *act, float *acc, const int64_t *capture, T_ *features,        \
+        int threads
 #define LAYERS_CALL(BF)                                                                                   \
     if (dims[D_HEADS] % dims[D_KV_HEADS]) return 1;                                                       \
-    return layers_loop(x, xb, dims, scal, lw, kv, cos, sin, q_rows, q_cols, kv_rows, kv_slots, visible, kin, qkv, \
-                       q, att, o_in, gate_up, act, acc, capture, features, threads, BF);
+    return layers_loop(x, xb, dims, scal, lw, kv, cos, sin, q_rows, q_cols, kv_rows, kv_slots, visible, start, kin, \
+                       qkv, q, att, o_in, gate_up, act, acc, capture, features, threads, BF);
 
 int bs_layers(LAYERS_ARGS(float)) { LAYERS_CALL(0) }
 

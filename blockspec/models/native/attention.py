@@ -31,12 +31,13 @@ def visible_keys(positions: torch.Tensor, static: bool, dtype: torch.dtype) -> t
 
 
 def cached_attention(qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, visible: torch.Tensor,
-                     horizon: int, scale: float) -> torch.Tensor | None:
+                     horizon: int, scale: float, start: torch.Tensor | None = None) -> torch.Tensor | None:
     """softmax(q k^T scale) v per query over its visible keys -> [b, kvh, g * q, d] in qg's dtype.
 
     qg [b, kvh, g * q, d]; k_cache, v_cache [b, kvh, cap, d] (only the first `horizon` slots are
-    read); visible from `visible_keys`. None where the kernel does not handle these tensors
-    (a dtype other than fp32/bf16, a cache that is not a plain contiguous tensor).
+    read); visible from `visible_keys`; start [b, q] (int64, optional): each query's first key
+    (a sliding window's), else 0. None where the kernel does not handle these tensors (a dtype
+    other than fp32/bf16, a cache that is not a plain contiguous tensor).
     """
     k = rowmatmul.kernel()
     fn = None if k is None else k.attention.get(qg.dtype)
@@ -48,8 +49,9 @@ def cached_attention(qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     n = visible.shape[1]
     q = qg.contiguous()
     out = torch.empty(b, kvh, m, d, dtype=torch.float32)
-    rc = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), visible.data_ptr(), b, kvh,
-            m // n, n, d, k_cache.stride(0), k_cache.stride(1), horizon, scale, torch.get_num_threads())
+    rc = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), visible.data_ptr(),
+            None if start is None else start.data_ptr(), b, kvh, m // n, n, d, k_cache.stride(0), k_cache.stride(1),
+            horizon, scale, torch.get_num_threads())
     if rc != 0:
         raise MemoryError("the CPU attention kernel could not allocate its scratch memory")
     return out if qg.dtype == torch.float32 else out.to(qg.dtype)

@@ -49,6 +49,8 @@ class StaticDrafter:
         # bidirectional layers whose windows reach further than a pass can look act as plain ones
         self.reach = None if any(causal for causal, _ in self.layer_kinds) else min(
             (window for _, window in self.layer_kinds if window is not None), default=None)
+        # one window for every (bidirectional) layer: the CPU kernel takes each query's first key
+        self.window = self.reach if {w for _, w in self.layer_kinds} == {self.reach} else None
         self._fused: tuple[tuple, list] | None = None  # (weight versions, per layer weights)
         self._program: tuple[list, LayerProgram | None] | None = None  # (the fused weights it read, program)
 
@@ -148,13 +150,19 @@ class StaticDrafter:
         passes take the plain fast path."""
         return self.plain or (self.reach is not None and horizon <= self.reach and q <= self.reach)
 
-    def _visible(self, block_positions: torch.Tensor, dtype: torch.dtype, plain: bool) -> torch.Tensor | None:
+    def _window_start(self, block_positions: torch.Tensor) -> torch.Tensor:
+        """Each block query's first key under the layers' common sliding window [b, q]: |query
+        position - key slot| < window (the block's own slots are within reach: q <= window)."""
+        return (block_positions - (self.window - 1)).clamp_min(0).to(torch.int64).contiguous()
+
+    def _visible(self, block_positions: torch.Tensor, dtype: torch.dtype, kernel: bool) -> torch.Tensor | None:
         """Keys each block query sees [b, q] for the CPU attention kernel (`cached_attention`):
-        all of its row's slots below the block's end, the committed context and the whole block.
-        None where PyTorch's attention runs instead: other devices or dtypes, causal or windowed
-        layers. Why: PyTorch's CPU attention with a mask cost 170-280 us per layer at 8 rows
-        (SmolLM2's drafter, 2 cores), most of a batched draft pass's attention."""
-        if not plain:
+        all of its row's slots below the block's end, the committed context and the whole block
+        (from `_window_start` on, under a window). None where PyTorch's attention runs instead:
+        other devices or dtypes, causal layers, windows that differ by layer or are shorter than
+        a block (kernel False). Why: PyTorch's CPU attention with a mask cost 170-280 us per
+        layer at 8 rows (SmolLM2's drafter, 2 cores), most of a batched draft pass's attention."""
+        if not kernel:
             return None
         b, q = block_positions.shape
         # the keys of a query at the block's last position are exactly those slots
@@ -215,7 +223,9 @@ class StaticDrafter:
                                    q_from=t, q_rows=all_rows[t:], q_cols=block_places(b, q)[1], batch=b, q_len=q)
         masks: dict[tuple[bool, int | None], torch.Tensor | None] = {}
         plain = self._plain_for(horizon, q)
-        visible = self._visible(block_positions, dtype, plain)  # [b, q] or None: PyTorch's attention
+        windowed = not plain and self.window is not None and q <= self.window  # the kernel takes first keys
+        visible = self._visible(block_positions, dtype, plain or windowed)  # [b, q] or None: PyTorch's attention
+        start = self._window_start(block_positions) if windowed and visible is not None else None  # [b, q]
         scale = d ** -0.5
         x = block_embeds
         if place is not None and visible is not None and not torch.is_grad_enabled():
@@ -224,7 +234,7 @@ class StaticDrafter:
             if (program is not None and program.dtype == dtype
                     and t + b * q <= kernel.fast_rows.get(dtype, 0)):  # as `linear(exact=False)` takes them
                 out = program.run(x.contiguous().clone(), place, visible, horizon, cache,
-                                  inter=cfg.intermediate_size, scale=scale, ctx=ctx)
+                                  inter=cfg.intermediate_size, scale=scale, ctx=ctx, start=start)
                 if out is not None:
                     cache.fresh = False
                     return _norm(m.norm, out)
@@ -246,7 +256,7 @@ class StaticDrafter:
                 k_cache[all_rows, :, slots] = ks
                 v_cache[all_rows, :, slots] = vs
                 qg = qs.view(b, q, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * q, d)
-            out = None if visible is None else cached_attention(qg, k_cache, v_cache, visible, horizon, scale)
+            out = None if visible is None else cached_attention(qg, k_cache, v_cache, visible, horizon, scale, start)
             if out is None:
                 if kind not in masks:  # built only here: the kernel's mask is `visible`
                     masks[kind] = None if (b == 1 and plain) else self._mask(kind, block_positions, horizon, g)

@@ -119,13 +119,15 @@ class LayerProgram:
 
     def run(self, x: torch.Tensor, place: QKVPlacement, visible: torch.Tensor, horizon: int, cache: StaticCache,
             *, inter: int, scale: float, ctx: torch.Tensor | None = None, capture: list[int] | None = None,
-            features: torch.Tensor | None = None, packed_max: int = 0) -> torch.Tensor | None:
+            features: torch.Tensor | None = None, packed_max: int = 0,
+            start: torch.Tensor | None = None) -> torch.Tensor | None:
         """x [b, q, H] (consumed) -> the last layer's output [b, q, H], before the final norm; K/V
         written into `cache` as the Python loop writes them. ctx [t, H]: rows that go through each
         layer's q/k/v projection before the block's and have no queries (the drafter's context;
         `place` then starts its queries at t). capture [layers]: the column of `features`
         [b, q, F] that takes each layer's output, or -1. packed_max: the most rows a bf16 product
-        reads its packed copy for. None where the kernel reports a failure (then nothing but
+        reads its packed copy for. start [b, q]: each query's first key (cached_attention), or
+        None. None where the kernel reports a failure (then nothing but
         repeatable K/V writes happened: the caller reruns its own loop)."""
         fn = rowmatmul.kernel()
         dtype = self.dtype
@@ -164,9 +166,9 @@ class LayerProgram:
             x.data_ptr(), xb.data_ptr(), dims_t.data_ptr(), scal.data_ptr(),
             self.table.data_ptr(), kv.data_ptr(), place.cos.data_ptr(), place.sin.data_ptr(), place.q_rows.data_ptr(),
             place.q_cols.data_ptr(), place.kv_rows.data_ptr(), place.kv_slots.data_ptr(), visible.data_ptr(),
-            kin.data_ptr(), qkv.data_ptr(), qs.data_ptr(), att.data_ptr(), o_in.data_ptr(), gate_up.data_ptr(),
-            act.data_ptr(), acc.data_ptr(), cap.data_ptr(), 0 if features is None else features.data_ptr(),
-            torch.get_num_threads())
+            0 if start is None else start.data_ptr(), kin.data_ptr(), qkv.data_ptr(), qs.data_ptr(), att.data_ptr(),
+            o_in.data_ptr(), gate_up.data_ptr(), act.data_ptr(), acc.data_ptr(), cap.data_ptr(),
+            0 if features is None else features.data_ptr(), torch.get_num_threads())
         return x if rc == 0 else None
 
 
