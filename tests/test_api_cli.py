@@ -193,3 +193,11 @@ def test_cli_evaluate_compares_drafters_on_heldout_prompts(tiny_model_dir: Path,
     assert "held-out py_stubs prompts: 2" in r.stdout
     r = _cli(*args[:5], "--prompts", "0")
     assert r.returncode == 2 and r.stderr.strip() == "error: --prompts must be >= 1, got 0"
+    # --context: the other held-out prompts in front of each one
+    r = _cli(*args[:5], "--prompts", "5", "--max-new-tokens", "4", "--data-dir", str(data), "--json")
+    alone = json.loads(r.stdout)["prompt_tokens"]
+    r = _cli(*args[:5], "--prompts", "5", "--max-new-tokens", "4", "--data-dir", str(data), "--context", "100")
+    assert r.returncode == 0, r.stderr
+    assert "at least 100 tokens of context" in r.stdout
+    r = _cli(*args[:5], "--prompts", "5", "--max-new-tokens", "4", "--data-dir", str(data), "--context", "100", "--json")
+    assert json.loads(r.stdout)["prompt_tokens"] >= max(100, alone + 40)  # the other prompts in front

@@ -29,6 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(gsm8k_code), or standard-library function stubs (py_stubs)")
     p.add_argument("--block-size", type=int, default=None, help="block size (default: each drafter's)")
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--context", type=int, default=0, metavar="TOKENS",
+                   help="put the other held-out prompts in front of each one until it holds at least this many "
+                        "tokens: tau over a long context (default 0: off)")
     p.add_argument("--batch-size", type=int, default=16, help="prompts decoded together")
     p.add_argument("--data-dir", default=None, help="where the data sets live (default: ../shared/data)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
@@ -44,6 +47,8 @@ def run(args: argparse.Namespace) -> int:
     for name in ("prompts", "max_new_tokens", "batch_size"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.context < 0:
+        raise ConfigError(f"--context must be >= 0 tokens, got {args.context}")
     import torch
 
     import blockspec
@@ -58,18 +63,37 @@ def run(args: argparse.Namespace) -> int:
     for drafter in args.drafter:
         pipe = blockspec.load(args.target, drafter, dtype=args.dtype, device=args.device,
                               block_size=args.block_size, drafter_dtype=args.drafter_dtype)
-        prompts = [encode_prompt(pipe.tokenizer, list(p.messages), chat=True) for p in held]
+        prompts = [encode_prompt(pipe.tokenizer, m, chat=True) for m in _with_context(held, args.context, pipe)]
         block = args.block_size or pipe.drafter.block_size
         res = quick_tau(pipe.decoder.target, pipe.drafter, prompts, block_size=block,
                         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
-        row = {"drafter": str(drafter), "block_size": block, **res}
+        row = {"drafter": str(drafter), "block_size": block, **res,
+               "prompt_tokens": round(sum(map(len, prompts)) / len(prompts), 1)}
         rows.append(row)
         if args.json:
             print(json.dumps(row), flush=True)
     if not args.json:
         print(f"held-out {args.heldout} prompts: {len(held)}, greedy, "
-              f"{args.max_new_tokens} new tokens")
+              f"{args.max_new_tokens} new tokens" + (f", at least {args.context} tokens of context" if args.context else ""))
         print(f"{'tau':>6} {'steps':>6} {'block':>5}  drafter")
         for r in rows:
             print(f"{r['tau']:6.2f} {r['steps']:6d} {r['block_size']:5d}  {r['drafter']}")
     return 0
+
+
+def _with_context(held: list, tokens: int, pipe: object) -> list[list[dict]]:
+    """Each held-out prompt's messages, its last user turn behind the other held-out prompts'
+    (`bench.datasets.with_context`) when tokens > 0."""
+    from blockspec.bench.datasets import Sample, with_context
+
+    messages = [[dict(m) for m in p.messages] for p in held]
+    if not tokens:
+        return messages
+    samples = [Sample(str(p.id), (m[-1]["content"],)) for p, m in zip(held, messages)]
+
+    def count(text: str) -> int:
+        return len(pipe.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    for m, padded in zip(messages, with_context(samples, samples, tokens, count)):
+        m[-1]["content"] = padded.prompt
+    return messages
