@@ -147,13 +147,15 @@ def test_long_prefills_of_whole_prompts_attend_under_the_causal_rule(monkeypatch
                                                                      family: str) -> None:
     """Passes of more than 64 tokens keep PyTorch's attention. Whole prompts from position 0
     (padding after them) go through it with is_causal (the keys above the diagonal skipped, no
-    mask read), with the logits of each prompt alone in Hugging Face's model; a pass that starts
-    after some context keeps the mask, and so does a left-padded batch."""
+    mask read), with the logits of each prompt alone in Hugging Face's model, right-padded in one
+    call, left-padded (as the engine joins prompts) in one call per row; a pass that starts after
+    some context keeps the mask, and so does a row with a gap."""
     import torch.nn.functional as F
 
     model = make_tiny_target(family, seed=12, dtype=torch.float32)
     target = load_native_target(model, dtype=None, eos_token_ids=())
     assert target.net.cfg.groups > 1
+    rowmatmul.kernel()  # built (and checked against PyTorch's attention) before the spy counts calls
     calls: list[bool] = []
     sdpa = F.scaled_dot_product_attention
 
@@ -185,12 +187,19 @@ def test_long_prefills_of_whole_prompts_attend_under_the_causal_rule(monkeypatch
     later, _ = target.forward(ids[:1, 30:], positions[:1, 30:], cache)
     assert calls and not any(calls)
     torch.testing.assert_close(later[0], logits[0, 30:], atol=2e-5, rtol=2e-5)
-    # left padding: positions are not their columns
+    # left padding (the engine's joins): one causal call per row, over its own tokens
     calls.clear()
     left = torch.full((2, 100), EMPTY)
     left[0] = torch.arange(100)
     left[1, 30:] = torch.arange(70)
     shifted = torch.cat([ids[1:2, 70:], ids[1:2, :70]], dim=1)  # row 1's prompt at the end
     got, _ = target.forward(torch.cat([ids[:1], shifted]), left, target.new_cache(2))
-    assert calls and not any(calls)
+    assert len(calls) == 2 * target.net.cfg.num_layers and all(calls)
     torch.testing.assert_close(got[1, 30:], logits[1, :70], atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(got[0], logits[0], atol=2e-5, rtol=2e-5)
+    # a gap inside a row's tokens: the mask
+    calls.clear()
+    gap = left.clone()
+    gap[1, 40] = EMPTY
+    target.forward(torch.cat([ids[:1], shifted]), gap, target.new_cache(2))
+    assert calls and not any(calls)

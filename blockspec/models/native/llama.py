@@ -144,16 +144,18 @@ class NativeLlama(nn.Module):
         return cache.horizon if cache.fresh else int(positions.max()) + 1
 
     def _sdpa_masks(self, positions: torch.Tensor, cache: StaticCache, horizon: int,
-                    static: bool = False) -> tuple[torch.Tensor | None, bool]:
-        """(mask, is_causal) for PyTorch's attention, shared by the layers of one forward (built
-        only when a layer runs it: on a CPU, passes of more than 64 tokens).
+                    static: bool = False) -> tuple[torch.Tensor | None, bool | tuple[tuple[int, int], ...]]:
+        """(mask, causal) for PyTorch's attention, shared by the layers of one forward (built only
+        when a layer runs it: on a CPU, passes of more than 64 tokens).
 
-        is_causal where every token sits at its own column's position from 0 (whole prompts, any
-        padding after them): the queries then attend as [b, h, q, d] over the first q slots under
-        the causal rule (`_sdpa`), and PyTorch's kernel skips the keys above the diagonal without
-        reading a mask (a 3,460-token SmolLM2 prompt on 2 cores: 250 -> 100 ms a layer). Padding
-        queries see the slots up to their column, stale but finite, and their outputs are
-        dropped. Otherwise the grouped boolean mask [b, 1, g * q, horizon].
+        Whole prompts from position 0 attend under the causal rule as [h, q] (`_sdpa`): PyTorch's
+        kernel then skips the keys above the diagonal and reads no mask (a 3,460-token SmolLM2
+        prompt on 2 cores: 250 -> 100 ms a layer). causal True: every token sits at its own
+        column's position (padding after the prompts), one call for the batch; a tuple: each
+        row's (first column, length), its prompt somewhere in the row (the engine's joins pad on
+        the left), one call per row over its own tokens, so a prompt attends alike alone or
+        beside others. Padding queries get zeros (a packed forward drops them). Otherwise
+        (tokens after some context) the grouped boolean mask [b, 1, g * q, horizon].
         static: attend over the whole capacity with a mask (fixed shapes for CUDA graphs).
         """
         b, q = positions.shape
@@ -162,22 +164,41 @@ class NativeLlama(nn.Module):
             return attention_mask(positions, cache.scratch, groups), False
         if b == 1 and q == 1 and cache.fresh:
             return None, False  # the single query sits at horizon - 1: sees everything
-        if cache.fresh and ((b == 1 and q == horizon) or (positions.device.type == "cpu" and bool(
-                ((positions == torch.arange(q)) | (positions == EMPTY)).all()))):
-            return None, True  # (b == 1: q distinct positions below q; no host sync on a GPU)
+        if cache.fresh and b == 1 and q == horizon:
+            return None, True  # q distinct positions below q (no host sync on a GPU)
+        if cache.fresh and positions.device.type == "cpu":
+            real = positions != EMPTY  # [b, q]
+            lengths = real.sum(dim=1)  # [b]
+            first = torch.where(lengths > 0, real.int().argmax(dim=1), 0)  # [b]
+            cols = torch.arange(q)[None]
+            span = (cols >= first[:, None]) & (cols < (first + lengths)[:, None])  # [b, q]
+            if torch.equal(real, span) and torch.equal(positions, torch.where(real, cols - first[:, None], EMPTY)):
+                if not bool(first.any()):
+                    return None, True
+                return None, tuple(zip(first.tolist(), lengths.tolist()))
         return attention_mask(positions, horizon, groups), False
 
     def _sdpa(self, qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, horizon: int,
-              mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+              mask: torch.Tensor | None, causal: bool | tuple[tuple[int, int], ...]) -> torch.Tensor:
         """PyTorch's attention -> [b, kvh, g * q, d], qg's layout (see `_sdpa_masks`)."""
-        if not causal:
+        if causal is False:
             return F.scaled_dot_product_attention(qg, k_cache[:, :, :horizon], v_cache[:, :, :horizon],
                                                   attn_mask=mask, scale=self.scale)
         b, kvh, gq, d = qg.shape
-        q = gq // self.cfg.groups
-        out = F.scaled_dot_product_attention(qg.reshape(b, kvh * self.cfg.groups, q, d), k_cache[:, :, :q],
-                                             v_cache[:, :, :q], is_causal=True, scale=self.scale,
-                                             enable_gqa=self.cfg.groups > 1)  # [b, h, q, d]
+        g = self.cfg.groups
+        q = gq // g
+        qh = qg.reshape(b, kvh * g, q, d)
+
+        def attend(rows: slice, cols: slice, n: int) -> torch.Tensor:
+            return F.scaled_dot_product_attention(qh[rows, :, cols], k_cache[rows, :, :n], v_cache[rows, :, :n],
+                                                  is_causal=True, scale=self.scale, enable_gqa=g > 1)
+
+        if causal is True:
+            return attend(slice(None), slice(None), q).view(b, kvh, gq, d)
+        out = qh.new_zeros(b, kvh * g, q, d)
+        for r, (first, n) in enumerate(causal):
+            if n:
+                out[r : r + 1, :, first : first + n] = attend(slice(r, r + 1), slice(first, first + n), n)
         return out.view(b, kvh, gq, d)
 
     def _placement(self, b: int, q: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
