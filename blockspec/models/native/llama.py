@@ -278,7 +278,7 @@ class NativeLlama(nn.Module):
         elif packed is not None:
             x = x.reshape(b * q, -1)[packed]
         horizon = self._horizon(positions, cache, static)
-        sdpa: tuple[torch.Tensor | None, bool] | None = None  # (mask, is_causal), at the first layer that needs it
+        sdpa: tuple | None = None  # `_sdpa_masks`' (mask, causal), at the first layer that needs it
         visible = visible_keys(positions, static, x.dtype)  # [b, q]: the batch-invariant kernel's, or None
         write = cache.write_index(positions)  # [b, q]
         rows = torch.arange(b, device=ids.device)[:, None]
