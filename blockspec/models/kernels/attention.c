@@ -31,14 +31,13 @@
 
 #include "vec.h" /* exp16, fma16 */
 
-/* Keys are taken in chunks of KEY_CHUNK (from key 0, whatever the batch): one work item is (batch
- * row, KV head, chunk), so a lone row's keys are shared between threads (one token over a long
- * context has only one item per KV head otherwise: 3 items for 2 threads on SmolLM2), and the
- * query rows of a verified block take turns on a chunk while it sits in the core's cache, where
- * each group of CH rows streamed the whole context from memory before. A query that sees at most
- * KEY_CHUNK keys is computed in one item as before; a longer one gets each chunk's maximum, sum
- * of exponentials and unnormalised output, which `combine` joins in chunk order. Either way the
- * arithmetic depends on the query's own number of keys only. */
+/* Keys are taken in chunks of KEY_CHUNK (from key 0, whatever the batch), and work items are per
+ * chunk (see `attention`), so a lone row's keys are shared between threads (one token over a long
+ * context had only one item per KV head: 3 items for 2 threads on SmolLM2), and the query rows of
+ * a verified block take turns on a chunk while it sits in the core's cache. A query whose keys lie
+ * in one chunk is computed in one item as before; any other gets each chunk's maximum, sum of
+ * exponentials and unnormalised output, which `combine` joins in chunk order. Either way the
+ * arithmetic depends on the query's own keys only. */
 #define CH 4
 #define KEY_CHUNK 256 /* a multiple of 16 */
 #define PREFETCH_KEYS 8 /* keys ahead */
@@ -246,12 +245,7 @@ static inline __attribute__((always_inline)) int attention(const void *q, const 
         chunks[bi] = (most + KEY_CHUNK - 1) / KEY_CHUNK;
         slot0[bi] = slots;
         if (chunks[bi] > 1) slots += kvh * c * chunks[bi];
-        for (int64_t ch = 0; ch < chunks[bi]; ch++) {
-            int64_t rows = 0;
-            for (int64_t li = 0; li < c; li++)
-                rows += sees[bi * m + li] > ch * KEY_CHUNK && from[bi * m + li] < (ch + 1) * KEY_CHUNK;
-            items += kvh * ((rows + CH - 1) / CH);
-        }
+        items += kvh * chunks[bi] * ((c + CH - 1) / CH); /* at most: a chunk may hold fewer rows */
     }
     enum { FIELDS = 4 + CH };
     if (!failed) {
@@ -284,6 +278,7 @@ static inline __attribute__((always_inline)) int attention(const void *q, const 
                 }
                 if (f) work[it] = work[it - 1] + keys;
             }
+    items = it;
     const int64_t total = work[items];
     _Pragma("omp parallel num_threads(threads) reduction(|| : failed)")
     {
