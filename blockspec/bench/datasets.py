@@ -338,6 +338,11 @@ CONTEXT_INTRO = "Some other problems, for reference only:\n\n"
 CONTEXT_OUTRO = "\n\nNow solve this one:\n\n"
 
 
+def token_counter(tokenizer: Any) -> Callable[[str], int]:
+    """The number of tokens a text encodes to (no special tokens): `with_context`'s count."""
+    return lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
 def with_context(samples: Sequence[Sample], pool: Sequence[Sample], tokens: int,
                  count: Callable[[str], int]) -> list[Sample]:
     """Each sample with other problems in front of its first turn, until that turn holds at least

@@ -163,11 +163,9 @@ def _load_datasets(names: tuple[str, ...], limits: dict[str, int], shuffle: bool
 
 def _with_context(datasets: dict[str, list], tokens: int, tokenizer: object) -> dict[str, list]:
     """Each set's prompts with other problems of the whole set in front (`datasets.with_context`)."""
-    from blockspec.bench.datasets import load_dataset, with_context
+    from blockspec.bench.datasets import load_dataset, token_counter, with_context
 
-    def count(text: str) -> int:
-        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
-
+    count = token_counter(tokenizer)
     return {name: with_context(samples, load_dataset(name), tokens, count) for name, samples in datasets.items()}
 
 

@@ -84,16 +84,12 @@ def run(args: argparse.Namespace) -> int:
 def _with_context(held: list, tokens: int, pipe: object) -> list[list[dict]]:
     """Each held-out prompt's messages, its last user turn behind the other held-out prompts'
     (`bench.datasets.with_context`) when tokens > 0."""
-    from blockspec.bench.datasets import Sample, with_context
+    from blockspec.bench.datasets import Sample, token_counter, with_context
 
     messages = [[dict(m) for m in p.messages] for p in held]
     if not tokens:
         return messages
     samples = [Sample(str(p.id), (m[-1]["content"],)) for p, m in zip(held, messages)]
-
-    def count(text: str) -> int:
-        return len(pipe.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    for m, padded in zip(messages, with_context(samples, samples, tokens, count)):
+    for m, padded in zip(messages, with_context(samples, samples, tokens, token_counter(pipe.tokenizer))):
         m[-1]["content"] = padded.prompt
     return messages
