@@ -72,13 +72,14 @@ def test_gguf_q8_0_weights_pack_in_8_bits_exactly() -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
-@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 13, 16, 33, 128])
-def test_packed_product_has_the_bits_of_the_fp32_kernel(rows: int, kind: str) -> None:
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 8, 9, 13, 16, 33, 128])
+@pytest.mark.parametrize("out", [70, 71])  # up to 6 rows the kernel takes weight rows in pairs: an odd one is left
+def test_packed_product_has_the_bits_of_the_fp32_kernel(rows: int, kind: str, out: int) -> None:
     g = torch.Generator().manual_seed(rows)
-    w = gguf_round_trip(torch.randn(70, 128, generator=g) * 0.05, kind)
+    w = gguf_round_trip(torch.randn(out, 128, generator=g) * 0.05, kind)
     packed = pack(w)
     assert packed.bits == (4 if kind == "Q4_1" else 8)
-    x, bias, res = torch.randn(rows, 128, generator=g), torch.randn(70, generator=g), torch.randn(rows, 70, generator=g)
+    x, bias, res = torch.randn(rows, 128, generator=g), torch.randn(out, generator=g), torch.randn(rows, out, generator=g)
     if rows > rowmatmul.max_rows(torch.float32):  # an AVX2 build takes 8 fp32 rows: the caller keeps the weight
         assert packed_linear(x, packed, None) is None
         return
@@ -94,29 +95,30 @@ def test_packed_product_has_the_bits_of_the_fp32_kernel(rows: int, kind: str) ->
 
 @needs_kernel
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 40, 200])
-def test_bf16_roundings_of_packed_values_multiply_with_the_bits_of_the_bf16_kernel(rows: int, kind: str) -> None:
+@pytest.mark.parametrize("rows", [1, 2, 3, 6, 8, 9, 40, 200])
+@pytest.mark.parametrize("out", [36, 37])
+def test_bf16_roundings_of_packed_values_multiply_with_the_bits_of_the_bf16_kernel(rows: int, kind: str, out: int) -> None:
     g = torch.Generator().manual_seed(100 + rows)
-    source = gguf_round_trip(torch.randn(36, 96, generator=g) * 0.05, kind)
+    source = gguf_round_trip(torch.randn(out, 96, generator=g) * 0.05, kind)
     weight = source.bfloat16()  # a bf16 model converted from the GGUF
     packed = pack_for(weight, source)
     assert packed is not None and packed.dtype == torch.bfloat16 and packed.matches(weight)
-    x, bias = torch.randn(rows, 96, generator=g).bfloat16(), torch.randn(36, generator=g).bfloat16()
-    res = torch.randn(rows, 36, generator=g).bfloat16()
+    x, bias = torch.randn(rows, 96, generator=g).bfloat16(), torch.randn(out, generator=g).bfloat16()
+    res = torch.randn(rows, out, generator=g).bfloat16()
     for lo in range(0, rows, BF16_MAX_ROWS):  # more rows than that take the bf16 weights
         xs, rs = x[lo : lo + BF16_MAX_ROWS], res[lo : lo + BF16_MAX_ROWS]
         assert torch.equal(packed_linear(xs, packed, bias), linear(xs, weight, bias))
         assert torch.equal(packed_linear(xs, packed, None, rs), linear(xs, weight, residual=rs))
     assert (packed_linear(x, packed, None) is None) == (rows > BF16_MAX_ROWS)
     fn = rowmatmul.kernel()  # the kernel itself takes any number of rows
-    y, want = torch.empty(rows, 36), torch.empty(rows, 36)
-    fn.bf16(x.data_ptr(), weight.data_ptr(), None, want.data_ptr(), rows, 96, 36, 2)
+    y, want = torch.empty(rows, out), torch.empty(rows, out)
+    fn.bf16(x.data_ptr(), weight.data_ptr(), None, want.data_ptr(), rows, 96, out, 2)
     f = fn.q4_bf16 if packed.bits == 4 else fn.q8_bf16
-    assert f(x.data_ptr(), packed.qs.data_ptr(), packed.sc.data_ptr(), None, y.data_ptr(), rows, 96, 36, 2) == 0
+    assert f(x.data_ptr(), packed.qs.data_ptr(), packed.sc.data_ptr(), None, y.data_ptr(), rows, 96, out, 2) == 0
     assert torch.equal(y, want)
     assert packed_linear(x.float(), packed, None) is None  # an fp32 x: not this weight's dtype
     assert pack_for(weight, None) is None and pack_for(weight, source[:, :64]) is None
-    assert pack_for(weight, torch.randn(36, 96, generator=g)) is None  # a source it was not rounded from
+    assert pack_for(weight, torch.randn(out, 96, generator=g)) is None  # a source it was not rounded from
     assert pack_for(weight.half(), source) is None
 
 

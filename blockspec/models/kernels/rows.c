@@ -300,9 +300,14 @@ int bs_rows_matmul_bf16(const uint16_t *x, const uint16_t *w, const float *bias,
  * - 8-bit: qs [out, in] signed bytes; sc [out, in / 32]: d. */
 typedef uint8_t b16 __attribute__((vector_size(16)));
 typedef int8_t s16 __attribute__((vector_size(16)));
-/* Up to 8 rows, one weight row at a time, each weight vector rebuilt once for all rows (6 rows of
- * SmolLM2-135M's projections: 5.0 ms against 5.6 through tiles that rebuild it per 4 rows) */
+/* Up to 8 rows, one or two weight rows at a time, each weight vector rebuilt once for all rows (6
+ * rows of SmolLM2-135M's projections: 5.0 ms against 5.6 through tiles that rebuild it per 4 rows) */
 #define PACKED_TILE_ROWS 9
+/* Weight rows side by side (tile_packed) up to this many rows. Whole SmolLM2-135M forwards at 300
+ * tokens of context, 2 Zen 5 cores, alternating builds call by call (BENCHMARKS.md, session 32):
+ * one row of 1 token 4.73 -> 4.32 ms, of 4 tokens 6.79 -> 6.61; 8 rows side by side lost 3%, and
+ * 4 or 8 weight rows side by side for 1-2 rows gained nothing over 2. */
+#define PACKED_PAIR_ROWS 6
 
 /* the 16 weights from input k + 16 * hi of a packed weight row (k a multiple of 32); bits: 4 or 8 */
 static inline v16 packed16(const uint8_t *qs, const float *sc, int64_t k, const int hi, const int bits) {
@@ -373,60 +378,96 @@ static inline void packed_to_bf16(const uint8_t *qs, const float *sc, int64_t k,
 #endif
 }
 
-/* MR rows (MR <= 8) of x (fp32, or bf16 if bf) times one packed weight row -> y[r * ldy] (cf. tile) */
+/* MR rows (MR <= 8) of x (fp32, or bf16 if bf) times NC (1 or 2) consecutive packed weight rows
+ * (row stride qrow bytes of qs, srow floats of sc) -> y[r * ldy + c] (cf. tile). Each output is one
+ * chain of fused multiply-adds in input order, and a few rows alone leave the chains waiting on
+ * the adder's latency (one row: a chain of two multiply-adds per 32 weights); two weight rows side
+ * by side run twice the chains and load each x vector once for both. Each output's chain is its
+ * own, in the same order, so the bits do not depend on NC. */
 static inline __attribute__((always_inline)) void tile_packed(const void *x, const uint8_t *qs, const float *sc,
-                                                              const float *bias, float *y, const float *res,
-                                                              int64_t in, int64_t ldy, const int MR, const int bits,
-                                                              const int bf) {
-    v16 acc[8];
+                                                              int64_t qrow, int64_t srow, const float *bias, float *y,
+                                                              const float *res, int64_t in, int64_t ldy, const int MR,
+                                                              const int NC, const int bits, const int bf) {
+    const uint8_t *qs1 = qs + qrow; /* the second weight row (NC == 2) */
+    const float *sc1 = sc + srow;
+    v16 a0[8], a1[8]; /* sums of the first and the second weight row */
 #pragma GCC unroll 8
-    for (int r = 0; r < MR; r++) acc[r] = (v16){0};
+    for (int r = 0; r < MR; r++) a0[r] = a1[r] = (v16){0};
     for (int64_t k = 0; k < in; k += 32) {
         __builtin_prefetch(qs + QS_ROW(bits, k) + 1024, 0, 1);
-        __builtin_prefetch(sc + SC_ROW(bits, k) + 256, 0, 1);
+        if (NC == 2) __builtin_prefetch(qs1 + QS_ROW(bits, k) + 1024, 0, 1);
+        else __builtin_prefetch(sc + SC_ROW(bits, k) + 256, 0, 1); /* measured: 7-8 rows gain, pairs lose */
 #if DP
         if (bf) {
-            const v16 wv = packed32h(qs, sc, k, bits);
+            const v16 w0 = packed32h(qs, sc, k, bits), w1 = NC == 2 ? packed32h(qs1, sc1, k, bits) : w0;
 #pragma GCC unroll 8
-            for (int r = 0; r < MR; r++) acc[r] = dp16(acc[r], wv, load32h(x, r * in + k));
+            for (int r = 0; r < MR; r++) {
+                const v16 xv = load32h(x, r * in + k);
+                a0[r] = dp16(a0[r], w0, xv);
+                if (NC == 2) a1[r] = dp16(a1[r], w1, xv);
+            }
             continue;
         }
 #endif
-        v16 lo = packed16(qs, sc, k, 0, bits), hi = packed16(qs, sc, k, 1, bits);
-        if (bf) lo = round_bf16(lo), hi = round_bf16(hi);
+        v16 lo0 = packed16(qs, sc, k, 0, bits), hi0 = packed16(qs, sc, k, 1, bits), lo1 = lo0, hi1 = hi0;
+        if (NC == 2) lo1 = packed16(qs1, sc1, k, 0, bits), hi1 = packed16(qs1, sc1, k, 1, bits);
+        if (bf) lo0 = round_bf16(lo0), hi0 = round_bf16(hi0), lo1 = round_bf16(lo1), hi1 = round_bf16(hi1);
 #pragma GCC unroll 8
-        for (int r = 0; r < MR; r++) acc[r] = fma16(acc[r], lo, load(x, r * in + k, bf));
+        for (int r = 0; r < MR; r++) {
+            const v16 xv = load(x, r * in + k, bf);
+            a0[r] = fma16(a0[r], lo0, xv);
+            if (NC == 2) a1[r] = fma16(a1[r], lo1, xv);
+        }
 #pragma GCC unroll 8
-        for (int r = 0; r < MR; r++) acc[r] = fma16(acc[r], hi, load(x, r * in + k + 16, bf));
+        for (int r = 0; r < MR; r++) {
+            const v16 xv = load(x, r * in + k + 16, bf);
+            a0[r] = fma16(a0[r], hi0, xv);
+            if (NC == 2) a1[r] = fma16(a1[r], hi1, xv);
+        }
     }
 #pragma GCC unroll 8
-    for (int r = 0; r < MR; r++) {
-        float s = reduce16(acc[r]);
-        s = bias ? s + *bias : s;
-        y[r * ldy] = res ? res[r * ldy] + s : s;
-    }
+    for (int r = 0; r < MR; r++)
+#pragma GCC unroll 2
+        for (int c = 0; c < NC; c++) {
+            float t = reduce16(c ? a1[r] : a0[r]);
+            t = bias ? t + bias[c] : t;
+            y[r * ldy + c] = res ? res[r * ldy + c] + t : t;
+        }
 }
 
+/* NC output columns for all n rows, eight rows at a time */
+#define TILE_PACKED_CASE(M)                                                                            \
+    case M: tile_packed(x, qs, sc, qrow, srow, bias, y, res, in, ldy, M, NC, bits, bf); break;
 static inline __attribute__((always_inline)) void column_packed(const void *x, const uint8_t *qs, const float *sc,
-                                                                const float *bias, float *y, const float *res,
-                                                                int64_t n, int64_t in, int64_t ldy, const int bits,
+                                                                int64_t qrow, int64_t srow, const float *bias,
+                                                                float *y, const float *res, int64_t n, int64_t in,
+                                                                int64_t ldy, const int NC, const int bits,
                                                                 const int bf) {
     int64_t r = 0;
     for (; r + 8 <= n; r += 8)
-        tile_packed(at(x, r * in, bf), qs, sc, bias, y + r * ldy, res ? res + r * ldy : 0, in, ldy, 8, bits, bf);
+        tile_packed(at(x, r * in, bf), qs, sc, qrow, srow, bias, y + r * ldy, res ? res + r * ldy : 0, in, ldy, 8,
+                    NC, bits, bf);
     x = at(x, r * in, bf);
     y += r * ldy;
     res = res ? res + r * ldy : 0;
     switch (n - r) {
-    case 7: tile_packed(x, qs, sc, bias, y, res, in, ldy, 7, bits, bf); break;
-    case 6: tile_packed(x, qs, sc, bias, y, res, in, ldy, 6, bits, bf); break;
-    case 5: tile_packed(x, qs, sc, bias, y, res, in, ldy, 5, bits, bf); break;
-    case 4: tile_packed(x, qs, sc, bias, y, res, in, ldy, 4, bits, bf); break;
-    case 3: tile_packed(x, qs, sc, bias, y, res, in, ldy, 3, bits, bf); break;
-    case 2: tile_packed(x, qs, sc, bias, y, res, in, ldy, 2, bits, bf); break;
-    case 1: tile_packed(x, qs, sc, bias, y, res, in, ldy, 1, bits, bf); break;
+    TILE_PACKED_CASE(7) TILE_PACKED_CASE(6) TILE_PACKED_CASE(5) TILE_PACKED_CASE(4) TILE_PACKED_CASE(3)
+    TILE_PACKED_CASE(2) TILE_PACKED_CASE(1)
     }
 }
+
+/* output columns [from, out) in groups of NC, split between the threads; `from` moves past them */
+#define COLUMNS_PACKED(NC, BITS, BF)                                                                   \
+    do {                                                                                               \
+        const int64_t groups = (out - from) / (NC);                                                    \
+        _Pragma("omp parallel for schedule(static) num_threads(threads) if (groups > 1)")              \
+        for (int64_t g = 0; g < groups; g++) {                                                         \
+            const int64_t j = from + g * (NC);                                                         \
+            column_packed(x, qs + j * qrow, sc + j * srow, qrow, srow, bias ? bias + j : 0, y + j,     \
+                          res ? res + j : 0, n, in, ldy, NC, BITS, BF);                                \
+        }                                                                                              \
+        from += groups * (NC);                                                                         \
+    } while (0)
 
 /* the 32 fp32 weights from input k, stored at out */
 static inline void packed_to_f32(const uint8_t *qs, const float *sc, int64_t k, float *out, const int bits) {
@@ -442,10 +483,9 @@ static inline void packed_to_f32(const uint8_t *qs, const float *sc, int64_t k, 
     if (in % 32) return 1;                                                                             \
     const int64_t ldy = out, qrow = QS_ROW(BITS, in), srow = SC_ROW(BITS, in);                         \
     if (n < PACKED_TILE_ROWS) {                                                                        \
-        _Pragma("omp parallel for schedule(static) num_threads(threads)")                              \
-        for (int64_t j = 0; j < out; j++)                                                              \
-            column_packed(x, qs + j * qrow, sc + j * srow, bias ? bias + j : 0, y + j, res ? res + j : 0, n, in, \
-                          ldy, BITS, BF);                                                              \
+        int64_t from = 0;                                                                              \
+        if (n <= PACKED_PAIR_ROWS) COLUMNS_PACKED(2, BITS, BF);                                        \
+        COLUMNS_PACKED(1, BITS, BF); /* all, or an odd last one */                                     \
         return 0;                                                                                      \
     }                                                                                                  \
     const int64_t groups = (out + BC - 1) / BC;                                                        \
