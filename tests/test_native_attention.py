@@ -145,13 +145,15 @@ def test_bf16_speculative_greedy_equals_plain_greedy() -> None:
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_long_prefills_of_whole_prompts_attend_under_the_causal_rule(monkeypatch: pytest.MonkeyPatch,
                                                                      family: str) -> None:
-    """Passes of more than 64 tokens keep PyTorch's attention. Whole prompts from position 0
-    (padding after them) go through it with is_causal (the keys above the diagonal skipped, no
-    mask read), with the logits of each prompt alone in Hugging Face's model, right-padded in one
-    call, left-padded (as the engine joins prompts) in one call per row; a pass that starts after
-    some context keeps the mask, and so does a row with a gap."""
+    """Passes of more than MAX_TOKENS tokens keep PyTorch's attention (64 here, so tiny prompts
+    take that path). Whole prompts from position 0 (padding after them) go through it with
+    is_causal (the keys above the diagonal skipped, no mask read), with the logits of each prompt
+    alone in Hugging Face's model, right-padded in one call, left-padded (as the engine joins
+    prompts) in one call per row; a pass that starts after some context keeps the mask, and so
+    does a row with a gap."""
     import torch.nn.functional as F
 
+    monkeypatch.setattr(native_attention, "MAX_TOKENS", 64)
     model = make_tiny_target(family, seed=12, dtype=torch.float32)
     target = load_native_target(model, dtype=None, eos_token_ids=())
     assert target.net.cfg.groups > 1
@@ -203,3 +205,38 @@ def test_long_prefills_of_whole_prompts_attend_under_the_causal_rule(monkeypatch
     gap[1, 40] = EMPTY
     target.forward(torch.cat([ids[:1], shifted]), gap, target.new_cache(2))
     assert calls and not any(calls)
+
+
+def test_prompts_up_to_max_tokens_prefill_through_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prompts of more than 64 and at most MAX_TOKENS tokens attend in the kernel, not PyTorch's
+    attention: Hugging Face's logits for each prompt, and a prompt's attention alike alone and
+    left-padded beside a longer one (the engine's joins)."""
+    import torch.nn.functional as F
+
+    assert native_attention.MAX_TOKENS >= 100
+    model = make_tiny_target("llama", seed=13, dtype=torch.float32)
+    target = load_native_target(model, dtype=None, eos_token_ids=())
+    if rowmatmul.kernel() is None:
+        pytest.skip("no C compiler: the kernel is not built here")
+    sdpa_calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(*args, **kw):
+        sdpa_calls.append(1)
+        return sdpa(*args, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    gen = torch.Generator().manual_seed(6)
+    ids = torch.randint(0, 48, (2, 100), generator=gen)
+    alone, _ = target.forward(ids[1:2, :70], torch.arange(70)[None], target.new_cache(1))
+    left = torch.full((2, 100), EMPTY)
+    left[0] = torch.arange(100)
+    left[1, 30:] = torch.arange(70)
+    joined = torch.cat([ids[:1], torch.cat([ids[1:2, 70:], ids[1:2, :70]], dim=1)])
+    both, _ = target.forward(joined, left, target.new_cache(2))
+    assert not sdpa_calls
+    monkeypatch.undo()  # Hugging Face's model attends through PyTorch's kernel
+    with torch.no_grad():
+        for got, ref in ((both[0], model(ids[:1]).logits[0]), (alone[0], model(ids[1:2, :70]).logits[0])):
+            torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(both[1, 30:], alone[0], atol=2e-5, rtol=2e-5)

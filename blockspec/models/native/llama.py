@@ -146,7 +146,7 @@ class NativeLlama(nn.Module):
     def _sdpa_masks(self, positions: torch.Tensor, cache: StaticCache, horizon: int,
                     static: bool = False) -> tuple[torch.Tensor | None, bool | tuple[tuple[int, int], ...]]:
         """(mask, causal) for PyTorch's attention, shared by the layers of one forward (built only
-        when a layer runs it: on a CPU, passes of more than 64 tokens).
+        when a layer runs it: on a CPU, passes of more than attention.MAX_TOKENS tokens).
 
         Whole prompts from position 0 attend under the causal rule as [h, q] (`_sdpa`): PyTorch's
         kernel then skips the keys above the diagonal and reads no mask (a 3,460-token SmolLM2
