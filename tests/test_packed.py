@@ -74,12 +74,13 @@ def test_gguf_q8_0_weights_pack_in_8_bits_exactly() -> None:
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 8, 9, 13, 16, 33, 128])
 @pytest.mark.parametrize("out", [70, 71])  # up to 6 rows the kernel takes weight rows in pairs: an odd one is left
-def test_packed_product_has_the_bits_of_the_fp32_kernel(rows: int, kind: str, out: int) -> None:
+@pytest.mark.parametrize("width", [128, 1568])  # 1568: the tiles take it in several passes
+def test_packed_product_has_the_bits_of_the_fp32_kernel(rows: int, kind: str, out: int, width: int) -> None:
     g = torch.Generator().manual_seed(rows)
-    w = gguf_round_trip(torch.randn(out, 128, generator=g) * 0.05, kind)
+    w = gguf_round_trip(torch.randn(out, width, generator=g) * 0.05, kind)
     packed = pack(w)
     assert packed.bits == (4 if kind == "Q4_1" else 8)
-    x, bias, res = torch.randn(rows, 128, generator=g), torch.randn(out, generator=g), torch.randn(rows, out, generator=g)
+    x, bias, res = torch.randn(rows, width, generator=g), torch.randn(out, generator=g), torch.randn(rows, out, generator=g)
     if rows > rowmatmul.max_rows(torch.float32):  # an AVX2 build takes 8 fp32 rows: the caller keeps the weight
         assert packed_linear(x, packed, None) is None
         return
@@ -89,8 +90,9 @@ def test_packed_product_has_the_bits_of_the_fp32_kernel(rows: int, kind: str, ou
     assert torch.equal(packed_linear(x, packed, bias, res.t().contiguous().t()), res + linear(x, w, bias))  # strided
     torch.testing.assert_close(packed_linear(x, packed, bias), torch.nn.functional.linear(x.double(), w.double(),
                                                                                         bias.double()).float())
-    x3 = x.reshape(1, rows, 128)
+    x3 = x.reshape(1, rows, width)
     assert torch.equal(packed_linear(x3, packed, None)[0], linear(x, w))
+    assert torch.equal(packed_linear(x[-1:].clone(), packed, None)[0], linear(x, w)[-1])  # a row alone: its bits
 
 
 @needs_kernel

@@ -154,18 +154,22 @@ static inline v16 keep(v16 v) {
 }
 
 /* rows x cols tile (rows <= BR, cols <= BC): x rows and w rows of stride `in` -> y[r * ldy + c];
- * `next`: the following tile's weights, prefetched while this one runs */
+ * `next`: the following tile's weights, prefetched while this one runs. Inputs [k0, k1) only:
+ * from k0 > 0 the 16-wide sums start from `part` ([rows][BC] vectors), and unless the vector part
+ * of `in` ends by k1 they go back there instead of into y. A sum stored and reloaded is the same
+ * chain in the same order, so splitting `in` this way keeps every bit. */
 static inline __attribute__((always_inline)) void block(const void *x, const void *w, const float *bias, float *y,
                                                         const float *res, const void *next, int64_t in, int64_t ldy,
-                                                        const int rows, const int cols, const int bf) {
-    const int64_t kv = in - in % STEP(bf);
+                                                        const int rows, const int cols, const int bf, int64_t k0,
+                                                        int64_t k1, float *part) {
+    const int64_t kv = in - in % STEP(bf), ke = k1 < kv ? k1 : kv;
     const v16 z = {0};
     v16 acc[BR][BC];
 #pragma GCC unroll 4
     for (int r = 0; r < rows; r++)
 #pragma GCC unroll 4
-        for (int c = 0; c < cols; c++) acc[r][c] = z;
-    for (int64_t k = 0; k < kv; k += STEP(bf)) {
+        for (int c = 0; c < cols; c++) acc[r][c] = k0 ? load16(part + (r * BC + c) * 16) : z;
+    for (int64_t k = k0; k < ke; k += STEP(bf)) {
         v16 xv[BR];
 #pragma GCC unroll 4
         for (int r = 0; r < rows; r++) xv[r] = keep(bf && DP ? load32h(x, r * in + k) : load(x, r * in + k, bf));
@@ -185,6 +189,13 @@ static inline __attribute__((always_inline)) void block(const void *x, const voi
                 acc[r][c] = bf && DP ? dp16(acc[r][c], wv, xv[r]) : fma16(acc[r][c], wv, xv[r]);
         }
     }
+    if (ke < kv) {
+#pragma GCC unroll 4
+        for (int r = 0; r < rows; r++)
+#pragma GCC unroll 4
+            for (int c = 0; c < cols; c++) memcpy(part + (r * BC + c) * 16, &acc[r][c], sizeof(v16));
+        return;
+    }
 #pragma GCC unroll 4
     for (int r = 0; r < rows; r++) {
 #if BC == 4
@@ -202,33 +213,49 @@ static inline __attribute__((always_inline)) void block(const void *x, const voi
     }
 }
 
+/* Inputs per pass over the row groups: a tile's weight rows and a row group's x rows stay in L1
+ * only while both fit, which SmolLM2's down projection (1,536 inputs) overran: its products of
+ * 16-128 rows ran at ~250 GFLOPS against ~390 for the 576-input ones. In passes of at most K_PASS
+ * inputs (in equal parts, a multiple of 32), the partial sums of up to PASS_ROWS rows kept in
+ * between, they ran at 270-360 (fp32 and packed 4-bit, 2 Zen 5 cores; a 108-token SmolLM2
+ * prefill 95.7 -> 88.8 ms; BENCHMARKS.md, session 32). Passes of 512 of the 576 inputs lost 12%. */
+#define K_PASS 640
+#define PASS_ROWS 128
 #if BR == 4
+#define ROW_GROUP(R, COLS) block(xr, w, bias, yr, rr, next, in, ldy, R, COLS, bf, k0, k0 + kc, part + r0 * BC * 16)
 #define ROW_BLOCKS(COLS)                                                                               \
-    for (int64_t r0 = 0; r0 < n; r0 += BR) {                                                           \
-        const void *xr = at(x, r0 * in, bf);                                                                 \
-        float *yr = y + r0 * ldy;                                                                      \
-        const float *rr = res ? res + r0 * ldy : 0;                                                    \
-        switch (n - r0 < BR ? n - r0 : BR) {                                                           \
-        case 4: block(xr, w, bias, yr, rr, next, in, ldy, 4, COLS, bf); break;                                 \
-        case 3: block(xr, w, bias, yr, rr, next, in, ldy, 3, COLS, bf); break;                                 \
-        case 2: block(xr, w, bias, yr, rr, next, in, ldy, 2, COLS, bf); break;                                 \
-        default: block(xr, w, bias, yr, rr, next, in, ldy, 1, COLS, bf); break;                                \
-        }                                                                                              \
-    }
+    for (int64_t k0 = 0; k0 < in; k0 += kc)                                                            \
+        for (int64_t r0 = 0; r0 < n; r0 += BR) {                                                       \
+            const void *xr = at(x, r0 * in, bf);                                                       \
+            float *yr = y + r0 * ldy;                                                                  \
+            const float *rr = res ? res + r0 * ldy : 0;                                                \
+            switch (n - r0 < BR ? n - r0 : BR) {                                                       \
+            case 4: ROW_GROUP(4, COLS); break;                                                         \
+            case 3: ROW_GROUP(3, COLS); break;                                                         \
+            case 2: ROW_GROUP(2, COLS); break;                                                         \
+            default: ROW_GROUP(1, COLS); break;                                                        \
+            }                                                                                          \
+        }
 #else
 #define ROW_BLOCKS(COLS)                                                                               \
-    for (int64_t r0 = 0; r0 < n; r0 += BR) {                                                           \
-        if (n - r0 >= 2)                                                                               \
-            block(at(x, r0 * in, bf), w, bias, y + r0 * ldy, res ? res + r0 * ldy : 0, next, in, ldy, 2, COLS, bf);                         \
-        else                                                                                           \
-            block(at(x, r0 * in, bf), w, bias, y + r0 * ldy, res ? res + r0 * ldy : 0, next, in, ldy, 1, COLS, bf);                         \
-    }
+    for (int64_t k0 = 0; k0 < in; k0 += kc)                                                            \
+        for (int64_t r0 = 0; r0 < n; r0 += BR) {                                                       \
+            if (n - r0 >= 2)                                                                           \
+                block(at(x, r0 * in, bf), w, bias, y + r0 * ldy, res ? res + r0 * ldy : 0, next, in, ldy, 2, COLS, bf, \
+                      k0, k0 + kc, part + r0 * BC * 16);                                               \
+            else                                                                                       \
+                block(at(x, r0 * in, bf), w, bias, y + r0 * ldy, res ? res + r0 * ldy : 0, next, in, ldy, 1, COLS, bf, \
+                      k0, k0 + kc, part + r0 * BC * 16);                                               \
+        }
 #endif
 
 /* `cols` (<= BC) output columns for all n rows */
 static inline __attribute__((always_inline)) void blocks(const void *x, const void *w, const float *bias, float *y,
                                                          const float *res, const void *next, int64_t n, int64_t in,
                                                          int64_t ldy, int cols, const int bf) {
+    float part[PASS_ROWS * BC * 16]; /* [n][BC] partial sums between passes */
+    const int64_t passes = n <= PASS_ROWS ? (in + K_PASS - 1) / K_PASS : 1;
+    const int64_t kc = passes > 1 ? ((in + passes - 1) / passes + 31) / 32 * 32 : in + STEP(bf);
     switch (cols) {
     case BC: ROW_BLOCKS(BC) break;
 #if BC == 4
