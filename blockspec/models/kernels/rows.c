@@ -218,7 +218,7 @@ static inline __attribute__((always_inline)) void block(const void *x, const voi
  * 16-128 rows ran at ~250 GFLOPS against ~390 for the 576-input ones. In passes of at most K_PASS
  * inputs (in equal parts, a multiple of 32), the partial sums of up to PASS_ROWS rows kept in
  * between, they ran at 270-360 (fp32 and packed 4-bit, 2 Zen 5 cores; a 108-token SmolLM2
- * prefill 95.7 -> 88.8 ms; BENCHMARKS.md, session 32). Passes of 512 of the 576 inputs lost 12%. */
+ * prefill 93.7 -> 87.3 ms; BENCHMARKS.md, session 32). Passes of 512 of the 576 inputs lost 12%. */
 #define K_PASS 640
 #define PASS_ROWS 128
 #if BR == 4
@@ -332,7 +332,7 @@ typedef int8_t s16 __attribute__((vector_size(16)));
 #define PACKED_TILE_ROWS 9
 /* Weight rows side by side (tile_packed) up to this many rows. Whole SmolLM2-135M forwards at 300
  * tokens of context, 2 Zen 5 cores, alternating builds call by call (BENCHMARKS.md, session 32):
- * one row of 1 token 4.73 -> 4.32 ms, of 4 tokens 6.79 -> 6.61; 8 rows side by side lost 3%, and
+ * one row of 1 token 4.83 -> 4.41 ms, of 4 tokens 6.72 -> 6.21; 8 rows side by side lost 3%, and
  * 4 or 8 weight rows side by side for 1-2 rows gained nothing over 2. */
 #define PACKED_PAIR_ROWS 6
 
