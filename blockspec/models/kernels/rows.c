@@ -221,8 +221,16 @@ static inline __attribute__((always_inline)) void block(const void *x, const voi
  * prefill 93.7 -> 87.3 ms; BENCHMARKS.md, session 32). Passes of 512 of the 576 inputs lost 12%. */
 #define K_PASS 640
 #define PASS_ROWS 128
-#if BR == 4
+/* R rows from row r0, inputs [k0, k0 + kc) */
 #define ROW_GROUP(R, COLS) block(xr, w, bias, yr, rr, next, in, ldy, R, COLS, bf, k0, k0 + kc, part + r0 * BC * 16)
+#if BR == 4
+#define WIDE_ROW_GROUPS(COLS)                                                                          \
+    case 4: ROW_GROUP(4, COLS); break;                                                                 \
+    case 3: ROW_GROUP(3, COLS); break;                                                                 \
+    case 2: ROW_GROUP(2, COLS); break;
+#else
+#define WIDE_ROW_GROUPS(COLS) case 2: ROW_GROUP(2, COLS); break;
+#endif
 #define ROW_BLOCKS(COLS)                                                                               \
     for (int64_t k0 = 0; k0 < in; k0 += kc)                                                            \
         for (int64_t r0 = 0; r0 < n; r0 += BR) {                                                       \
@@ -230,24 +238,10 @@ static inline __attribute__((always_inline)) void block(const void *x, const voi
             float *yr = y + r0 * ldy;                                                                  \
             const float *rr = res ? res + r0 * ldy : 0;                                                \
             switch (n - r0 < BR ? n - r0 : BR) {                                                       \
-            case 4: ROW_GROUP(4, COLS); break;                                                         \
-            case 3: ROW_GROUP(3, COLS); break;                                                         \
-            case 2: ROW_GROUP(2, COLS); break;                                                         \
+            WIDE_ROW_GROUPS(COLS)                                                                      \
             default: ROW_GROUP(1, COLS); break;                                                        \
             }                                                                                          \
         }
-#else
-#define ROW_BLOCKS(COLS)                                                                               \
-    for (int64_t k0 = 0; k0 < in; k0 += kc)                                                            \
-        for (int64_t r0 = 0; r0 < n; r0 += BR) {                                                       \
-            if (n - r0 >= 2)                                                                           \
-                block(at(x, r0 * in, bf), w, bias, y + r0 * ldy, res ? res + r0 * ldy : 0, next, in, ldy, 2, COLS, bf, \
-                      k0, k0 + kc, part + r0 * BC * 16);                                               \
-            else                                                                                       \
-                block(at(x, r0 * in, bf), w, bias, y + r0 * ldy, res ? res + r0 * ldy : 0, next, in, ldy, 1, COLS, bf, \
-                      k0, k0 + kc, part + r0 * BC * 16);                                               \
-        }
-#endif
 
 /* `cols` (<= BC) output columns for all n rows */
 static inline __attribute__((always_inline)) void blocks(const void *x, const void *w, const float *bias, float *y,
