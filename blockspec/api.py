@@ -17,13 +17,13 @@ from pathlib import Path
 import torch
 
 from blockspec.config import SamplingParams, SpecConfig
-from blockspec.engine.openmp import release_thread_pool
+from blockspec.cpu.openmp import release_thread_pool
 from blockspec.errors import CheckpointError, ConfigError
-from blockspec.models.drafter import DFlashDrafter, load_drafter, new_drafter_for_target
-from blockspec.models.linear import cpu_bf16_matmul
-from blockspec.models.target import DTYPES, Target
-from blockspec.spec.decode import GenerationResult, RequestStats, SpecDecoder
-from blockspec.spec.lookup import LookupConfig
+from blockspec.dflash.drafter import DFlashDrafter, load_drafter, new_drafter_for_target
+from blockspec.cpu.linear import cpu_bf16_matmul
+from blockspec.targets.base import DTYPES, Target
+from blockspec.dflash.batch import GenerationResult, RequestStats, SpecDecoder
+from blockspec.dflash.lookup import LookupConfig
 from blockspec.text import IncrementalDetokenizer, Messages, StopStrings, encode_prompt
 
 FRESH = "fresh"  # drafter argument: a randomly initialised drafter (lossless, but tau ~ 1)
@@ -169,7 +169,7 @@ class Pipeline:
             except BaseException as e:  # re-raised in the consumer's thread
                 events.put(e)
 
-        release_thread_pool()  # this thread only waits now; its OpenMP team would slow `work` (engine/openmp.py)
+        release_thread_pool()  # this thread only waits now; its OpenMP team would slow `work` (cpu/openmp.py)
         threading.Thread(target=work, daemon=True).start()
         while True:
             item = events.get()
@@ -241,7 +241,7 @@ def load(
     target on a CPU that runs bf16 products (`resolve_drafter_dtype`). Verification by the target
     keeps the output exact whatever the drafter computes in.
     lookup: where a sequence's last tokens occurred before (prompt or output), propose what
-    followed them instead of the drafted block (n-gram lookup, spec/lookup.py: targets copy
+    followed them instead of the drafted block (n-gram lookup, dflash/lookup.py: targets copy
     names, numbers and code from the prompt, which a small drafter predicts poorly); True takes
     LookupConfig(), False drafts every proposal (pure DFlash). Same output either way.
     """
@@ -249,7 +249,7 @@ def load(
         raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     lookup_cfg = resolve_lookup(lookup)  # a bad value fails before the slow load
     draft_dtype = resolve_drafter_dtype(drafter_dtype, dtype, device)
-    from blockspec.models.native.load import load_target
+    from blockspec.targets.native.load import load_target
 
     target_dir = resolve_target_dir(target)
     hf_target, tokenizer = load_target(target_dir, backend=backend, dtype=dtype, device=device)

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from blockspec.errors import ConfigError
-from blockspec.spec.lookup import LookupConfig
+from blockspec.dflash.lookup import LookupConfig
 
 MAX_BLOCK_SIZE = 64
 
@@ -86,10 +86,10 @@ class SpecConfig:
     # Compact a batch's KV slots once this fraction of them holds rejected tokens (ragged batches).
     compact_ratio: float = 0.25
     # Choose each step's block size (up to block_size) from measured step costs and acceptance
-    # (engine/adaptive.py); the output is the same for any choice.
+    # (dflash/policy.py); the output is the same for any choice.
     adaptive: bool = False
     # Propose a row's n-gram lookup continuation instead of the drafted block where its last
-    # tokens occurred before (spec/lookup.py); None drafts every proposal.
+    # tokens occurred before (dflash/lookup.py); None drafts every proposal.
     lookup: LookupConfig | None = None
 
     def __post_init__(self) -> None:

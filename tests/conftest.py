@@ -114,7 +114,7 @@ def tiny_drafter_dir(tiny_model_dir, tmp_path_factory):
     mask token <|MASK|>, saved in the published format."""
     import transformers as tf
 
-    from blockspec.models.drafter import new_drafter_for_target, save_drafter
+    from blockspec.dflash.drafter import new_drafter_for_target, save_drafter
 
     cfg = tf.AutoConfig.from_pretrained(str(tiny_model_dir))
     drafter = new_drafter_for_target(cfg, mask_token_id=3, num_layers=1, block_size=4, seed=0)

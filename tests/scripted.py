@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from blockspec.models.drafter import DFlashDrafter, DraftCache, new_drafter_for_target
+from blockspec.dflash.drafter import DFlashDrafter, DraftCache, new_drafter_for_target
 
 
 class _RowCache(DraftCache):

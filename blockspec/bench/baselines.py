@@ -146,7 +146,7 @@ def load_reference_drafter(
 def reference_drafter_from(drafter: nn.Module, dtype: torch.dtype = torch.float32, device: str = "cpu") -> nn.Module:
     """The reference class holding the same weights as one of our drafters (e.g. a fresh one):
     saved in the published format to a temporary directory and loaded back."""
-    from blockspec.models.drafter import save_drafter
+    from blockspec.dflash.drafter import save_drafter
 
     with tempfile.TemporaryDirectory(prefix="blockspec-refdrafter-") as tmp:
         save_drafter(drafter, tmp)

@@ -68,7 +68,7 @@ class EngineRunner:
     (runner names then read 'dflash+lookup'). One engine per concurrency level is kept
     for the runner's life, so adaptive calibrations and cache storage are paid once. The engines
     decode on the benchmark's own thread (no engine threads), like every baseline: idle engine
-    threads would each keep an OpenMP team, which slows the busy one (engine/openmp.py).
+    threads would each keep an OpenMP team, which slows the busy one (cpu/openmp.py).
     """
 
     max_concurrency = None

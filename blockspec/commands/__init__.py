@@ -13,7 +13,7 @@ def add_drafter_dtype_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def add_lookup_argument(parser: argparse.ArgumentParser) -> None:
-    """--no-lookup, for the verbs that decode with a pipeline (see `blockspec.spec.lookup`)."""
+    """--no-lookup, for the verbs that decode with a pipeline (see `blockspec.dflash.lookup`)."""
     parser.add_argument("--no-lookup", action="store_true",
                         help="draft every proposal with the drafter (pure DFlash); by default a sequence whose "
                              "last tokens occurred before proposes what followed them (n-gram lookup; same output)")

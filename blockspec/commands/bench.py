@@ -90,7 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run plain decoding (AR) and the adaptive runner only, no fixed block sizes "
                              "(implies --adaptive)")
     parser.add_argument("--lookup", choices=("off", "on", "both"), default="both",
-                        help="n-gram lookup proposals (spec/lookup.py) in the DFlash runners: off = the drafter "
+                        help="n-gram lookup proposals (dflash/lookup.py) in the DFlash runners: off = the drafter "
                              "alone (its own tau), on = as `generate`/`serve` decode by default, both (default): "
                              "each DFlash runner twice, without and with ('dflash+lookup')")
     parser.add_argument("--ragged-verify", choices=("off", "on", "both"), default="off",
@@ -184,7 +184,7 @@ def _hf_model(args: argparse.Namespace, pipe: object) -> object:
 def _baseline_runners(args: argparse.Namespace, pipe: object, block_sizes: tuple[int, ...], notes: list[str]) -> list:
     from blockspec.bench import baselines as bl
     from blockspec.errors import ConfigError
-    from blockspec.models.target import DTYPES
+    from blockspec.targets.base import DTYPES
 
     unknown = [b for b in args.baselines if b not in BASELINE_NAMES]
     if unknown:
@@ -263,7 +263,7 @@ def run(args: argparse.Namespace) -> int:
     from blockspec.bench.report import write_report
     from blockspec.bench.runner import EngineRunner, Setting, SuitePlan, count_requests, run_suite
     from blockspec.errors import ConfigError
-    from blockspec.spec.lookup import LookupConfig
+    from blockspec.dflash.lookup import LookupConfig
 
     if args.drafter == "none":
         raise ConfigError("bench compares DFlash with plain decoding, so it needs a drafter: pass a "
@@ -368,7 +368,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _packed(target: object) -> str | None:
-    """The target's packed weights (models/packed.py) for the report, or None."""
+    """The target's packed weights (cpu/packed_weights.py) for the report, or None."""
     net = getattr(target, "net", None)
     summary = net.packed_summary() if hasattr(net, "packed_summary") else None
     return None if summary is None else f"{summary} (exact; BLOCKSPEC_PACK_WEIGHTS=0 turns them off)"

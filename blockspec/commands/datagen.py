@@ -42,8 +42,8 @@ def run(args: argparse.Namespace) -> int:
 
     from blockspec.api import resolve_target_dir
     from blockspec.errors import ConfigError
-    from blockspec.models.drafter import load_drafter
-    from blockspec.models.native.load import load_target
+    from blockspec.dflash.drafter import load_drafter
+    from blockspec.targets.native.load import load_target
     from blockspec.train.data import load_prompts
     from blockspec.train.datagen import regenerate
 

@@ -17,7 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from blockspec import zoo
+    from blockspec.zoo import registry as zoo
     from blockspec.errors import ConfigError
 
     if args.list:

@@ -77,8 +77,8 @@ def run(args: argparse.Namespace) -> int:
 
     from blockspec.api import pick_mask_token, resolve_target_dir
     from blockspec.errors import ConfigError
-    from blockspec.models.drafter import default_target_layer_ids, read_drafter_config
-    from blockspec.models.target import load_hf_target
+    from blockspec.dflash.drafter import default_target_layer_ids, read_drafter_config
+    from blockspec.targets.hf import load_hf_target
     from blockspec.text import encode_prompt
     from blockspec.train.data import heldout_prompts, read_examples
     from blockspec.train.features import FeatureStore

@@ -1,11 +1,11 @@
 """Continuous-batching engine over the speculative decoding step (blockspec/engine/engine.py)."""
 
-from blockspec.engine.adaptive import AdaptiveBlock, CostModel
+from blockspec.dflash.policy import AdaptiveBlock, CostModel
 from blockspec.engine.engine import Engine, EngineConfig
 from blockspec.engine.metrics import EngineMetrics, Histogram
 from blockspec.engine.request import RequestHandle, TokenEvent
 from blockspec.engine.scheduler import QueueFullError
-from blockspec.spec.decode import GenerationResult, RequestStats
+from blockspec.dflash.batch import GenerationResult, RequestStats
 
 __all__ = [
     "AdaptiveBlock",

@@ -14,7 +14,7 @@ its batch mates: rows never see each other's cache entries and verification is e
 By default the engine decodes on a thread of its own, started by the first submit (a server).
 With EngineConfig(own_thread=False) nothing decodes until the owner calls run_until_idle() on
 its own thread (a benchmark). Either way one thread does all the torch work, which on CPU is what
-keeps its small matrix products fast (engine/openmp.py).
+keeps its small matrix products fast (cpu/openmp.py).
 """
 
 from __future__ import annotations
@@ -30,16 +30,16 @@ from dataclasses import dataclass
 import torch
 
 from blockspec.config import MAX_BLOCK_SIZE, SamplingParams, SpecConfig
-from blockspec.engine.adaptive import AdaptiveBlock
+from blockspec.dflash.policy import AdaptiveBlock
 from blockspec.engine.metrics import EngineMetrics, MetricsRecorder
-from blockspec.engine.openmp import release_thread_pool
+from blockspec.cpu.openmp import release_thread_pool
 from blockspec.engine.request import Request, RequestHandle, StopCheck, TokenEvent
 from blockspec.engine.scheduler import Scheduler
 from blockspec.errors import ConfigError
-from blockspec.models.drafter import DFlashDrafter
-from blockspec.models.target import Target
-from blockspec.spec.decode import DecodeBatch, GenerationResult, Row, SpecDecoder, make_row
-from blockspec.spec.lookup import LookupConfig
+from blockspec.dflash.drafter import DFlashDrafter
+from blockspec.targets.base import Target
+from blockspec.dflash.batch import DecodeBatch, GenerationResult, Row, SpecDecoder, make_row
+from blockspec.dflash.lookup import LookupConfig
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class EngineConfig:
     # True: decode on the engine's own thread, started by the first submit (a server). False: the
     # owner decodes on its own thread with run_until_idle() (a benchmark: no second OpenMP team).
     own_thread: bool = True
-    # Rows whose last tokens occurred before propose what followed them (spec/lookup.py).
+    # Rows whose last tokens occurred before propose what followed them (dflash/lookup.py).
     lookup: LookupConfig | None = None
     # With adaptive_block: rows of a batch verify lengths of their own, chosen from their drafts'
     # confidences, and rows with lookup continuations may verify them with no draft pass
@@ -118,7 +118,7 @@ class Engine:
                 return
             self._stopping.clear()
             # The thread that hands over (it loaded the models) keeps an idle OpenMP team that
-            # would slow the decode thread's parallel regions down (engine/openmp.py).
+            # would slow the decode thread's parallel regions down (cpu/openmp.py).
             release_thread_pool()
             self._thread = threading.Thread(target=self._loop, name="blockspec-engine", daemon=True)
             self._thread.start()

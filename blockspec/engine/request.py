@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
 from blockspec.config import SamplingParams
-from blockspec.spec.decode import GenerationResult, RequestStats
+from blockspec.dflash.batch import GenerationResult, RequestStats
 
 # Given the generated ids so far, the number to keep when a stop string occurred, else None.
 StopCheck = Callable[[list[int]], int | None]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from blockspec.models.slots import EMPTY
+from blockspec.targets.slots import EMPTY
 from blockspec.train.data import Example, read_shard, shard_files
 
 

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from blockspec.errors import ConfigError
-from blockspec.models.drafter import DFlashDrafter
-from blockspec.models.target import _decoder
+from blockspec.dflash.drafter import DFlashDrafter
+from blockspec.targets.hf import _decoder
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:

@@ -29,7 +29,7 @@ def teacher_target(target: object) -> object:
     if hasattr(target, "final_hidden") or not isinstance(getattr(target, "model", None), torch.nn.Module):
         return target
     from blockspec.errors import ConfigError
-    from blockspec.models.native import load_native_target
+    from blockspec.targets.native import load_native_target
 
     try:
         return load_native_target(target.model, dtype=None, device=target.device, eos_token_ids=(),

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from blockspec.errors import CheckpointError, ConfigError
-from blockspec.models.drafter import DFlashDrafter, load_drafter, new_drafter_for_target, save_drafter
+from blockspec.dflash.drafter import DFlashDrafter, load_drafter, new_drafter_for_target, save_drafter
 from blockspec.train.anchors import block_attention_mask, block_labels, block_positions, sample_anchors
 from blockspec.train.data import Example
 from blockspec.train.loss import fused_head_ce, position_weights
@@ -433,7 +433,7 @@ class Trainer:
 
     def _drafter_from(self, path: Path) -> DFlashDrafter:
         """A drafter directory as the starting point; its shape must be the run's, but it may grow deeper."""
-        from blockspec.models.drafter import check_compatible
+        from blockspec.dflash.drafter import check_compatible
 
         cfg = self.cfg
         drafter = load_drafter(path, dtype=torch.float32, device=str(self.device))

@@ -1,0 +1,404 @@
+"""A native CPU kernel for fp32 and bf16 products of a few rows: `kernels/rows.c`, compiled at first use.
+
+A decoding step multiplies a few rows by every weight matrix (one per sequence, or a verified
+block per sequence), and on a CPU its time should be the time to stream the weights from memory
+once. PyTorch's kernels do not manage that for so few rows (BENCHMARKS.md, session 13: the
+projections of SmolLM2-135M for one row took 1.6x the kernel's time through oneDNN). Since
+session 17 it tiles rows and weight rows in registers (from 5 fp32 rows, 3 bf16 ones, since
+session 22), and beat oneDNN here up to 128 rows (the projections of SmolLM2-135M: 8 rows 30 ms
+against 45, 16 rows 37 against 56, 64 rows 116 against 126). Since session 22 its prefetches
+aim at the outer caches, which took 8 fp32 rows of those projections and head from 25.4 ms to
+18.2 and one row from 20.4 to 16.6.
+The kernel is also batch invariant: a row gets the same bits alone or beside others.
+bf16 products (a bf16 drafter, or a bf16 target) sum in fp32 and stream half the bytes; with
+AVX512_BF16 they multiply in pairs, and a 16-20 row draft pass's projections took 1.8-2.2 ms
+against oneDNN's 4.0-4.6 (BENCHMARKS.md, session 18). fp32 weights that a 4- or 8-bit GGUF left are
+multiplied from a packed copy with the fp32 product's bits (`bs_rows_matmul_q4` / `_q8`,
+cpu/packed_weights.py), and their bf16 roundings with the bf16 product's (`_q4_bf16` / `_q8_bf16`).
+
+The same library holds `kernels/attention.c`, the target's batch-invariant attention for a few
+query tokens (targets/native/attention.py), `kernels/norm.c`, RMSNorm in one call instead of
+PyTorch's ten small operators (`rms_norm` below), `kernels/peak.c`, a draft head's argmax with
+its softmax probability (`argmax_peak` below) or alone (`argmax`), `bs_greedy_head` in rows.c, the
+greedy ids of an fp32 LM head screened in bf16 (cpu/greedy_head.py), and `kernels/rope.c`, a layer's
+query/key norms, rotary embedding and K/V cache writes in one call (targets/native/qkv.py).
+
+Built with the system C compiler (`$CC`, else cc/gcc/clang; -O3 -march=native -fopenmp) into
+the blockspec cache (`$BLOCKSPEC_CACHE/kernels`, default ~/.cache/blockspec/kernels), keyed by the
+source, the compiler and the CPU. Without a working compiler, or with BLOCKSPEC_CPU_KERNELS=0,
+`kernel()` is None and cpu/linear.py keeps PyTorch's kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+from blockspec.cache_dir import cache_root
+
+SOURCES = tuple(Path(__file__).parent / "csrc" / name
+                for name in ("rows.c", "attention.c", "norm.c", "peak.c", "rope.c", "layers.c"))  # one library
+HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("vec.h", "kernels.h"))
+DISABLE_ENV = "BLOCKSPEC_CPU_KERNELS"
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+
+_UNTRIED = object()
+_kernel: object = _UNTRIED
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _cpu_id() -> str:
+    """What -march=native depends on: the CPU model and its feature flags."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags", "Features"))]
+        return "\n".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def build(cc: str, out_dir: Path) -> Path:
+    """Compiles the kernel (if not cached) and returns the shared library's path."""
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
+    texts = [src.read_text() for src in (*SOURCES, *HEADERS)]
+    key = hashlib.sha256("\0".join([*texts, cc, version, " ".join(_FLAGS), _cpu_id()]).encode())
+    lib = out_dir / f"rows-{key.hexdigest()[:16]}.so"
+    if lib.exists():
+        return lib
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        tmp_lib = Path(tmp) / lib.name
+        subprocess.run([cc, *_FLAGS, *map(str, SOURCES), "-o", str(tmp_lib), "-lm"], capture_output=True, text=True,
+                       check=True)
+        os.replace(tmp_lib, lib)  # atomic: concurrent processes (torchrun) never load half a file
+    return lib
+
+
+def _load() -> object | None:
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return None
+    cc = _compiler()
+    if cc is None:
+        return None
+    try:
+        lib = ctypes.CDLL(str(build(cc, cache_root() / "kernels")))
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", None) or str(e)
+        warnings.warn(f"blockspec: the native CPU kernel did not build ({detail.strip()[:300]}); "
+                      f"using PyTorch's kernels (set {DISABLE_ENV}=0 to skip the attempt)")
+        return None
+    fn, fn.bf16 = lib.bs_rows_matmul, lib.bs_rows_matmul_bf16
+    for f in (fn, fn.bf16):
+        f.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        f.restype = ctypes.c_int
+    fn.res = lib.bs_rows_matmul_res
+    fn.res.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    fn.res.restype = ctypes.c_int
+    fn.q4, fn.q8 = lib.bs_rows_matmul_q4, lib.bs_rows_matmul_q8
+    for f in (fn.q4, fn.q8):
+        f.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        f.restype = ctypes.c_int
+    fn.q4_bf16, fn.q8_bf16 = lib.bs_rows_matmul_q4_bf16, lib.bs_rows_matmul_q8_bf16
+    for f in (fn.q4_bf16, fn.q8_bf16):
+        f.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        f.restype = ctypes.c_int
+    fn.max_rows = {torch.float32: int(lib.bs_rows_max()), torch.bfloat16: int(lib.bs_rows_max_bf16())}
+    fn.fast_rows = {torch.float32: fn.max_rows[torch.float32], torch.bfloat16: int(lib.bs_rows_fast_bf16())}
+    fn.attention = {torch.float32: lib.bs_attention, torch.bfloat16: lib.bs_attention_bf16}
+    for f in fn.attention.values():
+        f.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_int]
+        f.restype = ctypes.c_int
+    fn.rms_norm = {torch.float32: lib.bs_rms_norm, torch.bfloat16: lib.bs_rms_norm_bf16}
+    for f in fn.rms_norm.values():
+        f.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
+        f.restype = ctypes.c_int
+    fn.argmax_peak = {torch.float32: lib.bs_argmax_peak, torch.bfloat16: lib.bs_argmax_peak_bf16}
+    for f in fn.argmax_peak.values():
+        f.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int]
+        f.restype = ctypes.c_int
+    fn.rope_kv = {torch.float32: lib.bs_rope_kv, torch.bfloat16: lib.bs_rope_kv_bf16}
+    for f in fn.rope_kv.values():
+        f.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 6 + [ctypes.c_void_p] * 2 + [ctypes.c_float] * 2
+                      + [ctypes.c_void_p] * 2 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+                      + [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 5 + [ctypes.c_int])
+        f.restype = ctypes.c_int
+    fn.greedy_head = lib.bs_greedy_head
+    fn.greedy_head.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int]
+    fn.greedy_head.restype = ctypes.c_int
+    fn.silu_mul = {torch.float32: lib.bs_silu_mul, torch.bfloat16: lib.bs_silu_mul_bf16}
+    for f in fn.silu_mul.values():
+        f.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+        f.restype = ctypes.c_int
+    fn.layers, fn.layers_bf16, fn.layers_layout = lib.bs_layers, lib.bs_layers_bf16, lib.bs_layers_layout
+    for f in (fn.layers, fn.layers_bf16):
+        f.argtypes = [ctypes.c_void_p] * 24 + [ctypes.c_int]
+        f.restype = ctypes.c_int
+    fn.layers_layout.argtypes = [ctypes.c_void_p]
+    fn.layers_layout.restype = ctypes.c_int
+    return fn if _agrees(fn) else None
+
+
+def _agrees(fn: object) -> bool:
+    """One small product, attention, RMSNorm, argmax with its softmax peak and a rope with its
+    cache writes per element type prove the build runs and agrees with PyTorch."""
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(3, 37, generator=g), torch.randn(5, 37, generator=g), torch.randn(5, generator=g)
+    q = torch.randn(1, 1, 2, 20, generator=g)
+    k, v = torch.randn(1, 1, 4, 20, generator=g), torch.randn(1, 1, 4, 20, generator=g)
+    visible = torch.tensor([[3, 4]])  # two tokens at positions 2 and 3
+    causal = torch.tensor([[True, True, True, False], [True, True, True, True]])
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-3)):
+        xd, wd = x.to(dtype), w.to(dtype)
+        y = torch.empty(3, 5)
+        product = fn if dtype == torch.float32 else fn.bf16
+        product(xd.data_ptr(), wd.data_ptr(), b.data_ptr(), y.data_ptr(), 3, 37, 5, 1)
+        want = torch.nn.functional.linear(xd.double(), wd.double(), b.double()).float()
+        if dtype == torch.float32:  # the residual connection's call: the product's bits, then one addition
+            residual, with_res = torch.randn(3, 5, generator=g), torch.empty(3, 5)
+            fn.res(xd.data_ptr(), wd.data_ptr(), b.data_ptr(), residual.data_ptr(), with_res.data_ptr(), 3, 37, 5, 1)
+            if not torch.equal(with_res, residual + y):
+                return False
+            if not _packed_agrees(fn):
+                return False
+        qd, kd, vd = q.to(dtype), k.to(dtype), v.to(dtype)
+        att = torch.empty(1, 1, 2, 20)
+        fn.attention[dtype](qd.data_ptr(), kd.data_ptr(), vd.data_ptr(), att.data_ptr(), visible.data_ptr(), None,
+                            1, 1, 1, 2, 20, 80, 80, 4, 0.25, 1)
+        want_att = torch.nn.functional.scaled_dot_product_attention(qd.double(), kd.double(), vd.double(),
+                                                                    attn_mask=causal, scale=0.25).float()
+        xn, wn = torch.randn(2, 21, generator=g).to(dtype), torch.rand(21, generator=g).to(dtype)
+        normed = torch.empty_like(xn)
+        fn.rms_norm[dtype](xn.data_ptr(), wn.data_ptr(), normed.data_ptr(), 2, 21, 1e-6, 1)
+        want_norm = torch.nn.functional.rms_norm(xn.double(), (21,), wn.double(), 1e-6)
+        logits = torch.randn(2, 37, generator=g).to(dtype)
+        top, peak = torch.empty(2, dtype=torch.int64), torch.empty(2)
+        fn.argmax_peak[dtype](logits.data_ptr(), 2, 37, top.data_ptr(), peak.data_ptr(), 1)
+        want_peak = torch.softmax(logits.double(), -1).amax(-1).float()
+        alone = torch.empty(2, dtype=torch.int64)
+        fn.argmax_peak[dtype](logits.data_ptr(), 2, 37, alone.data_ptr(), None, 1)
+        # one token's two query heads and one key/value head of 20 (rope after a head norm)
+        qkv, angle = torch.randn(1, 80, generator=g).to(dtype), torch.rand(1, 10, generator=g).repeat(1, 2)
+        cos, sin, wq = angle.cos().to(dtype), angle.sin().to(dtype), torch.rand(20, generator=g).to(dtype)
+        zero = torch.zeros(1, dtype=torch.int64)
+        roped_q, cache_k, cache_v = torch.empty(2, 20, dtype=dtype), torch.empty(20, dtype=dtype), torch.empty(20, dtype=dtype)
+        fn.rope_kv[dtype](qkv.data_ptr(), 1, 80, 2, 1, 2, 20, wq.data_ptr(), None, 1e-6, 1e-6, cos.data_ptr(),
+                          sin.data_ptr(), 0, zero.data_ptr(), zero.data_ptr(), 1, 1, roped_q.data_ptr(), zero.data_ptr(),
+                          zero.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(), 1, 1, 20, 20, 20, 1)
+        heads = qkv.double().view(4, 20)
+        heads = torch.cat([torch.nn.functional.rms_norm(heads[:2], (20,), wq.double(), 1e-6), heads[2:]])
+        want_rope = heads * cos.double() + torch.cat([-heads[:, 10:], heads[:, :10]], -1) * sin.double()
+        roped = torch.cat([roped_q, cache_k[None], cache_v[None]]).double()
+        want_rope[3] = heads[3]
+        if dtype == torch.float32:  # the greedy head: the argmax of the fp32 product, screened in bf16
+            head = torch.randn(40, 37, generator=torch.Generator().manual_seed(1))
+            head[7] = head[3]  # a tie: the first index wins
+            head_logits = torch.empty(3, 40)
+            fn(x.data_ptr(), head.data_ptr(), None, head_logits.data_ptr(), 3, 37, 40, 1)
+            xb, hb = x.bfloat16(), head.bfloat16()
+            norms, bound = head.double().norm(dim=1).float() * 1.001, x.double().norm(dim=1).float() * 0.0042
+            screen, ids, seen = torch.empty(3, 40), torch.empty(3, dtype=torch.int64), torch.empty(3, dtype=torch.int64)
+            fn.greedy_head(x.data_ptr(), xb.data_ptr(), head.data_ptr(), hb.data_ptr(), norms.data_ptr(),
+                           bound.data_ptr(), screen.data_ptr(), 3, 37, 40, ids.data_ptr(), seen.data_ptr(), 1)
+            if not torch.equal(ids, head_logits.argmax(-1)):
+                return False
+        if not (torch.allclose(y, want, atol=tol, rtol=tol) and torch.allclose(att, want_att, atol=tol, rtol=tol)
+                and torch.allclose(normed.double(), want_norm, atol=4 * tol, rtol=4 * tol)
+                and torch.equal(top, logits.float().argmax(-1)) and torch.equal(alone, top)
+                and torch.allclose(peak, want_peak, atol=1e-5)
+                and torch.allclose(roped, want_rope, atol=8 * tol, rtol=8 * tol)):
+            return False
+    return True
+
+
+def _packed_agrees(fn: object) -> bool:
+    """The packed paths (cpu/packed_weights.py) give the fp32 path's bits on the weights they encode
+    (and the bf16 path's on their bf16 roundings), at one row and at a tile's worth, with bias
+    and residual."""
+    g = torch.Generator().manual_seed(2)
+    qs4 = torch.randint(0, 256, (6, 32), dtype=torch.uint8, generator=g)  # 6 weight rows, 64 inputs
+    sc4 = torch.stack([torch.rand(6, 2, generator=g).half().float(), torch.randn(6, 2, generator=g).half().float()], -1)
+    q4 = torch.cat([qs4.view(6, 2, 16) & 15, qs4.view(6, 2, 16) >> 4], -1).float()
+    w4 = (sc4[..., 1:] + sc4[..., :1] * q4).reshape(6, 64).contiguous()
+    qs8 = torch.randint(-128, 128, (6, 64), dtype=torch.int8, generator=g)
+    sc8 = torch.rand(6, 2, 1, generator=g).half().float()
+    w8 = (qs8.view(6, 2, 32).float() * sc8).reshape(6, 64).contiguous()
+    b = torch.randn(6, generator=g)
+    for f, qs, sc, w in ((fn.q4, qs4, sc4, w4), (fn.q8, qs8, sc8, w8)):
+        for n in (1, 6, 12):
+            x, res = torch.randn(n, 64, generator=g), torch.randn(n, 6, generator=g)
+            y, yp = torch.empty(n, 6), torch.empty(n, 6)
+            fn.res(x.data_ptr(), w.data_ptr(), b.data_ptr(), res.data_ptr(), y.data_ptr(), n, 64, 6, 1)
+            if f(x.data_ptr(), qs.data_ptr(), sc.data_ptr(), b.data_ptr(), res.data_ptr(), yp.data_ptr(), n, 64, 6, 1):
+                return False
+            if not torch.equal(y, yp):
+                return False
+            # bf16: the bf16 path on the weights' bf16 roundings
+            xb, wb = x.bfloat16(), w.bfloat16()
+            fn.bf16(xb.data_ptr(), wb.data_ptr(), b.data_ptr(), y.data_ptr(), n, 64, 6, 1)
+            fb = fn.q4_bf16 if f is fn.q4 else fn.q8_bf16
+            if fb(xb.data_ptr(), qs.data_ptr(), sc.data_ptr(), b.data_ptr(), yp.data_ptr(), n, 64, 6, 1):
+                return False
+            if not torch.equal(y, yp):
+                return False
+    return True
+
+
+def kernel() -> object | None:
+    """The compiled kernel (built and checked on the first call), or None where unavailable."""
+    global _kernel
+    if _kernel is _UNTRIED:
+        _kernel = _load()
+    return _kernel
+
+
+def max_rows(dtype: torch.dtype = torch.float32, exact: bool = True) -> int:
+    """The most rows of `dtype` (fp32 or bf16) to send to the kernel on this build (it says: fp32
+    128 with AVX-512, where its register tiles were measured faster than PyTorch's GEMM, 8
+    elsewhere; bf16 any number, as bf16 models need batch-invariant products to stay lossless);
+    0 without a kernel or for other dtypes. exact=False (products that need no batch
+    invariance, a drafter's): only as many as the kernel is faster for (bf16: 96 rows with
+    AVX512_BF16, 8 without)."""
+    k = kernel()
+    return 0 if k is None else (k.max_rows if exact else k.fast_rows).get(dtype, 0)
+
+
+def rows_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [n, in] @ weight[out, in]^T + bias -> [n, out] in x's dtype; x and weight both fp32 or
+    both bf16, contiguous, on the CPU, `kernel()` set. bf16 sums in fp32 and rounds once."""
+    return _product(x, weight, bias)
+
+
+def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                exact: bool = True, residual: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x [..., in] @ weight[out, in]^T + bias (+ residual: see `_product`) -> [..., out] in x's
+    dtype through the kernel, or None where it does not take them (no kernel; x, weight not CPU tensors of one dtype; a weight
+    that is not contiguous; more rows than `max_rows(dtype, exact)`; shapes that do not fit). A
+    strided x is copied first. For callers without autograd: cpu/linear.py's kernel path. A
+    decoding step calls it ~150 times, where reshaping to [rows, in] and back cost more than the
+    kernel's own call."""
+    fn = _kernel if _kernel is not _UNTRIED else kernel()
+    if fn is None or not x.is_cpu:
+        return None
+    dtype, k = x.dtype, x.shape[-1]
+    if dtype is not weight.dtype or weight.dim() != 2 or weight.shape[1] != k or k == 0 or not weight.is_contiguous():
+        return None
+    if not 0 < x.numel() // k <= (fn.max_rows if exact else fn.fast_rows).get(dtype, 0):
+        return None
+    if bias is not None and (bias.dtype is not dtype or bias.shape != (weight.shape[0],) or not bias.is_contiguous()):
+        return None
+    return _product(x if x.is_contiguous() else x.contiguous(), weight, bias, residual)
+
+
+def _product(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+             residual: torch.Tensor | None = None, packed: object | None = None) -> torch.Tensor | None:
+    """The kernel's product of contiguous x [..., in] (any leading shape) -> [..., out], plus
+    `residual` if given: `residual + product`, bit for bit (fp32 adds it in the same call, saving
+    a pass and an operator per residual connection; other cases add it afterwards). The weight is
+    `weight`, or, with `packed` (a cpu.packed_weights.PackedWeight of x's dtype), the packed copy of it;
+    then None where the kernel could not allocate its tile buffer."""
+    fn = kernel()
+    k, n = x.shape[-1], (weight if packed is None else packed.qs).shape[0]
+    shape = (*x.shape[:-1], n)
+    out = torch.empty(shape, dtype=torch.float32)
+    rows, threads = x.numel() // k, torch.get_num_threads()
+    fp32 = x.dtype == torch.float32
+    fused = (residual is not None and fp32 and residual.dtype == torch.float32 and residual.shape == shape
+             and residual.is_contiguous())
+    if bias is not None and not fp32:
+        bias = bias.float().contiguous()
+    b, r = None if bias is None else bias.data_ptr(), residual.data_ptr() if fused else None
+    if packed is not None:
+        args = (x.data_ptr(), packed.qs.data_ptr(), packed.sc.data_ptr(), b)
+        if fp32:
+            failed = (fn.q4 if packed.bits == 4 else fn.q8)(*args, r, out.data_ptr(), rows, k, n, threads)
+        else:
+            failed = (fn.q4_bf16 if packed.bits == 4 else fn.q8_bf16)(*args, out.data_ptr(), rows, k, n, threads)
+        if failed:
+            return None
+    elif fused:
+        fn.res(x.data_ptr(), weight.data_ptr(), b, r, out.data_ptr(), rows, k, n, threads)
+    else:
+        (fn if fp32 else fn.bf16)(x.data_ptr(), weight.data_ptr(), b, out.data_ptr(), rows, k, n, threads)
+    out = out if fp32 else out.to(x.dtype)
+    return out if residual is None or fused else residual + out
+
+
+def argmax_peak(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(argmax [..], softmax probability at it [..] float32) of logits [.., V] (fp32 or bf16, on
+    the CPU) through `kernels/peak.c`; None where the kernel does not take them (no kernel, other
+    dtypes, autograd)."""
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return None
+    return _peak(logits, with_peak=True)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor | None:
+    """argmax [..] (int64, the first of tied maxima) of logits [.., V] (fp32 or bf16, on the CPU)
+    through `kernels/peak.c` in one pass; None where the kernel does not take them."""
+    out = _peak(logits, with_peak=False)
+    return None if out is None else out[0]
+
+
+def _peak(logits: torch.Tensor, with_peak: bool) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """`kernels/peak.c` over the rows of logits [.., V]: argmax, and the softmax peak if asked."""
+    fn = kernel()
+    f = None if fn is None else fn.argmax_peak.get(logits.dtype)
+    if f is None or logits.shape[-1] == 0:
+        return None
+    x = logits.detach().contiguous()
+    top = torch.empty(x.shape[:-1], dtype=torch.int64)
+    peak = torch.empty(x.shape[:-1], dtype=torch.float32) if with_peak else None
+    f(x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], top.data_ptr(), None if peak is None else peak.data_ptr(),
+      torch.get_num_threads())
+    return top, peak
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up of gate_up [..., 2 I] (gate first) -> [..., I] through `kernels/layers.c`
+    (fp32 or bf16 on the CPU; bf16 rounds where PyTorch's bf16 operators do), or None where the
+    kernel does not take it (the caller then uses PyTorch's operators). The native models use it
+    on both of their paths (the Python loops and `bs_layers`), so their bits agree."""
+    fn = kernel()
+    f = None if fn is None else fn.silu_mul.get(gate_up.dtype)
+    if f is None or not gate_up.is_cpu or gate_up.shape[-1] % 2 or torch.is_grad_enabled() and gate_up.requires_grad:
+        return None
+    if not gate_up.is_contiguous():
+        gate_up = gate_up.contiguous()
+    inter = gate_up.shape[-1] // 2
+    out = torch.empty((*gate_up.shape[:-1], inter), dtype=gate_up.dtype)
+    f(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // max(1, 2 * inter), inter, torch.get_num_threads())
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """Hugging Face's RMSNorm of x [..., n] (on the CPU) by weight [n] through `kernels/norm.c`
+    (statistics in fp32, the product by weight in x's dtype), or None where the kernel does not
+    take it (no kernel, dtypes other than fp32 or bf16 alike, autograd). Kept lean: it runs ~60
+    times per decoding step."""
+    fn = kernel()
+    f = None if fn is None else fn.rms_norm.get(x.dtype)
+    if f is None or weight.dtype != x.dtype or torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return None
+    if not x.is_contiguous():
+        x = x.contiguous()
+    if not weight.is_contiguous():
+        weight = weight.contiguous()
+    out = torch.empty_like(x)
+    n = x.shape[-1]
+    f(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // max(1, n), n, eps, torch.get_num_threads())
+    return out

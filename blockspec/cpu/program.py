@@ -1,0 +1,189 @@
+"""A forward's decoder layers as one kernel call (`kernels/layers.c`, bs_layers / bs_layers_bf16).
+
+The Python loops of `NativeLlama.forward` and of the drafter's `StaticDrafter` call about ten
+kernels per layer, and each call pays a few microseconds of argument checks and ctypes
+conversion: ~2 ms of a 6.9 ms one-token SmolLM2-135M forward on 2 cores. A `LayerProgram` keeps
+every layer's weight pointers (packed or not) in one int64 table and runs the loop in C with the
+same kernels, arguments and order, so the outputs have the Python loop's bits (tested); the
+loops stay for everything a program does not take (GPUs, other dtypes, autograd, prefills,
+ragged passes, resumed passes, causal or windowed draft layers).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from blockspec.cpu import kernels
+from blockspec.targets.native.cache import StaticCache
+from blockspec.targets.native.qkv import QKVPlacement
+
+DTYPES = (torch.float32, torch.bfloat16)
+DIMS = 18  # the int64 geometry values `run` passes (kernels/layers.c's D_COUNT; `build` checks)
+ENV = "BLOCKSPEC_LAYER_LOOP"  # "0": keep the Python loops (to compare, or to rule the C loop out)
+Watched = tuple[dict | None, str | None, torch.Tensor]  # (holder such as module._parameters, key, tensor)
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder layer as the kernel reads it: norm weights (q/k norms may be None) and the four
+    products q/k/v, o, gate/up, down as (packed copy or None, weight [out, in], bias or None)."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    products: tuple[tuple[object | None, torch.Tensor, torch.Tensor | None], ...]
+
+
+def _layout() -> tuple[int, int, int] | None:
+    fn = kernels.kernel()
+    if fn is None or not hasattr(fn, "layers_layout"):
+        return None
+    out = torch.zeros(3, dtype=torch.int64)
+    fn.layers_layout(out.data_ptr())
+    return int(out[0]), int(out[1]), int(out[2])
+
+
+class LayerProgram:
+    """The pointer table of one model's layers (`build`); `run` is a forward's layer loop."""
+
+    def __init__(self, dtype: torch.dtype, table: torch.Tensor, eps: tuple[float, float, float],
+                 watched: list[Watched], keep: list[object]) -> None:
+        self.dtype = dtype
+        self.table = table  # [layers * fields] int64
+        self.eps = eps  # rms, q-norm, k-norm
+        self.watched = watched
+        self.keep = keep  # what else the table points into: packed copies, fp32 biases of a bf16 model
+        self.key = self._key()
+
+    def _key(self) -> tuple[tuple[int, int], ...]:
+        # data_ptr too: `module.to()` and `param.data = ...` swap storage without a new version
+        return tuple((t.data_ptr(), t._version) for _, _, t in self.watched)
+
+    @classmethod
+    def build(cls, layers: list[LayerWeights], eps: tuple[float, float, float],
+              watched: list[Watched]) -> LayerProgram | None:
+        """The program of these layers, or None where the kernel cannot run them (no kernel, a
+        dtype other than fp32 or bf16, tensors not contiguous on the CPU, layers with and without
+        q/k norms) or $BLOCKSPEC_LAYER_LOOP is 0. `watched`: the tensors whose change (`fits`) means the layers must be read
+        again, each with the dict and key it is held under (a module's `_parameters`), if any."""
+        layout = _layout()
+        if layout is None or not layers or os.environ.get(ENV, "1") == "0":
+            return None
+        dims, fields, product_fields = layout
+        dtype = layers[0].input_norm.dtype
+        if dtype not in DTYPES or len({layer.q_norm is None for layer in layers}) > 1:
+            return None
+
+        def plain(t: torch.Tensor | None) -> bool:
+            return t is None or (t.dtype == dtype and t.is_contiguous() and t.device.type == "cpu")
+
+        rows: list[int] = []
+        keep: list[object] = []
+        for layer in layers:
+            norms = (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm)
+            if not all(plain(n) for n in norms):
+                return None
+            rows += [0 if n is None else n.data_ptr() for n in norms]
+            for packed, weight, bias in layer.products:
+                if not plain(weight) or (bias is not None and (bias.dim() != 1 or not plain(bias))):
+                    return None
+                if bias is not None and dtype != torch.float32:
+                    bias = bias.float().contiguous()  # the kernel adds an fp32 bias, as kernels._product
+                    keep.append(bias)
+                use = packed is not None and packed.dtype == dtype and packed.matches(weight)
+                if use:
+                    keep.append(packed)  # its bytes stay alive for the table even if the module's copy is replaced
+                rows += [packed.bits if use else 0, packed.qs.data_ptr() if use else 0,
+                         packed.sc.data_ptr() if use else 0, 0 if bias is None else bias.data_ptr(),
+                         weight.data_ptr()]
+        if len(rows) != fields * len(layers) or fields != 4 + 4 * product_fields or dims != DIMS:
+            return None
+        return cls(dtype, torch.tensor(rows, dtype=torch.int64), eps, watched, keep)
+
+    def kinds(self) -> list[tuple[int, ...]]:
+        """Per layer, what each product (q/k/v, o, gate/up, down) reads: 0 the weight, 4 or 8 its
+        packed copy of that many bits (bf16: for products of few rows)."""
+        _, fields, pf = _layout()
+        rows = self.table.view(-1, fields)
+        return [tuple(int(row[4 + i * pf]) for i in range(4)) for row in rows]
+
+    def fits(self) -> bool:
+        """Whether the weights are still the ones the table was built from (none replaced,
+        changed in place or given new storage since `build`)."""
+        return all(owner is None or owner[name] is t for owner, name, t in self.watched) and self._key() == self.key
+
+    def run(self, x: torch.Tensor, place: QKVPlacement, visible: torch.Tensor, horizon: int, cache: StaticCache,
+            *, inter: int, scale: float, ctx: torch.Tensor | None = None, capture: list[int] | None = None,
+            features: torch.Tensor | None = None, packed_max: int = 0,
+            start: torch.Tensor | None = None) -> torch.Tensor | None:
+        """x [b, q, H] (consumed) -> the last layer's output [b, q, H], before the final norm; K/V
+        written into `cache` as the Python loop writes them. ctx [t, H]: rows that go through each
+        layer's q/k/v projection before the block's and have no queries (the drafter's context;
+        `place` then starts its queries at t). capture [layers]: the column of `features`
+        [b, q, F] that takes each layer's output, or -1. packed_max: the most rows a bf16 product
+        reads its packed copy for. start [b, q]: each query's first key (cached_attention), or
+        None. None where the kernel reports a failure (then nothing but
+        repeatable K/V writes happened: the caller reruns its own loop)."""
+        fn = kernels.kernel()
+        dtype = self.dtype
+        b, q, hidden = x.shape
+        tokens = b * q
+        t = 0 if ctx is None else ctx.shape[0]
+        h, kvh, d = place.heads, place.kv_heads, place.head_dim
+        g = h // kvh
+        width = (h + 2 * kvh) * d
+        store = cache.store
+        k0 = store.keys[0]
+        s_row, s_head, s_slot, _ = k0.stride()
+        off = cache.row0 * s_row * k0.element_size()  # the batch's first row
+        kv = torch.tensor([p + off for k, v in zip(store.keys, store.values) for p in (k.data_ptr(), v.data_ptr())],
+                          dtype=torch.int64)
+        layers = len(store.keys)
+        dims = [t, tokens, hidden, layers, h, kvh, d, inter, b, q, cache.batch, k0.shape[2], s_row, s_head, s_slot,
+                horizon, 0 if features is None else features.shape[-1], packed_max]
+        assert len(dims) == DIMS  # the order of kernels/layers.c's D_* values
+        dims_t = torch.tensor(dims, dtype=torch.int64)  # named: a temporary would be freed before the call
+        kin = torch.empty(t + tokens, hidden, dtype=dtype)
+        if ctx is not None:
+            kin[:t] = ctx
+        acc = torch.empty(max((t + tokens) * width, tokens * 2 * inter, tokens * hidden) if dtype != torch.float32
+                          else 1)
+        cap = torch.tensor(capture if capture is not None else [-1] * layers, dtype=torch.int64)
+        scal = torch.tensor([*self.eps, scale], dtype=torch.float32)
+
+        def buf(*shape: int, dt: torch.dtype = dtype) -> torch.Tensor:
+            return torch.empty(shape, dtype=dt)
+
+        xb, qkv, qs, att = buf(b, q, hidden), buf(t + tokens, width), buf(b, kvh, g * q, d), buf(
+            b, kvh, g * q, d, dt=torch.float32)
+        o_in, gate_up, act = buf(tokens, h * d), buf(tokens, 2 * inter), buf(tokens, inter)
+        rc = (fn.layers if dtype == torch.float32 else fn.layers_bf16)(
+            x.data_ptr(), xb.data_ptr(), dims_t.data_ptr(), scal.data_ptr(),
+            self.table.data_ptr(), kv.data_ptr(), place.cos.data_ptr(), place.sin.data_ptr(), place.q_rows.data_ptr(),
+            place.q_cols.data_ptr(), place.kv_rows.data_ptr(), place.kv_slots.data_ptr(), visible.data_ptr(),
+            0 if start is None else start.data_ptr(), kin.data_ptr(), qkv.data_ptr(), qs.data_ptr(), att.data_ptr(),
+            o_in.data_ptr(), gate_up.data_ptr(), act.data_ptr(), acc.data_ptr(), cap.data_ptr(),
+            0 if features is None else features.data_ptr(), torch.get_num_threads())
+        return x if rc == 0 else None
+
+
+def parameters_of(modules: list[nn.Module]) -> list[Watched]:
+    """Every direct parameter of these modules, held where `LayerProgram.fits` can see a
+    replacement."""
+    return [(m._parameters, name, p) for m in modules for name, p in m._parameters.items() if p is not None]
+
+
+def target_program(net: nn.Module) -> LayerProgram | None:
+    """The program of a NativeLlama's layers (its packed copies where it has them), or None."""
+    layers = [LayerWeights(layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm,
+                           tuple((m.__dict__.get("packed"), m.weight, m.bias)
+                                 for m in (layer.qkv, layer.o, layer.gate_up, layer.down)))
+              for layer in net.layers]
+    eps = net.cfg.rms_norm_eps
+    modules = [m for layer in net.layers for m in (layer, layer.qkv, layer.o, layer.gate_up, layer.down)]
+    return LayerProgram.build(layers, (eps, eps, eps), parameters_of(modules))

@@ -1,0 +1,776 @@
+"""The DFlash speculative decoding loop for a batch of token-id prompts (DESIGN.md section 3).
+
+`DecodeBatch` is the one step implementation: rows join (prefill + first token), every `step`
+drafts, verifies and commits for the whole batch, finished rows leave. `SpecDecoder.generate`
+runs one fixed batch through it; the engine (blockspec/engine) adds and removes rows between
+steps. Each row accepts its own number of tokens per step: the Hugging Face adapter's caches keep
+per-slot positions (targets/slots.py), native caches index slots by position (targets/native/
+cache.py), so nothing is padded to a common length or recomputed. Block size 1 skips the drafter
+and is plain autoregressive decoding through the same code. With a LookupConfig, a row whose last
+tokens occurred before proposes what followed them instead of its drafted tokens (dflash/lookup.py).
+
+Cache protocol used here (HFCache, DraftCache, native StaticCache): `reject(keep [b, q])` after a
+verification, `compact(ratio)`, `select_rows(rows)`; to take joining rows `merge(other)`
+(optionally `spawn(k)` to prefill new rows in place); native caches also have `reserve(n)`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from blockspec.config import SamplingParams, SpecConfig
+from blockspec.errors import ConfigError, ContextLengthError
+from blockspec.dflash.drafter import DFlashDrafter, check_compatible
+from blockspec.dflash.static_drafter import StaticDrafter, has_standard_forward
+from blockspec.targets.slots import EMPTY
+from blockspec.targets.base import Target, greedy_forward
+from blockspec.dflash.lookup import LookupConfig, TokenIndex
+from blockspec.dflash.sampling import RowRandom, probabilities, sample_from
+from blockspec.dflash.verify import accept_greedy, verify_sampled
+
+# Called after every step with (row index in the original prompt list, newly committed ids).
+OnTokens = Callable[[int, list[int]], None]
+# Returns the number of generated tokens to keep if a stop string occurred, else None.
+StopCheck = Callable[[int, list[int]], int | None]
+
+
+@dataclass
+class RequestStats:
+    """Per-request statistics. tau counts committed tokens per decode step (accepted + 1)."""
+
+    prompt_tokens: int = 0
+    acceptance_lengths: list[int] = field(default_factory=list)
+    accepted_by_position: list[int] = field(default_factory=list)
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    block_size: int = 1
+    # Steps that proposed an n-gram lookup continuation, and how often its proposal k was
+    # accepted; accepted_by_position counts the drafter's proposals only.
+    lookup_steps: int = 0
+    lookup_accepted_by_position: list[int] = field(default_factory=list)
+
+    @property
+    def steps(self) -> int:
+        return len(self.acceptance_lengths)
+
+    @property
+    def mean_tau(self) -> float:
+        return sum(self.acceptance_lengths) / max(1, len(self.acceptance_lengths))
+
+    def tokens_per_s(self, generated: int) -> float:
+        total = self.prefill_s + self.decode_s
+        return generated / total if total > 0 else 0.0
+
+    def as_dict(self, generated: int) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": generated,
+            "block_size": self.block_size,
+            "steps": self.steps,
+            "mean_tau": round(self.mean_tau, 4),
+            "acceptance_lengths": list(self.acceptance_lengths),
+            "accepted_by_position": list(self.accepted_by_position),
+            "lookup_steps": self.lookup_steps,
+            "lookup_accepted_by_position": list(self.lookup_accepted_by_position),
+            "prefill_s": round(self.prefill_s, 6),
+            "decode_s": round(self.decode_s, 6),
+            "tokens_per_s": round(self.tokens_per_s(generated), 3),
+        }
+
+
+@dataclass
+class GenerationResult:
+    """Generated token ids (stop token included when one ended the request) and statistics."""
+
+    token_ids: list[int]
+    finish_reason: str  # "stop" | "length"
+    stats: RequestStats
+    # With capture_layer_ids: target features [prompt + generated, L*H] (CPU, float32), the last
+    # row zero (the last token is never fed to the target); what training uses as context.
+    features: torch.Tensor | None = None
+
+
+RowStopCheck = Callable[[list[int]], int | None]
+# A step's verify length from its drafts: (per row, the peak probability of the draft
+# distribution at each proposal position; per row, how many leading proposals came from n-gram
+# lookup instead) -> tokens to verify, in 1..block: one length for every row, or a list with one
+# per row (a ragged step; the rows' unverified tail is padding, which costs nothing where the
+# target `packs_padding`). It sees the draft distributions only, never the target nor the
+# sampled proposals: whether a sampled proposal is verified must not depend on the proposal
+# itself (verifying only the likely-looking samples would bias the output towards them), and the
+# peaks are fixed before any sample is drawn. Greedy, the peak is the proposal's own probability.
+Trim = Callable[[list[list[float]], list[int]], int | list[int]]
+
+
+@dataclass
+class Row:
+    """One sequence of a DecodeBatch. `key` is the caller's identity for it."""
+
+    key: object
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    stats: RequestStats
+    stop_check: RowStopCheck | None = None
+    generated: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    new_tokens: list[int] = field(default_factory=list)  # committed by the latest join or step
+    # tries[k]: steps in which proposal k (0-based) was verified with proposals 0..k-1 accepted.
+    tries: list[int] = field(default_factory=list)
+    decode_t0: float = 0.0
+    captured: list[torch.Tensor] | None = None  # feature chunks of fed positions (capture mode)
+    index: TokenIndex | None = None  # prompt + generated, for n-gram lookup proposals
+    lookup_tries: list[int] = field(default_factory=list)  # as `tries`, for lookup proposals
+
+    @property
+    def remaining(self) -> int:
+        return self.params.max_new_tokens - len(self.generated)
+
+    def acceptance_rates(self, prior: list[float], weight: float = 4.0, *, lookup: bool = False) -> list[float]:
+        """Per-position conditional acceptance estimates of the drafter's proposals (or with
+        lookup=True of lookup proposals), shrunk towards `prior`."""
+        acc = self.stats.lookup_accepted_by_position if lookup else self.stats.accepted_by_position
+        tries = self.lookup_tries if lookup else self.tries
+        return [
+            (acc[k] + weight * prior[k]) / (tries[k] + weight) if k < len(tries) else prior[k]
+            for k in range(len(prior))
+        ]
+
+
+def _stop_ids(params: SamplingParams, eos: tuple[int, ...]) -> frozenset[int]:
+    ids = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        ids.update(eos)
+    return frozenset(ids)
+
+
+def make_row(key: object, prompt_len: int, params: SamplingParams, eos: tuple[int, ...], max_block: int,
+             stop_check: RowStopCheck | None = None) -> Row:
+    """A Row with fresh statistics for a request of `prompt_len` tokens."""
+    positions = max(0, max_block - 1)
+    stats = RequestStats(prompt_tokens=prompt_len, block_size=max_block, accepted_by_position=[0] * positions,
+                         lookup_accepted_by_position=[0] * positions)
+    return Row(key, params, _stop_ids(params, eos), stats, stop_check, tries=[0] * positions,
+               lookup_tries=[0] * positions)
+
+
+class SpecDecoder:
+    """Runs target + drafter for batches of prompts. Holds no per-request state between calls."""
+
+    def __init__(self, target: Target, drafter: DFlashDrafter | None, spec: SpecConfig | None = None) -> None:
+        self.target = target
+        self.drafter = drafter
+        self.spec = spec or SpecConfig()
+        if drafter is not None:
+            info = target.info
+            check_compatible(
+                drafter.cfg, hidden_size=info.hidden_size, vocab_size=info.vocab_size, num_layers=info.num_layers
+            )
+        elif self.spec.block_size > 1:
+            raise ConfigError("block_size > 1 needs a drafter; pass one, or use block_size=1 for plain decoding")
+        self._adaptive = None  # the adaptive block policy: step costs measured here, kept across calls
+
+    @property
+    def block_choices(self) -> dict[int, int]:
+        """Steps run at each block size by the adaptive policy so far (empty when it is off)."""
+        return dict(self._adaptive.used) if self._adaptive is not None else {}
+
+    def _adaptive_policy(self, block: int) -> object:
+        from blockspec.dflash.policy import AdaptiveBlock  # the engine package builds on this module
+
+        if self._adaptive is None or self._adaptive.max_block != block:
+            self._adaptive = AdaptiveBlock(block)
+        return self._adaptive
+
+    def check_request(self, prompt_len: int, params: SamplingParams) -> None:
+        """Raises ContextLengthError if a request cannot fit the target's context."""
+        limit = self.target.info.max_position_embeddings
+        if prompt_len < 1:
+            raise ConfigError("the prompt is empty; give at least one token")
+        if prompt_len + params.max_new_tokens > limit:
+            raise ContextLengthError(
+                f"prompt ({prompt_len} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
+                f"target's context of {limit} tokens; shorten the prompt or lower max_new_tokens "
+                f"to at most {max(0, limit - prompt_len)}"
+            )
+
+    def check_prompt(self, prompt: list[int], params: SamplingParams) -> None:
+        """check_request plus token-id range."""
+        self.check_request(len(prompt), params)
+        vocab = self.target.info.vocab_size
+        not_ids = [t for t in prompt if not isinstance(t, int)]
+        if not_ids:
+            raise ConfigError("a prompt must be a list of int token ids (tokenize text first); "
+                              f"got {type(not_ids[0]).__name__} {not_ids[0]!r:.40}")
+        if any(not 0 <= t < vocab for t in prompt):
+            raise ConfigError(f"prompt token ids must be in [0, {vocab}); got one outside")
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: list[SamplingParams] | SamplingParams,
+        *,
+        block_size: int | None = None,
+        on_tokens: OnTokens | None = None,
+        stop_check: StopCheck | None = None,
+        capture_layer_ids: tuple[int, ...] = (),
+    ) -> list[GenerationResult]:
+        """Generates for every prompt; returns results in prompt order.
+
+        block_size: a fixed block size for this call; None takes the SpecConfig's (adaptive
+        when `spec.adaptive`: each step's block size up to spec.block_size is chosen by cost).
+
+        capture_layer_ids: also return the target features of these layers for every position
+        (what drafter training needs), for free from the passes decoding makes anyway.
+        """
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ConfigError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        if not prompts:
+            return []
+        block = self.spec.block_size if block_size is None else SpecConfig(block_size=block_size).block_size
+        if block > 1 and self.drafter is None:
+            raise ConfigError("block_size > 1 needs a drafter; pass one, or use block_size=1")
+        for p, sp in zip(prompts, params):
+            self.check_prompt(p, sp)
+        batch = DecodeBatch(self.target, self.drafter if block > 1 else None, max_block=block,
+                            compact_ratio=self.spec.compact_ratio, capture_layer_ids=capture_layer_ids,
+                            lookup=self.spec.lookup)
+        eos = self.target.info.eos_token_ids
+        rows = []
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            check = (lambda ids, i=i: stop_check(i, ids)) if stop_check is not None else None
+            rows.append(make_row(i, len(p), sp, eos, block, check))
+        results: dict[int, GenerationResult] = {}
+
+        def report() -> None:
+            if on_tokens is not None:
+                for r in batch.rows:
+                    if r.new_tokens:
+                        on_tokens(r.key, r.new_tokens)
+            for r in batch.retire():
+                results[r.key] = GenerationResult(list(r.generated), r.finish_reason, r.stats,
+                                                  _captured_features(r))
+
+        t0 = time.perf_counter()
+        batch.join(prompts, rows)
+        prefill_s = time.perf_counter() - t0
+        for r in rows:
+            r.stats.prefill_s = prefill_s
+        report()
+        policy = self._adaptive_policy(block) if self.spec.adaptive and block_size is None and block > 1 else None
+        t1 = time.perf_counter()
+        while batch.rows:
+            if policy is not None:
+                policy.step(batch)
+            else:
+                batch.step(block)
+            now = time.perf_counter()
+            for r in batch.rows:
+                r.stats.decode_s = now - t1
+            report()
+        return [results[i] for i in range(len(prompts))]
+
+
+def _static_cache(cache: object) -> bool:
+    return hasattr(cache, "reserve")
+
+
+class DecodeBatch:
+    """The rows being decoded together, their caches, and the step that advances them all.
+
+    Invariants: `rows[i]` is batch row i of every cache and per-row tensor; `cur[i]` is the
+    number of committed tokens whose K/V are in the target cache (the prompt plus all generated
+    tokens but the last), `last[i]` the last generated token (not yet in the cache), and
+    `pending_feats` the target features of committed tokens not yet in the draft cache.
+    """
+
+    def __init__(
+        self,
+        target: Target,
+        drafter: DFlashDrafter | None,
+        *,
+        max_block: int,
+        compact_ratio: float = 0.25,
+        static_draft: bool = True,
+        capture_layer_ids: tuple[int, ...] = (),
+        lookup: LookupConfig | None = None,
+    ) -> None:
+        self.target = target
+        self.lookup = lookup
+        self.drafter = drafter if max_block > 1 else None
+        self.max_block = max_block if self.drafter is not None else 1
+        self.compact_ratio = compact_ratio
+        self.draft = None
+        if self.drafter is not None:
+            use_static = static_draft and has_standard_forward(self.drafter)
+            self.draft = StaticDrafter(self.drafter) if use_static else self.drafter
+        self.layer_ids = self.drafter.target_layer_ids if self.drafter is not None else tuple(capture_layer_ids)
+        if capture_layer_ids and tuple(capture_layer_ids) != tuple(self.layer_ids):
+            raise ConfigError(f"capture_layer_ids {tuple(capture_layer_ids)} differ from the drafter's "
+                              f"target_layer_ids {tuple(self.layer_ids)}; capture those, or decode without a drafter")
+        self.capture = bool(capture_layer_ids)
+        self.embed_scale = self.drafter.cfg.input_embedding_scale if self.drafter is not None else 1.0
+        self.device = target.embed(torch.zeros(1, 1, dtype=torch.long)).device
+        self.offsets = torch.arange(max(1, self.max_block), device=self.device)
+        self.rows: list[Row] = []
+        self._reset()
+
+    def _reset(self) -> None:
+        d = self.device
+        self.rows = []
+        # Static caches keep their storage for the next rows (an empty window of the same store).
+        empty = torch.zeros(0, dtype=torch.long, device=d)
+        for name in ("tcache", "dcache"):
+            cache = getattr(self, name, None)
+            if _static_cache(cache):
+                cache.select_rows(empty)
+            else:
+                setattr(self, name, None)
+        self.random = RowRandom([])
+        self.cur = torch.zeros(0, dtype=torch.long, device=d)
+        self.cur_host: list[int] = []
+        self.last = torch.zeros(0, dtype=torch.long, device=d)
+        self.pending_feats: torch.Tensor | None = None
+        self.pending_pos = torch.zeros(0, 0, dtype=torch.long, device=d)
+        self._parts: list[tuple[torch.Tensor, torch.Tensor]] = []  # appended to pending_*, not yet joined
+        self.draft_top = 0  # positions below this may hold pending context features
+        self.temperature = torch.zeros(0, dtype=torch.float32, device=d)
+        self.top_k = torch.zeros(0, dtype=torch.long, device=d)
+        self.top_p = torch.zeros(0, dtype=torch.float32, device=d)
+        self._plan: list[list[int]] | None = None
+        self.verified = 0  # tokens the last step verified, over all rows (a ragged step's padding not counted)
+        # Context the drafter has not read yet beyond the last step's: rows that joined (whole
+        # prompts) and plain steps run since its last pass. `caught_up`: the last step's draft
+        # pass read such a backlog, so its time is not what a step of its size costs.
+        self._joined_since_draft = False
+        self._plain_since_draft = 0
+        self.caught_up = False
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @torch.inference_mode()
+    def clear(self) -> None:
+        """Drops every row (after a failure, or to start over); caches keep their storage."""
+        try:
+            self._reset()
+        except Exception:  # a cache left inconsistent by the failure: start from scratch
+            self.tcache = self.dcache = None
+            self._reset()
+
+    @property
+    def packs_padding(self) -> bool:
+        """Whether a ragged step costs what its rows verify in total (the target skips padding in
+        its matmuls), rather than what its longest row does."""
+        return bool(getattr(self.target, "packs_padding", False))
+
+    @property
+    def all_greedy(self) -> bool:
+        return all(r.params.greedy for r in self.rows)
+
+    # ---- joining -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def join(self, prompts: list[list[int]], rows: list[Row]) -> None:
+        """Prefills new rows and samples their first token; they take part in the next step.
+
+        If this raises, the batch is unchanged unless the caches were already merged (then the
+        caller must treat the whole batch as failed).
+        """
+        k = len(prompts)
+        self._joined_since_draft = True
+        if k == 0:
+            return
+        d = self.device
+        longest = max(len(p) for p in prompts)
+        ids = torch.zeros(k, longest, dtype=torch.long)
+        positions = torch.full((k, longest), EMPTY, dtype=torch.long)
+        for i, p in enumerate(prompts):  # left padding: every row's last token is column -1
+            ids[i, longest - len(p):] = torch.tensor(p)
+            positions[i, longest - len(p):] = torch.arange(len(p))
+        ids, positions = ids.to(d), positions.to(d)
+        spawn = getattr(self.tcache, "spawn", None)
+        tcache = spawn(k) if spawn is not None else self.target.new_cache(k)
+        if _static_cache(tcache):
+            tcache.reserve(longest)
+        params = [r.params for r in rows]
+        random = RowRandom([sp.seed for sp in params])
+        temperature = torch.tensor([sp.temperature for sp in params], dtype=torch.float32, device=d)
+        top_k = torch.tensor([sp.top_k for sp in params], dtype=torch.long, device=d)
+        top_p = torch.tensor([sp.top_p for sp in params], dtype=torch.float32, device=d)
+        if all(sp.greedy for sp in params):
+            best, feats = greedy_forward(self.target, ids, positions, tcache, self.layer_ids, last_logits_only=True)
+            first = best[:, -1]  # [k]
+        else:
+            logits, feats = self.target.forward(ids, positions, tcache, self.layer_ids, last_logits_only=True)
+            probs = probabilities(logits[:, -1:], temperature, top_k, top_p)  # [k, 1, V]
+            first = sample_from(probs, random.uniforms(1).to(d))[:, 0]
+        dcache = None
+        if self.draft is not None:
+            dspawn = getattr(self.dcache, "spawn", None)
+            dcache = dspawn(k) if dspawn is not None else self.draft.new_cache(k)
+        first_host = first.tolist()
+        # ---- from here on the batch changes
+        if not self.rows:
+            self.tcache, self.dcache = tcache, dcache
+        else:
+            self._merge(self.tcache, tcache)
+            if dcache is not None:
+                self._merge(self.dcache, dcache)
+        self.random.generators.extend(random.generators)
+        self.temperature = torch.cat([self.temperature, temperature])
+        self.top_k = torch.cat([self.top_k, top_k])
+        self.top_p = torch.cat([self.top_p, top_p])
+        lengths = [len(p) for p in prompts]
+        self.cur = torch.cat([self.cur, torch.tensor(lengths, device=d)])
+        self.cur_host.extend(lengths)
+        self.last = torch.cat([self.last, first])
+        if self.drafter is not None:
+            self._add_pending(feats, positions, joining=True)
+            self.draft_top = max(self.draft_top, longest)
+        if self.capture:
+            host_feats = feats.float().cpu()
+            for i, r in enumerate(rows):
+                r.captured = [host_feats[i, longest - lengths[i]:]]
+        now = time.perf_counter()
+        self._plan = None
+        for r, t, p in zip(rows, first_host, prompts):
+            if self.lookup is not None and self.drafter is not None:
+                r.index = TokenIndex()
+                r.index.extend(p)
+            r.decode_t0 = now
+            r.new_tokens = []
+            self._commit(r, [t])
+        self.rows.extend(rows)
+
+    @staticmethod
+    def _merge(into: object, other: object) -> None:
+        merge = getattr(into, "merge", None)
+        if merge is None:
+            raise ConfigError(
+                f"{type(into).__name__} cannot take rows joining a running batch; use the native "
+                "target / standard drafter, or decode such requests in separate batches"
+            )
+        merge(other)
+
+    def _add_pending(self, feats: torch.Tensor, positions: torch.Tensor, *, joining: bool) -> None:
+        """Queues context features: new rows' (joining) or every row's latest (appended)."""
+        if self.pending_feats is None or (not joining and self.pending_feats.shape[1] == 0 and not self._parts):
+            self.pending_feats, self.pending_pos = feats, positions
+            return
+        if not joining:
+            # kept apart until the drafter reads them: a run of plain steps (a large batch, a
+            # hopeless prompt) would otherwise copy the whole growing queue at every step
+            self._parts.append((feats, positions))
+            return
+        self._flush_pending()  # joining: stack rows; left-pad the shorter context with EMPTY slots
+        old_c, new_c = self.pending_feats.shape[1], feats.shape[1]
+        width = max(old_c, new_c)
+        self.pending_feats = torch.cat([_pad_left(self.pending_feats, width, 0.0),
+                                        _pad_left(feats, width, 0.0)], dim=0)
+        self.pending_pos = torch.cat([_pad_left(self.pending_pos, width, EMPTY),
+                                      _pad_left(positions, width, EMPTY)], dim=0)
+
+    def _flush_pending(self) -> None:
+        """Joins the queued parts of `_add_pending` into pending_feats / pending_pos."""
+        if self._parts:
+            self.pending_feats = torch.cat([self.pending_feats, *(f for f, _ in self._parts)], dim=1)
+            self.pending_pos = torch.cat([self.pending_pos, *(p for _, p in self._parts)], dim=1)
+            self._parts = []
+
+    # ---- one step ----------------------------------------------------------------------------
+    def _probs(self, logits: torch.Tensor) -> torch.Tensor:
+        return probabilities(logits, self.temperature, self.top_k, self.top_p)
+
+    @torch.inference_mode()
+    def step(self, block: int, trim: Trim | None = None) -> int:
+        """Drafts (block > 1), verifies and commits for every row; returns the block size used.
+
+        `trim` (block > 1) sees the drafts' confidences and picks how many tokens of the drafted
+        block to verify (see Trim); without it the whole block is verified. The only host
+        synchronisation is the read-back of committed tokens (and with `trim`, of confidences).
+        """
+        rows = self.rows
+        b = len(rows)
+        remaining = [r.remaining for r in rows]
+        q = max(1, min(block, self.max_block, max(remaining)))
+        d = self.device
+        offsets = self.offsets[:q]
+        positions = self.cur[:, None] + offsets  # [b, q]
+        top = max(self.cur_host) + q
+        block_ids = torch.empty(b, q, dtype=torch.long, device=d)
+        block_ids[:, 0] = self.last
+        greedy = self.all_greedy
+        draft_probs = None
+        from_lookup = [0] * b
+        lengths = [q] * b  # tokens each row verifies
+        limit = padding = None  # a ragged step's proposals verified per row [b], padding [b, q]
+        # more than one plain step behind: a probe after a run of plain steps catches up on all of them
+        self.caught_up = q > 1 and (self._joined_since_draft or self._plain_since_draft > 1)
+        if q > 1:
+            self._joined_since_draft, self._plain_since_draft = False, 0
+            draft_ids = torch.full((b, q), self.drafter.mask_token_id, dtype=torch.long, device=d)
+            draft_ids[:, 0] = self.last
+            embeds = self.target.embed(draft_ids)  # [b, q, H]
+            if self.embed_scale != 1.0:
+                embeds = embeds * self.embed_scale
+            if _static_cache(self.dcache):
+                self.dcache.reserve(top, self.draft_top)
+            self._flush_pending()
+            hidden = self.draft(self.pending_feats, self.pending_pos, embeds, positions, self.dcache)
+            conf = None
+            if greedy and trim is not None:
+                block_ids[:, 1:], conf = self.drafter.greedy_with_confidence(hidden[:, 1:q], self.target.head())
+            elif greedy:
+                block_ids[:, 1:] = self.drafter.greedy_tokens(hidden[:, 1:q], self.target.head())  # [b, q-1]
+            else:
+                draft_logits = self.drafter.logits(hidden[:, 1:q], self.target.head())  # [b, q-1, V]
+                draft_probs = self._probs(draft_logits)
+                block_ids[:, 1:] = sample_from(draft_probs, self.random.uniforms(q - 1).to(d))
+                if trim is not None:
+                    conf = draft_confidence(draft_probs)  # [b, q-1]
+            self.pending_feats = None
+            if self.lookup is not None:
+                from_lookup = self._lookup_proposals(block_ids, draft_probs)
+            if trim is not None:
+                drafted, chosen = q, trim(conf.tolist(), from_lookup)
+                lengths = [max(1, min(q, int(n))) for n in (chosen if isinstance(chosen, list) else [chosen] * b)]
+                if len(lengths) != b:
+                    raise ValueError(f"a trim returned {len(lengths)} verify lengths for {b} rows")
+                q = max(lengths)
+                if q < drafted:  # verify only the first q tokens of the drafted block
+                    block_ids, positions, offsets = block_ids[:, :q].contiguous(), positions[:, :q].contiguous(), offsets[:q]
+                    if draft_probs is not None:
+                        draft_probs = draft_probs[:, : q - 1]
+                limit, padding, positions = _ragged(lengths, offsets, positions)
+                from_lookup = [min(m, n - 1) for m, n in zip(from_lookup, lengths)]
+        else:
+            self._plain_since_draft += 1
+        return self._verify_and_commit(block_ids, positions, offsets, top, draft_probs, from_lookup, lengths,
+                                       limit, padding)
+
+    @torch.inference_mode()
+    def step_lookup(self, lengths: list[int]) -> int:
+        """A step without a draft pass: row i verifies lengths[i] tokens, its last token and the
+        first lengths[i] - 1 ids of its n-gram lookup continuation (`lookup_plan`; longer lengths
+        are cut to it, and 1 is a plain step for that row). Rows of different lengths make a
+        ragged step, whose padding the native target leaves out of its matmuls. Returns the
+        longest length. Lookup proposals are deterministic, so verification stays exact: greedy
+        compares them with the target's argmax, sampled treats them as one-hot drafts."""
+        rows = self.rows
+        b = len(rows)
+        if len(lengths) != b:
+            raise ValueError(f"step_lookup got {len(lengths)} verify lengths for {b} rows")
+        plan = self.lookup_plan()
+        lengths = [max(1, min(int(n), 1 + len(cont), self.max_block)) for n, cont in zip(lengths, plan)]
+        q = max(lengths, default=1)
+        if q == 1:
+            return self.step(1)
+        self.caught_up = False  # no draft pass
+        offsets = self.offsets[:q]
+        positions = self.cur[:, None] + offsets  # [b, q]
+        top = max(self.cur_host) + q
+        block_ids = self.last[:, None].repeat(1, q)  # [b, q]
+        self._lookup_proposals(block_ids, None)  # each row's continuation; past its length it is padding
+        limit, padding, positions = _ragged(lengths, offsets, positions)
+        return self._verify_and_commit(block_ids, positions, offsets, top, None, [n - 1 for n in lengths], lengths,
+                                       limit, padding, one_hot_drafts=True)
+
+    def _verify_and_commit(self, block_ids: torch.Tensor, positions: torch.Tensor, offsets: torch.Tensor, top: int,
+                           draft_probs: torch.Tensor | None, from_lookup: list[int], lengths: list[int],
+                           limit: torch.Tensor | None, padding: torch.Tensor | None, *,
+                           one_hot_drafts: bool = False) -> int:
+        """The target's pass over block_ids [b, q] (positions EMPTY at `padding`), acceptance, and
+        the commit of every row's accepted tokens and bonus. one_hot_drafts: every proposal is
+        deterministic (lookup), so a sampled step's draft distributions are one-hot at them."""
+        rows = self.rows
+        b, q = block_ids.shape
+        d = self.device
+        remaining = [r.remaining for r in rows]
+        self.verified = b * q if padding is None else sum(lengths)
+        if _static_cache(self.tcache):
+            # the attention horizon of the tokens verified (a trimmed block reads fewer slots:
+            # those beyond it hold stale keys of rejected tokens)
+            self.tcache.reserve(max(self.cur_host) + q)
+        proposals = block_ids[:, 1:]
+        if self.all_greedy:  # the target's argmax only: a native target skips most of its head
+            best, feats = greedy_forward(self.target, block_ids, positions, self.tcache, self.layer_ids)
+            accepted, bonus = accept_greedy(proposals, best, limit)
+        else:
+            logits, feats = self.target.forward(block_ids, positions, self.tcache, self.layer_ids)
+            target_probs = self._probs(logits)
+            if one_hot_drafts:
+                draft_probs = torch.zeros_like(target_probs[:, 1:]).scatter_(-1, proposals[..., None], 1.0)
+            elif draft_probs is None:
+                draft_probs = torch.zeros_like(target_probs[:, :0])
+            u = self.random.uniforms(q).to(d)
+            accepted, bonus = verify_sampled(proposals, draft_probs, target_probs, u[:, :-1], u[:, -1], limit)
+        # [b, q]: proposals[:accepted] then the bonus; row r commits its first accepted+1.
+        committed = torch.cat([proposals, bonus[:, None]], dim=1).scatter(1, accepted[:, None], bonus[:, None])
+        host = torch.cat([committed, accepted[:, None]], dim=1).tolist()  # the one sync
+        n_host = [min(h[-1] + 1, rem) for h, rem in zip(host, remaining)]
+        n_new = torch.tensor(n_host, device=d)
+        keep = offsets[None] < n_new[:, None]  # [b, q]: block slots 0..n_new-1 stay in the cache
+        self.tcache.reject(keep if padding is None else keep | padding)  # padding never took a slot
+        if self.drafter is not None:
+            kept_pos = torch.where(keep, positions, torch.full_like(positions, EMPTY))
+            self._add_pending(feats, kept_pos, joining=False)
+            self.draft_top = max(self.draft_top, top)
+        if self.capture:  # block slots 0..n-1 were fed tokens that stay: their features are final
+            host_feats = feats.float().cpu()
+            for i, (r, n) in enumerate(zip(rows, n_host)):
+                r.captured.append(host_feats[i, :n])
+        self.last = committed.gather(1, (n_new - 1)[:, None])[:, 0]
+        self.cur = self.cur + n_new
+        self.cur_host = [c + n for c, n in zip(self.cur_host, n_host)]
+        self._plan = None
+        for r, h, n, looked, length in zip(rows, host, n_host, from_lookup, lengths):
+            a = h[-1]
+            r.stats.acceptance_lengths.append(n)
+            if looked:  # drafted proposals after a lookup prefix are counted nowhere
+                r.stats.lookup_steps += 1
+                acc, tries, last = r.stats.lookup_accepted_by_position, r.lookup_tries, looked
+            else:
+                acc, tries, last = r.stats.accepted_by_position, r.tries, length - 1
+            for k in range(min(a, last, len(acc))):
+                acc[k] += 1
+            for k in range(min(a + 1, last, len(tries))):
+                tries[k] += 1
+            r.new_tokens = []
+            self._commit(r, h[:n])
+        return q
+
+    def lookup_plan(self) -> list[list[int]]:
+        """Per row, the n-gram lookup continuation (up to max_block - 1 ids) the next step will
+        propose in place of drafted ones; [] for rows without one, or when lookup is off."""
+        if self._plan is None:
+            cfg, width = self.lookup, self.max_block - 1
+            self._plan = [r.index.continuation(cfg, width)[1] if r.index is not None and cfg is not None else []
+                          for r in self.rows]
+        return self._plan
+
+    def _lookup_proposals(self, block_ids: torch.Tensor, draft_probs: torch.Tensor | None) -> list[int]:
+        """Writes each row's lookup continuation over its drafted proposals (dflash/lookup.py);
+        returns how many proposals per row came from lookup. A lookup proposal is deterministic,
+        so its draft distribution is one-hot (rejection sampling stays exact)."""
+        q = block_ids.shape[1]
+        plan = [cont[: q - 1] for cont in self.lookup_plan()]
+        rows_i = [i for i, cont in enumerate(plan) for _ in cont]
+        if not rows_i:
+            return [0] * len(plan)
+        cols = [k for cont in plan for k in range(1, 1 + len(cont))]
+        vals = [t for cont in plan for t in cont]
+        d = block_ids.device
+        ri, ci, v = (torch.tensor(x, dtype=torch.long, device=d) for x in (rows_i, cols, vals))
+        block_ids[ri, ci] = v
+        if draft_probs is not None:
+            draft_probs[ri, ci - 1] = 0.0
+            draft_probs[ri, ci - 1, v] = 1.0
+        return [len(cont) for cont in plan]
+
+    def _commit(self, r: Row, new: list[int]) -> None:
+        """Appends tokens, applying stop tokens, stop strings and the length limit."""
+        for j, t in enumerate(new):
+            if t in r.stop_ids:
+                new = new[: j + 1]
+                r.finish_reason = "stop"
+                break
+        start = len(r.generated)
+        r.generated.extend(new)
+        if r.finish_reason is None and r.stop_check is not None:
+            keep = r.stop_check(r.generated)
+            if keep is not None:
+                del r.generated[keep:]
+                r.finish_reason = "stop"
+        if r.finish_reason is None and len(r.generated) >= r.params.max_new_tokens:
+            r.finish_reason = "length"
+        r.new_tokens = r.generated[start:]
+        if r.index is not None and r.finish_reason is None:
+            r.index.extend(r.new_tokens)
+
+    # ---- leaving -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def retire(self) -> list[Row]:
+        """Removes rows with a finish_reason (set one to cancel a row); returns them."""
+        done = [i for i, r in enumerate(self.rows) if r.finish_reason is not None]
+        gone = [self.rows[i] for i in done]
+        if done:
+            self._plan = None
+        if len(done) == len(self.rows) and done:
+            self._reset()
+            return gone
+        if done:
+            order = _swap_remove_order(len(self.rows), done)
+            index = torch.tensor(order, dtype=torch.long, device=self.device)
+            self.rows = [self.rows[i] for i in order]
+            self.random.select_rows(order)
+            self.tcache.select_rows(index)
+            if self.dcache is not None:
+                self.dcache.select_rows(index)
+            self.cur, self.last = self.cur[index], self.last[index]
+            self.cur_host = [self.cur_host[i] for i in order]
+            if self.pending_feats is not None:  # None when no drafter asks for features
+                self._flush_pending()
+                self.pending_feats = self.pending_feats[index]
+                self.pending_pos = self.pending_pos[index]
+            self.temperature, self.top_k, self.top_p = self.temperature[index], self.top_k[index], self.top_p[index]
+        if self.rows:
+            self.tcache.compact(self.compact_ratio)
+            if self.dcache is not None:
+                self.dcache.compact(self.compact_ratio)
+        return gone
+
+
+def _ragged(lengths: list[int], offsets: torch.Tensor, positions: torch.Tensor
+            ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """For rows verifying `lengths` tokens of a block of len(offsets): the proposals each verifies
+    (limit [b]), the padding past them [b, q] and positions EMPTY there; (None, None, positions)
+    when every row verifies the whole block."""
+    if min(lengths) == len(offsets):
+        return None, None, positions
+    limit = torch.tensor(lengths, device=positions.device) - 1
+    padding = offsets[None] > limit[:, None]  # [b, q]
+    return limit, padding, positions.masked_fill(padding, EMPTY)
+
+
+def draft_confidence(draft_probs: torch.Tensor) -> torch.Tensor:
+    """The peak of each draft distribution [b, n, V] -> [b, n]: what a sampled step's verify
+    length is chosen by (see Trim; not the sampled proposals' own probabilities)."""
+    return draft_probs.max(dim=-1).values
+
+
+def _captured_features(r: Row) -> torch.Tensor | None:
+    """[prompt + generated, L*H]: the fed positions' features (cut where a stop ended the row
+    inside a block), then a zero row for the last token, which was never fed."""
+    if r.captured is None:
+        return None
+    total = r.stats.prompt_tokens + len(r.generated)
+    fed = torch.cat(r.captured)[: total - 1]
+    return torch.cat([fed, fed.new_zeros(1, fed.shape[1])])
+
+
+def _swap_remove_order(n: int, removed: list[int]) -> list[int]:
+    """Row order after removing rows: survivors beyond the new size fill the holes, so at most
+    len(removed) rows move (new row i = old row order[i])."""
+    gone = set(removed)
+    size = n - len(gone)
+    holes = [i for i in range(size) if i in gone]
+    movers = [i for i in range(size, n) if i not in gone]
+    order = list(range(size))
+    for hole, src in zip(holes, movers):
+        order[hole] = src
+    return order
+
+
+def _pad_left(t: torch.Tensor, width: int, value: float) -> torch.Tensor:
+    """Pads dim 1 of t [b, c, ...] on the left to `width`."""
+    missing = width - t.shape[1]
+    if missing <= 0:
+        return t
+    pad = torch.full((t.shape[0], missing, *t.shape[2:]), value, dtype=t.dtype, device=t.device)
+    return torch.cat([pad, t], dim=1)

@@ -1,0 +1,718 @@
+"""The DFlash drafter: a block-diffusion transformer conditioned on target hidden states.
+
+Checkpoint-compatible with the published DFlash drafters (DESIGN.md section 2): a Qwen3-style
+layer stack with KV injection of the target's context features in every layer, `fc` +
+`hidden_norm` to fuse the chosen target layers, and no embedding table or LM head of its own.
+
+The model is stateless: context K/V live in a `DraftCache` owned by the caller.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from blockspec.errors import CheckpointError, CompatibilityError, ConfigError
+from blockspec.cpu.argmax import argmax_and_peak, greedy_ids
+from blockspec.cpu.linear import linear, project
+from blockspec.targets.rope import Rotary, apply_rope, rope_inv_freq
+from blockspec.targets.slots import EMPTY, SlotTable, gather_slots
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+# Optional, next to the published files (other loaders ignore it): the token ids the drafter
+# proposes from. Training with a restricted loss vocabulary writes it; drafting then scores only
+# those rows of the head, which is most of a draft pass on CPU. Verification is untouched.
+DRAFT_VOCAB_NAME = "draft_vocab.safetensors"
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """Evenly spread target layers, as the published drafters choose them."""
+    if num_draft_layers == 1:
+        return (num_target_layers // 2,)
+    span = num_target_layers - 4
+    return tuple(round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers))
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    """The drafter's config.json: a Qwen3 config plus the DFlash keys."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    num_target_layers: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    block_size: int = 16
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 40960
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    attention_bias: bool = False
+    is_causal: bool | None = None
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    # Keys of the original config.json we do not interpret, written back unchanged on save.
+    extra: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "vocab_size", "num_target_layers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"drafter config: {name} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"drafter config: num_attention_heads ({self.num_attention_heads}) must be a "
+                f"multiple of num_key_value_heads ({self.num_key_value_heads})"
+            )
+        object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+        if not self.target_layer_ids:
+            raise ConfigError("drafter config: target_layer_ids must name at least one layer")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
+        if bad:
+            raise ConfigError(
+                f"drafter config: target_layer_ids {list(bad)} outside the target's "
+                f"{self.num_target_layers} layers (valid: 0..{self.num_target_layers - 1})"
+            )
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ConfigError(
+                f"drafter config: mask_token_id {self.mask_token_id} is outside the vocabulary "
+                f"(0..{self.vocab_size - 1}); pick a token id the target's tokenizer has"
+            )
+        if not isinstance(self.block_size, int) or self.block_size < 2:
+            raise ConfigError(f"drafter config: block_size must be an integer >= 2, got {self.block_size!r}")
+        types = tuple(self.layer_types) or ("full_attention",) * self.num_hidden_layers
+        if len(types) != self.num_hidden_layers:
+            raise ConfigError(
+                f"drafter config: layer_types has {len(types)} entries for {self.num_hidden_layers} layers"
+            )
+        object.__setattr__(self, "layer_types", types)
+        if "sliding_attention" in types and not self.sliding_window:
+            raise ConfigError("drafter config: sliding_attention layers need a sliding_window")
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> DrafterConfig:
+        """Parses a published DFlash config.json (keys may sit at top level or in dflash_config)."""
+        dflash = raw.get("dflash_config") or {}
+
+        def get(name: str, default: object = None) -> object:
+            return dflash.get(name, raw.get(name, default))
+
+        try:
+            num_layers = int(raw["num_hidden_layers"])
+            hidden = int(raw["hidden_size"])
+            heads = int(raw["num_attention_heads"])
+            num_target_layers = int(get("num_target_layers"))
+        except (KeyError, TypeError) as e:
+            raise CheckpointError(
+                f"drafter config.json lacks a required key ({e}); is this a DFlash drafter directory?"
+            ) from e
+        layer_ids = get("target_layer_ids") or default_target_layer_ids(num_target_layers, num_layers)
+        mask = get("mask_token_id")
+        if mask is None:
+            raise CheckpointError("drafter config.json has no dflash_config.mask_token_id")
+        rope_theta = raw.get("rope_theta")
+        rope_scaling = raw.get("rope_scaling")
+        params = raw.get("rope_parameters")  # transformers >= 5 writes this instead
+        if rope_theta is None and isinstance(params, dict):
+            rope_theta = params.get("rope_theta")
+            if params.get("rope_type", "default") != "default":
+                rope_scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        known = {
+            "hidden_size": hidden,
+            "intermediate_size": int(raw["intermediate_size"]),
+            "num_hidden_layers": num_layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(raw.get("num_key_value_heads") or heads),
+            "head_dim": int(raw.get("head_dim") or hidden // heads),
+            "vocab_size": int(raw["vocab_size"]),
+            "num_target_layers": num_target_layers,
+            "mask_token_id": int(mask),
+            "target_layer_ids": tuple(layer_ids),
+            "block_size": int(get("block_size", 16)),
+            "rms_norm_eps": float(raw.get("rms_norm_eps", 1e-6)),
+            "rope_theta": float(rope_theta if rope_theta is not None else 1_000_000.0),
+            "rope_scaling": rope_scaling,
+            "max_position_embeddings": int(raw.get("max_position_embeddings", 40960)),
+            "layer_types": tuple(raw.get("layer_types") or ()),
+            "sliding_window": raw.get("sliding_window"),
+            "attention_bias": bool(raw.get("attention_bias", False)),
+            "is_causal": raw.get("is_causal"),
+            "input_embedding_scale": float(get("input_embedding_scale", 1.0) or 1.0),
+            "output_multiplier": float(get("output_multiplier", 1.0) or 1.0),
+            "final_logit_softcapping": get("final_logit_softcapping"),
+        }
+        return cls(**known, extra=dict(raw))
+
+    def to_dict(self) -> dict:
+        """The config.json content, in the published layout."""
+        out = dict(self.extra)
+        mine = asdict(self)
+        mine.pop("extra")
+        dflash = dict(out.get("dflash_config") or {})
+        dflash["mask_token_id"] = mine.pop("mask_token_id")
+        dflash["target_layer_ids"] = list(mine.pop("target_layer_ids"))
+        for optional in ("input_embedding_scale", "output_multiplier"):
+            if mine[optional] == 1.0 and optional not in out and optional not in dflash:
+                mine.pop(optional)
+        if mine["final_logit_softcapping"] is None and "final_logit_softcapping" not in out:
+            mine.pop("final_logit_softcapping")
+        if mine["is_causal"] is None and "is_causal" not in out:
+            mine.pop("is_causal")
+        for key in list(mine):  # keys that live in dflash_config in the source stay there
+            if key in dflash:
+                dflash[key] = mine.pop(key)
+        out.pop("rope_parameters", None)
+        out.update(mine)
+        out["layer_types"] = list(self.layer_types)
+        out["dflash_config"] = dflash
+        out.setdefault("architectures", ["DFlashDraftModel"])
+        out.setdefault("model_type", "qwen3")
+        out.setdefault("tie_word_embeddings", False)
+        out.setdefault("hidden_act", "silu")
+        out.setdefault("attention_dropout", 0.0)
+        out.setdefault("initializer_range", 0.02)
+        # transformers' Qwen3Config (which the reference package reads) drops the window unless this is set
+        out.setdefault("use_sliding_window", self.sliding_window is not None and "sliding_attention" in self.layer_types)
+        return out
+
+    def hf_rope_config(self) -> object:
+        """A transformers Qwen3Config, only needed for scaled RoPE variants."""
+        from transformers import Qwen3Config
+
+        raw = {k: v for k, v in self.to_dict().items() if k not in ("dflash_config", "architectures")}
+        return Qwen3Config(**raw)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class DraftCache:
+    """Context K/V of every draft layer, per row; block K/V are never stored.
+
+    Invariant: each layer's keys/values have `slots.num_slots` slots, and valid slots hold the
+    context features of committed tokens at their absolute positions.
+    """
+
+    def __init__(self, num_layers: int, batch: int, device: torch.device | str = "cpu") -> None:
+        self.slots = SlotTable(batch, device)
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+
+    def lengths(self) -> torch.Tensor:
+        return self.slots.lengths()
+
+    def compact(self, ratio: float) -> None:
+        index = self.slots.compaction_plan(ratio)
+        if index is None:
+            return
+        self.slots.apply(index)
+        for i, k in enumerate(self.keys):
+            if k is not None:
+                self.keys[i] = gather_slots(k, index)
+                self.values[i] = gather_slots(self.values[i], index)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keeps only the given batch rows (finished requests leave the batch)."""
+        self.slots.select_rows(rows)
+        self.keys = [k[rows] if k is not None else None for k in self.keys]
+        self.values = [v[rows] if v is not None else None for v in self.values]
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, cfg: DrafterConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        sliding = cfg.layer_types[layer_idx] == "sliding_attention"
+        # The reference treats sliding layers as causal unless the config says otherwise.
+        self.causal = sliding if cfg.is_causal is None else bool(cfg.is_causal)
+        self.sliding_window = cfg.sliding_window if sliding else None
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        b, s, _ = x.shape
+        return x.view(b, s, n, self.head_dim)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        ctx: torch.Tensor,
+        rope_block: tuple[torch.Tensor, torch.Tensor],
+        rope_ctx: tuple[torch.Tensor, torch.Tensor],
+        past: tuple[torch.Tensor, torch.Tensor] | None,
+        mask: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """x [b, q, H] normed block input, ctx [b, c, H] fused context features.
+
+        Returns the attention output [b, q, H] and the context K/V to cache ([b, kvh, S+c, d]).
+        """
+        b, q, _ = x.shape
+        qh = self.q_norm(self._heads(self.q_proj(x), self.num_heads)).transpose(1, 2)
+        k_ctx = self.k_norm(self._heads(self.k_proj(ctx), self.num_kv_heads)).transpose(1, 2)
+        k_blk = self.k_norm(self._heads(self.k_proj(x), self.num_kv_heads)).transpose(1, 2)
+        v_ctx = self._heads(self.v_proj(ctx), self.num_kv_heads).transpose(1, 2)
+        v_blk = self._heads(self.v_proj(x), self.num_kv_heads).transpose(1, 2)
+        qh = apply_rope(qh, *rope_block)
+        k_ctx = apply_rope(k_ctx, *rope_ctx)
+        k_blk = apply_rope(k_blk, *rope_block)
+        if past is not None:
+            k_ctx = torch.cat([past[0], k_ctx], dim=2)
+            v_ctx = torch.cat([past[1], v_ctx], dim=2)
+        k = torch.cat([k_ctx, k_blk], dim=2)  # [b, kvh, S+c+q, d]
+        v = torch.cat([v_ctx, v_blk], dim=2)
+        groups = self.num_heads // self.num_kv_heads
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask)  # [b, h, q, d]
+        out = out.transpose(1, 2).reshape(b, q, self.num_heads * self.head_dim)
+        return self.o_proj(out), (k_ctx, v_ctx)
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = project(self.gate_proj, x, exact=False), project(self.up_proj, x, exact=False)
+        return project(self.down_proj, F.silu(gate) * up, exact=False)  # proposals: no need of batch invariance
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = DraftAttention(cfg, layer_idx)
+        self.mlp = DraftMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DFlashDrafter(nn.Module):
+    """Stateless DFlash draft network. Use `load_drafter` / `new_drafter` to build one."""
+
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.layers = nn.ModuleList(DraftLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        hf = cfg.hf_rope_config() if cfg.rope_scaling else None
+        inv_freq, scaling = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, hf)
+        self.rotary = Rotary(inv_freq, scaling)
+        self.register_buffer("draft_vocab", None, persistent=False)  # [Vd] sorted token ids, or None
+        self._head_rows: tuple | None = None  # (key, weight [Vd, H], bias [Vd] | None)
+
+    def set_draft_vocab(self, token_ids: torch.Tensor | list[int] | None, vocab_size: int | None = None) -> None:
+        """Restricts proposals to these token ids (None: the whole vocabulary)."""
+        self._head_rows = None
+        if token_ids is None:
+            self.draft_vocab = None
+            return
+        ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
+        if ids.numel() == 0:
+            raise ConfigError("a draft vocabulary needs at least one token id")
+        ids = torch.unique(ids)  # sorted
+        if int(ids[0]) < 0 or (vocab_size is not None and int(ids[-1]) >= vocab_size):
+            raise ConfigError(f"draft vocabulary ids must lie in [0, {vocab_size}); got {int(ids[0])}..{int(ids[-1])}")
+        self.draft_vocab = ids.to(self.fc.weight.device)
+
+    @property
+    def block_size(self) -> int:
+        return self.cfg.block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.cfg.mask_token_id
+
+    @property
+    def target_layer_ids(self) -> tuple[int, ...]:
+        return self.cfg.target_layer_ids
+
+    def new_cache(self, batch: int) -> DraftCache:
+        return DraftCache(self.cfg.num_hidden_layers, batch, self.fc.weight.device)
+
+    def forward(
+        self,
+        ctx_features: torch.Tensor,
+        ctx_positions: torch.Tensor,
+        block_embeds: torch.Tensor,
+        block_positions: torch.Tensor,
+        cache: DraftCache | None = None,
+        attn_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One draft pass; returns the final hidden states of the block [b, q, H].
+
+        ctx_features [b, c, L*H]: target features of tokens not yet in the cache (c may be 0),
+        at ctx_positions [b, c] (EMPTY for padding); block_embeds [b, q, H] at block_positions.
+        With a cache, the new context K/V are appended to it; block K/V are dropped.
+        `attn_mask` [b, 1, q, c+q] (bool) replaces the inference masks in every layer: training
+        packs many blocks into one pass and says itself who sees whom.
+        """
+        b, q, _ = block_embeds.shape
+        ctx_features, block_embeds = self.own_dtype(ctx_features), self.own_dtype(block_embeds)
+        ctx = self.hidden_norm(self.fc(ctx_features))  # [b, c, H]
+        slots = cache.slots if cache is not None else SlotTable(b, block_embeds.device)
+        slots.append(ctx_positions)
+        key_positions = torch.cat([slots.positions, block_positions], dim=1)  # [b, S+q]
+        table = SlotTable(b, block_embeds.device)
+        table.positions = key_positions
+        masks: dict[tuple[bool, int | None], torch.Tensor | None] = {}
+        all_valid = bool((key_positions != EMPTY).all())
+        rope_block = self.rotary(block_positions, block_embeds.dtype)
+        rope_ctx = self.rotary(ctx_positions, block_embeds.dtype)
+        h = block_embeds
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            key = (attn.causal, attn.sliding_window)
+            if attn_mask is not None:
+                masks[key] = attn_mask
+            elif key not in masks:
+                needs = attn.causal or attn.sliding_window is not None or not all_valid
+                masks[key] = (
+                    table.attention_mask(block_positions, causal=attn.causal, sliding_window=attn.sliding_window)
+                    if needs else None
+                )
+            past = None
+            if cache is not None and cache.keys[i] is not None:
+                past = (cache.keys[i], cache.values[i])
+            x = layer.input_layernorm(h)
+            out, (k_ctx, v_ctx) = attn(x, ctx, rope_block, rope_ctx, past, masks[key])
+            if cache is not None:
+                cache.keys[i], cache.values[i] = k_ctx, v_ctx
+            h = h + out
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.norm(h)
+
+    def own_dtype(self, x: torch.Tensor) -> torch.Tensor:
+        """x in this drafter's dtype: the target may run in another one (e.g. fp32 target, bf16
+        drafter on a CPU with bf16 units: drafting is cheaper, verification stays exact)."""
+        dtype = self.fc.weight.dtype
+        return x if x.dtype == dtype else x.to(dtype)
+
+    def logits(self, hidden: torch.Tensor, head: nn.Module) -> torch.Tensor:
+        """Draft logits from hidden states with the target's output head [.., V], in the head's
+        dtype; -inf outside the draft vocabulary when one is set (only those head rows are computed)."""
+        if self.draft_vocab is None:
+            if isinstance(head, nn.Linear):  # the full head is the target's: never copied
+                return self._shape_logits(project(head, hidden.to(head.weight.dtype), exact=False))
+            return self._shape_logits(head(hidden))
+        sub = self._draft_vocab_logits(hidden, head).to(head.weight.dtype)  # [.., Vd]
+        full = sub.new_full((*sub.shape[:-1], head.weight.shape[0]), float("-inf"))
+        return full.index_copy_(-1, self.draft_vocab, sub)
+
+    def greedy_tokens(self, hidden: torch.Tensor, head: nn.Module) -> torch.Tensor:
+        """argmax of `logits(hidden, head)` [..] without building full-vocabulary logits."""
+        if self.draft_vocab is None:
+            return greedy_ids(self.logits(hidden, head))
+        # draft_vocab is sorted, so ties break towards the lower token id as a full argmax would.
+        return self.draft_vocab[greedy_ids(self._draft_vocab_logits(hidden, head))]
+
+    def greedy_with_confidence(self, hidden: torch.Tensor, head: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """`greedy_tokens` [..] and the draft probability of each [..] (float32): how likely
+        the drafter thinks its proposal is, which is what an adaptive step trims its verify by."""
+        logits = self._draft_vocab_logits(hidden, head) if self.draft_vocab is not None else self.logits(hidden, head)
+        top, conf = argmax_and_peak(logits)
+        ids = self.draft_vocab[top] if self.draft_vocab is not None else top
+        return ids, conf
+
+    def _draft_vocab_logits(self, hidden: torch.Tensor, head: nn.Module) -> torch.Tensor:
+        weight, bias = self._restricted_head(head)
+        return self._shape_logits(linear(hidden.to(weight.dtype), weight, bias, exact=False))  # [.., Vd]
+
+    def _restricted_head(self, head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+        w = head.weight
+        dtype = self.fc.weight.dtype  # the rows are a copy anyway: keep them in the drafter's dtype
+        key = (w.data_ptr(), w.dtype, w.device, self.draft_vocab.data_ptr(), dtype)
+        if self._head_rows is None or self._head_rows[0] != key:  # the target head is frozen
+            bias = getattr(head, "bias", None)
+            rows = w.detach()[self.draft_vocab].to(dtype).contiguous()
+            self._head_rows = (key, rows, None if bias is None else bias.detach()[self.draft_vocab].to(dtype))
+        return self._head_rows[1], self._head_rows[2]
+
+    def _shape_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.cfg.output_multiplier != 1.0:
+            logits = logits * self.cfg.output_multiplier
+        cap = self.cfg.final_logit_softcapping
+        if cap is not None and float(cap) > 0:
+            logits = torch.tanh(logits / float(cap)) * float(cap)
+        return logits
+
+
+def init_drafter_weights(model: DFlashDrafter, std: float = 0.02, seed: int | None = None) -> None:
+    """Normal(0, std) linear weights and unit norms, as Hugging Face initialises Qwen3."""
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                w = torch.empty(module.weight.shape, dtype=torch.float32)
+                w.normal_(0.0, std, generator=gen)
+                module.weight.copy_(w)
+                if module.bias is not None:
+                    module.bias.zero_()
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+
+
+def new_drafter(
+    *,
+    hidden_size: int,
+    vocab_size: int,
+    num_target_layers: int,
+    mask_token_id: int,
+    num_layers: int = 1,
+    block_size: int = 16,
+    num_attention_heads: int | None = None,
+    num_key_value_heads: int | None = None,
+    head_dim: int | None = None,
+    intermediate_size: int | None = None,
+    target_layer_ids: tuple[int, ...] | None = None,
+    rms_norm_eps: float = 1e-6,
+    rope_theta: float = 1_000_000.0,
+    max_position_embeddings: int = 40960,
+    input_embedding_scale: float = 1.0,
+    seed: int | None = 0,
+    dtype: torch.dtype = torch.float32,
+) -> DFlashDrafter:
+    """A freshly initialised drafter with explicit shapes (see `new_drafter_for_target`)."""
+    heads = num_attention_heads or max(1, hidden_size // 64)
+    cfg = DrafterConfig(
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 3 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=num_key_value_heads or heads,
+        head_dim=head_dim or hidden_size // heads,
+        vocab_size=vocab_size,
+        num_target_layers=num_target_layers,
+        mask_token_id=mask_token_id,
+        target_layer_ids=tuple(target_layer_ids or default_target_layer_ids(num_target_layers, num_layers)),
+        block_size=block_size,
+        rms_norm_eps=rms_norm_eps,
+        rope_theta=rope_theta,
+        max_position_embeddings=max_position_embeddings,
+        input_embedding_scale=input_embedding_scale,
+    )
+    model = DFlashDrafter(cfg)
+    init_drafter_weights(model, seed=seed)
+    return model.to(dtype).eval()
+
+
+def new_drafter_for_target(
+    target_config: object,
+    *,
+    mask_token_id: int,
+    num_layers: int = 1,
+    block_size: int = 16,
+    target_layer_ids: tuple[int, ...] | None = None,
+    seed: int | None = 0,
+    dtype: torch.dtype = torch.float32,
+) -> DFlashDrafter:
+    """A randomly initialised drafter shaped for a Hugging Face target config, in one call.
+
+    Attention/MLP shapes follow the target's layers, so draft layers could be initialised from
+    target layers. Targets that scale their embeddings (Gemma) get `input_embedding_scale`.
+    """
+    cfg = getattr(target_config, "text_config", None) or target_config
+    hidden = int(cfg.hidden_size)
+    heads = int(cfg.num_attention_heads)
+    rope_theta = getattr(cfg, "rope_theta", None)
+    params = getattr(cfg, "rope_parameters", None)
+    if rope_theta is None and isinstance(params, dict):
+        rope_theta = params.get("rope_theta")
+    from blockspec.targets.hf import embedding_scale_of
+
+    scale = embedding_scale_of(cfg)
+    return new_drafter(
+        hidden_size=hidden,
+        vocab_size=int(cfg.vocab_size),
+        num_target_layers=int(cfg.num_hidden_layers),
+        mask_token_id=mask_token_id,
+        num_layers=num_layers,
+        block_size=block_size,
+        num_attention_heads=heads,
+        num_key_value_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
+        head_dim=int(getattr(cfg, "head_dim", None) or hidden // heads),
+        intermediate_size=int(cfg.intermediate_size),
+        target_layer_ids=target_layer_ids,
+        rms_norm_eps=float(getattr(cfg, "rms_norm_eps", 1e-6)),
+        rope_theta=float(rope_theta or 10000.0),
+        max_position_embeddings=int(getattr(cfg, "max_position_embeddings", 40960)),
+        input_embedding_scale=scale,
+        seed=seed,
+        dtype=dtype,
+    )
+
+
+def save_drafter(model: DFlashDrafter, path: str | Path, *, max_shard_bytes: int = 5 * 2**30) -> Path:
+    """Writes config.json and safetensors weights (sharded with an index when large)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / CONFIG_NAME).write_text(json.dumps(model.cfg.to_dict(), indent=2) + "\n")
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    for stale in list(path.glob("model*.safetensors")) + [path / INDEX_NAME, path / DRAFT_VOCAB_NAME]:
+        stale.unlink(missing_ok=True)
+    if model.draft_vocab is not None:
+        save_file({"token_ids": model.draft_vocab.detach().cpu().contiguous()}, str(path / DRAFT_VOCAB_NAME))
+    if len(shards) == 1:
+        save_file(shards[0], str(path / WEIGHTS_NAME), metadata={"format": "pt"})
+        return path
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(path / fname), metadata={"format": "pt"})
+        weight_map.update({name: fname for name in shard})
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (path / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    return path
+
+
+def _read_state(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files: list[Path]
+    if (path / INDEX_NAME).exists():
+        try:
+            index = json.loads((path / INDEX_NAME).read_text())
+            files = [path / f for f in sorted(set(index["weight_map"].values()))]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{path / INDEX_NAME} is corrupt ({e}); re-download the drafter") from e
+    elif (path / WEIGHTS_NAME).exists():
+        files = [path / WEIGHTS_NAME]
+    else:
+        raise CheckpointError(
+            f"no {WEIGHTS_NAME} or {INDEX_NAME} in {path}; point --drafter at a DFlash drafter "
+            "directory (config.json + safetensors)"
+        )
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        if not f.exists():
+            raise CheckpointError(f"weight shard {f} is missing; re-download the drafter")
+        try:
+            state.update(load_file(str(f)))
+        except Exception as e:  # safetensors raises several types for truncated files
+            raise CheckpointError(f"cannot read {f} ({e}); the file is corrupt, re-download it") from e
+    return state
+
+
+def read_drafter_config(path: str | Path) -> DrafterConfig:
+    """The config.json of a drafter directory in the published format."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"drafter directory {path} does not exist")
+    cfg_file = path / CONFIG_NAME
+    if not cfg_file.exists():
+        raise CheckpointError(f"{cfg_file} is missing; a DFlash drafter directory needs config.json")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_file} is not valid JSON ({e}); re-download the drafter") from e
+    return DrafterConfig.from_dict(raw)
+
+
+def load_drafter(
+    path: str | Path, *, dtype: torch.dtype | None = None, device: str = "cpu", draft_vocab: bool = True
+) -> DFlashDrafter:
+    """Loads a drafter in the published DFlash format from a local directory; `draft_vocab`
+    False ignores a draft_vocab.safetensors beside it (propose from the whole vocabulary)."""
+    path = Path(path)
+    cfg = read_drafter_config(path)
+    state = _read_state(path)
+    model = DFlashDrafter(cfg)
+    expected = set(model.state_dict())
+    missing = sorted(expected - set(state))
+    unexpected = sorted(set(state) - expected)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"drafter weights in {path} do not match its config.json: missing {missing[:5]}"
+            f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
+            f"{'...' if len(unexpected) > 5 else ''}"
+        )
+    for name, tensor in state.items():
+        want = model.state_dict()[name].shape
+        if tensor.shape != want:
+            raise CheckpointError(f"weight {name} has shape {tuple(tensor.shape)}, config implies {tuple(want)}")
+    stored = next(iter(state.values())).dtype
+    model.load_state_dict(state)
+    if draft_vocab and (path / DRAFT_VOCAB_NAME).exists():
+        from safetensors.torch import load_file
+
+        try:
+            ids = load_file(str(path / DRAFT_VOCAB_NAME))["token_ids"]
+            model.set_draft_vocab(ids, cfg.vocab_size)
+        except (KeyError, ConfigError, OSError) as e:
+            raise CheckpointError(f"{path / DRAFT_VOCAB_NAME} is not a valid draft vocabulary ({e}); "
+                                  f"delete it to draft from the whole vocabulary") from e
+    return model.to(device=device, dtype=dtype or stored).eval()
+
+
+def check_compatible(cfg: DrafterConfig, *, hidden_size: int, vocab_size: int, num_layers: int) -> None:
+    """Raises CompatibilityError when a drafter cannot serve a target of these dimensions."""
+    if cfg.hidden_size != hidden_size:
+        raise CompatibilityError(
+            f"drafter hidden_size {cfg.hidden_size} != target hidden_size {hidden_size}: this "
+            "drafter was trained for another target; use a drafter made for this target"
+        )
+    if cfg.vocab_size != vocab_size:
+        raise CompatibilityError(
+            f"drafter vocab_size {cfg.vocab_size} != target vocab_size {vocab_size}: the drafter "
+            "uses the target's embeddings and head, so both must share one vocabulary"
+        )
+    bad = [i for i in cfg.target_layer_ids if not 0 <= i < num_layers]
+    if bad:
+        raise CompatibilityError(
+            f"drafter target_layer_ids {bad} are out of range for a target with {num_layers} "
+            "layers; use a drafter made for this target"
+        )
+    if not 0 <= cfg.mask_token_id < vocab_size:
+        raise CompatibilityError(
+            f"mask_token_id {cfg.mask_token_id} is outside the target vocabulary (size {vocab_size})"
+        )

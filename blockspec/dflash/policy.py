@@ -1,0 +1,640 @@
+"""Adaptive block size: pick the block that maximises expected committed tokens per second.
+
+Cost side: the wall time of one step verifying n tokens at batch size b, first calibrated (a
+target forward of n tokens plus, for n > 1, a draft pass, timed on a throwaway cache per
+batch-size bucket, for every bucket up to the engine's max_batch before the first request runs,
+so no calibration lands in the middle of serving), then tracked with the measured time of every
+real step.
+Gain side: each row's expected tokens for block n,
+    E(n) = 1 + sum_{k=1}^{n-1} prod_{j<k} a_j,
+from per-position conditional acceptance rates a_j (the row's own counts shrunk towards the
+batch-wide rates), capped by the row's remaining tokens. A row that will propose an n-gram lookup
+continuation of m tokens next (DecodeBatch.lookup_plan) takes lookup's own per-position rates for
+those m proposals instead, and expects nothing beyond them.
+Block 1 (plain decoding, no draft pass) is always a candidate, so a weak drafter, a hard prompt
+or a large batch falls back to plain decoding instead of losing to it. While block 1 wins, a
+small probe block (4 tokens for a lone row, 2 for a batch) runs now and then (backing off
+exponentially, and never costing more than PROBE_SHARE of the plain decoding time since the
+last probe) to notice when drafting pays again. The other way round, while drafting wins, a
+plain step runs first and then now and then (also backing off) in each batch-size bucket:
+otherwise plain decoding's cost would only ever be the calibration's guess scaled like the
+drafting sizes, and the calibration's short context hides
+what a long context adds per verified token (at concurrency 16 that guess let block 3 run at a
+loss). For the same reason the drafting sizes next to the chosen one are run now and then
+(alternately, backing off, per bucket): a size is only re-measured when it runs, so one slow step
+(outside load) could otherwise price a better size out for good. The per-position rates are
+shared by all widths, since a trained drafter's first positions are accepted about as often in a
+narrow block as in a wide one (stage-3 SmolLM2 drafter, GSM8K-64: k=1..3 0.52/0.27/0.13 at
+block 4, 0.51/0.26/0.12 at block 16).
+For a lone row, the averages only decide whether to draft and roughly how much: a drafting step
+drafts wider than that while the wider draft pass is nearly free (`widen`: batch 1 on a CPU), then
+verifies as many of the drafted tokens as the drafts' own confidences make worth it (`trimmer`:
+a confident draft runs long, a doubtful one short, a hopeless one as a plain step). Without
+timed draft passes it drafts the chosen width, so a short block costs what a fixed short block
+costs. A lone row with an n-gram lookup continuation can also verify it without any draft
+pass (a drafting step would overwrite its drafts with the continuation anyway), when that beats
+every drafting size; with `ragged`, so can the rows of a batch, each its own share. None of this
+changes the output: which tokens get verified is decided from the drafts alone, and verification
+is exact for any length.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from blockspec.targets.base import greedy_forward
+from blockspec.targets.slots import EMPTY
+from blockspec.dflash.batch import DecodeBatch, Row, Trim
+
+
+MAX_INTERVAL = 256  # steps: the longest back-off of both checks (a probe, a plain step)
+FIRST_TIMING_CAP = 2.0  # a size's first real timing counts for at most this many times its estimate
+WIDEN_SHARE = 0.05  # a step drafts past its chosen block while that costs at most this share of it
+# A probe costs what its draft pass and its longer verify add to a plain step, plus the drafter's
+# catch-up on the context the plain steps left behind: every row's prompt and output since the
+# last draft pass, all at once (32 fresh rows of SmolLM2 prompts: ~3,500 context tokens). With
+# probes after 8, 16, 32... plain steps alone, concurrency 32 (32-token requests, 2 cores) ran at
+# 0.90-0.99x plain decoding while drafting almost nothing; 0.95-1.01x with this budget
+# (BENCHMARKS.md, session 24). The next probe waits until the plain steps since the last one took
+# 1 / PROBE_SHARE times its extra cost.
+PROBE_SHARE = 0.05
+# Widening and trimming run for batches of at most this many rows (trimming also for larger ones
+# with AdaptiveBlock(ragged=True): a length per row). Where a batch verifies one length for all its
+# rows, their confidences average out, and a wider draft costs more per step (held-out GSM8K at
+# concurrency 8, SmolLM2 on 2 cores: 1.23-1.26x plain with them against 1.29-1.38x without; at
+# batch 1 they gained 2-7%).
+TRIM_MAX_ROWS = 1
+# A ragged step's padding (the slots past a row's length, up to the longest row) skips the matmuls,
+# rope, the K/V writes and (the CPU kernel) attention; what is left of it (norms, unpacking) cost
+# SmolLM2 on 2 cores, 16 rows at 250 tokens of context, 6 rows verifying 4 tokens beside 10
+# verifying 1: 93-99 ms, where the same 34 tokens as a uniform block cost ~93 and 16 rows of 4
+# ~150 (session 16, before the padding-free attention and rope: a share of 0.17).
+PAD_SHARE = 0.05
+
+
+def _counts(rows: list[Row]) -> list[tuple[list[int], ...]]:
+    """Each row's acceptance counts so far, for `AdaptiveBlock.record` after a step."""
+    return [(list(r.stats.accepted_by_position), list(r.tries), list(r.stats.lookup_accepted_by_position),
+             list(r.lookup_tries)) for r in rows]
+
+
+def bucket(batch: int) -> int:
+    """Batch sizes share calibrations by power-of-two bucket."""
+    size = 1
+    while size < batch:
+        size *= 2
+    return size
+
+
+@dataclass
+class CostModel:
+    """Seconds per step by (batch bucket, block size): calibrated, then corrected by real steps.
+
+    A calibration runs on a short throwaway context, so its shape can be off at serving time
+    (attention over a long context adds cost per verified token; other work on the machine adds
+    cost per step). Real steps therefore override it: each block size that has run keeps its own
+    moving average, and a block size that has not run yet is estimated from its calibrated cost
+    times the measured/calibrated ratio of the nearest block sizes that have (interpolated), so
+    one step's surprise never leaks into plain decoding's cost as a whole. A slower repeat
+    measurement is averaged in, a faster one replaces the estimate (see `observe`). A repeat
+    measurement of a block size that drifted (longer contexts, machine load) moves the others'
+    averages by a damped share of the drift, since such drift hits every block size alike.
+    """
+
+    max_block: int
+    smoothing: float = 0.2
+    calibrated: dict[int, list[float]] = field(default_factory=dict)
+    measured: dict[int, dict[int, float]] = field(default_factory=dict)
+    drafting: dict[int, list[float]] = field(default_factory=dict)  # calibrated draft passes alone
+
+    def __post_init__(self) -> None:
+        if self.max_block < 1:
+            raise ValueError(f"max_block must be >= 1, got {self.max_block}")
+        if not 0 < self.smoothing <= 1:
+            raise ValueError(f"smoothing must be in (0, 1], got {self.smoothing}")
+
+    def known(self, batch: int) -> bool:
+        return bucket(batch) in self.calibrated
+
+    def set(self, batch: int, costs: list[float], drafting: list[float] | None = None) -> None:
+        """Stores a calibration (seconds for block sizes 1..max_block; `drafting`: the draft
+        pass's part of each, if timed) and forgets measurements."""
+        for name, values in (("costs", costs), ("drafting costs", drafting)):
+            if values is not None and len(values) != self.max_block:
+                raise ValueError(f"need {self.max_block} {name}, got {len(values)}")
+        self.calibrated[bucket(batch)] = list(costs)
+        self.measured.pop(bucket(batch), None)
+        if drafting is None:
+            self.drafting.pop(bucket(batch), None)
+        else:
+            self.drafting[bucket(batch)] = list(drafting)
+
+    def draft_table(self, batch: int) -> list[float] | None:
+        """Estimated seconds of the draft pass alone at block sizes 1..max_block (0 at 1): its
+        calibrated share of each step's current estimate; None when it was not timed."""
+        cal = self.drafting.get(bucket(batch))
+        if cal is None:
+            return None
+        base = self.calibrated[bucket(batch)]
+        return [t * (c / b if b > 0 else 0.0) for t, c, b in zip(self.table(batch), cal, base)]
+
+    def table(self, batch: int) -> list[float]:
+        """Estimated seconds of a step at block sizes 1..max_block. Not forced non-decreasing: on
+        a CPU a larger block can really cost less (4 rows take MKL's fast path, 3 do not; SmolLM2,
+        2 cores: a 4-token verify ~31 ms, a 3-token one ~36), and raising 4 to 3's cost had
+        priced the best block out (held-out GSM8K, batch 1: 1.65x -> 1.79x plain without it)."""
+        base = self.calibrated[bucket(batch)]
+        seen = self.measured.get(bucket(batch), {})
+        ratios = {n: t / base[n - 1] for n, t in seen.items() if base[n - 1] > 0}
+        out = []
+        for n in range(1, self.max_block + 1):
+            if n in seen:
+                out.append(seen[n])
+            elif ratios:
+                out.append(base[n - 1] * _interpolated(ratios, n))
+            else:
+                out.append(base[n - 1])
+        return out
+
+    def cost(self, batch: int, block: int) -> float:
+        return self.table(batch)[block - 1]
+
+    def observe(self, batch: int, block: int, seconds: float) -> None:
+        """Adds the measured time of one real step."""
+        b = bucket(batch)
+        if b not in self.calibrated or seconds <= 0:
+            return
+        seen = self.measured.setdefault(b, {})
+        old = seen.get(block)
+        if old is None:
+            # A first timing far above the estimate is more likely a burst of outside load than
+            # the size's cost; believed whole, it would price this size (and, through the
+            # interpolation of unmeasured sizes, its neighbours) out until it happened to run
+            # again, which it then would not (seen at concurrency 16: one 471 ms step against
+            # ~90 ms ones).
+            seen[block] = min(seconds, FIRST_TIMING_CAP * self.table(batch)[block - 1])
+            return
+        # A faster step is believed at once: outside load only ever slows steps, and an estimate
+        # too low corrects itself (that size gets chosen, and measured), one too high never does.
+        new = seconds if seconds < old else (1 - self.smoothing) * old + self.smoothing * seconds
+        drift = 1 + 0.25 * (new / old - 1)
+        for n in seen:
+            seen[n] = new if n == block else seen[n] * drift
+
+
+def _interpolated(ratios: dict[int, float], n: int) -> float:
+    """Linear interpolation of measured/calibrated ratios at block size n (flat beyond the ends)."""
+    lower = [m for m in ratios if m <= n]
+    upper = [m for m in ratios if m >= n]
+    if not lower:
+        return ratios[min(upper)]
+    if not upper:
+        return ratios[max(lower)]
+    lo, hi = max(lower), min(upper)
+    if lo == hi:
+        return ratios[lo]
+    t = (n - lo) / (hi - lo)
+    return ratios[lo] + t * (ratios[hi] - ratios[lo])
+
+
+def _at(values: list[float], x: float) -> float:
+    """values[n - 1] at a fractional block size x in [1, len(values)], linearly interpolated."""
+    lo = min(int(x), len(values))
+    if lo >= len(values):
+        return values[-1]
+    t = x - lo
+    return values[lo - 1] + t * (values[lo] - values[lo - 1])
+
+
+def split_lengths(expected: list[list[float]], sunk: float, verify: list[float],
+                  pad_share: float) -> tuple[list[int], float]:
+    """A verify length per row that maximises expected tokens per second, and that rate.
+
+    expected[i]: row i's expected committed tokens [E(1), E(2), ...] for verifying 1, 2, ...
+    tokens (rows may offer different most); sunk: seconds already paid (a draft pass); verify:
+    seconds of a uniform verify of 1..n tokens per row. T verified tokens over b rows cost what a
+    uniform block of T / b does (the matmuls cost by rows), plus pad_share of what padding every
+    row to the longest adds (0: padding is free; 1: every row costs the longest, as without
+    packing). Each row's gains per extra token are non-increasing, so taking the largest gains
+    across rows first is the best split of every total (a stable sort keeps a row's own gains in
+    order where they tie).
+    """
+    b = len(expected)
+    gains = sorted(((e[k] - e[k - 1], i) for i, e in enumerate(expected) for k in range(1, len(e))),
+                   key=lambda gain: -gain[0])
+    total = sum(e[0] for e in expected)
+    best_rate, best_extra = total / (sunk + verify[0]), 0
+    lengths, longest = [1] * b, 1
+    for extra, (gain, i) in enumerate(gains, 1):
+        if gain <= 0:
+            break
+        total += gain
+        lengths[i] += 1
+        longest = max(longest, lengths[i])
+        packed = _at(verify, 1 + extra / b)
+        rate = total / (sunk + packed + pad_share * (verify[longest - 1] - packed))
+        if rate > best_rate:
+            best_rate, best_extra = rate, extra
+    lengths = [1] * b
+    for _, i in gains[:best_extra]:
+        lengths[i] += 1
+    return lengths, best_rate
+
+
+def expected_tokens(rates: list[float], block: int, remaining: int) -> float:
+    """E(block) for one row: 1 + sum over k < block-1 of prod_{j<=k} rates[j], capped."""
+    return expected_by_block(rates, block, remaining)[-1]
+
+
+def expected_by_block(rates: list[float], max_block: int, remaining: int) -> list[float]:
+    """[E(1), ..., E(max_block)] for one row, in one pass."""
+    out, total, p = [1.0], 1.0, 1.0
+    cap = float(max(1, remaining))
+    for k in range(max_block - 1):
+        if k < len(rates):
+            p *= rates[k]
+            total += p
+        out.append(total)
+    return [min(e, cap) for e in out]
+
+
+def calibration_sizes(max_block: int) -> list[int]:
+    """Block sizes timed by `calibrate`; the others are interpolated. Dense at small sizes: on a
+    CPU the kernel, and so the cost, changes with the row count (cpu/linear.py)."""
+    return sorted({n for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if n <= max_block} | {max_block})
+
+
+def buckets_up_to(max_batch: int) -> list[int]:
+    """Every batch-size bucket a batch of at most `max_batch` rows can fall in."""
+    return sorted({bucket(b) for b in range(1, max_batch + 1)})
+
+
+def interpolate(points: dict[int, float], max_block: int) -> list[float]:
+    """Piecewise-linear costs for 1..max_block from measured points."""
+    xs = sorted(points)
+    out = []
+    for n in range(1, max_block + 1):
+        hi = next(x for x in xs if x >= n)
+        lo = max(x for x in xs if x <= n)
+        t = 0.0 if hi == lo else (n - lo) / (hi - lo)
+        out.append(points[lo] + t * (points[hi] - points[lo]))
+    return out
+
+
+@torch.inference_mode()
+def calibrate(batch: DecodeBatch, size: int, max_block: int, context: int = 8,
+              repeats: int = 2, confidence: bool | None = None) -> tuple[list[float], list[float]]:
+    """Times one step's model work (target forward of n tokens, plus a draft pass for n > 1) at
+    batch size `size` for the block sizes of `calibration_sizes`, interpolating the rest.
+
+    Runs the target (and drafter) on throwaway caches with `context` dummy tokens per row (kept
+    short: the prefill of size x context tokens is pure overhead); returns the best of `repeats`
+    timings per block size (after a warm-up run), in seconds: whole steps, and their draft passes
+    alone (0 for block 1). confidence: time drafts that also read back their confidences, as
+    trimmed steps do (default: for batches of at most TRIM_MAX_ROWS rows).
+    """
+    if confidence is None:
+        confidence = size <= TRIM_MAX_ROWS
+    target, d = batch.target, batch.device
+    layer_ids = batch.layer_ids
+    ids = torch.zeros(size, context, dtype=torch.long, device=d)
+    positions = torch.arange(context, device=d).expand(size, context).contiguous()
+    tcache = target.new_cache(size)
+    if hasattr(tcache, "reserve"):
+        tcache.reserve(context)
+    _, feats = target.forward(ids, positions, tcache, layer_ids, last_logits_only=True)
+    dcache = batch.draft.new_cache(size) if batch.draft is not None else None
+    out: dict[int, float] = {}
+    drafting: dict[int, float] = {}
+    for n in calibration_sizes(max_block):
+        block_ids = torch.zeros(size, n, dtype=torch.long, device=d)  # drafted and verified alike
+        block_pos = context + torch.arange(n, device=d).expand(size, n)
+        best = best_draft = float("inf")
+        for _ in range(repeats + 1):  # the first run warms up
+            t0 = time.perf_counter()
+            if n > 1 and batch.draft is not None:
+                if hasattr(dcache, "reserve"):
+                    dcache.reserve(context + n, context + n)
+                ctx_pos = torch.full_like(positions[:, :1], EMPTY)
+                hidden = batch.draft(feats[:, :1], ctx_pos, target.embed(block_ids), block_pos, dcache)
+                if confidence:  # what trimmed steps compute: proposals and their confidences
+                    batch.drafter.greedy_with_confidence(hidden[:, 1:n], target.head())[1].tolist()
+                else:
+                    batch.drafter.greedy_tokens(hidden[:, 1:n], target.head()).tolist()
+            t1 = time.perf_counter()
+            if hasattr(tcache, "reserve"):
+                tcache.reserve(context + n)
+            greedy_forward(target, block_ids, block_pos, tcache, layer_ids)[0].tolist()  # as a greedy step does
+            elapsed = time.perf_counter() - t0
+            tcache.reject(torch.zeros(size, n, dtype=torch.bool, device=d))
+            tcache.compact(1.0)
+            if dcache is not None and not hasattr(dcache, "reserve"):
+                dcache = batch.draft.new_cache(size)  # dynamic caches grew: start over
+            best = min(best, elapsed)
+            best_draft = min(best_draft, t1 - t0)
+        out[n] = best
+        drafting[n] = best_draft if n > 1 else 0.0
+    return interpolate(out, max_block), interpolate(drafting, max_block)
+
+
+class AdaptiveBlock:
+    """Chooses each step's block size for a DecodeBatch (see the module docstring)."""
+
+    def __init__(self, max_block: int, *, prior: float = 0.5, probe_block: int = 4, batch_probe_block: int = 2,
+                 probe_every: int = 8,
+                 plain_every: int = 16, challenge_every: int = 16, costs: CostModel | None = None,
+                 ragged: bool = False) -> None:
+        self.max_block = max_block
+        # Batches of several rows verify a length per row (`trimmer`) where the target packs
+        # padding. Opt-in: on 2 CPU cores (SmolLM2, GSM8K) it was 3-7% ahead at concurrency 8 and
+        # level at 16, within run-to-run noise; padded attention eats much of what the
+        # better-chosen tokens save (BENCHMARKS.md, session 16).
+        self.ragged = ragged
+        self.costs = costs or CostModel(max_block)
+        self.global_accepted = [0] * max(0, max_block - 1)
+        self.global_tries = [0] * max(0, max_block - 1)
+        self.lookup_accepted = [0] * max(0, max_block - 1)  # the same for n-gram lookup proposals
+        self.lookup_tries = [0] * max(0, max_block - 1)
+        self.prior = prior
+        self.probe_block = min(probe_block, max_block)
+        # A probe of several rows verifies fewer tokens: at 16 rows on 2 cores a 4-token probe
+        # took 205 ms against 57 for a plain step and committed 0.18 tokens per ms against 0.27;
+        # a 2-token step about 110 ms for 26 tokens, 0.24 per ms (held-out prompts).
+        self.batch_probe_block = min(batch_probe_block, max_block)
+        self.base_probe_every = probe_every
+        self.probe_every = probe_every
+        self.plain_streak = 0
+        self.plain_spent = 0.0  # seconds of steps without a draft pass since the last probe
+        self.probe_extra = 0.0  # what the last probe cost beyond a plain step (seconds)
+        self._probing = False  # the step being chosen is a probe
+        self.last_choice = 1
+        self.base_plain_every = plain_every
+        self.plain_checks: dict[int, tuple[int, int]] = {}  # bucket -> (drafting steps since, interval)
+        self.base_challenge_every = challenge_every
+        self.challenges: dict[int, tuple[int, int, int, int]] = {}  # bucket -> (since, interval, turn, best)
+        self.used: Counter[int] = Counter()  # steps run at each block size (tokens verified)
+        self.forced = False  # the last choice was a check (probe, plain step, neighbour), not the best
+        self._drafted: int | None = None  # the width the last trimmed step drafted
+        # A step of lookup proposals alone (no draft pass) when it beats every drafting size and
+        # plain decoding: per row verify lengths, or None. Its ragged steps' measured / estimated
+        # seconds (a uniform one is measured like any step of its size).
+        self.lookup_step: list[int] | None = None
+        self.lookup_ratio = 1.0
+        self.lookup_steps = 0  # steps run that way
+        self._lookup_estimate = 0.0
+
+    def global_rates(self, *, lookup: bool = False) -> list[float]:
+        weight = 8.0
+        accepted, tries = (self.lookup_accepted, self.lookup_tries) if lookup else (self.global_accepted, self.global_tries)
+        return [(a + weight * self.prior) / (t + weight) for a, t in zip(accepted, tries)]
+
+    def record(self, rows: list[Row], before: list[tuple[list[int], ...]]) -> None:
+        """Adds the acceptance counted in the last step to the batch-wide rates."""
+        for r, (acc0, tries0, lacc0, ltries0) in zip(rows, before):
+            for k in range(len(self.global_tries)):
+                self.global_accepted[k] += r.stats.accepted_by_position[k] - acc0[k]
+                self.global_tries[k] += r.tries[k] - tries0[k]
+                self.lookup_accepted[k] += r.stats.lookup_accepted_by_position[k] - lacc0[k]
+                self.lookup_tries[k] += r.lookup_tries[k] - ltries0[k]
+
+    def expected(self, rows: list[Row], plan: list[list[int]] | None = None) -> list[float]:
+        """Expected committed tokens of the whole batch for block sizes 1..max_block. A row with
+        a lookup continuation of m ids (`plan`) expects from lookup's rates up to m proposals and
+        nothing after them (drafted proposals behind a lookup prefix rarely fit it)."""
+        prior = self.global_rates()
+        lookup_prior = self.global_rates(lookup=True)
+        totals = [0.0] * self.max_block
+        for i, r in enumerate(rows):
+            m = len(plan[i]) if plan else 0
+            if m:
+                rates = r.acceptance_rates(lookup_prior, lookup=True)[:m]
+            else:
+                rates = r.acceptance_rates(prior)
+            for j, e in enumerate(expected_by_block(rates, self.max_block, r.remaining)):
+                totals[j] += e
+        return totals
+
+    def calibrate_all(self, batch: DecodeBatch, max_batch: int) -> None:
+        """Calibrates every batch-size bucket up to `max_batch` that is not known yet."""
+        if self.max_block <= 1 or batch.drafter is None:
+            return
+        for size in buckets_up_to(max_batch):
+            if not self.costs.known(size):
+                self.costs.set(size, *calibrate(batch, size, self.max_block, confidence=self._trims(batch, size)))
+
+    def choose(self, batch: DecodeBatch) -> int:
+        """The block size for the next step of `batch` (calibrating its batch size if new); 1
+        also where a step of lookup proposals alone is chosen (`lookup_step` says so)."""
+        self.lookup_step = None
+        if self.max_block <= 1 or batch.drafter is None:
+            return 1
+        b = len(batch.rows)
+        if not self.costs.known(b):
+            self.costs.set(b, *calibrate(batch, bucket(b), self.max_block, confidence=self._trims(batch, bucket(b))))
+        costs = self.costs.table(b)
+        plan = batch.lookup_plan()
+        expected = self.expected(batch.rows, plan)
+        rates = [tokens / cost for tokens, cost in zip(expected, costs)]
+        best = planned = max(range(1, self.max_block + 1), key=lambda n: (rates[n - 1], -n))
+        lookup = self._lookup_option(batch, plan, rates[best - 1])
+        self._probing = False
+        if best == 1 or lookup is not None:  # the drafter sits this step out
+            self.plain_streak += 1
+            if self.plain_streak >= self.probe_every and self.plain_spent * PROBE_SHARE >= self.probe_extra:
+                self.plain_streak = 0
+                self.plain_spent = 0.0
+                self.probe_every = min(self.probe_every * 2, MAX_INTERVAL)
+                best, lookup = min(self.probe_block if b <= 1 else self.batch_probe_block, self.max_block), None
+                self._probing = True
+            elif lookup is not None:
+                best = planned = 1
+        else:
+            self.plain_streak = 0
+            self.probe_every = self.base_probe_every
+            self.plain_spent = self.probe_extra = 0.0  # the drafter is caught up: probes are cheap again
+            best = self._check_plain(bucket(b), best)
+            if best > 1:
+                best = self._challenge(bucket(b), best)
+        self.lookup_step = lookup
+        self.last_choice = best
+        self.forced = best != planned
+        return best
+
+    def _lookup_option(self, batch: DecodeBatch, plan: list[list[int]], to_beat: float) -> list[int] | None:
+        """Per row verify lengths of a step without a draft pass, where the rows with an n-gram
+        lookup continuation verify (part of) it and the others one token, when that is expected
+        to commit more tokens per second than `to_beat`; else None. Such a step costs the verify
+        part of a drafting step of the same mean length (its padding priced as in `trimmer`),
+        times what such ragged steps have really cost against that estimate so far
+        (`lookup_ratio`). For a lone row, and with `ragged` for batches whose target packs
+        padding: elsewhere the lookup proposals ride in drafting steps. Held-out prompts, 2
+        cores: a lone row 1.61x -> 1.66x plain decoding; at concurrency 8 such steps committed
+        0.154 tokens per ms against 0.177 for plain steps (padded attention and elementwise work
+        cost more per extra token than the estimate), at 16 level with them."""
+        rows = batch.rows
+        b = len(rows)
+        if not any(plan) or (b > 1 and not self._ragged(batch)):
+            return None
+        drafts = self.costs.draft_table(b) or [0.0] * self.max_block
+        verify = [t - dr for t, dr in zip(self.costs.table(b), drafts)]
+        prior = self.global_rates(lookup=True)
+        expected = [expected_by_block(r.acceptance_rates(prior, lookup=True)[:len(cont)], 1 + len(cont), r.remaining)
+                    if cont else [1.0] for r, cont in zip(rows, plan)]
+        lengths, rate = split_lengths(expected, 0.0, verify, PAD_SHARE)
+        if max(lengths) == 1:
+            return None
+        uniform = min(lengths) == max(lengths)
+        if not uniform:
+            rate /= self.lookup_ratio
+        if rate <= to_beat:
+            return None
+        total = sum(lengths)
+        packed = _at(verify, total / b)
+        self._lookup_estimate = packed + PAD_SHARE * (verify[max(lengths) - 1] - packed)
+        return lengths
+
+    def widen(self, batch_size: int, block: int) -> int:
+        """How wide a step whose best block is `block` drafts: wider while the extra drafting
+        costs at most WIDEN_SHARE of the step, as the drafts' own confidences then choose how
+        many tokens to verify (`trimmer`). Batch 1 on a CPU: a 16-wide draft costs ~1 ms more
+        than a 4-wide one in a ~35 ms step. `step` widens lone rows only (TRIM_MAX_ROWS).
+        Without timed draft passes, `block` itself."""
+        drafts = self.costs.draft_table(batch_size)
+        if drafts is None or block < 2:
+            return block
+        budget = WIDEN_SHARE * self.costs.cost(batch_size, block)
+        return max(w for w in range(block, self.max_block + 1) if drafts[w - 1] - drafts[block - 1] <= budget)
+
+    def trimmer(self, batch: DecodeBatch) -> Trim:
+        """The verify length of a drafted step, chosen like the block size but from each row's
+        drafts: a proposal's draft probability stands for its chance of acceptance (on held-out
+        GSM8K the stage-7 drafter's first proposal with probability 0.2-0.3 was accepted 30% of
+        the time, 0.5-0.6: 51%, 0.9-1: 97%), lookup proposals keep lookup's rates. The draft is
+        paid by then, so only the verify part of each size's cost differs.
+
+        With `ragged`, a batch of rows whose target packs padding (`DecodeBatch.packs_padding`)
+        gets a length per row: the proposals most likely to be accepted, across all rows, until
+        one more costs more than it is expected to commit. The cost of T verified tokens is that of a uniform
+        block of T / rows tokens (interpolated), since the matmuls cost by rows, plus PAD_SHARE of
+        what padding every row to the longest would add. Otherwise every row verifies the one
+        length the sum of their expectations makes best."""
+        rows = list(batch.rows)
+        b = len(rows)
+        table = self.costs.table(b)
+        drafts = self.costs.draft_table(b) or [0.0] * self.max_block
+        verify = [t - dr for t, dr in zip(table, drafts)]  # the verify part of each uniform size
+        lookup_prior = self.global_rates(lookup=True)
+        ragged = b > 1 and self._ragged(batch)
+
+        def trim(confidence: list[list[float]], looked: list[int]) -> int | list[int]:
+            width = len(confidence[0]) + 1 if confidence else 1
+            self._drafted = width
+            sunk = drafts[width - 1]
+            expected = [expected_by_block(r.acceptance_rates(lookup_prior, lookup=True)[:m] if m else conf, width,
+                                          r.remaining) for r, conf, m in zip(rows, confidence, looked)]
+            if not ragged:
+                totals = [sum(e[j] for e in expected) for j in range(width)]
+                return max(range(1, width + 1), key=lambda n: (totals[n - 1] / (sunk + verify[n - 1]), -n))
+            return split_lengths(expected, sunk, verify, PAD_SHARE)[0]
+
+        return trim
+
+    def _ragged(self, batch: DecodeBatch) -> bool:
+        return self.ragged and batch.packs_padding
+
+    def _trims(self, batch: DecodeBatch, rows: int) -> bool:
+        """Whether drafting steps of `rows` rows get trimmed (so read back confidences)."""
+        return rows <= TRIM_MAX_ROWS or self._ragged(batch)
+
+    def _challenge(self, key: int, best: int) -> int:
+        """`best`, or a drafting size next to it (best + 1 and best - 1 in turn) when one is due
+        a fresh measurement; a new best restarts the back-off."""
+        since, every, turn, last = self.challenges.get(key, (0, self.base_challenge_every, 0, best))
+        if best != last:
+            since, every = 0, self.base_challenge_every
+        if since + 1 < every:
+            self.challenges[key] = (since + 1, every, turn, best)
+            return best
+        self.challenges[key] = (0, min(every * 2, MAX_INTERVAL), turn + 1, best)
+        neighbours = [n for n in (best + 1, best - 1) if 2 <= n <= self.max_block]
+        return neighbours[turn % len(neighbours)] if neighbours else best
+
+    def _check_plain(self, key: int, best: int) -> int:
+        """`best`, or 1 when plain decoding's real cost in this bucket is due a measurement."""
+        if key not in self.plain_checks:
+            self.plain_checks[key] = (0, self.base_plain_every)
+            return 1
+        since, every = self.plain_checks[key]
+        if since + 1 >= every:
+            self.plain_checks[key] = (0, min(every * 2, MAX_INTERVAL))
+            return 1
+        self.plain_checks[key] = (since + 1, every)
+        return best
+
+    def step(self, batch: DecodeBatch) -> int:
+        """Chooses, runs and measures one step; returns the block size used (tokens verified).
+        The policy's own choices for a lone row draft wider (`widen`) and verify what their
+        drafts make worth it (`trimmer`); its checks run the size they check, whole."""
+        block = self.choose(batch)
+        b = len(batch.rows)
+        if self.lookup_step is not None:
+            return self._step_lookup(batch, self.lookup_step)
+        trim = None
+        if block > 1 and not self.forced and self._trims(batch, b):
+            # Wider drafts pay for a lone row only: a batch's widest row sets the padding of all.
+            block, trim = self.widen(b, block) if b <= TRIM_MAX_ROWS else block, self.trimmer(batch)
+        self._drafted = None  # set by `trim` (a step clipped to one token by its rows' limits drafts nothing)
+        # a plain step proposes nothing, so no acceptance count moves (most steps of a large batch)
+        before = _counts(batch.rows) if block > 1 else None
+        t0 = time.perf_counter()
+        used = batch.step(block, trim)
+        seconds = time.perf_counter() - t0
+        # A ragged step costs what a uniform one of its mean length does (the matmuls cost by rows).
+        size = used if trim is None else max(1, min(self.max_block, round(batch.verified / b)))
+        drafts = self.costs.draft_table(b)
+        if drafts is not None and self._drafted not in (None, size):  # priced as if it had drafted only `size`
+            seconds += drafts[size - 1] - drafts[self._drafted - 1]
+        if not getattr(batch, "caught_up", False):
+            # A draft pass that also read joined prompts or a run of plain steps' context costs
+            # more than its size does. Believed, it priced drafting out: at concurrency 8 a fresh
+            # engine then ran 31-155 of ~500 steps plain (held-out GSM8K, SmolLM2, 2 cores), and
+            # the probes, each catching up on the whole run, kept confirming it.
+            self.costs.observe(b, size, seconds)
+        self._note_time(b, used, seconds)
+        self.used[used] += 1
+        if before is not None:
+            self.record(batch.rows, before)
+        return used
+
+    def _note_time(self, batch_size: int, used: int, seconds: float) -> None:
+        """Books a step's time against the probe budget (PROBE_SHARE)."""
+        if self._probing:
+            self.probe_extra = max(0.0, seconds - self.costs.cost(batch_size, 1))
+            self._probing = False
+        elif used == 1 or self.lookup_step is not None:
+            self.plain_spent += seconds
+
+    def _step_lookup(self, batch: DecodeBatch, lengths: list[int]) -> int:
+        """Runs and measures a step of lookup proposals alone (see `_lookup_option`)."""
+        b = len(batch.rows)
+        estimate = self._lookup_estimate
+        before = _counts(batch.rows)
+        t0 = time.perf_counter()
+        used = batch.step_lookup(lengths)
+        seconds = time.perf_counter() - t0
+        self.lookup_steps += 1
+        self._note_time(b, used, seconds)
+        if batch.verified == b * used:  # uniform: what a drafting step of this size costs, less its draft
+            drafts = self.costs.draft_table(b)
+            self.costs.observe(b, used, seconds + (drafts[used - 1] if drafts is not None else 0.0))
+        elif estimate > 0:
+            ratio = min(4.0, max(0.25, seconds / estimate))
+            s = self.costs.smoothing
+            self.lookup_ratio = ratio if ratio < self.lookup_ratio else (1 - s) * self.lookup_ratio + s * ratio
+        self.used[used] += 1
+        self.record(batch.rows, before)
+        return used

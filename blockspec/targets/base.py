@@ -1,0 +1,90 @@
+"""The target protocol: what DFlash decoding needs from a target model and its cache.
+
+A target forward takes token ids at explicit absolute positions, appends their K/V to a cache
+the caller owns, and returns logits plus the concatenated features of the drafter's chosen layers
+(captured with hooks: other hidden states are never kept).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from blockspec.cpu.argmax import greedy_ids
+from blockspec.targets.slots import SlotTable
+
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """What the decoder and drafter need to know about a target."""
+
+    hidden_size: int
+    vocab_size: int
+    num_layers: int
+    max_position_embeddings: int
+    model_type: str
+    eos_token_ids: tuple[int, ...] = ()
+
+
+class TargetCache(Protocol):
+    """KV cache of a target for a batch. Invariant: valid slots hold committed tokens only."""
+
+    slots: SlotTable
+
+    def lengths(self) -> torch.Tensor: ...
+
+    def reject(self, keep: torch.Tensor) -> None: ...
+
+    def compact(self, ratio: float) -> None: ...
+
+    def select_rows(self, rows: torch.Tensor) -> None: ...
+
+
+class Target(Protocol):
+    """A causal LM usable as a DFlash target."""
+
+    info: TargetInfo
+
+    def new_cache(self, batch: int) -> TargetCache: ...
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor: ...
+
+    def head(self) -> nn.Module: ...
+
+    def forward(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: TargetCache,
+        layer_ids: tuple[int, ...] = (),
+        last_logits_only: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+
+def greedy_forward(
+    target: Target,
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    cache: TargetCache,
+    layer_ids: tuple[int, ...] = (),
+    last_logits_only: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`target.forward`, but the greedy ids [b, q|1] (the argmax of each position's logits, the
+    first of ties) in place of the logits. A target whose class can find them without computing
+    every logit (the native one: `forward_greedy`) does; any other computes the logits. Looked up
+    on the class, so a wrapper that forwards attributes to a target still runs its own `forward`."""
+    fast = getattr(type(target), "forward_greedy", None)
+    if fast is not None:
+        return fast(target, ids, positions, cache, layer_ids, last_logits_only)
+    logits, feats = target.forward(ids, positions, cache, layer_ids, last_logits_only)
+    return greedy_ids(logits), feats

@@ -1,0 +1,63 @@
+"""The native target's attention for a few query tokens on a CPU, batch invariant.
+
+PyTorch's CPU attention splits its work by the number of queries, so a token verified in a block
+got other bits than the same token decoded alone: ~1e-5 in fp32 logits, up to 0.4 in bf16,
+where speculative output then drifted from plain decoding within a few dozen tokens (BENCHMARKS.md,
+session 18). `kernels/attention.c` (built with the projections' kernel, cpu/kernels.py)
+computes each query the same way whatever else is in the pass, so verification sees exactly
+what one-token decoding sees. Where it is unavailable (no compiler, a GPU, a prompt of more than
+MAX_TOKENS), the caller keeps `F.scaled_dot_product_attention`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from blockspec.cpu import kernels
+
+# Query tokens per row that the kernel takes: decoding, verification, and prompts of up to this
+# many tokens. Its prefills were faster than PyTorch's flash attention under the causal rule
+# (SmolLM2-135M on 2 Zen 5 cores, whole forwards: a 108-token prompt 96 -> 87 ms, 400 tokens 371
+# -> 338, a join of 8 prompts of 77-171 tokens 910 -> 830; BENCHMARKS.md, session 32), and a
+# prompt then attends alike alone or joined. Longer prompts keep PyTorch's kernel: this one keeps
+# each query's partial sums per chunk of keys, scratch that grows with the square of the prompt.
+MAX_TOKENS = 512
+
+
+def visible_keys(positions: torch.Tensor, static: bool, dtype: torch.dtype) -> torch.Tensor | None:
+    """Keys (a prefix of the position-indexed cache) each query token sees [b, q] (int64), or
+    None where the kernel does not take this pass (decided once per forward, not per layer).
+    Slot j is visible to position p when j <= p; padding (EMPTY) sees nothing, so the kernel
+    skips it (its output is zeros; a packed forward never reads it)."""
+    k = kernels.kernel()
+    if k is None or dtype not in k.attention or static or positions.device.type != "cpu" \
+            or positions.shape[1] > MAX_TOKENS:
+        return None
+    return (positions + 1).clamp_min(0).to(torch.int64).contiguous()
+
+
+def cached_attention(qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, visible: torch.Tensor,
+                     horizon: int, scale: float, start: torch.Tensor | None = None) -> torch.Tensor | None:
+    """softmax(q k^T scale) v per query over its visible keys -> [b, kvh, g * q, d] in qg's dtype.
+
+    qg [b, kvh, g * q, d]; k_cache, v_cache [b, kvh, cap, d] (only the first `horizon` slots are
+    read); visible from `visible_keys`; start [b, q] (int64, optional): each query's first key
+    (a sliding window's), else 0. None where the kernel does not handle these tensors (a dtype
+    other than fp32/bf16, a cache that is not a plain contiguous tensor).
+    """
+    k = kernels.kernel()
+    fn = None if k is None else k.attention.get(qg.dtype)
+    if fn is None or k_cache.dtype != qg.dtype or v_cache.dtype != qg.dtype:
+        return None
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.stride() == v_cache.stride()):
+        return None
+    b, kvh, m, d = qg.shape
+    n = visible.shape[1]
+    q = qg.contiguous()
+    out = torch.empty(b, kvh, m, d, dtype=torch.float32)
+    rc = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), visible.data_ptr(),
+            None if start is None else start.data_ptr(), b, kvh, m // n, n, d, k_cache.stride(0), k_cache.stride(1),
+            horizon, scale, torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError("the CPU attention kernel could not allocate its scratch memory")
+    return out if qg.dtype == torch.float32 else out.to(qg.dtype)

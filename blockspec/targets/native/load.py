@@ -1,0 +1,212 @@
+"""Loads Hugging Face Llama-family weights (a model object or a safetensors directory) natively."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from blockspec.errors import CheckpointError, ConfigError
+from blockspec.targets.native.config import native_config, unsupported_reason
+from blockspec.targets.native.llama import NativeLlama, NativeTarget
+from blockspec.targets.rope import Rotary, rope_inv_freq
+from blockspec.targets.base import DTYPES
+
+PACK_ENV = "BLOCKSPEC_PACK_WEIGHTS"  # "0": stream the weights themselves, packable or not
+
+
+def is_native_supported(hf_config: object) -> bool:
+    """Whether `load_native_target` can run a model with this config."""
+    return unsupported_reason(hf_config) is None
+
+
+def _strip(name: str) -> str:
+    for prefix in ("model.", "transformer."):
+        if name.startswith(prefix):
+            return name[len(prefix):]
+    return name
+
+
+def native_state_dict(hf_state: dict[str, torch.Tensor], net: NativeLlama) -> dict[str, torch.Tensor]:
+    """Maps HF parameter names onto the native layout (q|k|v concatenated)."""
+    src = {_strip(k): v for k, v in hf_state.items() if "rotary_emb" not in k}
+    out: dict[str, torch.Tensor] = {}
+
+    def take(name: str) -> torch.Tensor:
+        if name not in src:
+            raise CheckpointError(f"the checkpoint lacks weight {name!r}; is it a complete {net.cfg.model_type} model?")
+        return src.pop(name)
+
+    out["embed.weight"] = take("embed_tokens.weight")
+    out["norm"] = take("norm.weight")
+    for i, layer in enumerate(net.layers):
+        p = f"layers.{i}."
+        a = p + "self_attn."
+        out[p + "input_norm"] = take(p + "input_layernorm.weight")
+        out[p + "post_norm"] = take(p + "post_attention_layernorm.weight")
+        out[p + "qkv.weight"] = torch.cat([take(a + f"{n}_proj.weight") for n in "qkv"])
+        if layer.qkv.bias is not None:
+            out[p + "qkv.bias"] = torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"])
+        out[p + "o.weight"] = take(a + "o_proj.weight")
+        if layer.o.bias is not None:
+            out[p + "o.bias"] = take(a + "o_proj.bias")
+        if layer.q_norm is not None:
+            out[p + "q_norm"] = take(a + "q_norm.weight")
+            out[p + "k_norm"] = take(a + "k_norm.weight")
+        m = p + "mlp."
+        out[p + "gate_up.weight"] = torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
+        out[p + "down.weight"] = take(m + "down_proj.weight")
+        if layer.down.bias is not None:
+            out[p + "gate_up.bias"] = torch.cat([take(m + "gate_proj.bias"), take(m + "up_proj.bias")])
+            out[p + "down.bias"] = take(m + "down_proj.bias")
+    head = src.pop("lm_head.weight", None)
+    if not net.cfg.tie_word_embeddings:
+        if head is None:
+            raise CheckpointError("the checkpoint has no lm_head.weight and tie_word_embeddings is false")
+        out["lm_head.weight"] = head
+    leftover = [k for k in src if not k.endswith(("inv_freq", "masked_bias"))]
+    if leftover:
+        raise CheckpointError(f"unexpected weights for a {net.cfg.model_type} model: {leftover[:5]}")
+    return out
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    else:
+        raise CheckpointError(f"no model.safetensors (or index) in {path}; the native backend reads safetensors")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(path / f)))
+    return state
+
+
+def _eos_ids(path: Path, hf_config: object) -> tuple[int, ...]:
+    ids: set[int] = set()
+    sources = [getattr(hf_config, "eos_token_id", None)]
+    gen = path / "generation_config.json"
+    if gen.exists():
+        sources.append(json.loads(gen.read_text()).get("eos_token_id"))
+    for s in sources:
+        if isinstance(s, int):
+            ids.add(s)
+        elif isinstance(s, (list, tuple)):
+            ids.update(int(t) for t in s)
+    return tuple(sorted(ids))
+
+
+def load_native_target(
+    source: str | Path | torch.nn.Module,
+    dtype: str | torch.dtype | None = "float32",
+    device: str | torch.device = "cpu",
+    *,
+    eos_token_ids: tuple[int, ...] | None = None,
+    single_token_weights: bool | None = None,
+    pack_weights: bool | None = None,
+) -> NativeTarget:
+    """A NativeTarget from a Hugging Face model object or a local model directory.
+
+    dtype: "float32" | "bfloat16" | "float16" | "float64" | a torch dtype | None (keep the
+    source's). Raises ConfigError for architectures the native code does not cover.
+    single_token_weights: keep transposed copies of the widest matrices for one-token forwards
+    where the CPU kernel is MKL's (~20% faster plain decoding there, ~70% more weight memory;
+    with oneDNN, cpu/linear.py's default, none are made); None = on for CPU devices.
+    pack_weights: keep a packed copy of each projection (and the head) whose weights are exactly
+    of a 4- or 8-bit GGUF's form, or for bf16 their roundings (cpu/packed_weights.py: the same outputs,
+    bit for bit, from fewer bytes); None = on for fp32 and bf16 on the CPU unless
+    $BLOCKSPEC_PACK_WEIGHTS is 0 (to compare against streaming the weights themselves).
+    """
+    if isinstance(source, torch.nn.Module):
+        hf_config = source.config
+        state = source.state_dict()
+        gen = getattr(source, "generation_config", None)
+        eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+        default_eos = tuple([eos] if isinstance(eos, int) else (eos or ()))
+    else:
+        from transformers import AutoConfig
+
+        path = Path(source)
+        if not (path / "config.json").exists():
+            raise CheckpointError(f"{path} is not a Hugging Face model directory (no config.json)")
+        hf_config = AutoConfig.from_pretrained(str(path))
+        state = _read_safetensors(path)
+        default_eos = _eos_ids(path, hf_config)
+    text_config = getattr(hf_config, "text_config", None) or hf_config
+    cfg = native_config(text_config)
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        dtype = DTYPES[dtype]
+    if dtype is None:
+        dtype = next(iter(state.values())).dtype
+    with torch.device("meta"):  # no throwaway random init of a large model
+        net = NativeLlama(cfg, text_config)
+    mapped = native_state_dict(state, net)
+    result = net.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in mapped.items()},
+                                 strict=False, assign=True)
+    missing = [k for k in result.missing_keys if not (cfg.tie_word_embeddings and k == "lm_head.weight")]
+    if missing:
+        raise CheckpointError(f"native weights missing after loading: {missing[:5]}")
+    if cfg.tie_word_embeddings:
+        net.lm_head.weight = net.embed.weight
+    # RoPE tables stay fp32 whatever the weight dtype (the buffer was built on the meta device).
+    inv_freq, scaling = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, text_config)
+    net.rotary = Rotary(inv_freq.to(device), scaling)
+    if single_token_weights is None:
+        single_token_weights = torch.device(device).type == "cpu"
+    net.prepare_single_token_weights(single_token_weights)
+    if pack_weights is None:
+        pack_weights = (torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+                        and os.environ.get(PACK_ENV, "1") != "0")
+    if pack_weights:
+        net.pack_weights(mapped if dtype == torch.bfloat16 else None)
+    return NativeTarget(net, eos_token_ids if eos_token_ids is not None else default_eos, text_config)
+
+
+BACKENDS = ("auto", "native", "hf")
+
+
+def load_target(
+    path: str | Path, *, backend: str = "auto", dtype: str = "float32", device: str = "cpu"
+) -> tuple[object, object]:
+    """(target, tokenizer) for a local model directory.
+
+    backend "native" runs our own Llama-family code (ConfigError for other architectures),
+    "hf" the Hugging Face adapter, "auto" native when the architecture is supported, else hf.
+    """
+    if backend not in BACKENDS:
+        raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    from blockspec.targets.hf import load_hf_target
+
+    path = Path(path)
+    if backend == "hf":
+        return load_hf_target(path, dtype=dtype, device=device)
+    if not (path / "config.json").exists():
+        raise CheckpointError(
+            f"{path} is not a Hugging Face model directory (no config.json); pass a local model "
+            "directory or a known zoo name (see `blockspec pull --list`)"
+        )
+    from transformers import AutoConfig, AutoTokenizer
+
+    reason = unsupported_reason(AutoConfig.from_pretrained(str(path)))
+    if reason is not None:
+        if backend == "native":
+            raise ConfigError(f"the native backend does not support {path.name}: {reason}; use backend='hf'")
+        return load_hf_target(path, dtype=dtype, device=device)
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    if dtype == "auto":  # bf16 on GPUs; fp32 on CPUs (where bf16 measured slower in training)
+        dtype = "bfloat16" if str(device).startswith("cuda") else "float32"
+    target = load_native_target(path, dtype, device)
+    eos = set(target.info.eos_token_ids)
+    if isinstance(tokenizer.eos_token_id, int):
+        eos.add(tokenizer.eos_token_id)
+    if eos != set(target.info.eos_token_ids):
+        target = NativeTarget(target.net, tuple(sorted(eos)), target.config)
+    return target, tokenizer

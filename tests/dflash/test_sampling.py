@@ -1,0 +1,304 @@
+"""Sampled DFlash output must follow the target's distribution exactly (statistical tests)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from conftest import make_tiny_target
+from scipy.stats import chisquare
+from scripted import ScriptedDrafter
+
+from blockspec.config import SamplingParams, SpecConfig
+from blockspec.dflash.drafter import new_drafter_for_target
+from blockspec.targets.hf import HFTarget
+from blockspec.dflash.batch import SpecDecoder
+from blockspec.dflash.lookup import LookupConfig
+from blockspec.dflash.sampling import probabilities
+from blockspec.dflash.verify import verify_greedy, verify_sampled
+
+VOCAB = 10
+PROMPT = [1, 2, 3]
+
+
+def shaped(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
+    n = logits.shape[0]
+    return probabilities(
+        logits[:, None], torch.full((n,), sp.temperature), torch.full((n,), sp.top_k, dtype=torch.long),
+        torch.full((n,), sp.top_p),
+    )[:, 0].double()
+
+
+def exact_joint(model, sp: SamplingParams) -> torch.Tensor:
+    """P(x1, x2, x3 | PROMPT) under the target with the same shaping, by enumeration: [V, V, V]."""
+    with torch.no_grad():
+        p1 = shaped(model(torch.tensor([PROMPT])).logits[:, -1], sp)[0]  # [V]
+        pairs = torch.tensor([PROMPT + [a] for a in range(VOCAB)])
+        p2 = shaped(model(pairs).logits[:, -1], sp)  # [V, V]
+        triples = torch.tensor([PROMPT + [a, b] for a, b in itertools.product(range(VOCAB), repeat=2)])
+        p3 = shaped(model(triples).logits[:, -1], sp).view(VOCAB, VOCAB, VOCAB)
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:
+    """Chi-square goodness of fit, pooling cells with small expected counts into one."""
+    n = counts.sum()
+    expected = probs.flatten() * n
+    counts = counts.flatten().double()
+    small = expected < min_expected
+    obs = torch.cat([counts[~small], counts[small].sum()[None]])
+    exp = torch.cat([expected[~small], expected[small].sum()[None]])
+    keep = exp > 0
+    assert float(obs[~keep].sum()) == 0.0, "sampled a token the target gives probability 0"
+    obs, exp = obs[keep], exp[keep]
+    exp = exp * (obs.sum() / exp.sum())  # the float32 probabilities sum to 1 only up to rounding
+    return float(chisquare(obs.numpy(), exp.numpy()).pvalue)
+
+
+def sample_many(dec: SpecDecoder, sp: SamplingParams, n: int, batch: int) -> torch.Tensor:
+    counts = torch.zeros(VOCAB, VOCAB, VOCAB)
+    seed = 0
+    for _ in range(n // batch):
+        params = [sp.with_(seed=seed + i) for i in range(batch)]
+        seed += batch
+        for r in dec.generate([PROMPT] * batch, params):
+            a, b, c = r.token_ids
+            counts[a, b, c] += 1
+    return counts
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [dict(temperature=1.0), dict(temperature=0.7, top_k=4), dict(temperature=1.3, top_p=0.8)],
+    ids=["temperature", "top_k", "top_p"],
+)
+@pytest.mark.parametrize("drafter_kind", ["random", "scripted", "draft_vocab", "lookup"])
+def test_sampled_tokens_follow_target_distribution(shape: dict, drafter_kind: str) -> None:
+    model = make_tiny_target("llama", vocab_size=VOCAB, seed=1)
+    sp = SamplingParams(max_new_tokens=3, ignore_eos=True, **shape)
+    joint = exact_joint(model, sp)
+    if drafter_kind == "random":
+        drafter = new_drafter_for_target(model.config, mask_token_id=VOCAB - 1, num_layers=1, dtype=torch.float64)
+    elif drafter_kind == "draft_vocab":  # q is zero outside half the vocabulary
+        drafter = new_drafter_for_target(model.config, mask_token_id=VOCAB - 1, num_layers=1, dtype=torch.float64)
+        drafter.set_draft_vocab(list(range(0, VOCAB, 2)), VOCAB)
+    elif drafter_kind == "scripted":  # proposes the most likely continuation: many acceptances, and rejections
+        greedy = [[int(joint.sum((1, 2)).argmax()), 0, 0]]
+        drafter = ScriptedDrafter(model.config, [PROMPT] * 400, greedy * 400, error_rate=0.3)
+    lookup = None
+    if drafter_kind == "lookup":  # x1 in PROMPT: the deterministic lookup proposals (one-hot q) replace drafted ones
+        drafter = new_drafter_for_target(model.config, mask_token_id=VOCAB - 1, num_layers=1, dtype=torch.float64)
+        lookup = LookupConfig(min_ngram=1, max_ngram=2)
+    dec = SpecDecoder(HFTarget(model), drafter, SpecConfig(block_size=4, lookup=lookup))
+    counts = sample_many(dec, sp, n=4000, batch=400)
+    if lookup is not None:
+        looked = sum(r.stats.lookup_steps for r in dec.generate([PROMPT] * 50, [sp.with_(seed=i) for i in range(50)]))
+        assert looked > 5, looked
+    assert chi2_pvalue(counts.sum((1, 2)), joint.sum((1, 2))) > 1e-3  # x1 comes from the prefill
+    assert chi2_pvalue(counts.sum(0), joint.sum(0)) > 1e-3  # (x2, x3): drafted and verified
+    assert chi2_pvalue(counts, joint) > 1e-3
+
+
+def _nucleus_by_full_sort(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The nucleus filter the plain way: sort every probability, keep the prefix before top_p."""
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    before = sorted_p.cumsum(dim=-1) - sorted_p
+    out = torch.zeros_like(probs).scatter(-1, order, sorted_p * (before < top_p[:, None, None]))
+    return out / out.sum(dim=-1, keepdim=True)
+
+
+@pytest.mark.parametrize("scale", [0.05, 1.0, 8.0])  # 0.05: nearly flat, the sorted head grows to all of V
+def test_top_p_sorts_only_the_head_yet_keeps_the_full_sorts_tokens(scale: float) -> None:
+    g = torch.Generator().manual_seed(int(scale * 100))
+    logits = torch.randn(3, 4, 3001, generator=g) * scale
+    top_p = torch.tensor([0.5, 0.9, 0.99])
+    ours = probabilities(logits, torch.ones(3), torch.zeros(3, dtype=torch.long), top_p)
+    want = _nucleus_by_full_sort(torch.softmax(logits, dim=-1), top_p)
+    assert torch.equal(ours, want)
+    kept = (ours > 0).sum(dim=-1)
+    assert bool((kept >= 1).all()) and bool((kept < 3001).all())
+
+
+def test_top_p_one_keeps_every_token_beside_rows_that_filter() -> None:
+    logits = torch.randn(2, 3, 500, generator=torch.Generator().manual_seed(7)) * 3
+    both = probabilities(logits, torch.ones(2), torch.zeros(2, dtype=torch.long), torch.tensor([1.0, 0.5]))
+    alone = probabilities(logits[:1], torch.ones(1), torch.zeros(1, dtype=torch.long), torch.tensor([1.0]))
+    assert torch.equal(both[:1], alone) and bool((both[0] > 0).all())
+    assert bool(((both[1] > 0).sum(dim=-1) < 500).all())
+
+
+def test_seed_reproducible_and_independent_of_batch_mates() -> None:
+    model = make_tiny_target("llama", seed=2)
+    drafter = new_drafter_for_target(model.config, mask_token_id=47, num_layers=1, dtype=torch.float64)
+    dec = SpecDecoder(HFTarget(model), drafter, SpecConfig(block_size=4))
+    sp = SamplingParams(max_new_tokens=12, temperature=1.0, seed=1234)
+    alone = dec.generate([[5, 6, 7]], sp)[0].token_ids
+    again = dec.generate([[5, 6, 7]], sp)[0].token_ids
+    mates = dec.generate([[1, 2], [5, 6, 7], [9]], [sp.with_(seed=1), sp, sp.with_(seed=2)])[1].token_ids
+    assert alone == again == mates
+    other = dec.generate([[5, 6, 7]], sp.with_(seed=99))[0].token_ids
+    assert other != alone
+
+
+def test_verify_greedy_crafted_logits() -> None:
+    v = 6
+    logits = torch.full((2, 4, v), -5.0)
+    best = torch.tensor([[1, 2, 3, 4], [0, 5, 5, 2]])
+    logits.scatter_(-1, best[..., None], 5.0)
+    proposals = torch.tensor([[1, 2, 0], [0, 5, 5]])
+    accepted, bonus = verify_greedy(proposals, logits)
+    assert accepted.tolist() == [2, 3]
+    assert bonus.tolist() == [3, 2]
+    # per-row limits: row 1 verifies one proposal only; what lies past it is never read
+    logits[1, 2:] = float("nan")
+    accepted, bonus = verify_greedy(proposals, logits, torch.tensor([3, 1]))
+    assert accepted.tolist() == [2, 1]
+    assert bonus.tolist() == [3, 5]
+
+
+def test_verify_sampled_crafted_probabilities() -> None:
+    p = torch.tensor([[[0.5, 0.5, 0.0], [0.0, 0.0, 1.0]]]).double()  # [1, 2, 3]
+    q = torch.tensor([[[0.25, 0.25, 0.5]]]).double()  # [1, 1, 3]
+    proposal = torch.tensor([[2]])  # p(2) = 0 at position 0: always rejected
+    accepted, bonus = verify_sampled(proposal, q, p, torch.tensor([[0.0]]), torch.tensor([0.9]))
+    assert accepted.tolist() == [0]
+    # residual max(p - q, 0) = [0.25, 0.25, 0] -> u=0.9 picks token 1
+    assert bonus.tolist() == [1]
+    proposal = torch.tensor([[0]])  # p/q = 2 >= 1: always accepted, bonus from p at position 1
+    accepted, bonus = verify_sampled(proposal, q, p, torch.tensor([[0.99]]), torch.tensor([0.3]))
+    assert accepted.tolist() == [1]
+    assert bonus.tolist() == [2]
+    # limit 0: the proposal is not verified; the bonus comes from p itself, not from max(p - q, 0)
+    accepted, bonus = verify_sampled(torch.tensor([[2]]), q, p, torch.tensor([[0.0]]), torch.tensor([0.4]),
+                                     torch.tensor([0]))
+    assert accepted.tolist() == [0]
+    assert bonus.tolist() == [0]  # p = [0.5, 0.5, 0]: u=0.4 picks token 0 (the residual would pick 1)
+
+
+def test_chi_square_detects_a_lossy_verifier(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control: accepting every proposal (drafter distribution) must fail the test."""
+    import blockspec.dflash.batch as decode
+
+    def accept_all(proposals, draft_probs, target_probs, accept_u, bonus_u, limit=None):
+        accepted, bonus = verify_sampled(proposals, draft_probs, target_probs, accept_u * 0, bonus_u, limit)
+        return torch.full_like(accepted, proposals.shape[1]), bonus
+
+    monkeypatch.setattr(decode, "verify_sampled", accept_all)
+    model = make_tiny_target("llama", vocab_size=VOCAB, seed=1)
+    sp = SamplingParams(max_new_tokens=3, ignore_eos=True, temperature=1.0)
+    joint = exact_joint(model, sp)
+    drafter = ScriptedDrafter(model.config, [PROMPT] * 400, [[0, 0, 0]] * 400, error_rate=0.3)
+    dec = SpecDecoder(HFTarget(model), drafter, SpecConfig(block_size=4))
+    counts = sample_many(dec, sp, n=2000, batch=400)
+    assert chi2_pvalue(counts.sum(0), joint.sum(0)) < 1e-6
+
+
+def _trimmed_steps(monkeypatch: pytest.MonkeyPatch, trim) -> None:
+    """Every drafted step of a SpecDecoder verifies only `trim(...)` tokens of its block."""
+    import blockspec.dflash.batch as decode
+
+    plain = decode.DecodeBatch.step
+    monkeypatch.setattr(decode.DecodeBatch, "step", lambda self, block, _=None: plain(self, block, trim))
+
+
+def _trim_sampling_setup():
+    model = make_tiny_target("llama", vocab_size=VOCAB, seed=1)
+    sp = SamplingParams(max_new_tokens=3, ignore_eos=True, temperature=0.3)  # peaked: q and p differ
+    drafter = new_drafter_for_target(model.config, mask_token_id=VOCAB - 1, num_layers=1, dtype=torch.float64)
+    return model, sp, exact_joint(model, sp), SpecDecoder(HFTarget(model), drafter, SpecConfig(block_size=4))
+
+
+def test_a_verify_length_chosen_from_draft_peaks_keeps_sampling_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Adaptive steps verify as many drafted tokens as the drafts' confidences make worth it
+    (AdaptiveBlock.trimmer); decided from the draft distributions' peaks, the output stays exact."""
+    seen: list[int] = []
+
+    def trim(confidence, looked):  # any function of the peaks (x2 drafted: verify 1 or 2 tokens)
+        seen.append(1 + int(confidence[0][0] * 997) % 2)
+        return seen[-1]
+
+    _trimmed_steps(monkeypatch, trim)
+    _, sp, joint, dec = _trim_sampling_setup()
+    counts = sample_many(dec, sp, n=1600, batch=1)
+    assert set(seen) == {1, 2} and min(seen.count(1), seen.count(2)) > 150  # both lengths, often
+    assert chi2_pvalue(counts.sum(0), joint.sum(0)) > 1e-3  # (x2, x3): x2 drafted, verified or not
+
+
+def test_verify_lengths_per_row_keep_sampling_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ragged step: each row of a batch verifies its own number of drafted tokens (chosen from
+    its draft peaks) and the rest of its block is padding, which the native target leaves out of
+    its matmuls; the output still follows the target's distribution."""
+    from blockspec.targets.native import load_native_target
+
+    seen: list[int] = []
+
+    def trim(confidence, looked):  # per row, any function of its peaks
+        lengths = [1 + int(c[0] * 997) % 3 for c in confidence]
+        seen.extend(lengths)
+        return lengths
+
+    _trimmed_steps(monkeypatch, trim)
+    model, sp, joint, plain = _trim_sampling_setup()
+    target = load_native_target(model, dtype=None, eos_token_ids=())
+    assert target.packs_padding
+    dec = SpecDecoder(target, plain.drafter, SpecConfig(block_size=4))
+    counts = sample_many(dec, sp, n=1600, batch=32)
+    assert min(seen.count(1), seen.count(2), seen.count(3)) > 150, [seen.count(n) for n in (1, 2, 3)]
+    assert chi2_pvalue(counts.sum(0), joint.sum(0)) > 1e-3
+    assert chi2_pvalue(counts.sum(1).sum(1), joint.sum(1).sum(1)) > 1e-3
+
+
+def test_lookup_steps_without_a_draft_pass_keep_sampling_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps that verify n-gram lookup continuations alone (DecodeBatch.step_lookup: no draft
+    pass, a length per row, the rest padding; as the adaptive policy runs them) treat each
+    continuation as a one-hot draft: the output still follows the target's distribution."""
+    import blockspec.dflash.batch as decode
+    from blockspec.targets.native import load_native_target
+
+    plain = decode.DecodeBatch.step
+    turn = itertools.count()
+    seen: list[int] = []
+
+    def step(self, block, _=None):
+        plan = self.lookup_plan()
+        if not any(plan):
+            return plain(self, 1)
+        lengths = [1 + next(turn) % 3 for _ in plan]  # chosen without looking at the target
+        seen.extend(min(n, 1 + len(cont)) for n, cont in zip(lengths, plan) if cont)
+        return self.step_lookup(lengths)
+
+    monkeypatch.setattr(decode.DecodeBatch, "step", step)
+    model = make_tiny_target("llama", vocab_size=VOCAB, seed=1)
+    sp = SamplingParams(max_new_tokens=3, ignore_eos=True, temperature=1.0)
+    joint = exact_joint(model, sp)
+    drafter = new_drafter_for_target(model.config, mask_token_id=VOCAB - 1, num_layers=1, dtype=torch.float64)
+    target = load_native_target(model, dtype=None, eos_token_ids=())
+    dec = SpecDecoder(target, drafter, SpecConfig(block_size=4, lookup=LookupConfig(min_ngram=1, max_ngram=2)))
+    counts = sample_many(dec, sp, n=4000, batch=400)
+    assert min(seen.count(2), seen.count(3)) > 300, [seen.count(n) for n in (1, 2, 3)]
+    assert chi2_pvalue(counts.sum(0), joint.sum(0)) > 1e-3  # (x2, x3): looked up and verified
+    assert chi2_pvalue(counts, joint) > 1e-3
+
+
+def test_chi_square_detects_a_verify_length_chosen_from_the_samples(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control for the test above: verifying a sampled proposal only when the drafter
+    gave that sample a high probability biases the output towards such samples, and fails."""
+    import blockspec.dflash.batch as decode
+
+    last = {}
+    sample = decode.sample_from
+
+    def remembering(probs, u):
+        last["probs"], last["ids"] = probs, sample(probs, u)
+        return last["ids"]
+
+    def trim(confidence, looked):  # reads the sampled proposal: lossy
+        q_of_sample = float(last["probs"][0, 0, last["ids"][0, 0]])
+        return 2 if q_of_sample >= confidence[0][0] else 1  # only the drafter's favourite
+
+    monkeypatch.setattr(decode, "sample_from", remembering)
+    _trimmed_steps(monkeypatch, trim)
+    _, sp, joint, dec = _trim_sampling_setup()
+    counts = sample_many(dec, sp, n=1600, batch=1)
+    assert chi2_pvalue(counts.sum(0), joint.sum(0)) < 1e-6

@@ -1,0 +1,90 @@
+"""Helpers shared by tests in several folders: reference decoding, prompts, small builders."""
+
+from __future__ import annotations
+
+import torch
+from conftest import make_tiny_target
+
+from blockspec.dflash.static_drafter import StaticDrafter
+from blockspec.targets.hf import HFTarget
+from blockspec.targets.native import load_native_target
+from blockspec.targets.slots import EMPTY
+from blockspec.train.data import Prompt
+
+
+class CharTokenizer:
+    """Enough of a tokenizer for datagen: a chat template and ids from characters."""
+
+    chat_template = "{{ messages }}"
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False, **_):
+        return " | ".join(m["content"] for m in messages) + " >"
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [2 + (ord(c) % 60) for c in text]}
+
+
+def predictable_target(seed: int = 0) -> HFTarget:
+    """A tiny Llama whose next token depends on the current token only (attention and MLP
+    outputs zeroed): greedy text follows a fixed token map, which a drafter can learn fast."""
+    model = make_tiny_target("llama", seed=seed, dtype=torch.float32, vocab_size=64, hidden_size=32,
+                             intermediate_size=64, num_hidden_layers=4)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return HFTarget(model, eos_token_ids=())
+
+
+def prompts(n: int, start: int = 0) -> list[Prompt]:
+    return [Prompt(f"p{i}", ({"role": "user", "content": f"q{i * 37 % 101} x{i}"},)) for i in range(start, start + n)]
+
+
+def draft_passes(static: StaticDrafter, dtype: torch.dtype) -> tuple[list[torch.Tensor], object]:
+    """Two draft passes (blocks of 4, then 8) for 2 rows over a padded context whose last slot
+    row 1's block overlaps, the second pass's context being the first's accepted prefix: the
+    passes' outputs and the cache."""
+    g = torch.Generator().manual_seed(3)
+    width = len(static.target_layer_ids) * 32
+    feats = torch.randn(2, 7, width, generator=g).to(dtype)
+    ctx_pos = torch.tensor([[EMPTY, EMPTY, 0, 1, 2, 3, 4], list(range(7))])
+    cache = static.new_cache(2)
+    start = torch.tensor([5, 6])  # row 1's block starts on its last context slot
+    outs = []
+    for step, keep_n in enumerate(([2, 3], [1, 4])):
+        q = 4 + 4 * step
+        block_pos = start[:, None] + torch.arange(q)
+        embeds = torch.randn(2, q, 32, generator=g).to(dtype)
+        cache.reserve(int(block_pos.max()) + 1, 64)
+        outs.append(static(feats, ctx_pos, embeds, block_pos, cache))
+        keep = torch.arange(q)[None] < torch.tensor(keep_n)[:, None]
+        feats = torch.randn(2, q, width, generator=g).to(dtype)
+        ctx_pos = torch.where(keep, block_pos, torch.full_like(block_pos, EMPTY))
+        start = start + torch.tensor(keep_n)
+    return outs, cache
+
+
+def native(model):
+    """A native copy of a tiny HF model; eos off, as HFTarget(model) has it in the reference tests."""
+    return load_native_target(model, dtype=None, eos_token_ids=())
+
+
+def reference_greedy(model, prompt: list[int], max_new: int, stop_ids: set[int] = frozenset()) -> list[int]:
+    """Plain greedy decoding with the Hugging Face model alone (full recompute, no cache)."""
+    ids = list(prompt)
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(max_new):
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            t = int(logits.argmax())
+            out.append(t)
+            ids.append(t)
+            if t in stop_ids:
+                break
+    return out
+
+
+def ragged_prompts(batch: int, seed: int, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = [int(x) for x in torch.randint(1, 14, (batch,), generator=g)]
+    return [torch.randint(0, vocab - 1, (n,), generator=g).tolist() for n in lengths]
