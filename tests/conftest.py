@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -47,14 +49,17 @@ def make_tiny_target(family: str = "llama", *, seed: int = 0, dtype: torch.dtype
         model = tf.Gemma3ForCausalLM(cfg)
     elif family in FAMILIES:
         config_cls, model_cls, extra = FAMILIES[family]
+        config_cls = getattr(tf, config_cls)
         kw = {**extra, **kw}
+        if "intermediate_size" not in inspect.signature(config_cls).parameters:  # MoE only (Qwen3.5-MoE)
+            kw.pop("intermediate_size")
         if family == "gpt_oss":
             kw.setdefault("sliding_window", 6)
             kw.setdefault("layer_types", ["sliding_attention", "full_attention"] * (n // 2))
         elif "linear_num_key_heads" in kw:
             kw.setdefault("layer_types", (["linear_attention"] * 3 + ["full_attention"]) * (n // 4)
                           + ["linear_attention"] * (n % 4))
-        cfg = getattr(tf, config_cls)(**kw)
+        cfg = config_cls(**kw)
         model = getattr(tf, model_cls)(cfg)
     else:
         raise ValueError(family)
