@@ -75,7 +75,11 @@ class DeltaState:
         (None: every token). Kept tokens must be a prefix of each row's valid tokens."""
         p = self.pending
         if p is None:
+            if keep is not None:  # the tokens are already in the state: they cannot be taken out
+                raise RuntimeError("a rejection must follow the forward that fed its tokens")
             return
+        if keep is not None and keep.shape != p.valid.shape:
+            raise ValueError(f"keep {tuple(keep.shape)} must cover the last forward's tokens {tuple(p.valid.shape)}")
         self.pending = None
         n = _ends(p.valid if keep is None else p.valid & keep)  # [b] columns of the block that stay
         if bool((n < p.start).any()):

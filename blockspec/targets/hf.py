@@ -148,7 +148,7 @@ class HFTarget:
         self._window = getattr(text, "sliding_window", None) if self._sliding else None
         self._linear = {i: layer.linear_attn for i, layer in enumerate(self.decoder.layers)
                         if self._kinds[i] == LINEAR_KIND}
-        impl = str(getattr(cfg, "_attn_implementation", None) or "eager")
+        impl = str(getattr(text, "_attn_implementation", None) or getattr(cfg, "_attn_implementation", None) or "eager")
         if impl not in MASK_FORMS and len(self._linear) < len(self._kinds):
             raise ConfigError(
                 f"{model_type} is loaded with attn_implementation={impl!r}, which cannot take the per-slot masks "
