@@ -44,7 +44,7 @@ def is_gated_delta(module: nn.Module) -> bool:
 class Pending:
     """The last forward's block, until the commit says how much of it stays."""
 
-    conv_in: torch.Tensor  # [b, C, K-1+T]: the convolution state, then the block's inputs
+    conv_in: torch.Tensor  # [b, C, K-1+t]: the convolution inputs before the pending chunk, then its own
     start: int  # column of the block where the pending chunk starts (0 unless longer than CHUNK)
     keys: torch.Tensor  # [b, h, t, dk] normalised keys of the pending chunk
     deltas: torch.Tensor  # [b, h, t, dv] the chunk's updates d
@@ -85,7 +85,7 @@ class DeltaState:
         if bool((n < p.start).any()):
             raise RuntimeError(f"a Gated DeltaNet state rolls back at most {CHUNK} tokens")
         width = self.conv.shape[-1]
-        index = n[:, None] + torch.arange(width, device=n.device)  # [b, K-1]
+        index = (n - p.start)[:, None] + torch.arange(width, device=n.device)  # [b, K-1]
         self.conv = torch.gather(p.conv_in, 2, index[:, None, :].expand(-1, p.conv_in.shape[1], -1))
         self.rec = advance(self.rec, p.keys, p.deltas, p.decay, n - p.start)
 
@@ -173,7 +173,7 @@ def delta_forward(module: nn.Module, hidden: torch.Tensor, state: DeltaState, va
                                           beta[:, :, part], g[:, :, part])
         outs.append(out)
     state.rec = s
-    state.pending = Pending(conv_in, start, keys, deltas, decay, valid)
+    state.pending = Pending(conv_in[:, :, start:], start, keys, deltas, decay, valid)
     core = torch.cat(outs, dim=2).transpose(1, 2).to(dtype)  # [b, q, h, dv]
     core = module.norm(core.reshape(-1, dv), z.reshape(-1, dv)).reshape(b, q, -1)
     return module.out_proj(core)
