@@ -77,3 +77,33 @@ def test_hybrid_moe_target_through_the_server(tmp_path, one_thread) -> None:
         assert engine.recorder.row_steps > engine.metrics.steps_total  # requests shared steps
     finally:
         engine.stop()
+
+
+def test_a_qwen3_5_multimodal_checkpoint_decodes_through_its_text_model(tmp_path, one_thread) -> None:
+    """Published Qwen3.5/3.6 checkpoints are image-text models (model_type qwen3_5): the target is
+    their language model, which decodes as `generate` does."""
+    import transformers as tf
+
+    from blockspec.config import SamplingParams, SpecConfig
+    from blockspec.dflash.batch import SpecDecoder
+    from blockspec.targets.hf import load_hf_target
+
+    tokenizer = build_tiny_tokenizer()
+    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                layer_types=["linear_attention"] * 3 + ["full_attention"], max_position_embeddings=512)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    torch.manual_seed(0)
+    tf.Qwen3_5ForConditionalGeneration(tf.Qwen3_5Config(text_config=text, vision_config=vision)).save_pretrained(
+        str(tmp_path))
+    tokenizer.save_pretrained(str(tmp_path))
+    target, _ = load_hf_target(tmp_path, dtype="float64")
+    ids = [5, 6, 7, 8, 9]
+    got = SpecDecoder(target, None, SpecConfig(block_size=1)).generate(
+        [ids], SamplingParams(max_new_tokens=10, ignore_eos=True))[0].token_ids
+    target.model.generation_config.eos_token_id = None  # like ignore_eos
+    with torch.no_grad():
+        want = target.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, 5, dtype=torch.long),
+                                     max_new_tokens=10, do_sample=False)[0, 5:].tolist()
+    assert got == want

@@ -115,3 +115,29 @@ def test_init_from_moe_and_hybrid_targets_copies_what_fits(family):
         assert torch.equal(d.layers[0].self_attn.k_proj.weight, model.model.layers[2].self_attn.k_proj.weight)
     else:
         assert "layer 0 attention" in logs[0]
+
+
+def test_training_starts_on_a_hybrid_moe_target(tmp_path):
+    """datagen through a Qwen3.6-shaped target (Gated DeltaNet + MoE), then training steps of a
+    drafter sized from its config (no dense MLP size: 3 x hidden) and initialised from it."""
+    from support import CharTokenizer, prompts
+
+    from blockspec.train.data import read_examples
+    from blockspec.train.datagen import regenerate
+    from blockspec.train.trainer import TrainConfig, Trainer
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        target = HFTarget(make_tiny_target("qwen3_5_moe_text", dtype=torch.float32, vocab_size=64))
+        regenerate(target, CharTokenizer(), prompts(2), tmp_path / "d", max_new_tokens=12, progress=False, backend="hf")
+        cfg = TrainConfig(out=str(tmp_path / "o"), num_layers=1, block_size=4, mask_token_id=63, anchors=8,
+                          batch_seqs=2, max_steps=2, lr=1e-3, warmup=0.0)
+        logs: list[str] = []
+        trainer = Trainer(cfg, target, read_examples(tmp_path / "d"), log_fn=logs.append)
+        assert trainer.drafter.cfg.intermediate_size == 3 * 32
+        assert any("start random" in line for line in logs)
+        losses = [trainer.train_step(step)["loss"] for step in range(2)]
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.isfinite(torch.tensor(losses)))
