@@ -547,7 +547,9 @@ def new_drafter_for_target(
     """A randomly initialised drafter shaped for a Hugging Face target config, in one call.
 
     Attention/MLP shapes follow the target's layers, so draft layers could be initialised from
-    target layers. Targets that scale their embeddings (Gemma) get `input_embedding_scale`.
+    target layers. Targets that scale their embeddings (Gemma) get `input_embedding_scale`. A
+    target without a dense MLP size (a MoE such as Qwen3.5-MoE) gets 3 x hidden, the width of the
+    published Qwen3.6-35B-A3B drafter.
     """
     cfg = getattr(target_config, "text_config", None) or target_config
     hidden = int(cfg.hidden_size)
@@ -569,7 +571,7 @@ def new_drafter_for_target(
         num_attention_heads=heads,
         num_key_value_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
         head_dim=int(getattr(cfg, "head_dim", None) or hidden // heads),
-        intermediate_size=int(cfg.intermediate_size),
+        intermediate_size=int(getattr(cfg, "intermediate_size", None) or 3 * hidden),
         target_layer_ids=target_layer_ids,
         rms_norm_eps=float(getattr(cfg, "rms_norm_eps", 1e-6)),
         rope_theta=float(rope_theta or 10000.0),

@@ -427,7 +427,7 @@ class Trainer:
             from blockspec.train.init import init_from_target
 
             calib = torch.tensor([self.examples[0].input_ids[: cfg.max_seq_len]])
-            src = init_from_target(drafter, self.target.model, calibration_ids=calib)
+            src = init_from_target(drafter, self.target.model, calibration_ids=calib, log_fn=self.log_fn)
             self.log_fn(f"draft layers initialised from target layers {src}")
         return drafter
 

@@ -194,6 +194,36 @@ def test_chi_square_detects_a_lossy_verifier(monkeypatch: pytest.MonkeyPatch) ->
     assert chi2_pvalue(counts.sum(0), joint.sum(0)) < 1e-6
 
 
+@pytest.mark.parametrize("rollback", ["exact", "keeps_rejected_tokens"])
+def test_sampled_tokens_follow_a_hybrid_targets_distribution(rollback: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Qwen3.5-style target (Gated DeltaNet layers, their states rolled back after rejections),
+    with weights large enough (init std 0.3) that the context shapes the next token's distribution.
+    Negative control: a rollback that leaves rejected tokens in the recurrent state must fail."""
+    from blockspec.targets.gated_delta import DeltaState
+
+    if rollback == "keeps_rejected_tokens":
+        commit = DeltaState.commit
+        monkeypatch.setattr(DeltaState, "commit", lambda self, keep=None: commit(self, None))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # batch 500 of a tiny model: thread hand-offs cost more than the work
+    try:
+        model = make_tiny_target("qwen3_5_text", vocab_size=VOCAB, seed=1, initializer_range=0.3)
+        sp = SamplingParams(max_new_tokens=3, ignore_eos=True, temperature=1.0)
+        joint = exact_joint(model, sp)
+        greedy = [[int(joint.sum((1, 2)).argmax()), 0, 0]]
+        drafter = ScriptedDrafter(model.config, [PROMPT] * 500, greedy * 500, error_rate=0.3)
+        dec = SpecDecoder(HFTarget(model), drafter, SpecConfig(block_size=4))
+        counts = sample_many(dec, sp, n=4000 if rollback == "exact" else 2000, batch=500)
+    finally:
+        torch.set_num_threads(threads)
+    if rollback == "exact":
+        assert chi2_pvalue(counts.sum((1, 2)), joint.sum((1, 2))) > 1e-3
+        assert chi2_pvalue(counts.sum(0), joint.sum(0)) > 1e-3
+        assert chi2_pvalue(counts, joint) > 1e-3
+    else:
+        assert chi2_pvalue(counts.sum(0), joint.sum(0)) < 1e-6
+
+
 def _trimmed_steps(monkeypatch: pytest.MonkeyPatch, trim) -> None:
     """Every drafted step of a SpecDecoder verifies only `trim(...)` tokens of its block."""
     import blockspec.dflash.batch as decode
