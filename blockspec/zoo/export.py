@@ -171,6 +171,8 @@ def engine_config(ckpt: DrafterCheckpoint, mask_token: str | None) -> dict:
                                 ("final_logit_softcapping", cfg.final_logit_softcapping, None)):
         if value != default:
             out[key] = dflash[key] = value
+    # transformers' Qwen3Config (which vLLM and SGLang parse) drops sliding_window unless this is true
+    out["use_sliding_window"] = "sliding_attention" in cfg.layer_types
     causal = layer_causality(cfg)
     if len(causal) == 1:  # explicit, so no engine falls back to its own default for sliding layers
         out["is_causal"] = causal.pop()

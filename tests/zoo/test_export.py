@@ -227,6 +227,39 @@ def test_dflash2_checkpoint_exports_with_its_keys_in_dflash_config(tiny_model_di
     assert read_checkpoint(result.path).dflash2 == sizes  # the export reads back as the same checkpoint
 
 
+def test_dflash2_export_runs_in_the_reference_package(tiny_model_dir, tmp_path) -> None:
+    """The reference package's DFlash2DraftModel reads the exported directory with no missing or
+    unexpected weight, with our tensors, and decodes with it (its greedy output is the target's
+    own, as a lossless decoder's must be)."""
+    from dflash.model import DFlash2DraftModel, dflash_generate
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config(hidden_size=64, vocab_size=320, num_target_layers=4, mask_token_id=3, target_layer_ids=(1, 2),
+                      layer_types=("sliding_attention",) * 2, sliding_window=32, is_causal=False)
+    sizes = DFlash2Sizes(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4)
+    result = export_drafter(write_checkpoint(tmp_path / "d2", cfg, sizes), "hf", tiny_model_dir, tmp_path / "x")
+    from transformers import AutoConfig
+
+    parsed = AutoConfig.from_pretrained(str(result.path))  # what vLLM and SGLang parse config.json into
+    assert parsed.sliding_window == 32 and parsed.layer_types == ["sliding_attention"] * 2
+    assert parsed.is_causal is False and parsed.dflash_config["selector_top_k"] == 4
+    ref, info = DFlash2DraftModel.from_pretrained(str(result.path), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert ref.candidate_selector.top_k == 4 and ref.layers[1].mlp_conv.group_size == 16
+    state = load_file(str(result.path / "model.safetensors"))
+    torch.testing.assert_close(ref.candidate_selector.predecessor_codebook.weight.float(),
+                               state["candidate_selector.predecessor_codebook"], rtol=0, atol=0)
+    torch.testing.assert_close(ref.layers[0].attention_conv.base_kernel.float(),
+                               state["layers.0.attention_conv.base_kernel"], rtol=0, atol=0)
+    target = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    plain = SpecDecoder(HFTarget(target), None, SpecConfig(block_size=1))
+    ref = ref.float().eval()
+    for prompt in ([5, 6, 7, 8, 9], list(range(20, 40))):
+        truth = plain.generate([prompt], SamplingParams(max_new_tokens=24))[0].token_ids
+        out = dflash_generate(ref, target, torch.tensor([prompt]), 24, None, block_size=8)
+        assert out[0, len(prompt):].tolist() == truth
+
+
 def test_logit_transforms_go_where_the_engines_read_them() -> None:
     cfg = tiny_config(output_multiplier=0.5, final_logit_softcapping=30.0, input_embedding_scale=2.0)
     raw = engine_config(DrafterCheckpoint(Path("d"), cfg, None, {}), None)
