@@ -123,12 +123,13 @@ def _check_llama_cpp(ckpt: DrafterCheckpoint) -> None:
                           f"for its DFlash 2 selector lattice; this drafter has hidden_size {cfg.hidden_size}")
 
 
-def _array(t: torch.Tensor, dtype: torch.dtype) -> tuple[np.ndarray, object]:
-    """numpy data and GGML type of one tensor; norms and conv base kernels stay float32, as
-    llama.cpp's converter keeps them."""
+def _array(name: str, t: torch.Tensor, dtype: torch.dtype) -> tuple[np.ndarray, object]:
+    """numpy data and GGML type of one tensor. Norms stay float32 as llama.cpp's converter keeps
+    them; so do the conv base kernels, which its graph adds to float32 activations (and which are
+    tiny: [2, taps, hidden])."""
     from gguf import GGMLQuantizationType
 
-    if t.dim() < 2 or dtype == torch.float32:
+    if t.dim() < 2 or dtype == torch.float32 or name.endswith("conv.base_kernel"):
         return t.detach().to(torch.float32).contiguous().numpy(), GGMLQuantizationType.F32
     if dtype == torch.float16:
         return t.detach().to(torch.float16).contiguous().numpy(), GGMLQuantizationType.F16
@@ -182,7 +183,7 @@ def write_dflash_gguf(ckpt: DrafterCheckpoint, target_gguf: Path, out: Path, *, 
             w.add_key_value(key, value, vtype, sub_type)
     w.add_key_value("tokenizer.ggml.mask_token_id", int(cfg.mask_token_id), GGUFValueType.UINT32)
     for name, tensor in ckpt.tensors.items():
-        data, qtype = _array(tensor, store)
+        data, qtype = _array(name, tensor, store)
         w.add_tensor(gguf_name(name), data, raw_shape=tuple(tensor.shape), raw_dtype=qtype)
     try:
         w.write_header_to_file()

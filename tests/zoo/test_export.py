@@ -309,7 +309,7 @@ def test_dflash2_gguf_export(tmp_path) -> None:
     sizes = DFlash2Sizes(conv_kernel_size=2, conv_group_size=8, selector_rank=6, selector_top_k=4)
     src = write_checkpoint(tmp_path / "d2", cfg, sizes)
     target = write_target_gguf(tmp_path / "t.gguf", hidden=32, layers=4, tokens=TOKENS)
-    result = export_drafter(src, "llama.cpp", target, tmp_path / "d2.gguf")
+    result = export_drafter(src, "llama.cpp", target, tmp_path / "d2.gguf", dtype="bfloat16")
     assert result.path == tmp_path / "d2.gguf"
     fields, tensors = read_gguf(result.path)
     assert {k: fields[f"dflash.{k}"] for k in DFLASH2_DFLASH_CONFIG} == {
@@ -324,8 +324,11 @@ def test_dflash2_gguf_export(tmp_path) -> None:
     assert [int(d) for d in tensors["selector_predecessor.weight"].shape] == [6, 48]
     assert [int(d) for d in tensors["selector_hidden.weight"].shape] == [32, 6]
     state = load_file(str(src / "model.safetensors"))
-    for name in ("layers.0.attention_conv.base_kernel", "candidate_selector.successor_codebook"):
-        assert torch.equal(gguf_as_torch(tensors[gguf_name(name)]), state[name])
+    base, codebook = tensors["blk.0.attn_conv_base"], tensors["selector_successor.weight"]
+    assert base.tensor_type == gguf.GGMLQuantizationType.F32  # added to float32 activations as is
+    assert torch.equal(gguf_as_torch(base), state["layers.0.attention_conv.base_kernel"])
+    assert codebook.tensor_type == gguf.GGMLQuantizationType.BF16
+    assert torch.equal(gguf_as_torch(codebook), state["candidate_selector.successor_codebook"].bfloat16().float())
 
 
 # ---- errors: one line, naming the problem ------------------------------------------------------
