@@ -273,8 +273,10 @@ def export_drafter(drafter: str | Path, fmt: str, target: str | Path, out: str |
     llama.cpp (target: its GGUF file or zoo name)."""
     if fmt not in FORMATS:
         raise ConfigError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    ckpt = read_checkpoint(drafter)
     out = Path(out)
+    if out.resolve() == Path(drafter).resolve():
+        raise ConfigError(f"--out {out} is the drafter's own directory; export into a new one")
+    ckpt = read_checkpoint(drafter)
     if fmt == "llama.cpp":
         from blockspec.zoo.export_gguf import resolve_target_gguf, write_dflash_gguf
 

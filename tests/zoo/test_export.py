@@ -360,6 +360,8 @@ def test_checkpoint_errors_name_the_tensor(tmp_path) -> None:
 
 
 def test_export_errors(tiny_model_dir, tiny_drafter_dir, tmp_path, capsys) -> None:
+    with pytest.raises(ConfigError, match="is the drafter's own directory"):
+        export_drafter(tiny_drafter_dir, "hf", tiny_model_dir, tiny_drafter_dir)
     with pytest.raises(ConfigError, match="unknown export format 'onnx'"):
         export_drafter(tiny_drafter_dir, "onnx", tiny_model_dir, tmp_path / "x")
     with pytest.raises(SystemExit):  # argparse names the valid choices
