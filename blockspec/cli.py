@@ -17,6 +17,7 @@ VERBS: dict[str, str] = {
     "datagen": "blockspec.commands.datagen",
     "train": "blockspec.commands.train",
     "evaluate": "blockspec.commands.evaluate",
+    "export": "blockspec.commands.export",
     "serve": "blockspec.commands.serve",
     "demo": "blockspec.commands.demo",
 }
@@ -28,6 +29,7 @@ _SHORT_HELP = {
     "datagen": "regenerate training responses with the target model itself",
     "train": "train a DFlash drafter for a target model",
     "evaluate": "held-out acceptance length (tau) of drafters: the training recipe's shipping check",
+    "export": "write a drafter in the files vLLM, SGLang, Transformers (hf) or llama.cpp load",
     "serve": "OpenAI-compatible HTTP server with continuous batching",
     "demo": "run the built-in demo: a small real model with DFlash, showing the speedup",
 }
