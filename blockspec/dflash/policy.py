@@ -3,8 +3,10 @@
 Cost side: the wall time of one step verifying n tokens at batch size b, first calibrated (a
 target forward of n tokens plus, for n > 1, a draft pass, timed on a throwaway cache per
 batch-size bucket, for every bucket up to the engine's max_batch before the first request runs,
-so no calibration lands in the middle of serving), then tracked with the measured time of every
-real step.
+so no calibration lands in the middle of serving; the sizes in interleaved rounds, the fastest
+timing of each, so a burst of outside load cannot price some sizes out), then tracked with the
+measured time of every real step, per intra-op thread count (cpu/threads.py moves it with the
+machine's load).
 Gain side: each row's expected tokens for block n,
     E(n) = 1 + sum_{k=1}^{n-1} prod_{j<k} a_j,
 from per-position conditional acceptance rates a_j (the row's own counts shrunk towards the
@@ -15,7 +17,8 @@ Block 1 (plain decoding, no draft pass) is always a candidate, so a weak drafter
 or a large batch falls back to plain decoding instead of losing to it. While block 1 wins, a
 small probe block (4 tokens for a lone row, 2 for a batch) runs now and then (backing off
 exponentially, and never costing more than PROBE_SHARE of the plain decoding time since the
-last probe) to notice when drafting pays again. The other way round, while drafting wins, a
+last probe) to notice when drafting pays again; a probe whose draft pass caught up on the plain
+steps' context runs once more, and that repeat's time is what drafting gets priced by. The other way round, while drafting wins, a
 plain step runs first and then now and then (also backing off) in each batch-size bucket:
 otherwise plain decoding's cost would only ever be the calibration's guess scaled like the
 drafting sizes, and the calibration's short context hides
