@@ -13,10 +13,11 @@ the thread split (cpu/csrc), so a greedy run gives the same tokens whatever thre
 passed through (tests/cpu/test_threads.py).
 
 The count only moves down from where it was first found (torch's default: one per core, or the
-caller's own `torch.set_num_threads`), and never where the user chose it: OMP_NUM_THREADS set,
-BLOCKSPEC_THREADS=off (leave torch's count alone) or BLOCKSPEC_THREADS=N (N threads, fixed), a
-command's --threads (`pin`), or a `torch.set_num_threads` call after decoding started (noticed at
-the next check: the governor then stands down for good).
+caller's own `torch.set_num_threads`; more threads than CPUs are left alone), and never where the
+user chose it: OMP_NUM_THREADS set, BLOCKSPEC_THREADS=off (leave torch's count alone) or
+BLOCKSPEC_THREADS=N (N threads, fixed), a command's --threads (`pin`), or a
+`torch.set_num_threads` call after decoding started (noticed at the next check: the governor then
+stands down for good).
 """
 
 from __future__ import annotations
@@ -194,11 +195,14 @@ def governor() -> Governor | None:
         if not _decided:
             _decided = True
             mode = setting()
+            cpus = _cpus()
+            found = torch.get_num_threads()
+            if mode == "auto" and found > len(cpus):
+                mode = "off"  # more threads than CPUs is nobody's default: the caller's choice
             if mode != "off":
-                cpus = _cpus()
                 sample = read_sample(cpus) if mode == "auto" else None
                 if mode != "auto" or sample is not None:
-                    _governor = Governor(len(cpus), torch.get_num_threads(), lambda: read_sample(cpus),
+                    _governor = Governor(len(cpus), found, lambda: read_sample(cpus),
                                          hz=float(os.sysconf("SC_CLK_TCK")),
                                          fixed=None if mode == "auto" else mode)
         return _governor

@@ -141,6 +141,32 @@ def test_setting_respects_the_users_choice() -> None:
         setting({"BLOCKSPEC_THREADS": "0"})
 
 
+@pytest.mark.parametrize("env,cpus,expected", [
+    ({}, {0, 1}, "auto"),
+    ({"BLOCKSPEC_THREADS": "off"}, {0, 1}, None),
+    ({"OMP_NUM_THREADS": "2"}, {0, 1}, None),
+    ({"BLOCKSPEC_THREADS": "3"}, {0, 1}, 3),
+    ({}, {0}, None),  # torch runs 2 threads on 1 CPU: someone chose that, left alone
+])
+def test_the_process_governor_starts_only_where_the_user_left_the_count(monkeypatch, env, cpus, expected) -> None:
+    for name in ("BLOCKSPEC_THREADS", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(threads, "_decided", False)
+    monkeypatch.setattr(threads, "_governor", None)
+    monkeypatch.setattr(threads, "_cpus", lambda: cpus)
+    monkeypatch.setattr(threads.torch, "get_num_threads", lambda: 2)
+    g = threads.governor()
+    if expected is None:
+        assert g is None
+    elif expected == "auto":
+        assert g.fixed is None and g.cpus == 2 and g.ceiling == 2
+    else:
+        assert g.fixed == expected
+    assert threads.governor() is g  # decided once per process
+
+
 @pytest.fixture
 def flipping(monkeypatch: pytest.MonkeyPatch):
     """The process governor swapped for one that reads a load changing at every step, so the
