@@ -11,6 +11,12 @@ the cores they leave free; the C kernels take `torch.get_num_threads()` at every
 The output does not depend on it: every kernel computes each element in a fixed order whatever
 the thread split (cpu/csrc), so a greedy run gives the same tokens whatever thread counts it
 passed through (tests/cpu/test_threads.py).
+Why not fewer spins at the barriers instead (GOMP_SPINCOUNT, OMP_WAIT_POLICY, read once when
+OpenMP loads): on the shared 2-core test machine (load average ~15), SmolLM2 plain decoding with
+2 threads ran 0.4-0.6 tokens/s spinning, 7.5-9.5 waiting passively, and 8.5-9.5 on 1 thread. A
+passive wait would also pay a wake-up at every barrier of a quiet machine, where the spinning
+keeps the small kernels fast (not measured: no quiet machine at hand); one thread fewer gains as
+much under load and leaves the quiet case as it was.
 
 The count only moves down from where it was first found (torch's default: one per core, or the
 caller's own `torch.set_num_threads`; more threads than CPUs are left alone), and never where the
