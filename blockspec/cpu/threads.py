@@ -39,7 +39,7 @@ import torch
 from blockspec.errors import ConfigError
 
 ENV = "BLOCKSPEC_THREADS"
-INTERVAL = 0.5  # seconds between two looks at /proc/stat (each ~30 us; a window this long holds 50 ticks a core)
+INTERVAL = 0.5  # seconds between two looks at /proc/stat (~90 us each on a loaded machine; 50 ticks a core a window)
 # Hysteresis: a thread stays while the other processes leave it at least STAY of a core, and one
 # more starts once they leave it ADD of one. Staying is hard because the costs are lopsided: a
 # thread too many on a busy core costs up to ~25x (the barriers above), a thread too few at most
@@ -53,7 +53,8 @@ ADD = 0.75
 @dataclass(frozen=True)
 class Sample:
     """CPU time counters at one moment: `busy` and `total` clock ticks summed over this process's
-    CPUs (/proc/stat; total counts idle time too), and `own` seconds this process has run."""
+    CPUs (/proc/stat; total counts idle time too), and `own` seconds this process (and the children
+    it waited for) has run."""
 
     busy: int
     total: int
@@ -173,7 +174,9 @@ def read_sample(cpus: set[int]) -> Sample | None:
     if total <= 0:
         return None
     t = os.times()
-    return Sample(busy, total, t.user + t.system)
+    # Children this process waited for (the kernels' compiler at the first load) worked for it:
+    # counted as its own, they do not read as another process's load.
+    return Sample(busy, total, t.user + t.system + t.children_user + t.children_system)
 
 
 _create = threading.Lock()
