@@ -18,8 +18,9 @@ or a large batch falls back to plain decoding instead of losing to it. While blo
 small probe block (4 tokens for a lone row, 2 for a batch) runs now and then (backing off
 exponentially, and never costing more than PROBE_SHARE of the plain decoding time since the
 last probe) to notice when drafting pays again; a probe whose draft pass caught up on the plain
-steps' context runs once more, and that repeat's time is what drafting gets priced by. The other way round, while drafting wins, a
-plain step runs first and then now and then (also backing off) in each batch-size bucket:
+steps' context runs once more, and that repeat's time is what drafting gets priced by. The other
+way round, while drafting wins, a plain step runs first and then now and then (also backing off)
+in each batch-size bucket:
 otherwise plain decoding's cost would only ever be the calibration's guess scaled like the
 drafting sizes, and the calibration's short context hides
 what a long context adds per verified token (at concurrency 16 that guess let block 3 run at a
