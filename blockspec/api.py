@@ -18,6 +18,7 @@ import torch
 
 from blockspec.config import SamplingParams, SpecConfig
 from blockspec.cpu.openmp import release_thread_pool
+from blockspec.cpu.threads import governor
 from blockspec.errors import CheckpointError, ConfigError
 from blockspec.dflash.drafter import DFlashDrafter, load_drafter, new_drafter_for_target
 from blockspec.cpu.linear import cpu_bf16_matmul
@@ -247,6 +248,7 @@ def load(
     """
     if dtype not in DTYPES:
         raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    governor()  # starts watching the other processes' load: the first step then knows it (cpu/threads.py)
     lookup_cfg = resolve_lookup(lookup)  # a bad value fails before the slow load
     draft_dtype = resolve_drafter_dtype(drafter_dtype, dtype, device)
     from blockspec.targets.native.load import load_target

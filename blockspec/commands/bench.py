@@ -275,9 +275,9 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None:
         if args.threads < 1:
             raise ConfigError(f"--threads must be >= 1, got {args.threads}")
-        import torch
+        from blockspec.cpu.threads import pin
 
-        torch.set_num_threads(args.threads)
+        pin(args.threads)  # the user's count, on every decoding thread (cpu/threads.py)
     if args.context < 0:
         raise ConfigError(f"--context must be >= 0 tokens, got {args.context}")
     if args.context and args.endpoint:

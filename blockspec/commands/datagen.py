@@ -48,7 +48,9 @@ def run(args: argparse.Namespace) -> int:
     from blockspec.train.datagen import regenerate
 
     if args.threads:
-        torch.set_num_threads(args.threads)
+        from blockspec.cpu.threads import pin
+
+        pin(args.threads)  # the user's count, on every decoding thread (cpu/threads.py)
     limits = {}
     for item in args.limit:
         name, _, n = item.partition("=")

@@ -57,7 +57,9 @@ def run(args: argparse.Namespace) -> int:
     from blockspec.train.evaluate import quick_tau
 
     if args.threads:
-        torch.set_num_threads(args.threads)
+        from blockspec.cpu.threads import pin
+
+        pin(args.threads)  # the user's count, on every decoding thread (cpu/threads.py)
     held = heldout_prompts(args.prompts, data_dir=args.data_dir, source=args.heldout)
     rows = []
     for drafter in args.drafter:

@@ -86,7 +86,9 @@ def run(args: argparse.Namespace) -> int:
 
     source = init_source(args.init)  # before the target loads: a wrong path fails at once
     if args.threads:
-        torch.set_num_threads(args.threads)
+        from blockspec.cpu.threads import pin
+
+        pin(args.threads)  # the user's count, on every decoding thread (cpu/threads.py)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and "LOCAL_RANK" in os.environ:
         device = f"cuda:{int(os.environ['LOCAL_RANK'])}"

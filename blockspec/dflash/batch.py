@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from blockspec.config import SamplingParams, SpecConfig
+from blockspec.cpu.threads import follow_free_cores
 from blockspec.errors import ConfigError, ContextLengthError
 from blockspec.dflash.drafter import DFlashDrafter, check_compatible
 from blockspec.dflash.static_drafter import StaticDrafter, has_standard_forward
@@ -257,6 +258,9 @@ class SpecDecoder:
                 results[r.key] = GenerationResult(list(r.generated), r.finish_reason, r.stats,
                                                   _captured_features(r))
 
+        cpu = batch.device.type == "cpu"
+        if cpu:
+            follow_free_cores()  # threads where cores are free (cpu/threads.py); the output is the same
         t0 = time.perf_counter()
         batch.join(prompts, rows)
         prefill_s = time.perf_counter() - t0
@@ -266,6 +270,8 @@ class SpecDecoder:
         policy = self._adaptive_policy(block) if self.spec.adaptive and block_size is None and block > 1 else None
         t1 = time.perf_counter()
         while batch.rows:
+            if cpu:
+                follow_free_cores()
             if policy is not None:
                 policy.step(batch)
             else:

@@ -33,6 +33,7 @@ from blockspec.config import MAX_BLOCK_SIZE, SamplingParams, SpecConfig
 from blockspec.dflash.policy import AdaptiveBlock
 from blockspec.engine.metrics import EngineMetrics, MetricsRecorder
 from blockspec.cpu.openmp import release_thread_pool
+from blockspec.cpu.threads import follow_free_cores
 from blockspec.engine.request import Request, RequestHandle, StopCheck, TokenEvent
 from blockspec.engine.scheduler import Scheduler
 from blockspec.errors import ConfigError
@@ -207,6 +208,8 @@ class Engine:
     # ---- the loop ------------------------------------------------------------------------------------
     def _calibrate(self) -> None:
         if self.adaptive is not None:
+            if self.batch.device.type == "cpu":
+                follow_free_cores()  # calibrated at the thread count the first steps will run
             try:  # before the first request, so no calibration pass lands inside a measured step
                 self.adaptive.calibrate_all(self.batch, self.config.max_batch)
             except Exception as e:  # the costs are then calibrated lazily per batch size
@@ -230,6 +233,8 @@ class Engine:
     def _tick(self) -> bool:
         """Admits waiting requests and runs one step; False when there was nothing to run."""
         try:
+            if self.batch.device.type == "cpu":
+                follow_free_cores()  # threads where cores are free (cpu/threads.py); the output is the same
             self._admit()
             if not self.batch.rows:
                 return False

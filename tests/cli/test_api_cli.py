@@ -148,6 +148,15 @@ def test_cli_demo_adaptive_by_default(tiny_model_dir: Path, tiny_drafter_dir: Pa
     assert "block size 3" in r.stderr and "block 3)" in r.stderr
 
 
+def test_cli_demo_beside_busy_processes(tiny_model_dir: Path, tiny_drafter_dir: Path) -> None:
+    r = _cli("demo", "--target", str(tiny_model_dir), "--drafter", str(tiny_drafter_dir), "--max-new-tokens", "8",
+             "--busy", "1")
+    assert r.returncode == 0, r.stderr
+    assert "Running beside 1 CPU-bound process" in r.stderr and "output identical to plain decoding: True" in r.stderr
+    r = _cli("demo", "--target", str(tiny_model_dir), "--busy", "-1")
+    assert r.returncode == 2 and "--busy must be >= 0" in r.stderr
+
+
 def test_cli_generate_streams_and_summarises(tiny_model_dir: Path, tiny_drafter_dir: Path) -> None:
     r = _cli("generate", "--target", str(tiny_model_dir), "--drafter", str(tiny_drafter_dir),
              "--prompt", "Hello", "--max-new-tokens", "8", "--compare")
