@@ -69,6 +69,12 @@ def make_tiny_target(family: str = "llama", *, seed: int = 0, dtype: torch.dtype
     return model.to(dtype).eval()
 
 
+@pytest.fixture(autouse=True)
+def _no_user_data_dir(monkeypatch):
+    """Tests see the package's own data and what they build, never the user's $BLOCKSPEC_DATA."""
+    monkeypatch.delenv("BLOCKSPEC_DATA", raising=False)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama():
     return make_tiny_target("llama")

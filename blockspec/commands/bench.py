@@ -80,6 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=_limits, default={"*": 16},
                         help="prompts per data set: N, or per set NAME=N,NAME=N (default 16; 0 = all)")
     parser.add_argument("--shuffle", action="store_true", help="take a random sample instead of the first N")
+    parser.add_argument("--data-dir", default=None, metavar="DIR",
+                        help="a folder of data files (gsm8k_test.jsonl, ...) read before $BLOCKSPEC_DATA and the "
+                             "copies of the benchmark sets shipped in the package (default: those copies)")
     parser.add_argument("--seed", type=int, default=0, help="seed for --shuffle and for sampling (default 0)")
     parser.add_argument("--block-sizes", type=_ints, default=None,
                         help="comma-separated DFlash block sizes (default: the drafter's)")
@@ -147,7 +150,8 @@ def _thinking_modes(mode: str, tokenizer: object, notes: list[str]) -> tuple[boo
     return {"on": (True,), "off": (False,), "both": (True, False)}[mode]
 
 
-def _load_datasets(names: tuple[str, ...], limits: dict[str, int], shuffle: bool, seed: int) -> dict[str, list]:
+def _load_datasets(names: tuple[str, ...], limits: dict[str, int], shuffle: bool, seed: int,
+                   data_dir: str | None = None) -> dict[str, list]:
     from blockspec.bench.datasets import load_dataset
     from blockspec.errors import ConfigError
 
@@ -157,16 +161,18 @@ def _load_datasets(names: tuple[str, ...], limits: dict[str, int], shuffle: bool
     out = {}
     for name in names:
         n = limits.get(name, limits.get("*", 16))
-        out[name] = list(load_dataset(name, limit=n or None, shuffle=shuffle, seed=seed))
+        out[name] = list(load_dataset(name, limit=n or None, shuffle=shuffle, seed=seed, data_dir=data_dir))
     return out
 
 
-def _with_context(datasets: dict[str, list], tokens: int, tokenizer: object) -> dict[str, list]:
+def _with_context(datasets: dict[str, list], tokens: int, tokenizer: object,
+                  data_dir: str | None = None) -> dict[str, list]:
     """Each set's prompts with other problems of the whole set in front (`datasets.with_context`)."""
     from blockspec.bench.datasets import load_dataset, token_counter, with_context
 
     count = token_counter(tokenizer)
-    return {name: with_context(samples, load_dataset(name), tokens, count) for name, samples in datasets.items()}
+    return {name: with_context(samples, load_dataset(name, data_dir=data_dir), tokens, count)
+            for name, samples in datasets.items()}
 
 
 def _hf_model(args: argparse.Namespace, pipe: object) -> object:
@@ -228,6 +234,8 @@ def command_line(args: argparse.Namespace) -> str:
     parts += ["--datasets", joined(args.datasets), "--limit", limit]
     if args.shuffle:
         parts.append("--shuffle")
+    if args.data_dir is not None:
+        parts += ["--data-dir", str(args.data_dir)]
     parts += ["--seed", str(args.seed)]
     if args.block_sizes:
         parts += ["--block-sizes", joined(args.block_sizes)]
@@ -284,7 +292,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--context counts tokens with the target's tokenizer, which --endpoint does not load; "
                           "run in-process (drop --endpoint) or leave --context at 0")
     notes: list[str] = []
-    datasets = _load_datasets(args.datasets, args.limit, args.shuffle, args.seed)
+    datasets = _load_datasets(args.datasets, args.limit, args.shuffle, args.seed, args.data_dir)
     if args.endpoint:
         from blockspec.bench.endpoint import run_endpoint
 
@@ -298,7 +306,7 @@ def run(args: argparse.Namespace) -> int:
                 drafter_layers=args.drafter_layers, seed=args.seed, backend=args.backend,
                 drafter_dtype=args.drafter_dtype)
     if args.context:
-        datasets = _with_context(datasets, args.context, pipe.tokenizer)
+        datasets = _with_context(datasets, args.context, pipe.tokenizer, args.data_dir)
     block_sizes = args.block_sizes or (pipe.drafter.block_size,)
     if 1 in block_sizes:
         raise ConfigError("--block-sizes lists DFlash block sizes (>= 2); plain decoding always runs as AR")

@@ -16,7 +16,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(ShareGPT-style messages/conversations, or prompt/instruction/question)")
     p.add_argument("--limit", action="append", default=[], metavar="SOURCE=N",
                    help="at most N prompts from SOURCE (repeatable), e.g. --limit sharegpt=500")
-    p.add_argument("--data-dir", default=None, help="where the data sets live (default ../shared/data)")
+    p.add_argument("--data-dir", default=None, metavar="DIR",
+                   help="a folder holding the sources' files (gsm8k_train.jsonl, mbpp_sanitized.json, "
+                        "sharegpt_first_turns.jsonl, alpaca_seed_tasks.jsonl); default $BLOCKSPEC_DATA, else "
+                        "the Hugging Face Hub (needs `datasets` and a network; alpaca: a folder only)")
     p.add_argument("--holdout", type=int, default=64,
                    help="first N prompts of each held-out source (gsm8k_train, gsm8k_code, py_stubs) kept out of the data (the quick-eval set)")
     p.add_argument("--max-new-tokens", type=int, default=256)

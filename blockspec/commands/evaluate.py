@@ -33,7 +33,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="put the other held-out prompts in front of each one until it holds at least this many "
                         "tokens: tau over a long context (default 0: off)")
     p.add_argument("--batch-size", type=int, default=16, help="prompts decoded together")
-    p.add_argument("--data-dir", default=None, help="where the data sets live (default: ../shared/data)")
+    p.add_argument("--data-dir", default=None, metavar="DIR",
+                   help="a folder holding gsm8k_train.jsonl, for the held-out gsm8k prompts; default "
+                        "$BLOCKSPEC_DATA, else the Hugging Face Hub (needs `datasets` and a network); "
+                        "py_stubs need none")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
     add_drafter_dtype_argument(p)
     p.add_argument("--device", default="cpu")

@@ -64,7 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "to replicate (same updates either way)")
     p.add_argument("--time-limit", type=float, default=None, help="stop (and save) after this many seconds")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
-    p.add_argument("--data-dir", default=None, help="where the data sets live (for eval prompts)")
+    p.add_argument("--data-dir", default=None, metavar="DIR",
+                   help="a folder holding gsm8k_train.jsonl, for the --eval-prompts held-out gsm8k prompts; "
+                        "default $BLOCKSPEC_DATA, else the Hugging Face Hub (needs `datasets` and a network)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="target dtype")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")

@@ -21,7 +21,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from blockspec.errors import ConfigError
+from blockspec.bench.datasets import find_file, sharegpt_messages, split_rows, where_to_put
+from blockspec.errors import CheckpointError, ConfigError
 
 MATH_TEMPLATE = "{question}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
 CODE_TEMPLATE = (
@@ -33,6 +34,7 @@ TEST_FILES = ("gsm8k_test", "math500_test", "humaneval_test", "mtbench_questions
 DEFAULT_SOURCES = ("gsm8k_train", "mbpp_train", "sharegpt", "alpaca")
 # gsm8k_train and gsm8k_code are the same questions: the same first ones are held out of both.
 HELDOUT_SOURCES = ("gsm8k_train", "gsm8k_code", "py_stubs")
+ALPACA_FILE = "alpaca_seed_tasks.jsonl"
 
 
 @dataclass(frozen=True)
@@ -43,13 +45,10 @@ class Prompt:
     messages: tuple[dict, ...]
 
 
-def default_data_dir() -> Path:
-    """../shared/data relative to the project root, as the data README asks."""
-    here = Path(__file__).resolve().parents[2]
-    for cand in (here.parent / "shared" / "data", here / "shared" / "data"):
-        if cand.is_dir():
-            return cand
-    return here.parent / "shared" / "data"
+def _rows(name: str, split: str, data_dir: Path | None) -> Iterable[dict]:
+    """A training split's records: from `data_dir`, `$BLOCKSPEC_DATA` or the Hub, never from the
+    benchmark copies bundled in the package."""
+    return split_rows(name, split, data_dir=data_dir, bundled=False)
 
 
 def _jsonl(path: Path) -> Iterator[dict]:
@@ -64,26 +63,27 @@ def _user(text: str) -> tuple[dict, ...]:
     return ({"role": "user", "content": text},)
 
 
-def _gsm8k_train(data_dir: Path) -> list[Prompt]:
-    rows = _jsonl(data_dir / "gsm8k_train.jsonl")
+def _gsm8k_train(data_dir: Path | None) -> list[Prompt]:
+    rows = _rows("gsm8k", "train", data_dir)
     return [Prompt(f"gsm8k_train:{i}", _user(MATH_TEMPLATE.format(question=r["question"]))) for i, r in enumerate(rows)]
 
 
-def _gsm8k_code(data_dir: Path) -> list[Prompt]:
+def _gsm8k_code(data_dir: Path | None) -> list[Prompt]:
     """The gsm8k TRAIN questions as HumanEval-style stubs (a signature and a docstring to
     complete): far more prompts for code than MBPP's train part has, in the form code benchmarks use."""
     out = []
-    for i, r in enumerate(_jsonl(data_dir / "gsm8k_train.jsonl")):
+    for i, r in enumerate(_rows("gsm8k", "train", data_dir)):
         question = " ".join(str(r["question"]).split())
         stub = f'def solution() -> float:\n    """{question}\n    Return the answer as a number.\n    """\n'
         out.append(Prompt(f"gsm8k_code:{i}", _user(CODE_TEMPLATE.format(prompt=stub))))
     return out
 
 
-def _mbpp_train(data_dir: Path) -> list[Prompt]:
+def _mbpp_train(data_dir: Path | None) -> list[Prompt]:
     """MBPP outside the test range, twice: as the plain task and HumanEval-style (signature +
     docstring), which is the form code benchmarks use."""
-    rows = json.loads((data_dir / "mbpp_sanitized.json").read_text())
+    # The splits in task-id order, which is the order of the sanitized file.
+    rows = [r for split in ("prompt", "validation", "train") for r in _rows("mbpp", split, data_dir)]
     out = []
     for r in rows:
         tid = int(r["task_id"])
@@ -114,7 +114,7 @@ def _stub(node: ast.FunctionDef, doc: str) -> str:
     return f'def {node.name}({ast.unparse(args)}){ret}:\n    """\n{body}\n    """\n'
 
 
-def _py_stubs(data_dir: Path) -> list[Prompt]:
+def _py_stubs(data_dir: Path | None) -> list[Prompt]:
     """Standard-library function stubs (`_stdlib_stubs`); `data_dir` is unused: the running
     Python is the source."""
     return list(_stdlib_stubs())
@@ -152,10 +152,10 @@ def _stdlib_stubs() -> tuple[Prompt, ...]:
     return tuple(sorted(out, key=lambda p: hashlib.sha256(p.id.encode()).hexdigest()))
 
 
-def _sharegpt(data_dir: Path) -> list[Prompt]:
+def _sharegpt(data_dir: Path | None) -> list[Prompt]:
     out = []
-    for i, r in enumerate(_jsonl(data_dir / "sharegpt_first_turns.jsonl")):
-        msgs = [m for m in r.get("messages", []) if m.get("role") == "user"]
+    for i, r in enumerate(_rows("sharegpt", "train", data_dir)):
+        msgs = [m for m in sharegpt_messages(r) if m.get("role") == "user"]
         if msgs and msgs[0].get("content", "").strip():
             out.append(Prompt(f"sharegpt:{r.get('id', i)}", _user(msgs[0]["content"])))
     return out
@@ -164,14 +164,18 @@ def _sharegpt(data_dir: Path) -> list[Prompt]:
 _CODE_HINTS = re.compile(r"```|\bdef |\bpython\b|\bfunction\b|\bcode\b|\bscript\b|\bclass\b", re.IGNORECASE)
 
 
-def _sharegpt_code(data_dir: Path) -> list[Prompt]:
+def _sharegpt_code(data_dir: Path | None) -> list[Prompt]:
     """The ShareGPT first turns that ask about code: more programming prompts than MBPP has."""
     return [p for p in _sharegpt(data_dir) if _CODE_HINTS.search(p.messages[0]["content"])]
 
 
-def _alpaca(data_dir: Path) -> list[Prompt]:
+def _alpaca(data_dir: Path | None) -> list[Prompt]:
+    # Read from a data directory only: the bundled copy of the seed tasks is a benchmark split.
+    path = find_file(ALPACA_FILE, data_dir)
+    if path is None:
+        raise CheckpointError(f"training source alpaca not found: {where_to_put(ALPACA_FILE, data_dir)}")
     out = []
-    for i, r in enumerate(_jsonl(data_dir / "alpaca_seed_tasks.jsonl")):
+    for i, r in enumerate(_jsonl(path)):
         inst = r.get("instances") or [{}]
         extra = (inst[0].get("input") or "").strip()
         text = r["instruction"] + (f"\n\nInput:\n{extra}" if extra else "")
@@ -198,16 +202,13 @@ def load_prompts(
     each held-out source (`HELDOUT_SOURCES`, in the source's own order: file order for gsm8k, hash
     order for py_stubs) are kept out: they are the quick-eval set (`heldout_prompts`).
     """
-    data_dir = Path(data_dir) if data_dir else default_data_dir()
+    data_dir = Path(data_dir) if data_dir else None
     limits = limits or {}
     out: list[Prompt] = []
     for src in sources:
         if any(t in Path(src).name for t in TEST_FILES):
             raise ConfigError(f"{src} is a benchmark test split; never train a drafter on it")
         if src in _SOURCES:
-            path_hint = data_dir
-            if not path_hint.is_dir():
-                raise ConfigError(f"data directory {data_dir} not found; pass --data-dir")
             prompts = _SOURCES[src](data_dir)
             if src in HELDOUT_SOURCES:
                 prompts = prompts[holdout:]
@@ -234,8 +235,7 @@ def heldout_prompts(n: int, *, data_dir: str | Path | None = None, source: str =
     ("gsm8k_code"), or standard-library function stubs ("py_stubs")."""
     if source not in HELDOUT_SOURCES:
         raise ConfigError(f"held-out prompts come from one of {', '.join(HELDOUT_SOURCES)}, got {source!r}")
-    data_dir = Path(data_dir) if data_dir else default_data_dir()
-    return _SOURCES[source](data_dir)[:n]
+    return _SOURCES[source](Path(data_dir) if data_dir else None)[:n]
 
 
 def _file_prompts(path: Path) -> Iterator[Prompt]:
