@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass, field
 
 from blockspec.commands import DEFAULT_TARGET, add_drafter_dtype_argument, add_lookup_argument
 
@@ -131,15 +132,15 @@ def run(args: argparse.Namespace) -> int:
 WARMUP_TOKENS = 32  # as `blockspec bench` (bench/runner.py SuitePlan.warmup_tokens)
 
 
+@dataclass
 class Comparison:
     """Timed DFlash and plain runs of one prompt, each side warmed up alike (`compare`)."""
 
-    def __init__(self, order: list[str], warmup_tokens: int) -> None:
-        self.order = order
-        self.warmup_tokens = warmup_tokens
-        self.dflash: list = []
-        self.plain: list = []
-        self.block_choices: dict[int, int] = {}
+    order: list[str]  # "dflash" / "plain", in the order they ran
+    warmup_tokens: int
+    dflash: list = field(default_factory=list)  # Completions
+    plain: list = field(default_factory=list)
+    block_choices: dict[int, int] = field(default_factory=dict)  # steps per block size of the timed DFlash runs
 
     @staticmethod
     def tokens_per_s(runs: list) -> float:
