@@ -38,8 +38,8 @@ _SHORT_HELP = {
 def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="blockspec", description="DFlash speculative decoding.",
-        epilog="Every verb that decodes defaults to the demo model (smollm2-135m-instruct) with its shipped "
-               "drafter, the adaptive block policy and n-gram lookup; `blockspec VERB --help` for its options.")
+        epilog=f"Every --target defaults to the demo model ({DEFAULT_TARGET}); the verbs that decode use the drafter "
+               "shipped for it, the adaptive block policy and n-gram lookup. `blockspec VERB --help` for its options.")
     parser.add_argument("--version", action="version", version=f"blockspec {__version__}")
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
     for name in VERBS:
@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 from blockspec import __version__  # noqa: E402  (kept light: no torch import)
+from blockspec.commands import DEFAULT_TARGET  # noqa: E402
 from blockspec.errors import BlockspecError  # noqa: E402
 
 if __name__ == "__main__":
