@@ -405,10 +405,11 @@ def _hub_download(repo_id: str) -> Path:
         ) from e
     try:
         return Path(snapshot_download(repo_id=repo_id))
-    except Exception as e:  # offline, unknown repo, gated...: one message with the ways out
+    except Exception as e:  # offline, unknown repo, gated...: one line with the ways out
+        detail = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
         raise CheckpointError(
             f"{repo_id!r} is not a zoo model ({known}) nor a local directory, and downloading it from the "
-            f"Hugging Face Hub failed: {type(e).__name__}: {e}. Use a zoo name, a local model directory, "
+            f"Hugging Face Hub failed: {type(e).__name__}: {detail}. Use a zoo name, a local model directory, "
             "or check network access to huggingface.co"
         ) from e
 

@@ -351,12 +351,13 @@ def test_resolve_hub_failure_names_the_zoo(monkeypatch):
     hub = pytest.importorskip("huggingface_hub")
 
     def offline(**kw):
-        raise OSError("network unreachable")
+        raise OSError("network unreachable\n\nDetails of the request:\n  url: https://huggingface.co/...")
 
     monkeypatch.setattr(hub, "snapshot_download", offline)
     with pytest.raises(CheckpointError) as e:
         zoo.resolve_model("someorg/some-model")
     assert "network unreachable" in str(e.value) and "smollm2-135m-instruct" in str(e.value)
+    assert "\n" not in str(e.value)  # one line: the first line of the Hub's message
 
 
 def test_cli_pull(tmp_path, capsys, monkeypatch):
