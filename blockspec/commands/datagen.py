@@ -5,11 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 
+from blockspec.commands import DEFAULT_TARGET
+
 HELP = "regenerate training responses with the target model itself (resumable JSONL shards)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", required=True, help="zoo name or Hugging Face model directory")
+    p.add_argument("--target", default=DEFAULT_TARGET,
+                   help=f"zoo name (see `blockspec pull --list`), local HF directory or Hub id (default {DEFAULT_TARGET})")
     p.add_argument("--out", required=True, help="output directory for shard-NNNNN.jsonl files")
     p.add_argument("--sources", default="gsm8k_train,mbpp_train,sharegpt,alpaca",
                    help="comma list of gsm8k_train, gsm8k_code, mbpp_train, sharegpt, sharegpt_code, alpaca, py_stubs or .jsonl paths "

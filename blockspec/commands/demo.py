@@ -18,7 +18,7 @@ DEFAULT_PROMPT = (
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default=DEFAULT_TARGET, help="zoo name or model directory")
+    p.add_argument("--target", default=DEFAULT_TARGET, help=f"zoo name or model directory (default {DEFAULT_TARGET})")
     p.add_argument("--drafter", default=None, help="drafter directory (default: the shipped one)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
     p.add_argument("--max-new-tokens", type=int, default=160)

@@ -10,15 +10,15 @@ from __future__ import annotations
 import argparse
 import json
 
-from blockspec.commands import add_drafter_dtype_argument
+from blockspec.commands import DEFAULT_TARGET, add_drafter_dtype_argument
 from blockspec.train.data import HELDOUT_SOURCES
 
 HELP = "held-out acceptance length (tau) of drafters: the training recipe's shipping check"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default="smollm2-135m-instruct",
-                   help="zoo name (see `blockspec pull --list`), local HF directory or Hub id")
+    p.add_argument("--target", default=DEFAULT_TARGET,
+                   help=f"zoo name (see `blockspec pull --list`), local HF directory or Hub id (default {DEFAULT_TARGET})")
     p.add_argument("--drafter", action="append", required=True,
                    help="DFlash drafter directory (repeat to compare several on the same prompts)")
     p.add_argument("--prompts", type=int, default=32,

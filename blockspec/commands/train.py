@@ -10,11 +10,14 @@ from __future__ import annotations
 import argparse
 import json
 
+from blockspec.commands import DEFAULT_TARGET
+
 HELP = "train a DFlash drafter for a target model"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", required=True, help="zoo name or Hugging Face model directory")
+    p.add_argument("--target", default=DEFAULT_TARGET,
+                   help=f"zoo name (see `blockspec pull --list`), local HF directory or Hub id (default {DEFAULT_TARGET})")
     p.add_argument("--data", required=True, help="directory written by `blockspec datagen`")
     p.add_argument("--out", default=None, help="run directory: log.jsonl, checkpoint/, drafter/")
     p.add_argument("--cache-features", action="store_true",

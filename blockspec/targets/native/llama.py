@@ -13,6 +13,7 @@ the argmax ids only (`forward_greedy`), which an fp32 head on a CPU finds by scr
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -26,7 +27,8 @@ from blockspec.cpu.program import LayerProgram, target_program
 from blockspec.targets.native.qkv import QKVPlacement, block_places
 from blockspec.cpu import kernels
 from blockspec.cpu.linear import fast_cpu_single_row, project
-from blockspec.cpu.packed_weights import BF16_MAX_ROWS, pack_linears
+from blockspec.cpu.packed_cache import pack_cached
+from blockspec.cpu.packed_weights import BF16_MAX_ROWS
 from blockspec.targets.native.attention import cached_attention, visible_keys
 from blockspec.targets.rope import Rotary, rope_inv_freq
 from blockspec.targets.slots import EMPTY
@@ -118,7 +120,8 @@ class NativeLlama(nn.Module):
             ]
             self.single_head = self.lm_head.weight.t().contiguous()
 
-    def pack_weights(self, sources: dict[str, torch.Tensor] | None = None) -> int:
+    def pack_weights(self, sources: dict[str, torch.Tensor] | None = None, *, cache: Path | None = None,
+                     key: dict | None = None) -> int:
         """Packs the projections and the LM head whose fp32 weights a 4- or 8-bit GGUF left
         (cpu/packed_weights.py); the outputs keep their bits and a decoding step streams a fifth of the
         bytes (SmolLM2-135M from its GGUF file, 2 cores: the 120 Q4_1 projections at 1 token 3.1 ms
@@ -126,10 +129,11 @@ class NativeLlama(nn.Module):
         2.8; BENCHMARKS.md, session 29). Greedy steps of more than PACKED_HEAD_ROWS tokens keep the
         bf16 screen of the head (cpu/greedy_head.py), which is faster there. A bf16 model packs
         the fp32 `sources` it was rounded from (its native state dict before the cast), where their
-        packed values round to its weights. Returns how many were packed."""
+        packed values round to its weights. `cache`: a file that keeps the packed forms for the next
+        load with the same `key` (cpu/packed_cache.py). Returns how many were packed."""
         pairs = self._packable()
         self._program, self._program_tried = None, False  # its table points at what gets packed now
-        return pack_linears([m for _, m in pairs], None if sources is None else [sources.get(n) for n, _ in pairs])
+        return pack_cached(pairs, None if sources is None else [sources.get(n) for n, _ in pairs], cache, key)
 
     def _packable(self) -> list[tuple[str, nn.Linear]]:
         """(name of its weight in the native state dict, module) of each matrix `pack_weights` tries."""
