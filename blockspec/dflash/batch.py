@@ -1,4 +1,4 @@
-"""The DFlash speculative decoding loop for a batch of token-id prompts (DESIGN.md section 3).
+"""The DFlash speculative decoding loop for a batch of token-id prompts (docs/DESIGN.md section 4).
 
 `DecodeBatch` is the one step implementation: rows join (prefill + first token), every `step`
 drafts, verifies and commits for the whole batch, finished rows leave. `SpecDecoder.generate`

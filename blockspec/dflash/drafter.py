@@ -1,6 +1,6 @@
 """The DFlash drafter: a block-diffusion transformer conditioned on target hidden states.
 
-Checkpoint-compatible with the published DFlash drafters (DESIGN.md section 2): a Qwen3-style
+Checkpoint-compatible with the published DFlash drafters (docs/DESIGN.md section 2): a Qwen3-style
 layer stack with KV injection of the target's context features in every layer, `fc` +
 `hidden_norm` to fuse the chosen target layers, and no embedding table or LM head of its own.
 

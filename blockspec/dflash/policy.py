@@ -64,7 +64,7 @@ WIDEN_SHARE = 0.05  # a step drafts past its chosen block while that costs at mo
 # last draft pass, all at once (32 fresh rows of SmolLM2 prompts: ~3,500 context tokens). With
 # probes after 8, 16, 32... plain steps alone, concurrency 32 (32-token requests, 2 cores) ran at
 # 0.90-0.99x plain decoding while drafting almost nothing; 0.95-1.01x with this budget
-# (BENCHMARKS.md, session 24). The next probe waits until the plain steps since the last one took
+# (GSM8K, SmolLM2-135M). The next probe waits until the plain steps since the last one took
 # 1 / PROBE_SHARE times its extra cost.
 PROBE_SHARE = 0.05
 # Widening and trimming run for batches of at most this many rows (trimming also for larger ones
@@ -392,7 +392,7 @@ class AdaptiveBlock:
         # Batches of several rows verify a length per row (`trimmer`) where the target packs
         # padding. Opt-in: on 2 CPU cores (SmolLM2, GSM8K) it was 3-7% ahead at concurrency 8 and
         # level at 16, within run-to-run noise; padded attention eats much of what the
-        # better-chosen tokens save (BENCHMARKS.md, session 16).
+        # better-chosen tokens save.
         self.ragged = ragged
         self.costs = costs or CostModel(max_block)
         self.global_accepted = [0] * max(0, max_block - 1)

@@ -62,7 +62,7 @@ class EngineConfig:
     # confidences, and rows with lookup continuations may verify them with no draft pass
     # (AdaptiveBlock(ragged=True); native targets on a CPU). Opt-in: on 2 cores it stayed within
     # run-to-run spread of the default at concurrency 8 and 16 (0.93-1.06x plain decoding against
-    # 0.98-1.08x; BENCHMARKS.md, sessions 16 and 20-22).
+    # 0.98-1.08x; GSM8K, SmolLM2-135M).
     ragged_verify: bool = False
 
     def __post_init__(self) -> None:

@@ -1,4 +1,4 @@
-"""The DFlash drafter trainer (DESIGN.md section 4): frozen target, packed anchor blocks,
+"""The DFlash drafter trainer (docs/DESIGN.md section 7): frozen target, packed anchor blocks,
 position-decayed cross-entropy, warmup + cosine schedule, checkpoints, JSONL logs, quick tau evals.
 
 Data parallel over `torchrun` processes (gloo on CPU, nccl on GPU): every global step takes

@@ -66,7 +66,7 @@ class NativeLayer(nn.Module):
     gate_up [2 I, H]. One product instead of two: each output column is the same dot product
     either way (the same bits), and the CPU kernel's call and thread start-up are paid once
     (SmolLM2-135M, 2 cores: 4.5 against 4.7 ms for 30 layers' gate and up at 1 token, 4.9 against
-    5.2 at 6; BENCHMARKS.md, session 28)."""
+    5.2 at 6)."""
 
     def __init__(self, cfg: NativeConfig) -> None:
         super().__init__()
@@ -126,7 +126,7 @@ class NativeLlama(nn.Module):
         (cpu/packed_weights.py); the outputs keep their bits and a decoding step streams a fifth of the
         bytes (SmolLM2-135M from its GGUF file, 2 cores: the 120 Q4_1 projections at 1 token 3.1 ms
         against 9.0, at 6 tokens 5.1 against 10.6; its Q8_0 head's logits at 1 token 0.6 ms against
-        2.8; BENCHMARKS.md, session 29). Greedy steps of more than PACKED_HEAD_ROWS tokens keep the
+        2.8). Greedy steps of more than PACKED_HEAD_ROWS tokens keep the
         bf16 screen of the head (cpu/greedy_head.py), which is faster there. A bf16 model packs
         the fp32 `sources` it was rounded from (its native state dict before the cast), where their
         packed values round to its weights. `cache`: a file that keeps the packed forms for the next
@@ -401,7 +401,7 @@ class NativeLlama(nn.Module):
         copy (cpu/packed_weights.py) than from the bf16 screen: up to PACKED_HEAD_ROWS rows (SmolLM2's
         8-bit head after a forward's weights left the cache: 0.76 / 1.02 / 1.26 ms at 1 / 4 / 6
         rows against the screen's 1.30-1.40, 1.70 against 1.46 at 8; with the one-call layer loop,
-        held-out DFlash at batch 1 ran 2.4% faster with 6 than with 3; BENCHMARKS.md, session 30).
+        held-out DFlash at batch 1 ran 2.4% faster with 6 than with 3).
         The ids are the same either way: both are the argmax of the same fp32 logits, the first of
         ties."""
         packed = self.lm_head.__dict__.get("packed")
