@@ -12,18 +12,17 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import make_tiny_target
-from test_spec_lossless import ragged_prompts, reference_greedy
-from test_spec_sampling import PROMPT, VOCAB, chi2_pvalue, exact_joint, sample_many
+from support import VOCAB, chi2_pvalue, exact_joint, ragged_prompts, reference_greedy, sample_many
 
 from blockspec.config import SamplingParams, SpecConfig
+from blockspec.dflash.batch import DecodeBatch, SpecDecoder, make_row
+from blockspec.dflash.drafter import DFLASH2, DFlashDrafter, new_drafter_for_target, save_drafter
+from blockspec.dflash.lookup import LookupConfig
+from blockspec.dflash.static_drafter import StaticDrafter
 from blockspec.engine import Engine, EngineConfig
-from blockspec.models.drafter import DFLASH2, DFlashDrafter, new_drafter_for_target, save_drafter
-from blockspec.models.native import load_native_target
-from blockspec.models.native.draft import StaticDrafter
-from blockspec.models.slots import EMPTY
-from blockspec.models.target import HFTarget
-from blockspec.spec.decode import DecodeBatch, SpecDecoder
-from blockspec.spec.lookup import LookupConfig
+from blockspec.targets.hf import HFTarget
+from blockspec.targets.native import load_native_target
+from blockspec.targets.slots import EMPTY
 
 
 def random_dflash2(model, *, seed: int = 0, top_k: int = 6, block_size: int = 8, layers: int = 2,
@@ -175,8 +174,6 @@ def test_lookup_continuations_lead_the_walk() -> None:
     drafter = random_dflash2(model, seed=3)
     target = load_native_target(model, dtype=None, eos_token_ids=())
     batch = DecodeBatch(target, drafter, max_block=6, lookup=LookupConfig(min_ngram=2, max_ngram=2))
-    from blockspec.spec.decode import make_row
-
     a = 5
     prompt = [a, int(following[a]), 9, 11, a]  # its first token is following[a]: "a following[a]" recurs
     batch.join([prompt], [make_row(0, len(prompt), SamplingParams(max_new_tokens=20), (), 6)])
@@ -278,13 +275,15 @@ def _sampling_walker(model) -> DFlashDrafter:
     return random_dflash2(model, seed=5, top_k=4, layers=1, scale=1.5)
 
 
-@pytest.mark.parametrize(
-    "shape",
-    [dict(temperature=1.0), dict(temperature=0.7, top_k=3), dict(temperature=1.3, top_p=0.8)],
-    ids=["temperature", "top_k", "top_p"],
-)
-@pytest.mark.parametrize("mode", ["plain", "lookup", "trimmed"])
+@pytest.mark.parametrize("shape,mode", [
+    (dict(temperature=1.0), "plain"), (dict(temperature=0.7, top_k=3), "plain"), (dict(temperature=1.3, top_p=0.8), "plain"),
+    (dict(temperature=1.0), "lookup"), (dict(temperature=0.8, top_p=0.9), "trimmed"),
+], ids=["temperature", "top_k", "top_p", "lookup", "trimmed_top_p"])
 def test_sampled_walk_follows_the_target_distribution(shape: dict, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """q_t: the row's temperature, top-k and top-p shape the walk's scores over the K candidates
+    (as they shape p), zero elsewhere; exact because each proposal is drawn from the q_t it is
+    verified against. With lookup, continuations replace the first proposals (one-hot q) and the
+    walk goes on from them; trimmed: the verify length comes from the confidences."""
     model = make_tiny_target("llama", vocab_size=VOCAB, seed=1)
     sp = SamplingParams(max_new_tokens=3, ignore_eos=True, **shape)
     joint = exact_joint(model, sp)
@@ -318,12 +317,16 @@ def test_chi_square_detects_the_unary_softmax_as_q_for_the_walk(monkeypatch: pyt
     assert chi2_pvalue(counts.sum(0), joint.sum(0)) < 1e-6
 
 
-def test_sampled_walk_is_seeded_per_request() -> None:
+def test_sampled_walk_is_seeded_and_greedy_rows_beside_it_stay_exact() -> None:
+    """A seed reproduces a sampled request; a greedy row in the same batch (whose q is one-hot on
+    the walk's best candidate) still gets plain greedy output."""
     model = make_tiny_target("llama", seed=2)
     dec = SpecDecoder(HFTarget(model), random_dflash2(model, seed=1), SpecConfig(block_size=4))
     sp = SamplingParams(max_new_tokens=12, temperature=1.0, seed=1234)
     alone = dec.generate([[5, 6, 7]], sp)[0].token_ids
-    mates = dec.generate([[1, 2], [5, 6, 7], [9]], [sp.with_(seed=1), sp, sp.with_(seed=2)])[1].token_ids
-    mixed = dec.generate([[5, 6, 7], [1, 2]], [sp, SamplingParams(max_new_tokens=12)])  # a greedy row beside it
-    assert alone == mates == mixed[0].token_ids
-    assert mixed[1].token_ids == reference_greedy(model, [1, 2], 12)
+    assert dec.generate([[5, 6, 7]], sp)[0].token_ids == alone
+    assert dec.generate([[5, 6, 7]], sp.with_(seed=99))[0].token_ids != alone
+    mixed = dec.generate([[5, 6, 7], [1, 2], [9, 4, 4]], [sp, SamplingParams(max_new_tokens=16),
+                                                          SamplingParams(max_new_tokens=9)])
+    assert mixed[1].token_ids == reference_greedy(model, [1, 2], 16)
+    assert mixed[2].token_ids == reference_greedy(model, [9, 4, 4], 9)
