@@ -92,13 +92,17 @@ def plain(model, prompts: list[list[int]], max_new: int) -> list[list[int]]:
 
 # ---- the fast path equals the module ----------------------------------------------------------
 
+@pytest.mark.parametrize("windows", [None, (5, None)], ids=["full", "sliding_and_full"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_static_drafter_equals_the_module_forward(dtype: torch.dtype) -> None:
+def test_static_drafter_equals_the_module_forward(dtype: torch.dtype, windows: tuple | None) -> None:
     """StaticDrafter (the engine's path: static context cache, PyTorch loop with the
     convolutions; the C layer program does not take DFlash 2) gives the module's hidden states,
-    over two passes on a padded ragged context."""
+    over two passes on a padded ragged context; also with a sliding layer (a window shorter than
+    the context) beside a full one."""
     model = make_tiny_target("llama", seed=3, dtype=torch.float32)
     drafter = random_dflash2(model, seed=2, dtype=dtype)
+    for layer, window in zip(drafter.layers, windows or ()):
+        layer.self_attn.sliding_window = window
     static = StaticDrafter(drafter)
     g = torch.Generator().manual_seed(0)
     width = len(drafter.target_layer_ids) * 32
