@@ -534,9 +534,7 @@ class DecodeBatch:
                 block_ids[:, 1:] = self.drafter.greedy_tokens(hidden[:, 1:q], self.target.head(), self.last,
                                                               forced)  # [b, q-1]
             elif selector:
-                block_ids[:, 1:], draft_probs, peaks = self._sample_walk(hidden[:, 1:q], forced)
-                if trim is not None:
-                    conf = peaks
+                block_ids[:, 1:], draft_probs, conf = self._sample_walk(hidden[:, 1:q], forced, trim is not None)
             else:
                 draft_logits = self.drafter.logits(hidden[:, 1:q], self.target.head())  # [b, q-1, V]
                 draft_probs = self._probs(draft_logits)
@@ -672,16 +670,17 @@ class DecodeBatch:
         rows = [cont + [-1] * (q - 1 - len(cont)) for cont in plan]
         return torch.tensor(rows, dtype=torch.long, device=self.device)
 
-    def _sample_walk(self, hidden: torch.Tensor, forced: torch.Tensor | None
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _sample_walk(self, hidden: torch.Tensor, forced: torch.Tensor | None, confidence: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """A DFlash 2 drafter's sampled proposals for hidden [b, n, H]: the selector's walk from
         each row's last token, drawing position t's proposal from q_t = the row's shaping
         (temperature, top-k, top-p, as the target's p gets it) of its scores S_t(prev, .) over
-        the candidates, zero elsewhere. Returns (ids [b, n], q [b, n, V], the peaks [b, n] of the
-        unary candidates' shaped distributions times their unary mass: the confidences an
-        adaptive step trims by, which, unlike q_t, do not depend on the earlier samples)."""
+        the candidates, zero elsewhere. Returns (ids [b, n], q [b, n, V], with `confidence` the
+        peaks [b, n] of the unary candidates' shaped distributions times their unary mass: the
+        confidences an adaptive step trims by, which, unlike q_t, do not depend on the earlier
+        samples; else None)."""
         head = self.target.head()
-        cands = self.drafter.candidates(hidden, head)
+        cands = self.drafter.candidates(hidden, head, normaliser=confidence)
         b, n, _ = cands.ids.shape
         u = self.random.uniforms(n).to(self.device)
 
@@ -692,9 +691,10 @@ class DecodeBatch:
         ids, q_k = self.drafter.walk(hidden, cands, self.last, pick, forced)
         vocab = head.weight.shape[0]
         draft_probs = q_k.new_zeros(b, n, vocab).scatter_(-1, cands.ids, q_k)  # [b, n, V]
+        if not confidence:
+            return ids, draft_probs, None
         mass = torch.exp(cands.logits.logsumexp(-1) - cands.logsumexp)  # [b, n]
-        peaks = self._probs(cands.logits).max(dim=-1).values * mass
-        return ids, draft_probs, peaks
+        return ids, draft_probs, self._probs(cands.logits).max(dim=-1).values * mass
 
     def _lookup_proposals(self, block_ids: torch.Tensor, draft_probs: torch.Tensor | None) -> list[int]:
         """Writes each row's lookup continuation over its drafted proposals (dflash/lookup.py);

@@ -18,6 +18,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from blockspec.cpu import kernels
+from blockspec.cpu.linear import project
+
 
 class BlockConv(nn.Module):
     """The pair of convolutions around one sublayer (checkpoint names `base_kernel`,
@@ -46,7 +49,9 @@ class BlockConv(nn.Module):
         """x [b, s, H] (normalised sublayer input; s a multiple of block_len, the blocks laid end
         to end) -> (side 0's output [b, s, H], side 1's offsets [b, s, T, G])."""
         b, s, _ = x.shape
-        delta = self.kernel_projection(x).view(b, s, 2, self.kernel_size, self.num_groups)  # [b, s, 2, T, G]
+        # the CPU kernels' product where they take it (as the drafter's other products): oneDNN's
+        # bf16 one for a few rows cost several times more inside a draft pass on 2 cores
+        delta = project(self.kernel_projection, x, exact=False).view(b, s, 2, self.kernel_size, self.num_groups)
         return self._convolve(x, 0, delta[:, :, 0], block_len), delta[:, :, 1]
 
     def finish(self, y: torch.Tensor, delta: torch.Tensor, block_len: int) -> torch.Tensor:
@@ -57,16 +62,18 @@ class BlockConv(nn.Module):
         b, s, h = x.shape
         if s % block_len:
             raise ValueError(f"a pass of {s} block tokens does not split into blocks of {block_len}")
-        g, gs = self.num_groups, self.group_size
-        xg = x.view(b, s, g, gs)
-        base = self.base_kernel[side].to(x.dtype).view(self.kernel_size, g, gs)  # [T, G, gs]
-        delta = delta.to(x.dtype)
-        out = xg * (base[0] + delta[:, :, 0, :, None])
-        for tap in range(1, min(self.kernel_size, block_len)):
-            # x_{t-tap}, zero where t - tap falls before the start of t's block
-            shifted = torch.zeros_like(xg)
-            shifted[:, tap:] = xg[:, :-tap]
+        fast = kernels.block_conv(x, self.base_kernel[side], delta, block_len)  # the same bits, one call
+        if fast is not None:
+            return fast
+        g, gs, taps = self.num_groups, self.group_size, self.kernel_size
+        # float32 throughout: a bf16 drafter's few elementwise products cost less so than in bf16
+        xf = x.float().view(b, s, g, gs)
+        coef = self.base_kernel[side].float().view(taps, g, gs) + delta.float()[..., None]  # [b, s, T, G, gs]
+        out = xf * coef[:, :, 0]
+        for tap in range(1, min(taps, block_len)):
+            # x_{t-tap} weighs on t only inside t's block
+            term = xf[:, :-tap] * coef[:, tap:, tap]  # [b, s - tap, G, gs]
             if s > block_len:  # blocks laid end to end (training): no tap reaches into the previous one
-                shifted = shifted * (torch.arange(s, device=x.device) % block_len >= tap).view(1, s, 1, 1)
-            out = out + shifted * (base[tap] + delta[:, :, tap, :, None])
-        return out.view(b, s, h)
+                term = term * (torch.arange(tap, s, device=x.device) % block_len >= tap).view(1, s - tap, 1, 1)
+            out[:, tap:] += term
+        return out.view(b, s, h).to(x.dtype)

@@ -252,11 +252,11 @@ class DrafterConfig:
 class Candidates:
     """DFlash 2's candidate sets: per position the top-K token ids [.., K] of the unary draft
     distribution, their logits [.., K] (float32, descending) and the distribution's log
-    normaliser [..] (float32)."""
+    normaliser [..] (float32; None where not asked for)."""
 
     ids: torch.Tensor
     logits: torch.Tensor
-    logsumexp: torch.Tensor
+    logsumexp: torch.Tensor | None
 
 
 def keep_scores(t: int, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -556,7 +556,7 @@ class DFlashDrafter(nn.Module):
             top, conf = argmax_and_peak(logits)
             ids = self.draft_vocab[top] if self.draft_vocab is not None else top
             return ids, conf
-        cands = self.candidates(hidden, head)
+        cands = self.candidates(hidden, head, normaliser=confidence)
         ids, scores = self.walk(hidden, cands, anchor, keep_scores if confidence else pick_best, forced)
         if not confidence:
             return ids, None
@@ -564,16 +564,21 @@ class DFlashDrafter(nn.Module):
         total = torch.logaddexp(scores.logsumexp(-1), outside)  # [b, n]
         return ids, torch.exp(scores.max(dim=-1).values - total)
 
-    def candidates(self, hidden: torch.Tensor, head: nn.Module) -> Candidates:
+    def candidates(self, hidden: torch.Tensor, head: nn.Module, *, normaliser: bool = True) -> Candidates:
         """DFlash 2: the K = selector_top_k most likely tokens of the unary draft distribution
-        at each position of hidden [.., H] (within the draft vocabulary when one is set)."""
+        at each position of hidden [.., H] (within the draft vocabulary when one is set), with
+        the distribution's normaliser unless `normaliser` is False."""
         if self.draft_vocab is None:
             logits = self.logits(hidden, head)  # [.., V]
         else:
             logits = self._draft_vocab_logits(hidden, head)  # [.., Vd]
         top, index = logits.topk(min(self.cfg.selector_top_k, logits.shape[-1]), dim=-1)  # [.., K], descending
         ids = index if self.draft_vocab is None else self.draft_vocab[index]
-        return Candidates(ids, top.float(), logits.float().logsumexp(-1))
+        top = top.float()
+        lse = None
+        if normaliser:  # log sum e^x = max - log softmax(max): the peak kernel's one pass over the logits
+            lse = top[..., 0] - argmax_and_peak(logits)[1].log()
+        return Candidates(ids, top, lse)
 
     def selector_scores(self, hidden: torch.Tensor, prev: torch.Tensor, cands: Candidates) -> torch.Tensor:
         """DFlash 2: S(prev, c) for the candidates c of each position [.., K] (float32), with the

@@ -311,8 +311,8 @@ def test_chi_square_detects_the_unary_softmax_as_q_for_the_walk(monkeypatch: pyt
     joint = exact_joint(model, sp)
     walk = DecodeBatch._sample_walk
 
-    def unary_q(self, hidden, forced):
-        ids, _, peaks = walk(self, hidden, forced)
+    def unary_q(self, hidden, forced, confidence):
+        ids, _, peaks = walk(self, hidden, forced, confidence)
         return ids, self._probs(self.drafter.logits(hidden, self.target.head())), peaks
 
     monkeypatch.setattr(DecodeBatch, "_sample_walk", unary_q)
