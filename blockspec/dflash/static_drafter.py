@@ -6,7 +6,8 @@ into the slots of the block positions start..start+q-1 for the duration of the p
 hold either nothing yet or context K/V of tokens a verification rejected; the block K/V are
 overwritten by the real context K/V once the tokens there are committed. Queries see slots below
 start + q (the committed context plus the whole block), so at batch size 1 the pass needs no
-mask and no concatenation.
+mask and no concatenation. A DFlash 2 drafter's block convolutions (dflash/conv.py) run in the
+PyTorch loop; the C layer program (cpu/program.py) takes DFlash drafters only.
 """
 
 from __future__ import annotations
@@ -247,7 +248,7 @@ class StaticDrafter:
             kind = self.layer_kinds[i]
             w_qkv, b_qkv, w_gate_up = fused[i]
             y = _norm(layer.input_layernorm, x)
-            if layer.attention_conv is not None:  # DFlash 2 (models/conv.py): the block's q/k/v read conv(y)
+            if layer.attention_conv is not None:  # DFlash 2 (dflash/conv.py): the block's q/k/v read conv(y)
                 y, delta = layer.attention_conv.prepare(y, q)
             # one projection for the block's q/k/v and the context's k/v (its q columns unused)
             qkv = linear(torch.cat([ctx, y.reshape(b * q, -1)]), w_qkv, b_qkv, exact=False)  # [T + b q, (h + 2 kvh) d]
