@@ -46,7 +46,7 @@ import torch
 from blockspec.cache_dir import cache_root
 
 SOURCES = tuple(Path(__file__).parent / "csrc" / name
-                for name in ("rows.c", "attention.c", "norm.c", "peak.c", "rope.c", "layers.c"))  # one library
+                for name in ("rows.c", "attention.c", "norm.c", "peak.c", "rope.c", "layers.c", "conv.c"))  # one library
 HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("vec.h", "kernels.h"))
 DISABLE_ENV = "BLOCKSPEC_CPU_KERNELS"
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
@@ -143,6 +143,10 @@ def _load() -> object | None:
     fn.silu_mul = {torch.float32: lib.bs_silu_mul, torch.bfloat16: lib.bs_silu_mul_bf16}
     for f in fn.silu_mul.values():
         f.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+        f.restype = ctypes.c_int
+    fn.block_conv = {torch.float32: lib.bs_block_conv, torch.bfloat16: lib.bs_block_conv_bf16}
+    for f in fn.block_conv.values():
+        f.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 6 + [ctypes.c_int]
         f.restype = ctypes.c_int
     fn.layers, fn.layers_bf16, fn.layers_layout = lib.bs_layers, lib.bs_layers_bf16, lib.bs_layers_layout
     for f in (fn.layers, fn.layers_bf16):
@@ -382,6 +386,27 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     inter = gate_up.shape[-1] // 2
     out = torch.empty((*gate_up.shape[:-1], inter), dtype=gate_up.dtype)
     f(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // max(1, 2 * inter), inter, torch.get_num_threads())
+    return out
+
+
+def block_conv(x: torch.Tensor, base: torch.Tensor, delta: torch.Tensor, block_len: int) -> torch.Tensor | None:
+    """One side of DFlash 2's block convolution (dflash/conv.py) through `csrc/conv.c`: x
+    [b, s, H], base [T, H], delta [b, s, T, G] (each token's T * G values contiguous) -> [b, s, H]
+    with the bits of BlockConv's PyTorch operators; None where the kernel does not take it (no
+    kernel, dtypes other than fp32 or bf16 alike, autograd, another layout)."""
+    fn = kernel()
+    f = None if fn is None else fn.block_conv.get(x.dtype)
+    if f is None or base.dtype != x.dtype or delta.dtype != x.dtype or torch.is_grad_enabled() and (
+            x.requires_grad or base.requires_grad or delta.requires_grad):
+        return None
+    b, s, h = x.shape
+    taps, groups = delta.shape[-2:]
+    if (x.device.type != "cpu" or not x.is_contiguous() or not base.is_contiguous() or delta.stride(-1) != 1
+            or delta.stride(-2) != groups or delta.stride(0) != s * delta.stride(1) or h % groups):
+        return None
+    out = torch.empty_like(x)
+    f(x.data_ptr(), base.data_ptr(), delta.data_ptr(), out.data_ptr(), b * s, h, taps, groups, delta.stride(1),
+      block_len, torch.get_num_threads())
     return out
 
 

@@ -362,10 +362,11 @@ def calibrate(batch: DecodeBatch, size: int, max_block: int, context: int = 8,
                 dcache.reserve(context + n, context + n)
             ctx_pos = torch.full_like(positions[:, :1], EMPTY)
             hidden = batch.draft(feats[:, :1], ctx_pos, target.embed(block_ids), block_pos, dcache)
+            anchor = block_ids[:, 0]  # a DFlash 2 drafter walks from it
             if confidence:  # what trimmed steps compute: proposals and their confidences
-                batch.drafter.greedy_with_confidence(hidden[:, 1:n], target.head())[1].tolist()
+                batch.drafter.greedy_with_confidence(hidden[:, 1:n], target.head(), anchor)[1].tolist()
             else:
-                batch.drafter.greedy_tokens(hidden[:, 1:n], target.head()).tolist()
+                batch.drafter.greedy_tokens(hidden[:, 1:n], target.head(), anchor).tolist()
         t1 = time.perf_counter()
         if hasattr(tcache, "reserve"):
             tcache.reserve(context + n)

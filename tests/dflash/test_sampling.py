@@ -7,8 +7,8 @@ import itertools
 import pytest
 import torch
 from conftest import make_tiny_target
-from scipy.stats import chisquare
 from scripted import ScriptedDrafter
+from support import PROMPT, VOCAB, chi2_pvalue, exact_joint, sample_many
 
 from blockspec.config import SamplingParams, SpecConfig
 from blockspec.dflash.drafter import new_drafter_for_target
@@ -17,56 +17,6 @@ from blockspec.dflash.batch import SpecDecoder
 from blockspec.dflash.lookup import LookupConfig
 from blockspec.dflash.sampling import probabilities
 from blockspec.dflash.verify import verify_greedy, verify_sampled
-
-VOCAB = 10
-PROMPT = [1, 2, 3]
-
-
-def shaped(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
-    n = logits.shape[0]
-    return probabilities(
-        logits[:, None], torch.full((n,), sp.temperature), torch.full((n,), sp.top_k, dtype=torch.long),
-        torch.full((n,), sp.top_p),
-    )[:, 0].double()
-
-
-def exact_joint(model, sp: SamplingParams) -> torch.Tensor:
-    """P(x1, x2, x3 | PROMPT) under the target with the same shaping, by enumeration: [V, V, V]."""
-    with torch.no_grad():
-        p1 = shaped(model(torch.tensor([PROMPT])).logits[:, -1], sp)[0]  # [V]
-        pairs = torch.tensor([PROMPT + [a] for a in range(VOCAB)])
-        p2 = shaped(model(pairs).logits[:, -1], sp)  # [V, V]
-        triples = torch.tensor([PROMPT + [a, b] for a, b in itertools.product(range(VOCAB), repeat=2)])
-        p3 = shaped(model(triples).logits[:, -1], sp).view(VOCAB, VOCAB, VOCAB)
-    return p1[:, None, None] * p2[:, :, None] * p3
-
-
-def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:
-    """Chi-square goodness of fit, pooling cells with small expected counts into one."""
-    n = counts.sum()
-    expected = probs.flatten() * n
-    counts = counts.flatten().double()
-    small = expected < min_expected
-    obs = torch.cat([counts[~small], counts[small].sum()[None]])
-    exp = torch.cat([expected[~small], expected[small].sum()[None]])
-    keep = exp > 0
-    assert float(obs[~keep].sum()) == 0.0, "sampled a token the target gives probability 0"
-    obs, exp = obs[keep], exp[keep]
-    exp = exp * (obs.sum() / exp.sum())  # the float32 probabilities sum to 1 only up to rounding
-    return float(chisquare(obs.numpy(), exp.numpy()).pvalue)
-
-
-def sample_many(dec: SpecDecoder, sp: SamplingParams, n: int, batch: int) -> torch.Tensor:
-    counts = torch.zeros(VOCAB, VOCAB, VOCAB)
-    seed = 0
-    for _ in range(n // batch):
-        params = [sp.with_(seed=seed + i) for i in range(batch)]
-        seed += batch
-        for r in dec.generate([PROMPT] * batch, params):
-            a, b, c = r.token_ids
-            counts[a, b, c] += 1
-    return counts
-
 
 @pytest.mark.parametrize(
     "shape",
