@@ -23,7 +23,8 @@ from blockspec.errors import CheckpointError, ConfigError
 from blockspec.dflash.drafter import DFlashDrafter, load_drafter, new_drafter_for_target, read_drafter_config
 from blockspec.cpu.linear import cpu_bf16_matmul
 from blockspec.targets.base import DTYPES, Target
-from blockspec.dflash.batch import GenerationResult, RequestStats, SpecDecoder
+from blockspec.dflash.batch import GenerationResult, RequestStats
+from blockspec.engine.decoder import SpecDecoder
 from blockspec.dflash.lookup import LookupConfig
 from blockspec.text import IncrementalDetokenizer, Messages, StopStrings, encode_prompt
 
@@ -87,7 +88,8 @@ def check_drafter(target: str | Path, drafter: str | Path | None) -> str | Path:
 
 
 class Pipeline:
-    """A target, its tokenizer, an optional drafter and the decoder that runs them."""
+    """A target, its tokenizer, an optional drafter and the decoder that runs them (the engine's
+    loop on the calling thread: engine/decoder.py)."""
 
     def __init__(
         self,
@@ -159,9 +161,12 @@ class Pipeline:
         return self.generate_ids(ids, params, block_size=block_size)
 
     def generate_ids(
-        self, prompts: list[list[int]], params: SamplingParams, *, block_size: int | None = None, on_tokens=None
+        self, prompts: list[list[int]], params: SamplingParams, *, block_size: int | None = None, on_tokens=None,
+        stops: StopStrings | None = None,
     ) -> list[Completion]:
-        stops = StopStrings(self.tokenizer, params.stop)
+        """Generates for token-id prompts through the engine's loop; `stops`: the StopStrings of
+        params.stop when the caller already built them (streaming)."""
+        stops = stops or StopStrings(self.tokenizer, params.stop)
         check = (lambda _i, ids: stops.tokens_to_keep(ids)) if params.stop else None
         results = self.decoder.generate(prompts, params, block_size=block_size, on_tokens=on_tokens, stop_check=check)
         return [self._completion(r, stops) for r in results]
@@ -191,7 +196,8 @@ class Pipeline:
 
         def work() -> None:
             try:
-                events.put(self.generate_ids([ids], params, block_size=block_size, on_tokens=on_tokens)[0])
+                events.put(self.generate_ids([ids], params, block_size=block_size, on_tokens=on_tokens,
+                                             stops=stops)[0])
             except BaseException as e:  # re-raised in the consumer's thread
                 events.put(e)
 

@@ -9,7 +9,7 @@ from conftest import make_tiny_target
 from scipy.stats import chisquare
 
 from blockspec.config import SamplingParams
-from blockspec.dflash.batch import SpecDecoder
+from blockspec.engine.decoder import SpecDecoder
 from blockspec.dflash.drafter import DFlashDrafter, DraftCache, new_drafter_for_target
 from blockspec.dflash.sampling import probabilities
 from blockspec.dflash.static_drafter import StaticDrafter

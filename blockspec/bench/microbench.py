@@ -100,7 +100,7 @@ def engine_tps(target, drafter, prompt_ids, max_new: int) -> tuple[float, float,
     """Tokens/s of one request through the engine with adaptive block size (calibrated first)."""
     from blockspec.engine import Engine, EngineConfig
 
-    engine = Engine(target, drafter, EngineConfig(max_batch=1, block_size=16, adaptive_block=True))
+    engine = Engine(target, drafter, EngineConfig(SpecConfig(block_size=16, adaptive=True), max_batch=1))
     params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
     try:
         engine.generate(prompt_ids, params.with_(max_new_tokens=4))  # calibration happens here
@@ -127,7 +127,7 @@ def batch_tps(target, tokenizer, n: int, max_new: int) -> dict[str, float]:
     out: dict[str, float] = {}
     outputs = {}
     for size in (1, n):
-        engine = Engine(target, None, EngineConfig(max_batch=size, block_size=1))
+        engine = Engine(target, None, EngineConfig(SpecConfig(block_size=1), max_batch=size))
         try:
             engine.generate(prompts[0], params.with_(max_new_tokens=2))
             cpu0 = time.process_time()
@@ -164,7 +164,7 @@ def main() -> None:
     from blockspec.api import pick_mask_token, resolve_target_dir
     from blockspec.dflash.drafter import new_drafter_for_target
     from blockspec.targets.native.load import load_target
-    from blockspec.dflash.batch import SpecDecoder
+    from blockspec.engine.decoder import SpecDecoder
     from blockspec.text import encode_prompt
 
     path = resolve_target_dir(args.target)

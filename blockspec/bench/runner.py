@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from types import SimpleNamespace
 from typing import Protocol
 
-from blockspec.config import SamplingParams
+from blockspec.config import SamplingParams, SpecConfig
 from blockspec.errors import ConfigError
 from blockspec.text import encode_prompt
 
@@ -99,9 +99,9 @@ class EngineRunner:
         from blockspec.engine import Engine, EngineConfig
 
         if concurrency not in self._engines:
-            cfg = EngineConfig(max_batch=concurrency, max_queue=1 << 20, block_size=self.block_size,
-                               adaptive_block=self.adaptive, own_thread=False, lookup=self.lookup,
-                               ragged_verify=self.ragged)
+            spec = SpecConfig(block_size=self.block_size, adaptive=self.adaptive, lookup=self.lookup,
+                              ragged_verify=self.ragged)
+            cfg = EngineConfig(spec, max_batch=concurrency, max_queue=1 << 20, own_thread=False)
             self._engines[concurrency] = Engine(self.target, self.drafter, cfg)
         return self._engines[concurrency]
 

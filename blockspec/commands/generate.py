@@ -207,13 +207,14 @@ def run_one(pipe, ids: list[int], params, *, stream: bool):
         return pipe.generate_ids([ids], params)[0]
     from blockspec.text import IncrementalDetokenizer, StopStrings
 
-    detok = IncrementalDetokenizer(StopStrings(pipe.tokenizer, params.stop))
+    stops = StopStrings(pipe.tokenizer, params.stop)
+    detok = IncrementalDetokenizer(stops)
 
     def show(_row: int, new: list[int]) -> None:
         sys.stdout.write(detok.push(new))
         sys.stdout.flush()
 
-    out = pipe.generate_ids([ids], params, on_tokens=show)[0]
+    out = pipe.generate_ids([ids], params, on_tokens=show, stops=stops)[0]
     sys.stdout.write(detok.push([], final=True) + "\n")
     return out
 

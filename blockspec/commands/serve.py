@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 
+from blockspec.config import SpecConfig
 from blockspec.commands import DEFAULT_TARGET, add_drafter_dtype_argument, add_lookup_argument
 
 HELP = "OpenAI-compatible HTTP server with continuous batching"
@@ -54,8 +55,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         pipeline = load(args.target, args.drafter, dtype=args.dtype, device=args.device,
                         block_size=args.block_size, drafter_dtype=args.drafter_dtype, lookup=not args.no_lookup)
-        config = EngineConfig(max_batch=args.max_batch, max_queue=args.max_queue, block_size=pipeline.block_size,
-                              adaptive_block=args.adaptive_block, lookup=pipeline.lookup)
+        spec = SpecConfig(block_size=pipeline.block_size, adaptive=args.adaptive_block, lookup=pipeline.lookup)
+        config = EngineConfig(spec, max_batch=args.max_batch, max_queue=args.max_queue)
         app = create_app(pipeline, engine_config=config, served_model_name=args.served_model_name,
                          api_key=args.api_key)
         state = app.state.blockspec

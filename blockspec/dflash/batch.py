@@ -1,10 +1,9 @@
 """The DFlash speculative decoding loop for a batch of token-id prompts (docs/DESIGN.md section 4).
 
 `DecodeBatch` is the one step implementation: rows join (prefill + first token), every `step`
-drafts, verifies and commits for the whole batch, finished rows leave. `SpecDecoder.generate`
-runs one fixed batch through it; the engine (blockspec/engine) adds and removes rows between
-steps. Each row accepts its own number of tokens per step: the Hugging Face adapter's caches keep
-per-slot positions (targets/slots.py), native caches index slots by position (targets/native/
+drafts, verifies and commits for the whole batch, finished rows leave. The engine
+(blockspec/engine) drives it: rows join and leave between steps. Each row accepts its own
+number of tokens per step: the Hugging Face adapter's caches keep per-slot positions (targets/slots.py), native caches index slots by position (targets/native/
 cache.py), so nothing is padded to a common length or recomputed. Block size 1 skips the drafter
 and is plain autoregressive decoding through the same code. With a LookupConfig, a row whose last
 tokens occurred before proposes what followed them instead of its drafted tokens (dflash/lookup.py).
@@ -22,22 +21,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from blockspec.config import SamplingParams, SpecConfig
-from blockspec.cpu.threads import follow_free_cores
-from blockspec.errors import ConfigError, ContextLengthError
-from blockspec.dflash.drafter import DFlashDrafter, check_compatible
+from blockspec.config import SamplingParams
+from blockspec.errors import ConfigError
+from blockspec.dflash.drafter import DFlashDrafter
 from blockspec.dflash.static_drafter import StaticDrafter, has_standard_forward
 from blockspec.targets.slots import EMPTY
 from blockspec.targets.base import Target, greedy_forward
 from blockspec.dflash.lookup import LookupConfig, TokenIndex
 from blockspec.dflash.sampling import RowRandom, probabilities, sample_from
 from blockspec.dflash.verify import accept_greedy, verify_sampled
-
-# Called after every step with (row index in the original prompt list, newly committed ids).
-OnTokens = Callable[[int, list[int]], None]
-# Returns the number of generated tokens to keep if a stop string occurred, else None.
-StopCheck = Callable[[int, list[int]], int | None]
-
 
 @dataclass
 class RequestStats:
@@ -156,131 +148,6 @@ def make_row(key: object, prompt_len: int, params: SamplingParams, eos: tuple[in
                          lookup_accepted_by_position=[0] * positions)
     return Row(key, params, _stop_ids(params, eos), stats, stop_check, tries=[0] * positions,
                lookup_tries=[0] * positions)
-
-
-class SpecDecoder:
-    """Runs target + drafter for batches of prompts. Holds no per-request state between calls."""
-
-    def __init__(self, target: Target, drafter: DFlashDrafter | None, spec: SpecConfig | None = None) -> None:
-        self.target = target
-        self.drafter = drafter
-        self.spec = spec or SpecConfig()
-        if drafter is not None:
-            info = target.info
-            check_compatible(
-                drafter.cfg, hidden_size=info.hidden_size, vocab_size=info.vocab_size, num_layers=info.num_layers
-            )
-        elif self.spec.block_size > 1:
-            raise ConfigError("block_size > 1 needs a drafter; pass one, or use block_size=1 for plain decoding")
-        self._adaptive = None  # the adaptive block policy: step costs measured here, kept across calls
-
-    @property
-    def block_choices(self) -> dict[int, int]:
-        """Steps run at each block size by the adaptive policy so far (empty when it is off)."""
-        return dict(self._adaptive.used) if self._adaptive is not None else {}
-
-    def _adaptive_policy(self, block: int) -> object:
-        from blockspec.dflash.policy import AdaptiveBlock  # the engine package builds on this module
-
-        if self._adaptive is None or self._adaptive.max_block != block:
-            self._adaptive = AdaptiveBlock(block)
-        return self._adaptive
-
-    def check_request(self, prompt_len: int, params: SamplingParams) -> None:
-        """Raises ContextLengthError if a request cannot fit the target's context."""
-        limit = self.target.info.max_position_embeddings
-        if prompt_len < 1:
-            raise ConfigError("the prompt is empty; give at least one token")
-        if prompt_len + params.max_new_tokens > limit:
-            raise ContextLengthError(
-                f"prompt ({prompt_len} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
-                f"target's context of {limit} tokens; shorten the prompt or lower max_new_tokens "
-                f"to at most {max(0, limit - prompt_len)}"
-            )
-
-    def check_prompt(self, prompt: list[int], params: SamplingParams) -> None:
-        """check_request plus token-id range."""
-        self.check_request(len(prompt), params)
-        vocab = self.target.info.vocab_size
-        not_ids = [t for t in prompt if not isinstance(t, int)]
-        if not_ids:
-            raise ConfigError("a prompt must be a list of int token ids (tokenize text first); "
-                              f"got {type(not_ids[0]).__name__} {not_ids[0]!r:.40}")
-        if any(not 0 <= t < vocab for t in prompt):
-            raise ConfigError(f"prompt token ids must be in [0, {vocab}); got one outside")
-
-    @torch.inference_mode()
-    def generate(
-        self,
-        prompts: list[list[int]],
-        params: list[SamplingParams] | SamplingParams,
-        *,
-        block_size: int | None = None,
-        on_tokens: OnTokens | None = None,
-        stop_check: StopCheck | None = None,
-        capture_layer_ids: tuple[int, ...] = (),
-    ) -> list[GenerationResult]:
-        """Generates for every prompt; returns results in prompt order.
-
-        block_size: a fixed block size for this call; None takes the SpecConfig's (adaptive
-        when `spec.adaptive`: each step's block size up to spec.block_size is chosen by cost).
-
-        capture_layer_ids: also return the target features of these layers for every position
-        (what drafter training needs), for free from the passes decoding makes anyway.
-        """
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ConfigError(f"got {len(prompts)} prompts but {len(params)} sampling params")
-        if not prompts:
-            return []
-        block = self.spec.block_size if block_size is None else SpecConfig(block_size=block_size).block_size
-        if block > 1 and self.drafter is None:
-            raise ConfigError("block_size > 1 needs a drafter; pass one, or use block_size=1")
-        for p, sp in zip(prompts, params):
-            self.check_prompt(p, sp)
-        batch = DecodeBatch(self.target, self.drafter if block > 1 else None, max_block=block,
-                            compact_ratio=self.spec.compact_ratio, capture_layer_ids=capture_layer_ids,
-                            lookup=self.spec.lookup)
-        eos = self.target.info.eos_token_ids
-        rows = []
-        for i, (p, sp) in enumerate(zip(prompts, params)):
-            check = (lambda ids, i=i: stop_check(i, ids)) if stop_check is not None else None
-            rows.append(make_row(i, len(p), sp, eos, block, check))
-        results: dict[int, GenerationResult] = {}
-
-        def report() -> None:
-            if on_tokens is not None:
-                for r in batch.rows:
-                    if r.new_tokens:
-                        on_tokens(r.key, r.new_tokens)
-            for r in batch.retire():
-                results[r.key] = GenerationResult(list(r.generated), r.finish_reason, r.stats,
-                                                  _captured_features(r))
-
-        cpu = batch.device.type == "cpu"
-        if cpu:
-            follow_free_cores()  # threads where cores are free (cpu/threads.py); the output is the same
-        t0 = time.perf_counter()
-        batch.join(prompts, rows)
-        prefill_s = time.perf_counter() - t0
-        for r in rows:
-            r.stats.prefill_s = prefill_s
-        report()
-        policy = self._adaptive_policy(block) if self.spec.adaptive and block_size is None and block > 1 else None
-        t1 = time.perf_counter()
-        while batch.rows:
-            if cpu:
-                follow_free_cores()
-            if policy is not None:
-                policy.step(batch)
-            else:
-                batch.step(block)
-            now = time.perf_counter()
-            for r in batch.rows:
-                r.stats.decode_s = now - t1
-            report()
-        return [results[i] for i in range(len(prompts))]
 
 
 def _static_cache(cache: object) -> bool:
@@ -792,7 +659,7 @@ def draft_confidence(draft_probs: torch.Tensor) -> torch.Tensor:
     return draft_probs.max(dim=-1).values
 
 
-def _captured_features(r: Row) -> torch.Tensor | None:
+def captured_features(r: Row) -> torch.Tensor | None:
     """[prompt + generated, L*H]: the fed positions' features (cut where a stop ended the row
     inside a block), then a zero row for the last token, which was never fed."""
     if r.captured is None:

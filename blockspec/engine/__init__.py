@@ -1,6 +1,7 @@
 """Continuous-batching engine over the speculative decoding step (blockspec/engine/engine.py)."""
 
 from blockspec.dflash.policy import AdaptiveBlock, CostModel
+from blockspec.engine.decoder import SpecDecoder
 from blockspec.engine.engine import Engine, EngineConfig
 from blockspec.engine.metrics import EngineMetrics, Histogram
 from blockspec.engine.request import RequestHandle, TokenEvent
@@ -18,5 +19,6 @@ __all__ = [
     "QueueFullError",
     "RequestHandle",
     "RequestStats",
+    "SpecDecoder",
     "TokenEvent",
 ]

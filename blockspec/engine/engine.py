@@ -6,14 +6,14 @@ passes. Each request keeps its own sampling parameters, seed, stop conditions an
 and streams its committed tokens as TokenEvents. Greedy output of a request does not depend on
 its batch mates: rows never see each other's cache entries and verification is exact.
 
-    engine = Engine(target, drafter, EngineConfig(max_batch=8, adaptive_block=True))
+    engine = Engine(target, drafter, EngineConfig(SpecConfig(block_size=16, adaptive=True), max_batch=8))
     handle = engine.submit(prompt_ids, SamplingParams(max_new_tokens=64))  # any thread
     for event in handle.events(): ...   # or handle.result(), or `async for` handle.aevents()
     engine.stop()
 
 By default the engine decodes on a thread of its own, started by the first submit (a server).
 With EngineConfig(own_thread=False) nothing decodes until the owner calls run_until_idle() on
-its own thread (a benchmark). Either way one thread does all the torch work, which on CPU is what
+its own thread (a benchmark; the Python API through engine/decoder.py). Either way one thread does all the torch work, which on CPU is what
 keeps its small matrix products fast (cpu/openmp.py).
 """
 
@@ -25,79 +25,75 @@ import time
 import traceback
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from blockspec.config import MAX_BLOCK_SIZE, SamplingParams, SpecConfig
-from blockspec.dflash.policy import AdaptiveBlock
-from blockspec.engine.metrics import EngineMetrics, MetricsRecorder
+from blockspec.config import SamplingParams, SpecConfig
 from blockspec.cpu.openmp import release_thread_pool
 from blockspec.cpu.threads import follow_free_cores
-from blockspec.engine.request import Request, RequestHandle, StopCheck, TokenEvent
+from blockspec.dflash.batch import DecodeBatch, GenerationResult, Row, captured_features, make_row
+from blockspec.dflash.drafter import DFlashDrafter, check_compatible
+from blockspec.dflash.policy import AdaptiveBlock
+from blockspec.engine.metrics import EngineMetrics, MetricsRecorder
+from blockspec.engine.request import OnTokens, Request, RequestHandle, StopCheck, TokenEvent, check_prompt
 from blockspec.engine.scheduler import Scheduler
 from blockspec.errors import ConfigError
-from blockspec.dflash.drafter import DFlashDrafter
 from blockspec.targets.base import Target
-from blockspec.dflash.batch import DecodeBatch, GenerationResult, Row, SpecDecoder, make_row
-from blockspec.dflash.lookup import LookupConfig
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Engine knobs. block_size is the upper bound; 1 means plain decoding."""
+    """Engine knobs: how requests are decoded (`spec`) and how many share a batch. spec.block_size
+    is the upper bound; 1 means plain decoding."""
 
+    spec: SpecConfig = field(default_factory=SpecConfig)
     max_batch: int = 16  # requests decoded together per step
     max_queue: int = 64  # waiting requests beyond max_batch; more -> QueueFullError
-    block_size: int = 16
-    adaptive_block: bool = False  # choose each step's block size from measured costs/acceptance
-    compact_ratio: float = 0.25  # Hugging Face adapter caches only (see SpecConfig)
     idle_wait_s: float = 0.05  # how long the idle thread sleeps between checks
     # True: decode on the engine's own thread, started by the first submit (a server). False: the
-    # owner decodes on its own thread with run_until_idle() (a benchmark: no second OpenMP team).
+    # owner decodes on its own thread with run_until_idle() (a benchmark, the Python API: no
+    # second OpenMP team).
     own_thread: bool = True
-    # Rows whose last tokens occurred before propose what followed them (dflash/lookup.py).
-    lookup: LookupConfig | None = None
-    # With adaptive_block: rows of a batch verify lengths of their own, chosen from their drafts'
-    # confidences, and rows with lookup continuations may verify them with no draft pass
-    # (AdaptiveBlock(ragged=True); native targets on a CPU). Opt-in: on 2 cores it stayed within
-    # run-to-run spread of the default at concurrency 8 and 16 (0.93-1.06x plain decoding against
-    # 0.98-1.08x; GSM8K, SmolLM2-135M).
-    ragged_verify: bool = False
+    # True: the adaptive policy measures every batch size up to max_batch before the first
+    # request (no calibration pass inside a served step). False: each batch size at its first step.
+    calibrate_first: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.spec, SpecConfig):
+            raise ConfigError(f"spec must be a SpecConfig, got {type(self.spec).__name__}")
         if not isinstance(self.max_batch, int) or self.max_batch < 1:
             raise ConfigError(f"max_batch must be an integer >= 1, got {self.max_batch!r}")
         if not isinstance(self.max_queue, int) or self.max_queue < 0:
             raise ConfigError(f"max_queue must be an integer >= 0, got {self.max_queue!r}")
-        if not isinstance(self.block_size, int) or not 1 <= self.block_size <= MAX_BLOCK_SIZE:
-            raise ConfigError(f"block_size must be an integer in [1, {MAX_BLOCK_SIZE}], got {self.block_size!r}")
-        if self.lookup is not None and not isinstance(self.lookup, LookupConfig):
-            raise ConfigError(f"lookup must be None or a LookupConfig, got {type(self.lookup).__name__}")
-        if not isinstance(self.own_thread, bool):
-            raise ConfigError(f"own_thread must be True or False, got {self.own_thread!r}")
-        if not isinstance(self.ragged_verify, bool):
-            raise ConfigError(f"ragged_verify must be True or False, got {self.ragged_verify!r}")
+        for name in ("own_thread", "calibrate_first"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
 
 class Engine:
     """Serves token-id requests, decoding them together (see the module docstring)."""
 
     def __init__(self, target: Target, drafter: DFlashDrafter | None, config: EngineConfig | None = None, *,
-                 tokenizer: object = None) -> None:
+                 tokenizer: object = None, capture_layer_ids: tuple[int, ...] = ()) -> None:
+        """capture_layer_ids: every request's result also carries the target features of these
+        layers at every position (what drafter training reads), from the passes decoding makes."""
         self.config = config or EngineConfig()
-        block = self.config.block_size if drafter is not None else 1
-        if self.config.block_size > 1 and drafter is None:
-            raise ConfigError("block_size > 1 needs a drafter; pass one, or EngineConfig(block_size=1)")
+        spec = self.config.spec
+        if drafter is not None:
+            info = target.info
+            check_compatible(drafter.cfg, hidden_size=info.hidden_size, vocab_size=info.vocab_size,
+                             num_layers=info.num_layers)
+        elif spec.block_size > 1:
+            raise ConfigError("block_size > 1 needs a drafter; pass one, or use block_size=1 for plain decoding")
         self.target = target
         self.drafter = drafter
         self.tokenizer = tokenizer
-        self.block = block
-        self._checker = SpecDecoder(target, drafter, SpecConfig(block_size=block))
+        self.block = block = spec.block_size
         self.batch = DecodeBatch(target, drafter if block > 1 else None, max_block=block,
-                                 compact_ratio=self.config.compact_ratio, lookup=self.config.lookup)
-        self.adaptive = (AdaptiveBlock(block, ragged=self.config.ragged_verify)
-                         if self.config.adaptive_block and block > 1 else None)
+                                 compact_ratio=spec.compact_ratio, lookup=spec.lookup,
+                                 capture_layer_ids=capture_layer_ids)
+        self.adaptive = AdaptiveBlock(block, ragged=spec.ragged_verify) if spec.adaptive and block > 1 else None
         self.scheduler = Scheduler(self.config.max_batch, self.config.max_queue)
         self.recorder = MetricsRecorder()
         self._requests: dict[str, Request] = {}  # running, by id (engine thread only)
@@ -107,6 +103,7 @@ class Engine:
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self.last_error: str | None = None
+        self.last_exception: BaseException | None = None
 
     # ---- public API ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -132,6 +129,8 @@ class Engine:
             self.scheduler.wake()
         if thread is not None:
             thread.join()
+        else:  # own_thread=False: an interrupted run_until_idle left its rows in the batch
+            self._drop_all("cancelled")
         for request in self.scheduler.drain():
             self._finish_unstarted(request, "cancelled")
 
@@ -172,22 +171,26 @@ class Engine:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def check(self, prompt_ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt as ints if this engine can take the request; else ConfigError or ContextLengthError."""
+        return check_prompt(self.target.info, prompt_ids, params)
+
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-               stop_check: StopCheck | None = None) -> RequestHandle:
+               stop_check: StopCheck | None = None, on_tokens: OnTokens | None = None) -> RequestHandle:
         """Queues a request; validates it now (ContextLengthError, ConfigError) and raises
         QueueFullError when the queue is full. Never waits for the decode loop (own_thread=False:
-        nothing decodes until the owner calls run_until_idle())."""
-        prompt_ids = [int(t) for t in prompt_ids]
+        nothing decodes until the owner calls run_until_idle()). on_tokens(ids) hears each
+        commit on the decoding thread, before the event is queued."""
         if not isinstance(params, SamplingParams):
             raise ConfigError(f"params must be a SamplingParams, got {type(params).__name__}")
-        self._checker.check_prompt(prompt_ids, params)
+        prompt_ids = self.check(prompt_ids, params)
         if stop_check is None and params.stop and self.tokenizer is not None:
             from blockspec.text import StopStrings
 
             stops = StopStrings(self.tokenizer, params.stop)
             stop_check = stops.tokens_to_keep
         rid = request_id or f"req-{uuid.uuid4().hex[:12]}-{next(self._ids)}"
-        request = Request(rid, prompt_ids, params, stop_check)
+        request = Request(rid, prompt_ids, params, stop_check, on_tokens=on_tokens)
         self.scheduler.submit(request)
         self.recorder.submitted()
         if self.config.own_thread:
@@ -207,7 +210,7 @@ class Engine:
 
     # ---- the loop ------------------------------------------------------------------------------------
     def _calibrate(self) -> None:
-        if self.adaptive is not None:
+        if self.adaptive is not None and self.config.calibrate_first:
             if self.batch.device.type == "cpu":
                 follow_free_cores()  # calibrated at the thread count the first steps will run
             try:  # before the first request, so no calibration pass lands inside a measured step
@@ -320,6 +323,8 @@ class Engine:
             request = self._requests[row.key]
             if row.finish_reason is None and row.new_tokens:
                 self.recorder.tokens(len(row.new_tokens))
+                if request.on_tokens is not None:
+                    request.on_tokens(list(row.new_tokens))
                 request.events.put(TokenEvent(row.key, list(row.new_tokens), False, None, None))
                 row.new_tokens = []
         for row in self.batch.retire():
@@ -332,12 +337,16 @@ class Engine:
         reason = row.finish_reason or "error"
         tokens = list(row.new_tokens) if reason not in ("cancelled", "error") else []
         self.recorder.tokens(len(tokens))
-        request.events.put(TokenEvent(row.key, tokens, True, reason, row.stats, error))
+        if tokens and request.on_tokens is not None:
+            request.on_tokens(tokens)
+        features = captured_features(row) if reason not in ("cancelled", "error") else None
+        request.events.put(TokenEvent(row.key, tokens, True, reason, row.stats, error, features))
         row.new_tokens = []
         self.recorder.finished(reason, time.perf_counter() - request.submitted_at)
 
     def _note_error(self, e: BaseException) -> None:
         self.last_error = "".join(traceback.format_exception(e))
+        self.last_exception = e
 
     def _fail_all(self, e: BaseException) -> None:
         """Fails every running request with finish_reason "error" and starts a clean batch."""

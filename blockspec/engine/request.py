@@ -3,17 +3,52 @@
 from __future__ import annotations
 
 import asyncio
+import operator
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
+import torch
+
 from blockspec.config import SamplingParams
 from blockspec.dflash.batch import GenerationResult, RequestStats
+from blockspec.errors import ConfigError, ContextLengthError
+from blockspec.targets.base import TargetInfo
 
 # Given the generated ids so far, the number to keep when a stop string occurred, else None.
 StopCheck = Callable[[list[int]], int | None]
+# Hears a request's newly committed ids, on the decoding thread.
+OnTokens = Callable[[list[int]], None]
+
+
+def check_prompt(info: TargetInfo, prompt: list[int], params: SamplingParams) -> list[int]:
+    """The prompt as Python ints; raises ConfigError for a prompt that is not token ids of the
+    target's vocabulary, and ContextLengthError when prompt + max_new_tokens exceeds the target's
+    context."""
+    if len(prompt) < 1:
+        raise ConfigError("the prompt is empty; give at least one token")
+    ids = []
+    for t in prompt:
+        try:
+            if isinstance(t, (bool, str, bytes)):
+                raise TypeError
+            ids.append(operator.index(t))  # ints of numpy and torch too, never a float or a string
+        except TypeError:
+            raise ConfigError("a prompt must be a list of int token ids (tokenize text first); "
+                              f"got {type(t).__name__} {t!r:.40}") from None
+    prompt = ids
+    limit = info.max_position_embeddings
+    if len(prompt) + params.max_new_tokens > limit:
+        raise ContextLengthError(
+            f"prompt ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
+            f"target's context of {limit} tokens; shorten the prompt or lower max_new_tokens "
+            f"to at most {max(0, limit - len(prompt))}"
+        )
+    if any(not 0 <= t < info.vocab_size for t in prompt):
+        raise ConfigError(f"prompt token ids must be in [0, {info.vocab_size}); got one outside")
+    return prompt
 
 
 @dataclass(frozen=True)
@@ -26,6 +61,8 @@ class TokenEvent:
     finish_reason: str | None  # "stop" | "length" | "cancelled" | "error"
     stats: RequestStats | None
     error: str | None = None
+    # The final event of a request decoded with capture_layer_ids: target features [n, L*H].
+    features: torch.Tensor | None = None
 
 
 @dataclass
@@ -40,6 +77,7 @@ class Request:
     cancelled: threading.Event = field(default_factory=threading.Event)
     events: queue.Queue = field(default_factory=queue.Queue)
     first_token_at: float | None = None
+    on_tokens: OnTokens | None = None
 
 
 class RequestHandle:
@@ -99,4 +137,5 @@ class RequestHandle:
         final = self._final
         if final.finish_reason == "error":
             raise RuntimeError(f"request {self.request_id} failed: {final.error}")
-        return GenerationResult(list(self._tokens), final.finish_reason or "stop", final.stats or RequestStats())
+        return GenerationResult(list(self._tokens), final.finish_reason or "stop", final.stats or RequestStats(),
+                                final.features)

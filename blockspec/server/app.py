@@ -28,7 +28,7 @@ from jinja2 import TemplateError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from blockspec.api import Pipeline
-from blockspec.config import SamplingParams
+from blockspec.config import SamplingParams, SpecConfig
 from blockspec.engine import Engine, EngineConfig, QueueFullError, RequestHandle, TokenEvent
 from blockspec.errors import BlockspecError, ContextLengthError
 from blockspec.server import errors
@@ -75,7 +75,7 @@ def create_app(
     """
     owns = engine is None
     if engine is None:
-        config = engine_config or EngineConfig(block_size=pipeline.block_size, lookup=pipeline.lookup)
+        config = engine_config or EngineConfig(SpecConfig(block_size=pipeline.block_size, lookup=pipeline.lookup))
         engine = Engine(pipeline.target, pipeline.drafter, config, tokenizer=pipeline.tokenizer)
     info = pipeline.target.info
     state = ServerState(

@@ -57,7 +57,7 @@ def regenerate(
         raise ConfigError(f"feature layer ids must be in [0, {n_layers}) for this target, got {list(feature_layer_ids)}")
     from tqdm import tqdm
 
-    from blockspec.dflash.batch import SpecDecoder
+    from blockspec.engine.decoder import SpecDecoder
 
     writer = ShardWriter(out_dir, shard_size)
     done = writer.done_ids()

@@ -25,7 +25,7 @@ def quick_tau(
     batch_size: int = 8,
 ) -> dict:
     """Greedy speculative decoding of token-id prompts; returns mean tau and details."""
-    from blockspec.dflash.batch import SpecDecoder
+    from blockspec.engine.decoder import SpecDecoder
 
     block = block_size or drafter.block_size
     was_training = drafter.training

@@ -8,7 +8,7 @@ from conftest import make_tiny_target
 from blockspec.config import SamplingParams, SpecConfig
 from blockspec.errors import ConfigError, ContextLengthError
 from blockspec.targets.hf import HFTarget
-from blockspec.dflash.batch import SpecDecoder
+from blockspec.engine.decoder import SpecDecoder
 
 
 @pytest.mark.parametrize(

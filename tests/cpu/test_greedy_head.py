@@ -15,7 +15,7 @@ from blockspec.dflash.drafter import new_drafter_for_target
 from blockspec.cpu.greedy_head import BOUND_SCALE, GreedyHead
 from blockspec.targets.slots import EMPTY
 from blockspec.targets.base import greedy_forward
-from blockspec.dflash.batch import SpecDecoder
+from blockspec.engine.decoder import SpecDecoder
 
 pytestmark = pytest.mark.skipif(kernels.kernel() is None, reason="needs the native CPU kernel (a C compiler)")
 

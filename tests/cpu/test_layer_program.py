@@ -15,7 +15,7 @@ from blockspec.dflash.drafter import init_drafter_weights, new_drafter_for_targe
 from blockspec.targets.native import load_native_target
 from blockspec.dflash.static_drafter import StaticDrafter
 from blockspec.targets.native.llama import NativeLlama
-from blockspec.dflash.batch import SpecDecoder
+from blockspec.engine.decoder import SpecDecoder
 
 pytestmark = needs_kernel
 

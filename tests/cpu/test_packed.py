@@ -17,7 +17,7 @@ from blockspec.cpu.linear import linear, project
 from blockspec.targets.native import load_native_target
 from blockspec.targets.native.llama import PACKED_HEAD_ROWS
 from blockspec.cpu.packed_weights import BF16_MAX_ROWS, PackedWeight, pack, pack_for, pack_q4, pack_q8, packed_linear, unpack
-from blockspec.dflash.batch import SpecDecoder
+from blockspec.engine.decoder import SpecDecoder
 
 needs_kernel = pytest.mark.skipif(kernels.kernel() is None, reason="the native CPU kernel did not build here")
 

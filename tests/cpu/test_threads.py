@@ -15,7 +15,7 @@ from scripted import ScriptedDrafter
 from blockspec.config import SamplingParams, SpecConfig
 from blockspec.cpu import threads
 from blockspec.cpu.threads import Governor, Sample, others_cores, parse_stat, setting, threads_for
-from blockspec.dflash.batch import SpecDecoder
+from blockspec.engine.decoder import SpecDecoder
 from blockspec.dflash.drafter import new_drafter_for_target
 from blockspec.errors import ConfigError
 

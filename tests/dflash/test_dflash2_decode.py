@@ -15,7 +15,8 @@ from conftest import make_tiny_target
 from support import VOCAB, chi2_pvalue, exact_joint, ragged_prompts, reference_greedy, sample_many
 
 from blockspec.config import SamplingParams, SpecConfig
-from blockspec.dflash.batch import DecodeBatch, SpecDecoder, make_row
+from blockspec.dflash.batch import DecodeBatch, make_row
+from blockspec.engine.decoder import SpecDecoder
 from blockspec.dflash.drafter import DFLASH2, DFlashDrafter, new_drafter_for_target, save_drafter
 from blockspec.dflash.lookup import LookupConfig
 from blockspec.dflash.static_drafter import StaticDrafter
@@ -211,8 +212,8 @@ def _joins(engine: Engine, prompts: list[list[int]], params: list[SamplingParams
     return [h.result(timeout=120).token_ids for h in handles]
 
 
-@pytest.mark.parametrize("options", [dict(), dict(adaptive_block=True, lookup=LookupConfig(min_ngram=2)),
-                                     dict(adaptive_block=True, ragged_verify=True)],
+@pytest.mark.parametrize("options", [dict(), dict(adaptive=True, lookup=LookupConfig(min_ngram=2)),
+                                     dict(adaptive=True, ragged_verify=True)],
                          ids=["fixed", "adaptive_lookup", "ragged_verify"])
 def test_engine_with_joins_is_lossless(options: dict) -> None:
     model, following = predictable(seed=2)
@@ -221,7 +222,7 @@ def test_engine_with_joins_is_lossless(options: dict) -> None:
     lengths = [24, 9, 24, 17, 24, 5]
     truth = [reference_greedy(model, p, n) for p, n in zip(prompts, lengths)]
     engine = Engine(target, knowing_walker(model, following, top_k=40, wrong=0.25, seed=1),
-                    EngineConfig(max_batch=3, block_size=8, **options))
+                    EngineConfig(SpecConfig(block_size=8, **options), max_batch=3))
     try:
         assert _joins(engine, prompts, [SamplingParams(max_new_tokens=n) for n in lengths]) == truth
         if not options:  # adaptive steps follow this machine's timings
@@ -250,7 +251,7 @@ def test_server_streams_a_dflash2_drafters_output(tiny_model_dir: Path, tmp_path
     assert pipe.drafter.cfg.dflash2
     prompts = [[{"role": "user", "content": f"What is {i} + {i}?"}] for i in range(4)]
     expected = [pipe.generate(p, max_new_tokens=10, temperature=0.0, block_size=1).text for p in prompts]
-    engine = Engine(pipe.target, pipe.drafter, EngineConfig(max_batch=4, block_size=4), tokenizer=pipe.tokenizer)
+    engine = Engine(pipe.target, pipe.drafter, EngineConfig(SpecConfig(block_size=4), max_batch=4), tokenizer=pipe.tokenizer)
     app = create_app(pipe, engine=engine, served_model_name="tiny")
     try:
         with BackgroundServer(app) as srv:

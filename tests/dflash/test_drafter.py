@@ -20,7 +20,7 @@ from blockspec.dflash.drafter import (
     save_drafter,
 )
 from blockspec.targets.hf import HFTarget
-from blockspec.dflash.batch import SpecDecoder
+from blockspec.engine.decoder import SpecDecoder
 
 PUBLISHED_QWEN3_8B = {  # the published Qwen3-8B drafter's config.json, shrunk only in size fields
     "architectures": ["DFlashDraftModel"],

@@ -12,7 +12,7 @@ from blockspec.dflash.policy import AdaptiveBlock, CostModel
 from blockspec.errors import ConfigError
 from blockspec.dflash.drafter import new_drafter_for_target
 from blockspec.targets.hf import HFTarget
-from blockspec.dflash.batch import SpecDecoder
+from blockspec.engine.decoder import SpecDecoder
 from blockspec.dflash.lookup import LookupConfig, TokenIndex
 
 
@@ -91,7 +91,7 @@ def test_greedy_with_lookup_equals_plain(family: str, block_size: int, batch: in
     for lookup in (None, LookupConfig(min_ngram=2)):
         dec = SpecDecoder(HFTarget(model), drafter, SpecConfig(block_size=block_size, adaptive=adaptive, lookup=lookup))
         if adaptive:  # step costs that machine load cannot move: verifying n tokens costs 1 + 0.1 (n - 1)
-            dec._adaptive = AdaptiveBlock(block_size, costs=FixedCosts(max_block=block_size))
+            dec.adaptive_policy = AdaptiveBlock(block_size, costs=FixedCosts(max_block=block_size))
         results = dec.generate(prompts, SamplingParams(max_new_tokens=60))
         for p, r in zip(prompts, results):
             assert r.token_ids == reference_greedy(model, p, 60)
@@ -108,7 +108,7 @@ def test_engine_config_checks_lookup() -> None:
     from blockspec.engine import EngineConfig
 
     with pytest.raises(ConfigError, match="lookup must be None or a LookupConfig"):
-        EngineConfig(lookup=True)
+        EngineConfig(SpecConfig(lookup=True))
 
 
 @pytest.mark.parametrize("backend", ["native", "hf"])
@@ -161,7 +161,7 @@ def test_adaptive_lone_row_verifies_lookup_without_drafting() -> None:
     costs = CostModel(max_block=8)  # a draft pass is 0.3 of a step; machine load cannot move these
     costs.observe = lambda *args: None
     costs.set(1, [1.0] + [1.3 + 0.05 * (n - 1) for n in range(2, 9)], [0.0] + [0.3] * 7)
-    dec._adaptive = AdaptiveBlock(8, costs=costs)
+    dec.adaptive_policy = AdaptiveBlock(8, costs=costs)
     result = dec.generate([prompt], SamplingParams(max_new_tokens=60))[0]
     assert result.token_ids == reference_greedy(model, prompt, 60)
-    assert dec._adaptive.lookup_steps > 5 and sum(result.stats.lookup_accepted_by_position) > 10
+    assert dec.adaptive_policy.lookup_steps > 5 and sum(result.stats.lookup_accepted_by_position) > 10

@@ -11,7 +11,7 @@ from scripted import ScriptedDrafter
 from blockspec.config import SamplingParams, SpecConfig
 from blockspec.dflash.drafter import new_drafter_for_target
 from blockspec.targets.hf import HFTarget
-from blockspec.dflash.batch import SpecDecoder
+from blockspec.engine.decoder import SpecDecoder
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3"])

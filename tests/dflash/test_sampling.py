@@ -13,7 +13,7 @@ from support import PROMPT, VOCAB, chi2_pvalue, exact_joint, sample_many
 from blockspec.config import SamplingParams, SpecConfig
 from blockspec.dflash.drafter import new_drafter_for_target
 from blockspec.targets.hf import HFTarget
-from blockspec.dflash.batch import SpecDecoder
+from blockspec.engine.decoder import SpecDecoder
 from blockspec.dflash.lookup import LookupConfig
 from blockspec.dflash.sampling import probabilities
 from blockspec.dflash.verify import verify_greedy, verify_sampled

@@ -10,7 +10,7 @@ import torch
 from conftest import make_tiny_target
 from support import OracleDrafter, distinct_prompts, reference_greedy, run_with_joins
 
-from blockspec.config import SamplingParams
+from blockspec.config import SamplingParams, SpecConfig
 from blockspec.engine import AdaptiveBlock, CostModel, Engine, EngineConfig, QueueFullError
 from blockspec.dflash.policy import buckets_up_to, calibration_sizes, expected_tokens
 from blockspec.errors import ConfigError, ContextLengthError
@@ -34,7 +34,7 @@ def test_requests_joining_mid_flight_get_the_same_output_as_alone(setup, backend
     model, native, prompts, truths = setup
     target = native if backend == "native" else HFTarget(model)
     drafter = OracleDrafter(model, native, prompts, truths)
-    engine = Engine(target, drafter, EngineConfig(max_batch=3, block_size=6))
+    engine = Engine(target, drafter, EngineConfig(SpecConfig(block_size=6), max_batch=3))
     try:
         outputs = run_with_joins(engine, prompts, SamplingParams(max_new_tokens=30))
         assert outputs == truths
@@ -53,7 +53,7 @@ def test_engine_with_lookup_is_lossless_for_joining_requests(setup) -> None:
 
     model, target, prompts, truths = setup
     drafter = new_drafter_for_target(model.config, mask_token_id=47, num_layers=1, dtype=torch.float64)
-    engine = Engine(target, drafter, EngineConfig(max_batch=3, block_size=6, lookup=LookupConfig(min_ngram=2)))
+    engine = Engine(target, drafter, EngineConfig(SpecConfig(block_size=6, lookup=LookupConfig(min_ngram=2)), max_batch=3))
     try:
         params = SamplingParams(max_new_tokens=30)
         handles = [engine.submit(p, params) for p in prompts[:2]]
@@ -82,7 +82,7 @@ def test_adaptive_block_size_never_changes_the_output(setup) -> None:
     good = OracleDrafter(model, target, prompts, truths, wrong_every=7)
     bad = new_drafter_for_target(model.config, mask_token_id=47, num_layers=1, dtype=torch.float64)
     for drafter in (good, bad):
-        engine = Engine(target, drafter, EngineConfig(max_batch=4, block_size=8, adaptive_block=True))
+        engine = Engine(target, drafter, EngineConfig(SpecConfig(block_size=8, adaptive=True), max_batch=4))
         engine.adaptive.costs = _FixedCosts(max_block=8)  # the choice must not hang on machine load
         try:
             assert run_with_joins(engine, prompts, SamplingParams(max_new_tokens=30)) == truths
@@ -100,7 +100,7 @@ def test_engine_with_verify_lengths_per_row_is_lossless(setup) -> None:
     verify length from its drafts' confidences; the output stays the target's."""
     model, target, prompts, truths = setup
     good = OracleDrafter(model, target, prompts, truths, wrong_every=3)
-    engine = Engine(target, good, EngineConfig(max_batch=4, block_size=8, adaptive_block=True, ragged_verify=True))
+    engine = Engine(target, good, EngineConfig(SpecConfig(block_size=8, adaptive=True, ragged_verify=True), max_batch=4))
     engine.adaptive.costs = _FixedCosts(max_block=8)
     steps: list[tuple[int, int, int]] = []  # (rows, tokens verified, longest row's)
     plain = engine.batch.step
@@ -117,20 +117,20 @@ def test_engine_with_verify_lengths_per_row_is_lossless(setup) -> None:
         engine.stop()
     assert any(rows > 1 and verified < rows * q for rows, verified, q in steps), steps  # ragged steps ran
     with pytest.raises(ConfigError, match="ragged_verify"):
-        EngineConfig(ragged_verify=1)
+        EngineConfig(SpecConfig(ragged_verify=1))
 
 
 def test_spec_decoder_adaptive_block_is_lossless_and_adapts(setup) -> None:
     """The Python API's adaptive mode (SpecConfig.adaptive) runs the engine's policy."""
     from blockspec.config import SpecConfig
-    from blockspec.dflash.batch import SpecDecoder
+    from blockspec.engine.decoder import SpecDecoder
 
     model, target, prompts, truths = setup
     good = OracleDrafter(model, target, prompts, truths, wrong_every=7)
     bad = new_drafter_for_target(model.config, mask_token_id=47, num_layers=1, dtype=torch.float64)
     for drafter in (good, bad):
         decoder = SpecDecoder(target, drafter, SpecConfig(block_size=8, adaptive=True))
-        decoder._adaptive_policy(8).costs = _FixedCosts(max_block=8)
+        decoder.adaptive_policy.costs = _FixedCosts(max_block=8)
         for prompt, truth in zip(prompts[:3], truths[:3]):
             assert decoder.generate([prompt], SamplingParams(max_new_tokens=30))[0].token_ids == truth
         used = decoder.block_choices
@@ -540,7 +540,7 @@ def test_cost_model_trusts_faster_measurements_more() -> None:
 
 def test_cancel_frees_the_slot(setup) -> None:
     _, target, prompts, truths = setup
-    engine = Engine(target, None, EngineConfig(max_batch=1, block_size=1))
+    engine = Engine(target, None, EngineConfig(SpecConfig(block_size=1), max_batch=1))
     try:
         long = engine.submit(prompts[0], SamplingParams(max_new_tokens=400, ignore_eos=True))
         waiting = engine.submit(prompts[1], SamplingParams(max_new_tokens=30))
@@ -559,7 +559,7 @@ def test_cancel_frees_the_slot(setup) -> None:
 
 def test_queue_full_raises(setup) -> None:
     _, target, prompts, _ = setup
-    engine = Engine(target, None, EngineConfig(max_batch=1, max_queue=1, block_size=1))
+    engine = Engine(target, None, EngineConfig(SpecConfig(block_size=1), max_batch=1, max_queue=1))
     params = SamplingParams(max_new_tokens=400, ignore_eos=True)
     try:
         handles = [engine.submit(prompts[0], params), engine.submit(prompts[1], params)]
@@ -576,7 +576,7 @@ def test_queue_full_raises(setup) -> None:
 
 def test_invalid_requests_fail_at_submit(setup) -> None:
     _, target, prompts, _ = setup
-    engine = Engine(target, None, EngineConfig(block_size=1))
+    engine = Engine(target, None, EngineConfig(SpecConfig(block_size=1)))
     with pytest.raises(ContextLengthError):
         engine.submit(prompts[0], SamplingParams(max_new_tokens=10_000))
     assert not engine.running  # nothing was queued, the thread never started
@@ -605,7 +605,7 @@ def test_exception_in_a_step_fails_that_step_only(setup) -> None:
     model, target, prompts, truths = setup
     flaky = FlakyTarget(target, fail_on={4})  # call 1 = prefill, 2.. = steps
     drafter = new_drafter_for_target(model.config, mask_token_id=47, num_layers=1, dtype=torch.float64)
-    engine = Engine(flaky, drafter, EngineConfig(max_batch=2, block_size=4))
+    engine = Engine(flaky, drafter, EngineConfig(SpecConfig(block_size=4), max_batch=2))
     try:
         failed = engine.submit(prompts[0], SamplingParams(max_new_tokens=30))
         events = list(failed.events(timeout=60))
@@ -623,7 +623,7 @@ def test_exception_in_a_step_fails_that_step_only(setup) -> None:
 def test_streaming_events_per_request_params_and_aevents(setup) -> None:
     model, target, prompts, truths = setup
     drafter = OracleDrafter(model, target, prompts, truths)
-    engine = Engine(target, drafter, EngineConfig(max_batch=4, block_size=5))
+    engine = Engine(target, drafter, EngineConfig(SpecConfig(block_size=5), max_batch=4))
     try:
         greedy = engine.submit(prompts[0], SamplingParams(max_new_tokens=30))
         sampled = engine.submit(prompts[1], SamplingParams(max_new_tokens=20, temperature=1.0, top_k=5, seed=3))
@@ -652,7 +652,7 @@ def test_streaming_events_per_request_params_and_aevents(setup) -> None:
 
 def test_stop_cancels_queued_and_running(setup) -> None:
     _, target, prompts, _ = setup
-    engine = Engine(target, None, EngineConfig(max_batch=1, block_size=1))
+    engine = Engine(target, None, EngineConfig(SpecConfig(block_size=1), max_batch=1))
     params = SamplingParams(max_new_tokens=400, ignore_eos=True)
     running = engine.submit(prompts[0], params)
     queued = engine.submit(prompts[1], params)
@@ -665,8 +665,7 @@ def test_stop_cancels_queued_and_running(setup) -> None:
 def test_engine_without_own_thread_decodes_on_the_callers_thread(setup) -> None:
     model, target, prompts, truths = setup
     drafter = OracleDrafter(model, target, prompts, truths, wrong_every=5)
-    engine = Engine(target, drafter, EngineConfig(max_batch=2, block_size=6, adaptive_block=True,
-                                                  own_thread=False))
+    engine = Engine(target, drafter, EngineConfig(SpecConfig(block_size=6, adaptive=True), max_batch=2, own_thread=False))
     engine.adaptive.costs = _FixedCosts(max_block=6)
     assert engine.wait_ready()  # calibrates here, on this thread
     assert sorted(engine.adaptive.costs.calibrated) == [1, 2]
@@ -684,7 +683,7 @@ def test_engine_without_own_thread_decodes_on_the_callers_thread(setup) -> None:
         engine.start()
     with pytest.raises(ConfigError, match="own_thread must be True or False"):
         EngineConfig(own_thread="no")
-    threaded = Engine(target, drafter, EngineConfig(max_batch=2, block_size=6))
+    threaded = Engine(target, drafter, EngineConfig(SpecConfig(block_size=6), max_batch=2))
     with pytest.raises(ConfigError, match="own_thread=False"):
         threaded.run_until_idle()
 

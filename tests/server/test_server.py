@@ -15,6 +15,7 @@ import torch
 from openai import OpenAI
 
 import blockspec.api
+from blockspec.config import SpecConfig
 from blockspec.engine import Engine, EngineConfig
 from blockspec.server.app import create_app, default_model_name
 from blockspec.server.launch import BackgroundServer
@@ -44,7 +45,7 @@ def pipe(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def server(pipe):
-    engine = Engine(pipe.target, pipe.drafter, EngineConfig(max_batch=8, max_queue=64, block_size=4),
+    engine = Engine(pipe.target, pipe.drafter, EngineConfig(SpecConfig(block_size=4), max_batch=8, max_queue=64),
                     tokenizer=pipe.tokenizer)
     app = create_app(pipe, engine=engine, served_model_name=MODEL)
     try:
@@ -179,7 +180,7 @@ def test_seeded_sampling_is_reproducible(server, client):
 
 
 def test_the_server_takes_requests_once_its_adaptive_engine_is_calibrated(pipe):
-    engine = Engine(pipe.target, pipe.drafter, EngineConfig(max_batch=4, block_size=4, adaptive_block=True),
+    engine = Engine(pipe.target, pipe.drafter, EngineConfig(SpecConfig(block_size=4, adaptive=True), max_batch=4),
                     tokenizer=pipe.tokenizer)
     app = create_app(pipe, engine=engine, served_model_name=MODEL)
     try:
@@ -253,7 +254,7 @@ def test_non_streaming_disconnect_cancels_the_request(server):
 
 
 def test_queue_full_gives_429_and_shutdown_503(pipe):
-    config = EngineConfig(max_batch=1, max_queue=1, block_size=4)
+    config = EngineConfig(SpecConfig(block_size=4), max_batch=1, max_queue=1)
     app = create_app(pipe, engine_config=config, served_model_name=MODEL)
     engine = app.state.blockspec.engine
     body = {"model": MODEL, "messages": HELLO, "max_tokens": 3000, "temperature": 0, "stream": True,
@@ -357,7 +358,7 @@ def test_bad_requests_do_not_disturb_a_running_stream(server, pipe):
 # ---- API key ---------------------------------------------------------------------------------
 
 def test_api_key_is_enforced_everywhere_but_health(pipe):
-    app = create_app(pipe, engine_config=EngineConfig(max_batch=2, block_size=4), served_model_name=MODEL,
+    app = create_app(pipe, engine_config=EngineConfig(SpecConfig(block_size=4), max_batch=2), served_model_name=MODEL,
                      api_key="s3cret")
     with BackgroundServer(app) as srv:
         body = {"model": MODEL, "messages": HELLO, "max_tokens": 2, "temperature": 0}

@@ -13,6 +13,7 @@ import torch
 from conftest import build_tiny_tokenizer, make_tiny_target
 
 import blockspec.api
+from blockspec.config import SpecConfig
 from blockspec.engine import Engine, EngineConfig
 from blockspec.server.app import create_app
 from blockspec.server.launch import BackgroundServer
@@ -63,7 +64,7 @@ def test_hybrid_moe_target_through_the_server(tmp_path, one_thread) -> None:
         mine = pipe.generate(q, max_new_tokens=12, temperature=0.0)
         assert mine.token_ids == theirs
         expected.append(mine.text)
-    engine = Engine(pipe.target, pipe.drafter, EngineConfig(max_batch=4, block_size=4), tokenizer=pipe.tokenizer)
+    engine = Engine(pipe.target, pipe.drafter, EngineConfig(SpecConfig(block_size=4), max_batch=4), tokenizer=pipe.tokenizer)
     try:
         with BackgroundServer(create_app(pipe, engine=engine, served_model_name="tiny-hybrid")) as srv:
             def ask(i: int) -> str:
@@ -85,7 +86,7 @@ def test_a_qwen3_5_multimodal_checkpoint_decodes_through_its_text_model(tmp_path
     import transformers as tf
 
     from blockspec.config import SamplingParams, SpecConfig
-    from blockspec.dflash.batch import SpecDecoder
+    from blockspec.engine.decoder import SpecDecoder
     from blockspec.targets.hf import load_hf_target
 
     tokenizer = build_tiny_tokenizer()

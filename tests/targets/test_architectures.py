@@ -15,7 +15,7 @@ from scripted import PrefixDrafter
 from support import OracleDrafter, distinct_prompts, ragged_prompts, run_with_joins
 
 from blockspec.config import SamplingParams, SpecConfig
-from blockspec.dflash.batch import SpecDecoder
+from blockspec.engine.decoder import SpecDecoder
 from blockspec.engine import Engine, EngineConfig
 from blockspec.errors import ConfigError
 from blockspec.targets import gated_delta
@@ -85,7 +85,7 @@ def test_requests_joining_mid_flight_in_the_engine(family: str) -> None:
     prompts = distinct_prompts(6, seed=3)
     truths = [generate(model, p, 30) for p in prompts]
     engine = Engine(target, OracleDrafter(model, target, prompts, truths, wrong_every=3),
-                    EngineConfig(max_batch=3, block_size=6))
+                    EngineConfig(SpecConfig(block_size=6), max_batch=3))
     try:
         assert run_with_joins(engine, prompts, SamplingParams(max_new_tokens=30)) == truths
         assert engine.recorder.row_steps > engine.metrics.steps_total  # rows shared steps

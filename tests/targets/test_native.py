@@ -24,7 +24,7 @@ from blockspec.targets.native import load_native_target, load_target, unsupporte
 from blockspec.cpu import kernels
 from blockspec.dflash.static_drafter import StaticDrafter
 from blockspec.targets.slots import EMPTY
-from blockspec.dflash.batch import SpecDecoder
+from blockspec.engine.decoder import SpecDecoder
 
 
 def _with_random_biases(model):

@@ -14,7 +14,7 @@ from blockspec.targets.native import attention as native_attention
 from blockspec.targets.native import load_native_target
 from blockspec.targets.native.cache import attention_mask
 from blockspec.targets.slots import EMPTY
-from blockspec.dflash.batch import SpecDecoder
+from blockspec.engine.decoder import SpecDecoder
 
 
 def _case(b: int, kvh: int, g: int, n: int, d: int, cap: int, dtype: torch.dtype, seed: int):

@@ -197,7 +197,7 @@ def test_data_vocabulary_training_ships_a_draft_vocabulary(tmp_path):
     """--loss-vocab data: the saved drafter proposes only from the tokens it was trained to rank,
     and decoding with it stays identical to plain decoding."""
     from blockspec.config import SamplingParams, SpecConfig
-    from blockspec.dflash.batch import SpecDecoder
+    from blockspec.engine.decoder import SpecDecoder
 
     target = predictable_target()
     regenerate(target, CharTokenizer(), prompts(4), tmp_path / "d", max_new_tokens=16, progress=False)

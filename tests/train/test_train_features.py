@@ -13,7 +13,7 @@ from blockspec.errors import ConfigError
 from blockspec.dflash.drafter import new_drafter_for_target
 from blockspec.targets.native import load_native_target
 from blockspec.targets.hf import HFTarget
-from blockspec.dflash.batch import SpecDecoder
+from blockspec.engine.decoder import SpecDecoder
 from blockspec.train import features as F
 from blockspec.train.data import read_examples
 from blockspec.train.datagen import regenerate

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from blockspec.cli import main
 from blockspec.config import SamplingParams, SpecConfig
-from blockspec.dflash.batch import SpecDecoder
+from blockspec.engine.decoder import SpecDecoder
 from blockspec.dflash.drafter import DrafterConfig, load_drafter
 from blockspec.errors import CheckpointError, CompatibilityError, ConfigError
 from blockspec.targets.hf import HFTarget
