@@ -278,7 +278,7 @@ class Engine:
         return False
 
     def _finish_unstarted(self, request: Request, reason: str, error: str | None = None) -> None:
-        request.events.put(TokenEvent(request.request_id, [], True, reason, None, error))
+        request.emit(TokenEvent(request.request_id, [], True, reason, None, error))
         self.recorder.finished(reason, time.perf_counter() - request.submitted_at)
 
     def _drop_cancelled(self) -> None:
@@ -315,7 +315,8 @@ class Engine:
             request = self._requests[row.key]
             if row.finish_reason is None and row.new_tokens:
                 self.recorder.tokens(len(row.new_tokens))
-                request.events.put(TokenEvent(row.key, list(row.new_tokens), False, None, None))
+                request.emit(TokenEvent(row.key, list(row.new_tokens), False, None, None,
+                                        logprobs=_take_logprobs(row)))
                 row.new_tokens = []
         for row in self.batch.retire():
             request = self._requests.pop(row.key)
@@ -325,9 +326,11 @@ class Engine:
     def _emit(self, request: Request, row: Row, error: str | None = None) -> None:
         """The final event of a row (its last tokens included)."""
         reason = row.finish_reason or "error"
-        tokens = list(row.new_tokens) if reason not in ("cancelled", "error") else []
+        ended = reason not in ("cancelled", "error")
+        tokens = list(row.new_tokens) if ended else []
+        logprobs = _take_logprobs(row) if ended else None
         self.recorder.tokens(len(tokens))
-        request.events.put(TokenEvent(row.key, tokens, True, reason, row.stats, error))
+        request.emit(TokenEvent(row.key, tokens, True, reason, row.stats, error, logprobs=logprobs))
         row.new_tokens = []
         self.recorder.finished(reason, time.perf_counter() - request.submitted_at)
 
