@@ -31,6 +31,7 @@ import torch
 
 from blockspec.config import MAX_BLOCK_SIZE, SamplingParams, SpecConfig
 from blockspec.dflash.policy import AdaptiveBlock
+from blockspec.engine.memory import trim_heap
 from blockspec.engine.metrics import EngineMetrics, MetricsRecorder
 from blockspec.cpu.openmp import release_thread_pool
 from blockspec.engine.request import Request, RequestHandle, StopCheck, TokenEvent
@@ -63,6 +64,10 @@ class EngineConfig:
     # run-to-run spread of the default at concurrency 8 and 16 (0.93-1.06x plain decoding against
     # 0.98-1.08x; BENCHMARKS.md, sessions 16 and 20-22).
     ragged_verify: bool = False
+    # An engine with a thread of its own that has had nothing to do for this long frees its
+    # caches (sized for the largest batch and longest sequence seen) and trims the heap, so a
+    # burst of long requests does not keep its memory; None keeps everything.
+    release_idle_s: float | None = 2.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_batch, int) or self.max_batch < 1:
@@ -77,6 +82,9 @@ class EngineConfig:
             raise ConfigError(f"own_thread must be True or False, got {self.own_thread!r}")
         if not isinstance(self.ragged_verify, bool):
             raise ConfigError(f"ragged_verify must be True or False, got {self.ragged_verify!r}")
+        if self.release_idle_s is not None and not (isinstance(self.release_idle_s, (int, float))
+                                                    and self.release_idle_s >= 0):
+            raise ConfigError(f"release_idle_s must be None or seconds >= 0, got {self.release_idle_s!r}")
 
 
 class Engine:
@@ -183,8 +191,7 @@ class Engine:
         if stop_check is None and params.stop and self.tokenizer is not None:
             from blockspec.text import StopStrings
 
-            stops = StopStrings(self.tokenizer, params.stop)
-            stop_check = stops.tokens_to_keep
+            stop_check = StopStrings(self.tokenizer, params.stop).watch()
         rid = request_id or f"req-{uuid.uuid4().hex[:12]}-{next(self._ids)}"
         request = Request(rid, prompt_ids, params, stop_check)
         self.scheduler.submit(request)
@@ -217,15 +224,34 @@ class Engine:
     def _loop(self) -> None:
         self._calibrate()
         idle_released = False
+        idle_since: float | None = None
         while not self._stopping.is_set():
             if self._tick():
                 idle_released = False
+                idle_since = None
                 continue
             if not idle_released:  # an idle engine's team would slow a busy one down (openmp.py)
                 release_thread_pool()
                 idle_released = True
+            now = time.monotonic()
+            idle_since = now if idle_since is None else idle_since
+            keep = self.config.release_idle_s
+            if keep is not None and now - idle_since >= keep and not self.released:
+                self.release_memory()
             self.scheduler.wait_for_work(self.config.idle_wait_s)
         self._drop_all("cancelled")
+
+    @property
+    def released(self) -> bool:
+        """Whether the engine holds no cache storage (released while idle, or never used)."""
+        return self.batch.tcache is None and self.batch.dcache is None
+
+    def release_memory(self) -> None:
+        """Frees the caches' storage and trims the heap; only while nothing runs (engine thread)."""
+        if self.batch.rows:
+            return
+        self.batch.release()
+        trim_heap()
 
     def _tick(self) -> bool:
         """Admits waiting requests and runs one step; False when there was nothing to run."""
@@ -360,3 +386,12 @@ class Engine:
                 self._emit(request, row)
         self.batch.clear()
         self.scheduler.set_running(0)
+
+
+def _take_logprobs(row: Row) -> list | None:
+    """The logprobs of the row's new tokens (None when the request did not ask for them)."""
+    if row.logprobs is None:
+        return None
+    out = list(row.new_logprobs)
+    row.new_logprobs = []
+    return out

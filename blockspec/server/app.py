@@ -318,8 +318,6 @@ def _prompt_ids(state: ServerState, req: GenerationRequest) -> list[int]:
         raise errors.bad_request(str(e), param) from None
     except TemplateError as e:  # a chat template may reject messages (e.g. roles must alternate)
         raise errors.bad_request(f"the chat template rejected the messages: {e}", param) from None
-    except (TypeError, ValueError) as e:  # e.g. a template switch of the wrong type
-        raise errors.bad_request(f"the prompt could not be rendered or tokenised: {e}", param) from None
 
 
 def _refuse_hopeless(state: ServerState, req: GenerationRequest, param: str) -> None:
@@ -501,13 +499,13 @@ def _admit(state: ServerState, req: GenerationRequest, prompt_ids: list[int], pa
     """Submits the request's n choices; raises APIError with nothing left queued on failure."""
     stops = StopStrings(state.tokenizer, params.stop)
     shapes = Shapes(req.kind, state.served_model_name, fingerprint=state.fingerprint, seed=seed)
-    stop_check = stops.tokens_to_keep if params.stop else None
     inbox: asyncio.Queue = asyncio.Queue()
     handles: list[RequestHandle] = []
     try:
         for i in range(req.n):
             handle = state.engine.submit(prompt_ids, params.with_(seed=choice_seed(seed, i)),
-                                         request_id=f"{shapes.id}-{i}", stop_check=stop_check)
+                                         request_id=f"{shapes.id}-{i}",
+                                         stop_check=stops.watch() if params.stop else None)
             handle.deliver_to(inbox, key=i)
             handles.append(handle)
     except BaseException as e:

@@ -106,7 +106,7 @@ def _check_tree(body: dict) -> None:
         if not isinstance(value, (dict, list)):
             continue
         if depth > MAX_DEPTH:
-            raise bad_request(f"the request body is nested too deeply (at most {MAX_DEPTH} levels)", path or None,
+            raise bad_request(f"the request body is nested too deeply (at most {MAX_DEPTH} levels)", None,
                               "invalid_json")
         if isinstance(value, dict):
             for k, v in value.items():
