@@ -9,13 +9,14 @@ TORCH := torch==2.13.0
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH)
 	$(BIN)/python -m pip install -q -e '.[server,test]'
-	# Z Lab's reference implementation, used as an independent oracle (its own pins are not needed).
-	$(BIN)/python -m pip install -q --no-deps dflash==0.1.0
+	# Independent oracles for the tests (their own pins are not needed): Z Lab's DFlash reference,
+	# and speculators' DFlash 2 modules.
+	$(BIN)/python -m pip install -q --no-deps dflash==0.1.0 speculators==0.9.0
 	touch $@
 
 demo: setup

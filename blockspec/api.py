@@ -18,8 +18,9 @@ import torch
 
 from blockspec.config import SamplingParams, SpecConfig
 from blockspec.cpu.openmp import release_thread_pool
+from blockspec.cpu.threads import governor
 from blockspec.errors import CheckpointError, ConfigError
-from blockspec.dflash.drafter import DFlashDrafter, load_drafter, new_drafter_for_target
+from blockspec.dflash.drafter import DFlashDrafter, load_drafter, new_drafter_for_target, read_drafter_config
 from blockspec.cpu.linear import cpu_bf16_matmul
 from blockspec.targets.base import DTYPES, Target
 from blockspec.dflash.batch import GenerationResult, RequestStats, SpecDecoder
@@ -54,10 +55,35 @@ def pick_mask_token(tokenizer: object, vocab_size: int) -> int:
 
 def default_drafter_for(target_name: str) -> Path | None:
     """The drafter shipped in the package for a zoo target, if any."""
-    if not target_name or "/" in target_name or "\\" in target_name or target_name.startswith("."):
-        return None  # a path or Hub id, not a zoo name
-    shipped = Path(__file__).parent / "assets" / "drafters" / target_name
-    return shipped if (shipped / "config.json").exists() else None
+    from blockspec.zoo import shipped_drafter
+
+    return shipped_drafter(str(target_name))
+
+
+def check_drafter(target: str | Path, drafter: str | Path | None) -> str | Path:
+    """What `load` will load as the drafter, checked before anything is loaded or downloaded:
+    "none", FRESH, or a drafter directory (the one shipped for a zoo target when `drafter` is
+    None). Raises CheckpointError, phrased for Python and for the command line, when no drafter
+    ships for the target or the directory is not a drafter."""
+    if drafter is None:
+        shipped = default_drafter_for(str(target))
+        if shipped is not None:
+            return shipped
+        from blockspec.zoo import model_kind, models_with_drafters
+
+        model_kind(str(target))  # a target that does not exist says so first
+
+        have = ", ".join(models_with_drafters()) or "none yet"
+        what = f"no drafter ships for target {str(target)!r} (zoo models with one: {have})"
+        raise CheckpointError(
+            f"{what}; pass drafter=\"DIR\" (a DFlash drafter directory), drafter=\"{FRESH}\" (untrained: lossless, "
+            f"no speedup) or drafter=\"none\" (plain decoding)",
+            cli=f"{what}; pass --drafter DIR (a DFlash drafter directory), --drafter {FRESH} (untrained: lossless, "
+                f"no speedup) or --drafter none (plain decoding)")
+    if str(drafter) in ("none", FRESH):
+        return str(drafter)
+    read_drafter_config(drafter)  # a missing or broken directory fails now, not after the target's load
+    return Path(drafter)
 
 
 class Pipeline:
@@ -247,33 +273,26 @@ def load(
     """
     if dtype not in DTYPES:
         raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    governor()  # starts watching the other processes' load: the first step then knows it (cpu/threads.py)
     lookup_cfg = resolve_lookup(lookup)  # a bad value fails before the slow load
     draft_dtype = resolve_drafter_dtype(drafter_dtype, dtype, device)
     from blockspec.targets.native.load import load_target
 
+    chosen = check_drafter(target, drafter)
     target_dir = resolve_target_dir(target)
     hf_target, tokenizer = load_target(target_dir, backend=backend, dtype=dtype, device=device)
-    source = str(drafter) if drafter is not None else ""
+    source = str(chosen) if drafter is None else str(drafter)
     draft: DFlashDrafter | None
-    if drafter is None:
-        shipped = default_drafter_for(str(target))
-        if shipped is None:
-            raise CheckpointError(
-                f"no drafter ships for target {target!r}; pass a DFlash drafter directory, "
-                f"drafter='{FRESH}' for an untrained one (lossless, no speedup), or 'none'"
-            )
-        draft = load_drafter(shipped, dtype=draft_dtype, device=device, draft_vocab=draft_vocab)
-        source = str(shipped)
-    elif str(drafter) == "none":
+    if chosen == "none":
         draft = None
-    elif str(drafter) == FRESH:
+    elif chosen == FRESH:
         info = hf_target.info
         draft = new_drafter_for_target(
             hf_target.config, mask_token_id=pick_mask_token(tokenizer, info.vocab_size),
             num_layers=drafter_layers, seed=seed, dtype=draft_dtype,
         ).to(device)
     else:
-        draft = load_drafter(drafter, dtype=draft_dtype, device=device, draft_vocab=draft_vocab)
+        draft = load_drafter(chosen, dtype=draft_dtype, device=device, draft_vocab=draft_vocab)
     return Pipeline(hf_target, tokenizer, draft, block_size=block_size, adaptive_block=adaptive_block,
                     lookup=lookup_cfg, drafter_source=source, target_source=str(target))
 

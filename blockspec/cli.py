@@ -17,8 +17,10 @@ VERBS: dict[str, str] = {
     "datagen": "blockspec.commands.datagen",
     "train": "blockspec.commands.train",
     "evaluate": "blockspec.commands.evaluate",
+    "export": "blockspec.commands.export",
     "serve": "blockspec.commands.serve",
     "demo": "blockspec.commands.demo",
+    "cache": "blockspec.commands.cache",
 }
 
 _SHORT_HELP = {
@@ -28,13 +30,19 @@ _SHORT_HELP = {
     "datagen": "regenerate training responses with the target model itself",
     "train": "train a DFlash drafter for a target model",
     "evaluate": "held-out acceptance length (tau) of drafters: the training recipe's shipping check",
+    "export": "write a drafter in the files vLLM, SGLang, Transformers (hf) or llama.cpp load",
     "serve": "OpenAI-compatible HTTP server with continuous batching",
     "demo": "run the built-in demo: a small real model with DFlash, showing the speedup",
+    "cache": "show what blockspec stores on disk (--info, the default) or remove it (--clear)",
 }
 
 
 def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="blockspec", description="DFlash speculative decoding.")
+    parser = argparse.ArgumentParser(
+        prog="blockspec", description="DFlash speculative decoding.",
+        epilog=f"Every --target defaults to the demo model ({DEFAULT_TARGET}); the verbs that decode use the drafter "
+               "shipped for it, the adaptive block policy and n-gram lookup. `blockspec VERB --help` for its options.")
+    parser.add_argument("--version", action="version", version=f"blockspec {__version__}")
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
     for name in VERBS:
         p = sub.add_parser(name, help=_SHORT_HELP[name], description=_SHORT_HELP[name])
@@ -60,11 +68,13 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except BlockspecError as e:  # user-facing problems: one clear line, no traceback
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {e.cli_message}", file=sys.stderr)
         return 2
 
 
-from blockspec.errors import BlockspecError  # noqa: E402  (kept light: no torch import)
+from blockspec import __version__  # noqa: E402  (kept light: no torch import)
+from blockspec.commands import DEFAULT_TARGET  # noqa: E402
+from blockspec.errors import BlockspecError  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

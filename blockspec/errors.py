@@ -4,7 +4,19 @@ from __future__ import annotations
 
 
 class BlockspecError(Exception):
-    """Base class: the CLI prints these as one line, without a traceback."""
+    """Base class: the CLI prints these as one line, without a traceback.
+
+    `cli`: the same message phrased for the command line, where the fix names a flag
+    (`--drafter fresh`) instead of a Python argument (`drafter="fresh"`)."""
+
+    def __init__(self, message: str = "", *, cli: str | None = None) -> None:
+        super().__init__(message)
+        self.cli = cli
+
+    @property
+    def cli_message(self) -> str:
+        """The message as the command line shows it."""
+        return self.cli or str(self)
 
 
 class ConfigError(BlockspecError, ValueError):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -9,31 +11,68 @@ TINY = dict(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_laye
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
 
 
+# Hybrid targets: three Gated DeltaNet (linear attention) layers, then one attention layer.
+LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+              linear_conv_kernel_dim=4)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+# model_type -> (config class, model class, extra config keys); every one runs with tiny sizes.
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=8)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(head_dim=8, **MOE)),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM",
+                 dict(head_dim=8, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      first_k_dense_replace=1, n_group=1, topk_group=1)),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(head_dim=8, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
+                   dict(head_dim=8, shared_expert_intermediate_size=32, **MOE, **LINEAR)),
+    "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(head_dim=8, **LINEAR)),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM",
+                         dict(head_dim=8, shared_expert_intermediate_size=32, **MOE, **LINEAR)),
+}
+
+
 def make_tiny_target(family: str = "llama", *, seed: int = 0, dtype: torch.dtype = torch.float64, **over):
-    """A tiny random causal LM of the given family, as a transformers model."""
+    """A tiny random causal LM of the given family (FAMILIES, or gemma3), as a transformers model.
+    Sliding-window families alternate sliding and full layers with a window of 6 tokens."""
     import transformers as tf
 
     torch.manual_seed(seed)
     kw = {**TINY, **over}
-    if family == "llama":
-        cfg = tf.LlamaConfig(**kw)
-        model = tf.LlamaForCausalLM(cfg)
-    elif family == "qwen2":
-        cfg = tf.Qwen2Config(**kw)
-        model = tf.Qwen2ForCausalLM(cfg)
-    elif family == "qwen3":
-        cfg = tf.Qwen3Config(head_dim=8, **kw)
-        model = tf.Qwen3ForCausalLM(cfg)
-    elif family == "gemma3":
+    n = kw["num_hidden_layers"]
+    if family == "gemma3":
         kw.setdefault("sliding_window", 6)
         cfg = tf.Gemma3TextConfig(head_dim=8, query_pre_attn_scalar=8, sliding_window_pattern=2,
-                                  layer_types=["sliding_attention", "full_attention"] * (kw["num_hidden_layers"] // 2),
+                                  layer_types=["sliding_attention", "full_attention"] * (n // 2),
                                   **kw)
         model = tf.Gemma3ForCausalLM(cfg)
+    elif family in FAMILIES:
+        config_cls, model_cls, extra = FAMILIES[family]
+        config_cls = getattr(tf, config_cls)
+        kw = {**extra, **kw}
+        if "intermediate_size" not in inspect.signature(config_cls).parameters:  # MoE only (Qwen3.5-MoE)
+            kw.pop("intermediate_size")
+        if family == "gpt_oss":
+            kw.setdefault("sliding_window", 6)
+            kw.setdefault("layer_types", ["sliding_attention", "full_attention"] * (n // 2))
+        elif "linear_num_key_heads" in kw:
+            kw.setdefault("layer_types", (["linear_attention"] * 3 + ["full_attention"]) * (n // 4)
+                          + ["linear_attention"] * (n % 4))
+        cfg = config_cls(**kw)
+        model = getattr(tf, model_cls)(cfg)
     else:
         raise ValueError(family)
-    model.config._attn_implementation = "sdpa"
+    # gpt-oss refuses SDPA (attention sinks): eager, with additive masks; grouped-matmul experts take no float64
+    model.config._attn_implementation = "eager" if family == "gpt_oss" else "sdpa"
+    model.config._experts_implementation = "eager"
     return model.to(dtype).eval()
+
+
+@pytest.fixture(autouse=True)
+def _no_user_data_dir(monkeypatch):
+    """Tests see the package's own data and what they build, never the user's $BLOCKSPEC_DATA."""
+    monkeypatch.delenv("BLOCKSPEC_DATA", raising=False)
 
 
 @pytest.fixture(scope="session")

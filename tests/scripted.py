@@ -56,3 +56,22 @@ class ScriptedDrafter(DFlashDrafter):
 
     def logits(self, hidden, head):
         return hidden
+
+
+class PrefixDrafter(ScriptedDrafter):
+    """Right for a random number of leading proposals each step (0 to all of them), then wrong:
+    every step keeps a random part of its block, so the target rolls back mid-block most steps."""
+
+    def forward(self, ctx_features, ctx_positions, block_embeds, block_positions, cache=None, attn_mask=None):
+        b, q, _ = block_embeds.shape
+        logits = torch.zeros(b, q, self.vocab, dtype=torch.float64)
+        for i, row in enumerate(cache.row_ids):
+            right = int(torch.randint(0, q, (1,), generator=self.gen))  # proposals 1..right are right
+            cont = self.continuations[row]
+            for k in range(q):
+                offset = int(block_positions[i, k]) - len(self.prompts[row])
+                token = cont[offset] if 0 <= offset < len(cont) else 0
+                if k > right:
+                    token = (token + 1) % self.vocab
+                logits[i, k, token] = 10.0
+        return logits

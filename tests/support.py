@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from conftest import make_tiny_target
+from scipy.stats import chisquare
 
+from blockspec.config import SamplingParams
+from blockspec.dflash.batch import SpecDecoder
+from blockspec.dflash.drafter import DFlashDrafter, DraftCache, new_drafter_for_target
+from blockspec.dflash.sampling import probabilities
 from blockspec.dflash.static_drafter import StaticDrafter
+from blockspec.engine import Engine
 from blockspec.targets.hf import HFTarget
 from blockspec.targets.native import load_native_target
 from blockspec.targets.slots import EMPTY
@@ -88,3 +96,143 @@ def ragged_prompts(batch: int, seed: int, vocab: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lengths = [int(x) for x in torch.randint(1, 14, (batch,), generator=g)]
     return [torch.randint(0, vocab - 1, (n,), generator=g).tolist() for n in lengths]
+
+
+# ---- the engine with requests joining: a drafter that knows each request's greedy continuation ----
+
+class _KeyCache(DraftCache):
+    """Remembers which request each batch row is, through leaves (select_rows) and joins (merge)."""
+
+    def __init__(self, num_layers: int, batch: int) -> None:
+        super().__init__(num_layers, batch)
+        self.keys_of_rows: list[int | None] = [None] * batch
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        super().select_rows(rows)
+        self.keys_of_rows = [self.keys_of_rows[i] for i in rows.tolist()]
+
+    def merge(self, other: _KeyCache) -> None:
+        self.slots.positions = torch.cat([self.slots.positions, other.slots.positions])
+        self.keys_of_rows += other.keys_of_rows
+
+
+class OracleDrafter(DFlashDrafter):
+    """Proposes each request's true greedy continuation, wrong at fixed positions.
+
+    A new row is recognised by the target features of its first prompt token (every test
+    prompt starts with a different token), which arrive with the row's first draft pass.
+    """
+
+    def __init__(self, model, target, prompts: list[list[int]], truths: list[list[int]], wrong_every: int = 5) -> None:
+        base = new_drafter_for_target(model.config, mask_token_id=47, num_layers=1, dtype=torch.float64)
+        super().__init__(base.cfg)
+        self.seqs = [p + t for p, t in zip(prompts, truths)]
+        self.starts = [len(p) for p in prompts]
+        self.wrong_every = wrong_every
+        self.vocab = model.config.vocab_size
+        prints = []
+        for p in prompts:
+            _, f = target.forward(torch.tensor([[p[0]]]), torch.zeros(1, 1, dtype=torch.long),
+                                  target.new_cache(1), self.target_layer_ids)
+            prints.append(f[0, 0])
+        self.prints = torch.stack(prints)  # [n, L*H]
+
+    def new_cache(self, batch: int) -> _KeyCache:
+        return _KeyCache(self.cfg.num_hidden_layers, batch)
+
+    def forward(self, ctx_features, ctx_positions, block_embeds, block_positions, cache=None, attn_mask=None):
+        b, q, _ = block_embeds.shape
+        for i in range(b):
+            starts = (ctx_positions[i] == 0).nonzero()
+            if cache.keys_of_rows[i] is None and len(starts) == 0:  # the cost calibration's dummy rows
+                cache.keys_of_rows[i] = 0
+            if cache.keys_of_rows[i] is None:
+                col = int(starts[0, 0])
+                dist = (self.prints - ctx_features[i, col].to(self.prints.dtype)).abs().sum(dim=-1)
+                cache.keys_of_rows[i] = int(dist.argmin())
+        logits = torch.zeros(b, q, self.vocab, dtype=torch.float64)
+        for i in range(b):
+            seq = self.seqs[cache.keys_of_rows[i]]
+            for k in range(q):
+                pos = int(block_positions[i, k])
+                token = seq[pos] if pos < len(seq) else 0
+                if (pos + k) % self.wrong_every == 0:
+                    token = (token + 1) % self.vocab
+                logits[i, k, token] = 10.0
+        return logits
+
+    def logits(self, hidden, head):
+        return hidden
+
+
+def distinct_prompts(n: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        length = int(torch.randint(2, 12, (1,), generator=g))
+        out.append([i + 1] + torch.randint(0, 47, (length - 1,), generator=g).tolist())
+    return out
+
+
+def run_with_joins(engine: Engine, prompts, params) -> list[list[int]]:
+    """Two requests start; the rest join once the first has streamed a few tokens."""
+    handles = [engine.submit(p, params) for p in prompts[:2]]
+    got = 0
+    for event in handles[0].events(timeout=60):
+        got += len(event.token_ids)
+        if got >= 5 or event.finished:
+            break
+    handles += [engine.submit(p, params) for p in prompts[2:]]
+    return [h.result(timeout=120).token_ids for h in handles]
+
+
+# ---- sampled output against the target's exact distribution (tiny vocabulary, 3 tokens) ----
+
+VOCAB = 10
+PROMPT = [1, 2, 3]
+
+
+def shaped(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
+    n = logits.shape[0]
+    return probabilities(
+        logits[:, None], torch.full((n,), sp.temperature), torch.full((n,), sp.top_k, dtype=torch.long),
+        torch.full((n,), sp.top_p),
+    )[:, 0].double()
+
+
+def exact_joint(model, sp: SamplingParams) -> torch.Tensor:
+    """P(x1, x2, x3 | PROMPT) under the target with the same shaping, by enumeration: [V, V, V]."""
+    with torch.no_grad():
+        p1 = shaped(model(torch.tensor([PROMPT])).logits[:, -1], sp)[0]  # [V]
+        pairs = torch.tensor([PROMPT + [a] for a in range(VOCAB)])
+        p2 = shaped(model(pairs).logits[:, -1], sp)  # [V, V]
+        triples = torch.tensor([PROMPT + [a, b] for a, b in itertools.product(range(VOCAB), repeat=2)])
+        p3 = shaped(model(triples).logits[:, -1], sp).view(VOCAB, VOCAB, VOCAB)
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:
+    """Chi-square goodness of fit, pooling cells with small expected counts into one."""
+    n = counts.sum()
+    expected = probs.flatten() * n
+    counts = counts.flatten().double()
+    small = expected < min_expected
+    obs = torch.cat([counts[~small], counts[small].sum()[None]])
+    exp = torch.cat([expected[~small], expected[small].sum()[None]])
+    keep = exp > 0
+    assert float(obs[~keep].sum()) == 0.0, "sampled a token the target gives probability 0"
+    obs, exp = obs[keep], exp[keep]
+    exp = exp * (obs.sum() / exp.sum())  # the float32 probabilities sum to 1 only up to rounding
+    return float(chisquare(obs.numpy(), exp.numpy()).pvalue)
+
+
+def sample_many(dec: SpecDecoder, sp: SamplingParams, n: int, batch: int) -> torch.Tensor:
+    counts = torch.zeros(VOCAB, VOCAB, VOCAB)
+    seed = 0
+    for _ in range(n // batch):
+        params = [sp.with_(seed=seed + i) for i in range(batch)]
+        seed += batch
+        for r in dec.generate([PROMPT] * batch, params):
+            a, b, c = r.token_ids
+            counts[a, b, c] += 1
+    return counts

@@ -1,15 +1,17 @@
 """Prompt sets for benchmarks and training: loaders, published prompt templates, a test-split guard.
 
-Files are read from a data directory (plain copies of the public sets, never copied into this
-repository); when a file is missing, the same set is fetched from the Hugging Face Hub with the
-`datasets` library if it is installed and the machine is online.
-
-Data directory, first match wins: the `data_dir` argument, `$BLOCKSPEC_DATA`, `<repo>/../shared/data`
-(the repo being the parent of the `blockspec` package), `$PWD/../shared/data`.
+Where a split's rows come from, first match wins:
+1. its file in the `data_dir` argument (the CLI's `--data-dir`), then in `$BLOCKSPEC_DATA`;
+2. the copy bundled in this package (`data/`, the benchmark splits only; sources and licences in
+   `data/README.md`), so benchmarks run offline out of the box;
+3. the Hugging Face Hub, with the `datasets` library if it is installed and the machine is online.
+Training paths ask with `bundled=False`: they never read a bundled benchmark split.
 """
 
 from __future__ import annotations
 
+import gzip
+import importlib.resources
 import json
 import os
 import random
@@ -17,11 +19,15 @@ import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from blockspec.errors import CheckpointError, ConfigError
 
+if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable
+
 ENV_VAR = "BLOCKSPEC_DATA"
+BUNDLED_DIR = "data"  # beside this module: gzip JSON-lines copies of the benchmark splits
 
 MATH_TEMPLATE = "{question}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
 HUMANEVAL_TEMPLATE = (
@@ -72,6 +78,11 @@ class SplitSpec:
     hub: HubSource | None
     held_out: bool  # a benchmark split: never to be used for training
     keep: Callable[[Row], bool] | None = None
+    bundled: str | None = None  # its copy shipped in BUNDLED_DIR, if any
+
+    def __post_init__(self) -> None:
+        if self.bundled is not None and not self.held_out:
+            raise ConfigError(f"{self.bundled}: only benchmark (held-out) splits are bundled")
 
 
 @dataclass(frozen=True)
@@ -136,12 +147,17 @@ def _alpaca(name: str, split: str, i: int, row: Row) -> Sample:
     return Sample(f"{name}/{split}/{row.get('id', i)}", (prompt,), out)
 
 
-def _sharegpt(name: str, split: str, i: int, row: Row) -> Sample | None:
-    # Local file: `messages` [{role, content}]; the raw ShareGPT dump: `conversations` [{from, value}].
-    msgs = row.get("messages") or [
+def sharegpt_messages(row: Row) -> list[dict[str, str]]:
+    """A ShareGPT record's turns as [{role, content}]: the local file has `messages` in that form,
+    the raw dump (the Hub copy) `conversations` [{from, value}]."""
+    return row.get("messages") or [
         {"role": "user" if m.get("from") == "human" else "assistant", "content": m.get("value", "")}
         for m in row.get("conversations", [])
     ]
+
+
+def _sharegpt(name: str, split: str, i: int, row: Row) -> Sample | None:
+    msgs = sharegpt_messages(row)
     user = next((m["content"] for m in msgs if m["role"] == "user"), "")
     reply = next((m["content"] for m in msgs if m["role"] == "assistant"), None)
     if not user.strip():  # raw dumps hold conversations without a user turn
@@ -149,9 +165,9 @@ def _sharegpt(name: str, split: str, i: int, row: Row) -> Sample | None:
     return Sample(f"{name}/{split}/{row.get('id', i)}", (user,), reply)
 
 
-def _mbpp_split(split: str, held_out: bool, lo: int, hi: int) -> SplitSpec:
+def _mbpp_split(split: str, held_out: bool, lo: int, hi: int, bundled: str | None = None) -> SplitSpec:
     hub = HubSource("google-research-datasets/mbpp", "sanitized", split)
-    return SplitSpec("mbpp_sanitized.json", hub, held_out, lambda row: lo <= int(row["task_id"]) <= hi)
+    return SplitSpec("mbpp_sanitized.json", hub, held_out, lambda row: lo <= int(row["task_id"]) <= hi, bundled)
 
 
 DATASETS: dict[str, DatasetSpec] = {
@@ -161,7 +177,8 @@ DATASETS: dict[str, DatasetSpec] = {
             "gsm8k",
             "grade-school maths word problems (answer: the number after ####)",
             {
-                "test": SplitSpec("gsm8k_test.jsonl", HubSource("openai/gsm8k", "main", "test"), True),
+                "test": SplitSpec("gsm8k_test.jsonl", HubSource("openai/gsm8k", "main", "test"), True,
+                                  bundled="gsm8k_test.jsonl.gz"),
                 "train": SplitSpec("gsm8k_train.jsonl", HubSource("openai/gsm8k", "main", "train"), False),
             },
             _gsm8k,
@@ -169,13 +186,15 @@ DATASETS: dict[str, DatasetSpec] = {
         DatasetSpec(
             "math500",
             "MATH-500 competition maths",
-            {"test": SplitSpec("math500_test.jsonl", HubSource("HuggingFaceH4/MATH-500", None, "test"), True)},
+            {"test": SplitSpec("math500_test.jsonl", HubSource("HuggingFaceH4/MATH-500", None, "test"), True,
+                               bundled="math500_test.jsonl.gz")},
             _math500,
         ),
         DatasetSpec(
             "humaneval",
             "HumanEval Python function completion",
-            {"test": SplitSpec("humaneval_test.jsonl", HubSource("openai/openai_humaneval", None, "test"), True)},
+            {"test": SplitSpec("humaneval_test.jsonl", HubSource("openai/openai_humaneval", None, "test"), True,
+                               bundled="humaneval_test.jsonl.gz")},
             _humaneval,
         ),
         DatasetSpec(
@@ -183,7 +202,7 @@ DATASETS: dict[str, DatasetSpec] = {
             "MBPP (sanitized) Python problems; the prompt as-is, no test case appended",
             {
                 # The original MBPP task-id ranges of each split; the Hub copy is split the same way.
-                "test": _mbpp_split("test", True, 11, 510),
+                "test": _mbpp_split("test", True, 11, 510, "mbpp_sanitized_test.jsonl.gz"),
                 "validation": _mbpp_split("validation", True, 511, 600),
                 "train": _mbpp_split("train", False, 601, 974),
                 "prompt": _mbpp_split("prompt", False, 1, 10),
@@ -195,7 +214,8 @@ DATASETS: dict[str, DatasetSpec] = {
             "MT-Bench, two user turns per sample",
             {
                 "test": SplitSpec(
-                    "mtbench_questions.jsonl", HubSource("HuggingFaceH4/mt_bench_prompts", None, "train"), True
+                    "mtbench_questions.jsonl", HubSource("HuggingFaceH4/mt_bench_prompts", None, "train"), True,
+                    bundled="mtbench_questions.jsonl.gz",
                 )
             },
             _mtbench,
@@ -204,7 +224,8 @@ DATASETS: dict[str, DatasetSpec] = {
             "alpaca",
             "Stanford Alpaca human-written seed tasks (instruction plus input when present)",
             # Used as a benchmark here, so held out from training; the Hub fallback is the full set.
-            {"test": SplitSpec("alpaca_seed_tasks.jsonl", HubSource("tatsu-lab/alpaca", None, "train"), True)},
+            {"test": SplitSpec("alpaca_seed_tasks.jsonl", HubSource("tatsu-lab/alpaca", None, "train"), True,
+                               bundled="alpaca_seed_tasks.jsonl.gz")},
             _alpaca,
         ),
         DatasetSpec(
@@ -228,21 +249,41 @@ DATASETS: dict[str, DatasetSpec] = {
 }
 
 
-# --- data directory and reading ---------------------------------------------------------------
+# --- data directories, the bundled copies, the Hub ----------------------------------------------
 
 
-def _candidate_dirs(data_dir: str | os.PathLike[str] | None) -> list[Path]:
-    if data_dir is not None:
-        return [Path(data_dir).expanduser()]
-    if os.environ.get(ENV_VAR):
-        return [Path(os.environ[ENV_VAR]).expanduser()]
-    repo_root = Path(__file__).resolve().parents[2]  # .../<repo>/blockspec/bench/datasets.py
-    return [repo_root.parent / "shared" / "data", Path.cwd().parent / "shared" / "data"]
+def search_dirs(data_dir: str | os.PathLike[str] | None = None) -> list[Path]:
+    """The directories searched for data files, in order: `data_dir`, then `$BLOCKSPEC_DATA`."""
+    given = [data_dir, os.environ.get(ENV_VAR) or None]
+    return [Path(d).expanduser() for d in given if d is not None]
 
 
 def data_dir(data_dir: str | os.PathLike[str] | None = None) -> Path | None:
-    """The first existing data directory (see module docstring), or None."""
-    return next((d for d in _candidate_dirs(data_dir) if d.is_dir()), None)
+    """The first existing directory of `search_dirs`, or None."""
+    return next((d for d in search_dirs(data_dir) if d.is_dir()), None)
+
+
+def find_file(file: str, data_dir: str | os.PathLike[str] | None = None) -> Path | None:
+    """`file` in the first directory of `search_dirs` that holds it, or None."""
+    return next((d / file for d in search_dirs(data_dir) if (d / file).is_file()), None)
+
+
+def where_to_put(file: str, data_dir: str | os.PathLike[str] | None = None) -> str:
+    """The advice for a missing data file: what to pass, and where we looked."""
+    searched = ", ".join(str(d) for d in search_dirs(data_dir)) or f"no --data-dir given, {ENV_VAR} unset"
+    return f"pass --data-dir DIR (or set {ENV_VAR}=DIR) naming a folder that holds {file} (looked in: {searched})"
+
+
+def bundled_path(file: str) -> Traversable:
+    """A bundled data file (see `data/README.md` for its source and licence)."""
+    return importlib.resources.files(__package__) / BUNDLED_DIR / file
+
+
+def _read_bundled(file: str) -> Iterator[Row]:
+    with bundled_path(file).open("rb") as raw, gzip.open(raw, "rt", encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                yield json.loads(line)
 
 
 def _read_rows(path: Path) -> Iterator[Row]:
@@ -261,25 +302,19 @@ def _read_rows(path: Path) -> Iterator[Row]:
                     raise CheckpointError(f"{path}:{lineno}: not valid JSON ({e}); replace the file") from e
 
 
-def _hub_rows(name: str, split: str, hub: HubSource, searched: Sequence[Path], file: str) -> Iterable[Row]:
-    where = ", ".join(str(d) for d in searched)
-    hint = (
-        f"set {ENV_VAR} to a directory holding {file} (looked in: {where}), "
-        f"or install `datasets` and go online to fetch {hub.path} from the Hugging Face Hub"
-    )
+def _hub_rows(name: str, split: str, hub: HubSource, advice: str) -> Iterable[Row]:
+    hint = f"{advice}, or install `datasets` and go online to fetch {hub.path} from the Hugging Face Hub"
     try:
         import datasets as hf_datasets  # optional; imported only when a file is missing
     except ImportError as e:
-        raise CheckpointError(f"data set {name}/{split}: {file} not found; {hint}") from e
+        raise CheckpointError(f"data set {name}/{split} not found: {hint}") from e
     kwargs: dict[str, Any] = {"split": hub.split}
     if hub.data_files:
         kwargs["data_files"] = hub.data_files
     try:
         return hf_datasets.load_dataset(hub.path, hub.config, **kwargs)
     except Exception as e:  # offline, gated, renamed...: all end in the same advice
-        raise CheckpointError(
-            f"data set {name}/{split}: {file} not found and the Hub fetch failed ({e}); {hint}"
-        ) from e
+        raise CheckpointError(f"data set {name}/{split} not found and the Hub fetch failed ({e}): {hint}") from e
 
 
 def _spec(name: str) -> DatasetSpec:
@@ -294,6 +329,32 @@ def _split(spec: DatasetSpec, split: str | None) -> tuple[str, SplitSpec]:
     if split not in spec.splits:
         raise ConfigError(f"data set {spec.name!r} has no split {split!r}; it has: {', '.join(spec.splits)}")
     return split, spec.splits[split]
+
+
+def split_rows(
+    name: str,
+    split: str | None = None,
+    *,
+    data_dir: str | os.PathLike[str] | None = None,
+    bundled: bool = True,
+) -> Iterable[Row]:
+    """The raw records of one split, from the first place that has them (module docstring).
+
+    `bundled=False` skips the copies shipped in the package: training paths pass it.
+    """
+    spec = _spec(name)
+    split, sp = _split(spec, split)
+    found = find_file(sp.file, data_dir)
+    if found is not None:
+        rows: Iterable[Row] = _read_rows(found)
+    elif bundled and sp.bundled is not None:
+        rows = _read_bundled(sp.bundled)
+    else:
+        advice = where_to_put(sp.file, data_dir)
+        if sp.hub is None:
+            raise CheckpointError(f"data set {spec.name}/{split} not found: {advice}")
+        return _hub_rows(spec.name, split, sp.hub, advice)  # the Hub split is already the right range
+    return (r for r in rows if sp.keep is None or sp.keep(r))
 
 
 def load_dataset(
@@ -315,19 +376,9 @@ def load_dataset(
     if limit is not None and limit < 0:
         raise ConfigError(f"limit must be >= 0, got {limit}")
     spec = _spec(name)
-    split, sp = _split(spec, split)
-    searched = _candidate_dirs(data_dir)
-    found = next((d / sp.file for d in searched if (d / sp.file).is_file()), None)
-    if found is not None:
-        rows: Iterable[Row] = _read_rows(found)
-        keep = sp.keep
-    else:
-        if sp.hub is None:
-            raise CheckpointError(f"data set {name}/{split}: {sp.file} not found; set {ENV_VAR} to its directory")
-        rows = _hub_rows(spec.name, split, sp.hub, searched, sp.file)
-        keep = None  # the Hub split is already the right range
-    kept = (r for r in rows if keep is None or keep(r))
-    made = (spec.to_sample(spec.name, split, i, row) for i, row in enumerate(kept))
+    split, _ = _split(spec, split)
+    rows = split_rows(spec.name, split, data_dir=data_dir)
+    made = (spec.to_sample(spec.name, split, i, row) for i, row in enumerate(rows))
     samples = [s for s in made if s is not None]
     if shuffle:
         random.Random(seed).shuffle(samples)

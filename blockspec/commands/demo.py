@@ -18,7 +18,7 @@ DEFAULT_PROMPT = (
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default=DEFAULT_TARGET, help="zoo name or model directory")
+    p.add_argument("--target", default=DEFAULT_TARGET, help=f"zoo name or model directory (default {DEFAULT_TARGET})")
     p.add_argument("--drafter", default=None, help="drafter directory (default: the shipped one)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
     p.add_argument("--max-new-tokens", type=int, default=160)
@@ -26,9 +26,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a fixed block size; default: adaptive, each step picks the size (up to the drafter's) "
                         "that pays best on this machine")
     add_lookup_argument(p)
+    p.add_argument("--busy", type=int, default=0, metavar="N",
+                   help="run beside N CPU-bound processes that the demo starts and stops itself (how it "
+                        "fares on a machine with other work)")
 
 
 def run(args: argparse.Namespace) -> int:
+    from blockspec.bench.busy import busy_processes
+    from blockspec.errors import ConfigError
+
+    if args.busy < 0:
+        raise ConfigError(f"--busy must be >= 0 processes, got {args.busy}")
+    with busy_processes(args.busy):
+        if args.busy:
+            print(f"Running beside {args.busy} CPU-bound process{'es' if args.busy > 1 else ''} "
+                  "(stopped when the demo ends)", file=sys.stderr)
+        return _demo(args)
+
+
+def _demo(args: argparse.Namespace) -> int:
     from blockspec.api import FRESH, default_drafter_for, load
     from blockspec.commands.generate import block_label, run_one
     from blockspec.config import SamplingParams
@@ -52,7 +68,9 @@ def run(args: argparse.Namespace) -> int:
     # Warm-up: first-call overheads, and the adaptive policy times the step costs of this machine.
     pipe.generate_ids([ids[:8]], SamplingParams(max_new_tokens=4))
     print(f"User: {args.prompt}\n\nAssistant (DFlash):", file=err)
+    before = pipe.decoder.block_choices
     fast = run_one(pipe, ids, params, stream=True)
+    steps = {n: c - before.get(n, 0) for n, c in pipe.decoder.block_choices.items() if c > before.get(n, 0)}
     print("\nRunning plain autoregressive decoding on the same prompt for comparison ...", file=err)
     plain = pipe.generate_ids([ids], params, block_size=1)[0]
     same = plain.token_ids == fast.token_ids
@@ -61,11 +79,39 @@ def run(args: argparse.Namespace) -> int:
     print(f"DFlash         : {fast.tokens_per_s:7.1f} tokens/s  (mean acceptance length tau "
           f"{fast.stats.mean_tau:.2f} tokens per step, {block_label(pipe)})", file=err)
     print(f"speedup        : {speedup:.2f}x   output identical to plain decoding: {same}", file=err)
+    busy = load_note()
     if speedup < 1.0:
-        print(f"NOTE: at tau {fast.stats.mean_tau:.2f} too few draft tokens are accepted to pay for drafting "
-              "on this hardware, so DFlash is slower here; a better-trained drafter is needed (BENCHMARKS.md, "
-              "docs/TRAINING.md).", file=err)
+        print(f"NOTE: {why_slower(fast.stats.mean_tau, steps, drafter != FRESH)}{f' ({busy})' if busy else ''}",
+              file=err)
+    elif busy:
+        print(f"load           : {busy}", file=err)
     if not same:  # fp32 kernels for 1 vs 16 tokens may round differently on near-ties
         print("WARNING: outputs differ; this should only happen on a floating-point near-tie. "
               "Please report it with the prompt.", file=err)
     return 0
+
+
+def why_slower(tau: float, steps: dict[int, int], trained: bool) -> str:
+    """One line on why DFlash lost to plain decoding, from the run's steps per block size."""
+    total = sum(steps.values())
+    plain = steps.get(1, 0) / total if total else 0.0
+    if not trained:
+        return (f"an untrained drafter's drafts are hardly ever accepted (tau {tau:.2f}), so drafting cannot "
+                "pay; train one (docs/TRAINING.md)")
+    if plain >= 0.5:
+        return (f"DFlash decoded plainly in {plain:.0%} of steps: the drafter's acceptance on this prompt "
+                f"(tau {tau:.2f}) does not pay for a draft pass on this machine now")
+    return (f"DFlash drafted in {1 - plain:.0%} of steps, but at tau {tau:.2f} the accepted tokens did not pay "
+            "for the draft passes on this machine now")
+
+
+def load_note() -> str:
+    """'other processes used ~X of N cores: decoding ran on T thread(s)' where they were busy at the
+    last look of the thread governor (cpu/threads.py), else ''."""
+    from blockspec.cpu.threads import governor
+
+    g = governor()
+    if g is None or g.others is None or g.others < 0.3:
+        return ""
+    return (f"other processes used ~{g.others:.1f} of {g.cpus} cores: decoding ran on "
+            f"{g.threads} thread{'s' if g.threads > 1 else ''}")

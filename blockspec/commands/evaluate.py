@@ -10,15 +10,15 @@ from __future__ import annotations
 import argparse
 import json
 
-from blockspec.commands import add_drafter_dtype_argument
+from blockspec.commands import DEFAULT_TARGET, add_drafter_dtype_argument
 from blockspec.train.data import HELDOUT_SOURCES
 
 HELP = "held-out acceptance length (tau) of drafters: the training recipe's shipping check"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default="smollm2-135m-instruct",
-                   help="zoo name (see `blockspec pull --list`), local HF directory or Hub id")
+    p.add_argument("--target", default=DEFAULT_TARGET,
+                   help=f"zoo name (see `blockspec pull --list`), local HF directory or Hub id (default {DEFAULT_TARGET})")
     p.add_argument("--drafter", action="append", required=True,
                    help="DFlash drafter directory (repeat to compare several on the same prompts)")
     p.add_argument("--prompts", type=int, default=32,
@@ -33,7 +33,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="put the other held-out prompts in front of each one until it holds at least this many "
                         "tokens: tau over a long context (default 0: off)")
     p.add_argument("--batch-size", type=int, default=16, help="prompts decoded together")
-    p.add_argument("--data-dir", default=None, help="where the data sets live (default: ../shared/data)")
+    p.add_argument("--data-dir", default=None, metavar="DIR",
+                   help="a folder holding gsm8k_train.jsonl, for the held-out gsm8k prompts; default "
+                        "$BLOCKSPEC_DATA, else the Hugging Face Hub (needs `datasets` and a network); "
+                        "py_stubs need none")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
     add_drafter_dtype_argument(p)
     p.add_argument("--device", default="cpu")
@@ -57,7 +60,9 @@ def run(args: argparse.Namespace) -> int:
     from blockspec.train.evaluate import quick_tau
 
     if args.threads:
-        torch.set_num_threads(args.threads)
+        from blockspec.cpu.threads import pin
+
+        pin(args.threads)  # the user's count, on every decoding thread (cpu/threads.py)
     held = heldout_prompts(args.prompts, data_dir=args.data_dir, source=args.heldout)
     rows = []
     for drafter in args.drafter:

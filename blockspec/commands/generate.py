@@ -6,16 +6,18 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass, field
 
-from blockspec.commands import add_drafter_dtype_argument, add_lookup_argument
+from blockspec.commands import DEFAULT_TARGET, add_drafter_dtype_argument, add_lookup_argument
 
 HELP = "generate text with DFlash speculative decoding"
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """Target/drafter/runtime flags shared by generate, demo and bench."""
-    p.add_argument("--target", default="smollm2-135m-instruct",
-                   help="zoo name (see `blockspec pull --list`), local HF directory or Hub id")
+    p.add_argument("--target", default=DEFAULT_TARGET,
+                   help=f"zoo name (see `blockspec pull --list`), local HF directory or Hub id "
+                        f"(default {DEFAULT_TARGET})")
     p.add_argument("--drafter", default=None,
                    help="DFlash drafter directory; default: the drafter shipped for a zoo target; "
                         "'fresh' = untrained (lossless, no speedup); 'none' = plain decoding")
@@ -55,7 +57,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--thinking", choices=["on", "off"], default=None,
                    help="enable_thinking for chat templates that support it")
     p.add_argument("--compare", action="store_true",
-                   help="also run plain autoregressive decoding and print tokens/s, tau and speedup")
+                   help="also run plain decoding of the same target and print both speeds and the speedup: each "
+                        f"side first runs one uncounted {WARMUP_TOKENS}-token warm-up, then --compare-runs timed runs "
+                        "of each alternate (D P P D), as `blockspec bench` times them")
+    p.add_argument("--compare-runs", type=int, default=2,
+                   help="timed runs of each side with --compare (default 2; the first DFlash run is the one shown)")
     p.add_argument("--no-stream", action="store_true", help="print the text at the end only")
     p.add_argument("--json", action="store_true", help="print the result and statistics as JSON")
 
@@ -83,38 +89,114 @@ def prompt_from_args(args: argparse.Namespace) -> object:
 def run(args: argparse.Namespace) -> int:
     from blockspec.api import load
     from blockspec.config import SamplingParams
+    from blockspec.errors import ConfigError
 
     sampling = sampling_from_args(args)
     SamplingParams(**sampling)  # validate before the slow model load
+    if args.compare_runs < 1:
+        raise ConfigError(f"--compare-runs must be >= 1, got {args.compare_runs}")
+    if args.compare and args.drafter == "none":
+        raise ConfigError("--compare times DFlash against plain decoding, so it needs a drafter: drop "
+                          "--drafter none (or pass a drafter directory, or --drafter fresh)")
     pipe = load(args.target, args.drafter, dtype=args.dtype, device=args.device, block_size=args.block_size,
                 adaptive_block=args.adaptive_block, drafter_dtype=args.drafter_dtype, lookup=not args.no_lookup)
     kwargs = {"enable_thinking": args.thinking == "on"} if args.thinking else {}
     ids = pipe.encode(prompt_from_args(args), chat=not args.raw, **kwargs)
     params = SamplingParams(**sampling)
     stream = not (args.no_stream or args.json)
-    out = run_one(pipe, ids, params, stream=stream)
+    if args.compare:
+        cmp = compare(pipe, ids, params, runs=args.compare_runs, stream=stream)
+        out = cmp.dflash[0]
+    else:
+        before = pipe.decoder.block_choices
+        out = run_one(pipe, ids, params, stream=stream)
     report = {"text": out.text, "finish_reason": out.finish_reason, "dflash": out.stats.as_dict(len(out.token_ids))}
     if pipe.adaptive_block:
-        report["block_choices"] = pipe.decoder.block_choices
+        report["block_choices"] = cmp.block_choices if args.compare else _since(before, pipe.decoder.block_choices)
     if args.compare:
-        plain = pipe.generate_ids([ids], params, block_size=1)[0]
-        report["plain"] = plain.stats.as_dict(len(plain.token_ids))
-        report["speedup"] = round(out.tokens_per_s / max(plain.tokens_per_s, 1e-9), 3)
-        report["identical"] = plain.token_ids == out.token_ids
+        report["dflash"]["tokens_per_s"] = round(cmp.tokens_per_s(cmp.dflash), 3)
+        report["plain"] = cmp.plain[0].stats.as_dict(len(cmp.plain[0].token_ids))
+        report["plain"]["tokens_per_s"] = round(cmp.tokens_per_s(cmp.plain), 3)
+        report["speedup"] = round(cmp.speedup, 3)
+        report["identical"] = cmp.identical if params.temperature == 0 else None
+        report["timed"] = cmp.describe()
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
     if not stream:
         print(out.text)
-    print_summary(out, report, block_label(pipe), args.compare)
+    print_summary(out, report, block_label(pipe, report.get("block_choices")), args.compare)
     return 0
 
 
-def block_label(pipe) -> str:
-    """'block 16', or for the adaptive policy the sizes its steps used so far."""
+WARMUP_TOKENS = 32  # as `blockspec bench` (bench/runner.py SuitePlan.warmup_tokens)
+
+
+@dataclass
+class Comparison:
+    """Timed DFlash and plain runs of one prompt, each side warmed up alike (`compare`)."""
+
+    order: list[str]  # "dflash" / "plain", in the order they ran
+    warmup_tokens: int
+    dflash: list = field(default_factory=list)  # Completions
+    plain: list = field(default_factory=list)
+    block_choices: dict[int, int] = field(default_factory=dict)  # steps per block size of the timed DFlash runs
+
+    @staticmethod
+    def tokens_per_s(runs: list) -> float:
+        """Generated tokens over prefill plus decode time, summed over `runs`."""
+        seconds = sum(r.stats.prefill_s + r.stats.decode_s for r in runs)
+        return sum(len(r.token_ids) for r in runs) / seconds if seconds > 0 else 0.0
+
+    @property
+    def speedup(self) -> float:
+        return self.tokens_per_s(self.dflash) / max(self.tokens_per_s(self.plain), 1e-9)
+
+    @property
+    def identical(self) -> bool:
+        return all(r.token_ids == self.dflash[0].token_ids for r in self.dflash + self.plain)
+
+    def describe(self) -> str:
+        sides = {"dflash": "D", "plain": "P"}
+        return (f"{len(self.dflash)} run(s) of each side, in the order {' '.join(sides[s] for s in self.order)} "
+                f"(D = DFlash, P = plain decoding), after one uncounted {self.warmup_tokens}-token warm-up of each; "
+                "tokens/s = generated tokens / (prefill + decode) time")
+
+
+def compare(pipe, ids: list[int], params, *, runs: int = 2, stream: bool = False,
+            warmup_tokens: int = WARMUP_TOKENS) -> Comparison:
+    """DFlash against plain decoding of the same prompt, timed as `blockspec bench` times them:
+    first one uncounted warm-up generation of each side (lazy initialisation, first-call costs and
+    the adaptive policy's calibration stay out of the numbers), then `runs` timed runs of each,
+    alternating D P P D ... so that drift of the machine's load hits both sides alike. The first
+    DFlash run streams its text when `stream`."""
+    from dataclasses import replace
+
+    order = [side for i in range(runs) for side in (("dflash", "plain") if i % 2 == 0 else ("plain", "dflash"))]
+    cmp = Comparison(order, min(warmup_tokens, params.max_new_tokens))
+    warm = replace(params, max_new_tokens=cmp.warmup_tokens)
+    pipe.generate_ids([ids], warm, block_size=1)
+    pipe.generate_ids([ids], warm)
+    before = pipe.decoder.block_choices
+    for side in order:
+        if side == "plain":
+            cmp.plain.append(pipe.generate_ids([ids], params, block_size=1)[0])
+        else:
+            cmp.dflash.append(run_one(pipe, ids, params, stream=stream and not cmp.dflash))
+    cmp.block_choices = _since(before, pipe.decoder.block_choices)
+    return cmp
+
+
+def _since(before: dict[int, int], after: dict[int, int]) -> dict[int, int]:
+    """Steps per block size taken between two readings of `block_choices`."""
+    return {b: n - before.get(b, 0) for b, n in sorted(after.items()) if n > before.get(b, 0)}
+
+
+def block_label(pipe, used: dict[int, int] | None = None) -> str:
+    """'block 16', or for the adaptive policy the sizes its steps used (`used`, else all so far)."""
     if not pipe.adaptive_block:
         return f"block {pipe.block_size}"
-    used = pipe.decoder.block_choices
+    used = pipe.decoder.block_choices if used is None else used
     most = ", ".join(f"{b}: {n}" for b, n in sorted(used.items(), key=lambda kv: -kv[1])[:4])
     return f"adaptive block <= {pipe.block_size}; steps per block size {most or 'none yet'}"
 
@@ -139,10 +221,13 @@ def run_one(pipe, ids: list[int], params, *, stream: bool):
 def print_summary(out, report: dict, block: str, compare: bool) -> None:
     s = out.stats
     err = sys.stderr
-    print(f"\n[dflash] {len(out.token_ids)} tokens, {out.tokens_per_s:.1f} tok/s, mean tau {s.mean_tau:.2f} "
+    rate = report["dflash"]["tokens_per_s"] if compare else out.tokens_per_s
+    print(f"\n[dflash] {len(out.token_ids)} tokens, {rate:.1f} tok/s, mean tau {s.mean_tau:.2f} "
           f"({block}), prefill {s.prefill_s * 1000:.0f} ms, finish: {out.finish_reason}", file=err)
     if compare:
         p = report["plain"]
-        same = "identical" if report["identical"] else "DIFFERENT (lossless check failed!)"
+        same = {True: "identical", False: "DIFFERENT (lossless check failed!)",
+                None: "not compared token by token (sampled: the same distribution, other draws)"}[report["identical"]]
         print(f"[plain ] {p['generated_tokens']} tokens, {p['tokens_per_s']:.1f} tok/s", file=err)
         print(f"[result] speedup {report['speedup']:.2f}x over plain decoding; outputs {same}", file=err)
+        print(f"[timed ] {report['timed']}", file=err)

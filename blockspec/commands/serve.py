@@ -1,6 +1,6 @@
 """`blockspec serve`: an OpenAI-compatible HTTP server with continuous batching.
 
-    blockspec serve --target smollm2-135m-instruct --port 30000
+    blockspec serve --port 30000      # the demo model, its shipped drafter, adaptive blocks, lookup
     curl http://127.0.0.1:30000/v1/chat/completions -H 'Content-Type: application/json' \
         -d '{"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "Hi"}]}'
 """
@@ -11,13 +11,15 @@ import argparse
 import os
 import sys
 
-from blockspec.commands import add_drafter_dtype_argument, add_lookup_argument
+from blockspec.commands import DEFAULT_TARGET, add_drafter_dtype_argument, add_lookup_argument
 
 HELP = "OpenAI-compatible HTTP server with continuous batching"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", required=True, help="target model: zoo name, local HF directory or Hub id")
+    parser.add_argument("--target", default=DEFAULT_TARGET,
+                        help=f"target model: zoo name (see `blockspec pull --list`), local HF directory or Hub id "
+                             f"(default {DEFAULT_TARGET})")
     parser.add_argument("--drafter", default=None,
                         help="DFlash drafter directory; 'fresh' = untrained (lossless, no speedup); "
                              "'none' = plain decoding; default: the drafter shipped for a zoo target")

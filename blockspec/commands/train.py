@@ -10,11 +10,14 @@ from __future__ import annotations
 import argparse
 import json
 
+from blockspec.commands import DEFAULT_TARGET
+
 HELP = "train a DFlash drafter for a target model"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", required=True, help="zoo name or Hugging Face model directory")
+    p.add_argument("--target", default=DEFAULT_TARGET,
+                   help=f"zoo name (see `blockspec pull --list`), local HF directory or Hub id (default {DEFAULT_TARGET})")
     p.add_argument("--data", required=True, help="directory written by `blockspec datagen`")
     p.add_argument("--out", default=None, help="run directory: log.jsonl, checkpoint/, drafter/")
     p.add_argument("--cache-features", action="store_true",
@@ -64,7 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "to replicate (same updates either way)")
     p.add_argument("--time-limit", type=float, default=None, help="stop (and save) after this many seconds")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
-    p.add_argument("--data-dir", default=None, help="where the data sets live (for eval prompts)")
+    p.add_argument("--data-dir", default=None, metavar="DIR",
+                   help="a folder holding gsm8k_train.jsonl, for the --eval-prompts held-out gsm8k prompts; "
+                        "default $BLOCKSPEC_DATA, else the Hugging Face Hub (needs `datasets` and a network)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="target dtype")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -86,7 +91,9 @@ def run(args: argparse.Namespace) -> int:
 
     source = init_source(args.init)  # before the target loads: a wrong path fails at once
     if args.threads:
-        torch.set_num_threads(args.threads)
+        from blockspec.cpu.threads import pin
+
+        pin(args.threads)  # the user's count, on every decoding thread (cpu/threads.py)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and "LOCAL_RANK" in os.environ:
         device = f"cuda:{int(os.environ['LOCAL_RANK'])}"

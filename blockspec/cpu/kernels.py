@@ -2,7 +2,7 @@
 
 A decoding step multiplies a few rows by every weight matrix (one per sequence, or a verified
 block per sequence), and on a CPU its time should be the time to stream the weights from memory
-once. PyTorch's kernels do not manage that for so few rows (BENCHMARKS.md, session 13: the
+once. PyTorch's kernels do not manage that for so few rows (measured: the
 projections of SmolLM2-135M for one row took 1.6x the kernel's time through oneDNN). Since
 session 17 it tiles rows and weight rows in registers (from 5 fp32 rows, 3 bf16 ones, since
 session 22), and beat oneDNN here up to 128 rows (the projections of SmolLM2-135M: 8 rows 30 ms
@@ -12,7 +12,7 @@ aim at the outer caches, which took 8 fp32 rows of those projections and head fr
 The kernel is also batch invariant: a row gets the same bits alone or beside others.
 bf16 products (a bf16 drafter, or a bf16 target) sum in fp32 and stream half the bytes; with
 AVX512_BF16 they multiply in pairs, and a 16-20 row draft pass's projections took 1.8-2.2 ms
-against oneDNN's 4.0-4.6 (BENCHMARKS.md, session 18). fp32 weights that a 4- or 8-bit GGUF left are
+against oneDNN's 4.0-4.6. fp32 weights that a 4- or 8-bit GGUF left are
 multiplied from a packed copy with the fp32 product's bits (`bs_rows_matmul_q4` / `_q8`,
 cpu/packed_weights.py), and their bf16 roundings with the bf16 product's (`_q4_bf16` / `_q8_bf16`).
 
@@ -46,7 +46,7 @@ import torch
 from blockspec.cache_dir import cache_root
 
 SOURCES = tuple(Path(__file__).parent / "csrc" / name
-                for name in ("rows.c", "attention.c", "norm.c", "peak.c", "rope.c", "layers.c"))  # one library
+                for name in ("rows.c", "attention.c", "norm.c", "peak.c", "rope.c", "layers.c", "conv.c"))  # one library
 HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("vec.h", "kernels.h"))
 DISABLE_ENV = "BLOCKSPEC_CPU_KERNELS"
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
@@ -143,6 +143,10 @@ def _load() -> object | None:
     fn.silu_mul = {torch.float32: lib.bs_silu_mul, torch.bfloat16: lib.bs_silu_mul_bf16}
     for f in fn.silu_mul.values():
         f.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+        f.restype = ctypes.c_int
+    fn.block_conv = {torch.float32: lib.bs_block_conv, torch.bfloat16: lib.bs_block_conv_bf16}
+    for f in fn.block_conv.values():
+        f.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 6 + [ctypes.c_int]
         f.restype = ctypes.c_int
     fn.layers, fn.layers_bf16, fn.layers_layout = lib.bs_layers, lib.bs_layers_bf16, lib.bs_layers_layout
     for f in (fn.layers, fn.layers_bf16):
@@ -382,6 +386,27 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     inter = gate_up.shape[-1] // 2
     out = torch.empty((*gate_up.shape[:-1], inter), dtype=gate_up.dtype)
     f(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // max(1, 2 * inter), inter, torch.get_num_threads())
+    return out
+
+
+def block_conv(x: torch.Tensor, base: torch.Tensor, delta: torch.Tensor, block_len: int) -> torch.Tensor | None:
+    """One side of DFlash 2's block convolution (dflash/conv.py) through `csrc/conv.c`: x
+    [b, s, H], base [T, H], delta [b, s, T, G] (each token's T * G values contiguous) -> [b, s, H]
+    with the bits of BlockConv's PyTorch operators; None where the kernel does not take it (no
+    kernel, dtypes other than fp32 or bf16 alike, autograd, another layout)."""
+    fn = kernel()
+    f = None if fn is None else fn.block_conv.get(x.dtype)
+    if f is None or base.dtype != x.dtype or delta.dtype != x.dtype or torch.is_grad_enabled() and (
+            x.requires_grad or base.requires_grad or delta.requires_grad):
+        return None
+    b, s, h = x.shape
+    taps, groups = delta.shape[-2:]
+    if (x.device.type != "cpu" or not x.is_contiguous() or not base.is_contiguous() or delta.stride(-1) != 1
+            or delta.stride(-2) != groups or delta.stride(0) != s * delta.stride(1) or h % groups):
+        return None
+    out = torch.empty_like(x)
+    f(x.data_ptr(), base.data_ptr(), delta.data_ptr(), out.data_ptr(), b * s, h, taps, groups, delta.stride(1),
+      block_len, torch.get_num_threads())
     return out
 
 

@@ -6,7 +6,7 @@ more threads than there are cores, idle workers stop spinning and sleep, so ever
 region pays a wake-up. The models are loaded on the main thread (one team), then the engine
 decodes on its own thread (a second team): on 2 cores that made the [3072, 576] x [576, 2..4]
 products of a drafting step ~1.6x slower than on the main thread, and a drafting step ~2x as
-expensive (BENCHMARKS.md, session 8). Releasing the team of a thread that hands its torch work
+expensive. Releasing the team of a thread that hands its torch work
 over to another thread (and of an engine thread that goes idle) keeps one team in the process.
 """
 

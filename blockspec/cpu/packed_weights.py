@@ -19,6 +19,7 @@ drafter, random test weights, other GGUF types) stays as it is.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -30,8 +31,8 @@ _ULPS = (0, -1, 1, -2, 2)  # fp16 neighbours of the estimated d tried, nearest f
 _SAMPLE = 64  # weight rows tried first: a matrix of another form is turned down after these
 # bf16 weights stream 2 bytes each and multiply in pairs (AVX512_BF16), so rebuilding them from 4
 # bits pays only for a few rows: SmolLM2-135M's projections, 2 cores, 1 row 3.6 ms against 4.4,
-# 4 rows 4.6 against 5.3, 6 rows 5.4 against 5.3, 16 rows 9.2 against 7.6 (BENCHMARKS.md, session
-# 29). More rows take the bf16 weights (the same bits either way).
+# 4 rows 4.6 against 5.3, 6 rows 5.4 against 5.3, 16 rows 9.2 against 7.6.
+# More rows take the bf16 weights (the same bits either way).
 BF16_MAX_ROWS = 4
 
 
@@ -192,13 +193,16 @@ def pack_for(weight: torch.Tensor, source: torch.Tensor | None = None) -> Packed
     return PackedWeight(packed.bits, packed.qs, packed.sc, identity(weight), torch.bfloat16)
 
 
-def pack_linears(modules: list[torch.nn.Linear], sources: list[torch.Tensor | None] | None = None) -> int:
+def pack_linears(modules: list[torch.nn.Linear], sources: list[torch.Tensor | None] | None = None,
+                 on_each: Callable[[], None] | None = None) -> int:
     """Packs each nn.Linear's weight where it is exactly of a packed form, or (bf16) the rounding
     of its fp32 source in `sources` that is (as `module.packed`, which `cpu/linear.project`
-    then uses); returns how many were packed."""
+    then uses); returns how many were packed. `on_each` is called after each module (progress)."""
     done = 0
     for i, module in enumerate(modules):
         packed = pack_for(module.weight, None if sources is None else sources[i])
         module.packed = packed
         done += packed is not None
+        if on_each is not None:
+            on_each()
     return done

@@ -1,4 +1,4 @@
-"""The DFlash speculative decoding loop for a batch of token-id prompts (DESIGN.md section 3).
+"""The DFlash speculative decoding loop for a batch of token-id prompts (docs/DESIGN.md section 4).
 
 `DecodeBatch` is the one step implementation: rows join (prefill + first token), every `step`
 drafts, verifies and commits for the whole batch, finished rows leave. `SpecDecoder.generate`
@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from blockspec.config import SamplingParams, SpecConfig
+from blockspec.cpu.threads import follow_free_cores
 from blockspec.errors import ConfigError, ContextLengthError
 from blockspec.dflash.drafter import DFlashDrafter, check_compatible
 from blockspec.dflash.static_drafter import StaticDrafter, has_standard_forward
@@ -269,6 +270,9 @@ class SpecDecoder:
                 results[r.key] = GenerationResult(list(r.generated), r.finish_reason, r.stats,
                                                   _captured_features(r))
 
+        cpu = batch.device.type == "cpu"
+        if cpu:
+            follow_free_cores()  # threads where cores are free (cpu/threads.py); the output is the same
         t0 = time.perf_counter()
         batch.join(prompts, rows)
         prefill_s = time.perf_counter() - t0
@@ -278,6 +282,8 @@ class SpecDecoder:
         policy = self._adaptive_policy(block) if self.spec.adaptive and block_size is None and block > 1 else None
         t1 = time.perf_counter()
         while batch.rows:
+            if cpu:
+                follow_free_cores()
             if policy is not None:
                 policy.step(batch)
             else:
@@ -556,10 +562,17 @@ class DecodeBatch:
             self._flush_pending()
             hidden = self.draft(self.pending_feats, self.pending_pos, embeds, positions, self.dcache)
             conf = None
+            selector = getattr(self.drafter, "candidate_selector", None) is not None
+            # a DFlash 2 walk goes on from the lookup continuation that will replace its first proposals
+            forced = self._lookup_forced(q) if selector and self.lookup is not None else None
             if greedy and trim is not None:
-                block_ids[:, 1:], conf = self.drafter.greedy_with_confidence(hidden[:, 1:q], self.target.head())
+                block_ids[:, 1:], conf = self.drafter.greedy_with_confidence(hidden[:, 1:q], self.target.head(),
+                                                                             self.last, forced)
             elif greedy:
-                block_ids[:, 1:] = self.drafter.greedy_tokens(hidden[:, 1:q], self.target.head())  # [b, q-1]
+                block_ids[:, 1:] = self.drafter.greedy_tokens(hidden[:, 1:q], self.target.head(), self.last,
+                                                              forced)  # [b, q-1]
+            elif selector:
+                block_ids[:, 1:], draft_probs, conf = self._sample_walk(hidden[:, 1:q], forced, trim is not None)
             else:
                 draft_logits = self.drafter.logits(hidden[:, 1:q], self.target.head())  # [b, q-1, V]
                 draft_probs = self._probs(draft_logits)
@@ -686,6 +699,41 @@ class DecodeBatch:
             self._plan = [r.index.continuation(cfg, width)[1] if r.index is not None and cfg is not None else []
                           for r in self.rows]
         return self._plan
+
+    def _lookup_forced(self, q: int) -> torch.Tensor | None:
+        """[b, q-1]: each row's lookup continuation at the proposal positions it will take, -1
+        elsewhere; None when no row has one."""
+        plan = [cont[: q - 1] for cont in self.lookup_plan()]
+        if not any(plan):
+            return None
+        rows = [cont + [-1] * (q - 1 - len(cont)) for cont in plan]
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
+
+    def _sample_walk(self, hidden: torch.Tensor, forced: torch.Tensor | None, confidence: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """A DFlash 2 drafter's sampled proposals for hidden [b, n, H]: the selector's walk from
+        each row's last token, drawing position t's proposal from q_t = the row's shaping
+        (temperature, top-k, top-p, as the target's p gets it) of its scores S_t(prev, .) over
+        the candidates, zero elsewhere. Returns (ids [b, n], q [b, n, V], with `confidence` the
+        peaks [b, n] of the unary candidates' shaped distributions times their unary mass: the
+        confidences an adaptive step trims by, which, unlike q_t, do not depend on the earlier
+        samples; else None)."""
+        head = self.target.head()
+        cands = self.drafter.candidates(hidden, head, normaliser=confidence)
+        b, n, _ = cands.ids.shape
+        u = self.random.uniforms(n).to(self.device)
+
+        def pick(t: int, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            probs = self._probs(scores[:, None])[:, 0]  # [b, K]
+            return sample_from(probs, u[:, t]), probs
+
+        ids, q_k = self.drafter.walk(hidden, cands, self.last, pick, forced)
+        vocab = head.weight.shape[0]
+        draft_probs = q_k.new_zeros(b, n, vocab).scatter_(-1, cands.ids, q_k)  # [b, n, V]
+        if not confidence:
+            return ids, draft_probs, None
+        mass = torch.exp(cands.logits.logsumexp(-1) - cands.logsumexp)  # [b, n]
+        return ids, draft_probs, self._probs(cands.logits).max(dim=-1).values * mass
 
     def _lookup_proposals(self, block_ids: torch.Tensor, draft_probs: torch.Tensor | None) -> list[int]:
         """Writes each row's lookup continuation over its drafted proposals (dflash/lookup.py);

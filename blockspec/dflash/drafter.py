@@ -1,6 +1,6 @@
 """The DFlash drafter: a block-diffusion transformer conditioned on target hidden states.
 
-Checkpoint-compatible with the published DFlash drafters (DESIGN.md section 2): a Qwen3-style
+Checkpoint-compatible with the published DFlash drafters (docs/DESIGN.md section 2): a Qwen3-style
 layer stack with KV injection of the target's context features in every layer, `fc` +
 `hidden_norm` to fuse the chosen target layers, and no embedding table or LM head of its own.
 
@@ -20,6 +20,8 @@ from torch.nn import functional as F
 from blockspec.errors import CheckpointError, CompatibilityError, ConfigError
 from blockspec.cpu.argmax import argmax_and_peak, greedy_ids
 from blockspec.cpu.linear import linear, project
+from blockspec.dflash.conv import BlockConv
+from blockspec.dflash.selector import CandidateSelector, Pick, pick_best
 from blockspec.targets.rope import Rotary, apply_rope, rope_inv_freq
 from blockspec.targets.slots import EMPTY, SlotTable, gather_slots
 
@@ -30,6 +32,12 @@ INDEX_NAME = "model.safetensors.index.json"
 # proposes from. Training with a restricted loss vocabulary writes it; drafting then scores only
 # those rows of the head, which is most of a draft pass on CPU. Verification is untouched.
 DRAFT_VOCAB_NAME = "draft_vocab.safetensors"
+
+
+DFLASH = "DFlashDraftModel"
+DFLASH2 = "DFlash2DraftModel"
+# What the published DFlash 2 drafters use where their config.json leaves a key out.
+DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -66,6 +74,13 @@ class DrafterConfig:
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
+    # DFlash 2 (architecture DFLASH2): convolutions inside the block and the candidate selector;
+    # None for a DFlash drafter.
+    architecture: str = DFLASH
+    conv_kernel_size: int | None = None
+    conv_group_size: int | None = None
+    selector_rank: int | None = None
+    selector_top_k: int | None = None
     # Keys of the original config.json we do not interpret, written back unchanged on save.
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -104,6 +119,30 @@ class DrafterConfig:
         object.__setattr__(self, "layer_types", types)
         if "sliding_attention" in types and not self.sliding_window:
             raise ConfigError("drafter config: sliding_attention layers need a sliding_window")
+        if self.architecture not in (DFLASH, DFLASH2):
+            raise ConfigError(f"drafter config: architecture must be {DFLASH} or {DFLASH2}, got {self.architecture!r}")
+        if self.architecture == DFLASH2:
+            self._check_dflash2()
+
+    def _check_dflash2(self) -> None:
+        for name in DFLASH2_DEFAULTS:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"DFlash 2 drafter config: {name} must be a positive integer, got {value!r}")
+        if self.hidden_size % self.conv_group_size:
+            raise ConfigError(f"DFlash 2 drafter config: conv_group_size {self.conv_group_size} must divide "
+                              f"hidden_size {self.hidden_size}")
+        if self.conv_kernel_size > self.block_size:
+            raise ConfigError(f"DFlash 2 drafter config: conv_kernel_size {self.conv_kernel_size} exceeds "
+                              f"block_size {self.block_size}")
+        if self.selector_top_k > self.vocab_size:
+            raise ConfigError(f"DFlash 2 drafter config: selector_top_k {self.selector_top_k} exceeds "
+                              f"vocab_size {self.vocab_size}")
+
+    @property
+    def dflash2(self) -> bool:
+        """Whether this is a DFlash 2 drafter (block convolutions and a candidate selector)."""
+        return self.architecture == DFLASH2
 
     @classmethod
     def from_dict(cls, raw: dict) -> DrafterConfig:
@@ -157,6 +196,9 @@ class DrafterConfig:
             "output_multiplier": float(get("output_multiplier", 1.0) or 1.0),
             "final_logit_softcapping": get("final_logit_softcapping"),
         }
+        if DFLASH2 in (raw.get("architectures") or ()):
+            known["architecture"] = DFLASH2
+            known.update({name: get(name, default) for name, default in DFLASH2_DEFAULTS.items()})
         return cls(**known, extra=dict(raw))
 
     def to_dict(self) -> dict:
@@ -164,9 +206,16 @@ class DrafterConfig:
         out = dict(self.extra)
         mine = asdict(self)
         mine.pop("extra")
+        architecture = mine.pop("architecture")
         dflash = dict(out.get("dflash_config") or {})
         dflash["mask_token_id"] = mine.pop("mask_token_id")
         dflash["target_layer_ids"] = list(mine.pop("target_layer_ids"))
+        for name in DFLASH2_DEFAULTS:  # DFlash 2 keys live in dflash_config
+            value = mine.pop(name)
+            out.pop(name, None)
+            dflash.pop(name, None)
+            if architecture == DFLASH2:
+                dflash[name] = value
         for optional in ("input_embedding_scale", "output_multiplier"):
             if mine[optional] == 1.0 and optional not in out and optional not in dflash:
                 mine.pop(optional)
@@ -181,7 +230,7 @@ class DrafterConfig:
         out.update(mine)
         out["layer_types"] = list(self.layer_types)
         out["dflash_config"] = dflash
-        out.setdefault("architectures", ["DFlashDraftModel"])
+        out["architectures"] = [architecture]
         out.setdefault("model_type", "qwen3")
         out.setdefault("tie_word_embeddings", False)
         out.setdefault("hidden_act", "silu")
@@ -197,6 +246,22 @@ class DrafterConfig:
 
         raw = {k: v for k, v in self.to_dict().items() if k not in ("dflash_config", "architectures")}
         return Qwen3Config(**raw)
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """DFlash 2's candidate sets: per position the top-K token ids [.., K] of the unary draft
+    distribution, their logits [.., K] (float32, descending) and the distribution's log
+    normaliser [..] (float32; None where not asked for)."""
+
+    ids: torch.Tensor
+    logits: torch.Tensor
+    logsumexp: torch.Tensor | None
+
+
+def keep_scores(t: int, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A greedy walk's pick that keeps each position's scores (for the proposals' confidence)."""
+    return pick_best(t, scores)[0], scores
 
 
 class RMSNorm(nn.Module):
@@ -258,8 +323,11 @@ class DraftAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         sliding = cfg.layer_types[layer_idx] == "sliding_attention"
-        # The reference treats sliding layers as causal unless the config says otherwise.
-        self.causal = sliding if cfg.is_causal is None else bool(cfg.is_causal)
+        # A block attends to itself bidirectionally, sliding layers included, as the serving
+        # engines run DFlash drafters and as the published ones were trained (Z Lab's Qwen3.6
+        # drafters mix sliding and full layers and have no is_causal key); only an explicit
+        # `is_causal: true` makes the layers causal.
+        self.causal = bool(cfg.is_causal)
         self.sliding_window = cfg.sliding_window if sliding else None
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
@@ -321,6 +389,11 @@ class DraftLayer(nn.Module):
         self.mlp = DraftMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # DFlash 2: a convolution inside the block around each sublayer (dflash/conv.py)
+        self.attention_conv = self.mlp_conv = None
+        if cfg.dflash2:
+            self.attention_conv = BlockConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+            self.mlp_conv = BlockConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
 
 
 class DFlashDrafter(nn.Module):
@@ -336,6 +409,10 @@ class DFlashDrafter(nn.Module):
         hf = cfg.hf_rope_config() if cfg.rope_scaling else None
         inv_freq, scaling = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, hf)
         self.rotary = Rotary(inv_freq, scaling)
+        self.candidate_selector = None
+        if cfg.dflash2:
+            self.candidate_selector = CandidateSelector(cfg.hidden_size, cfg.vocab_size, cfg.selector_rank,
+                                                        cfg.selector_top_k)
         self.register_buffer("draft_vocab", None, persistent=False)  # [Vd] sorted token ids, or None
         self._head_rows: tuple | None = None  # (key, weight [Vd, H], bias [Vd] | None)
 
@@ -375,15 +452,19 @@ class DFlashDrafter(nn.Module):
         block_embeds: torch.Tensor,
         block_positions: torch.Tensor,
         cache: DraftCache | None = None,
-        attn_mask: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | dict[int | None, torch.Tensor] | None = None,
+        block_len: int | None = None,
     ) -> torch.Tensor:
         """One draft pass; returns the final hidden states of the block [b, q, H].
 
         ctx_features [b, c, L*H]: target features of tokens not yet in the cache (c may be 0),
         at ctx_positions [b, c] (EMPTY for padding); block_embeds [b, q, H] at block_positions.
         With a cache, the new context K/V are appended to it; block K/V are dropped.
-        `attn_mask` [b, 1, q, c+q] (bool) replaces the inference masks in every layer: training
-        packs many blocks into one pass and says itself who sees whom.
+        `attn_mask` [b, 1, q, c+q] (bool) replaces the inference masks: training packs many
+        blocks into one pass and says itself who sees whom, with one tensor for every layer or
+        one per sliding window (None: full attention layers) of the drafter's layers.
+        `block_len`: the q block tokens are blocks of this many laid end to end (training), which
+        DFlash 2's convolutions never cross; None: one block.
         """
         b, q, _ = block_embeds.shape
         ctx_features, block_embeds = self.own_dtype(ctx_features), self.own_dtype(block_embeds)
@@ -398,10 +479,15 @@ class DFlashDrafter(nn.Module):
         rope_block = self.rotary(block_positions, block_embeds.dtype)
         rope_ctx = self.rotary(ctx_positions, block_embeds.dtype)
         h = block_embeds
+        block_len = q if block_len is None else block_len
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             key = (attn.causal, attn.sliding_window)
-            if attn_mask is not None:
+            if isinstance(attn_mask, dict):
+                if attn.sliding_window not in attn_mask:
+                    raise ValueError(f"attn_mask has no mask for layer {i}'s window {attn.sliding_window}")
+                masks[key] = attn_mask[attn.sliding_window]
+            elif attn_mask is not None:
                 masks[key] = attn_mask
             elif key not in masks:
                 needs = attn.causal or attn.sliding_window is not None or not all_valid
@@ -413,11 +499,20 @@ class DFlashDrafter(nn.Module):
             if cache is not None and cache.keys[i] is not None:
                 past = (cache.keys[i], cache.values[i])
             x = layer.input_layernorm(h)
+            if layer.attention_conv is not None:
+                x, delta = layer.attention_conv.prepare(x, block_len)
             out, (k_ctx, v_ctx) = attn(x, ctx, rope_block, rope_ctx, past, masks[key])
             if cache is not None:
                 cache.keys[i], cache.values[i] = k_ctx, v_ctx
+            if layer.attention_conv is not None:
+                out = layer.attention_conv.finish(out, delta, block_len)
             h = h + out
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            x = layer.post_attention_layernorm(h)
+            if layer.mlp_conv is not None:
+                x, delta = layer.mlp_conv.prepare(x, block_len)
+                h = h + layer.mlp_conv.finish(layer.mlp(x), delta, block_len)
+            else:
+                h = h + layer.mlp(x)
         return self.norm(h)
 
     def own_dtype(self, x: torch.Tensor) -> torch.Tensor:
@@ -437,20 +532,68 @@ class DFlashDrafter(nn.Module):
         full = sub.new_full((*sub.shape[:-1], head.weight.shape[0]), float("-inf"))
         return full.index_copy_(-1, self.draft_vocab, sub)
 
-    def greedy_tokens(self, hidden: torch.Tensor, head: nn.Module) -> torch.Tensor:
-        """argmax of `logits(hidden, head)` [..] without building full-vocabulary logits."""
+    def greedy_tokens(self, hidden: torch.Tensor, head: nn.Module, anchor: torch.Tensor | None = None,
+                      forced: torch.Tensor | None = None) -> torch.Tensor:
+        """The greedy proposals for hidden [b, n, H] (block positions 1..n): the argmax of
+        `logits(hidden, head)` [b, n] without building full-vocabulary logits, or for DFlash 2 the
+        selector's greedy walk from `anchor` [b] (see `walk`; `forced` as there)."""
+        if self.candidate_selector is not None:
+            return self.greedy_with_confidence(hidden, head, anchor, forced, confidence=False)[0]
         if self.draft_vocab is None:
             return greedy_ids(self.logits(hidden, head))
         # draft_vocab is sorted, so ties break towards the lower token id as a full argmax would.
         return self.draft_vocab[greedy_ids(self._draft_vocab_logits(hidden, head))]
 
-    def greedy_with_confidence(self, hidden: torch.Tensor, head: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        """`greedy_tokens` [..] and the draft probability of each [..] (float32): how likely
-        the drafter thinks its proposal is, which is what an adaptive step trims its verify by."""
-        logits = self._draft_vocab_logits(hidden, head) if self.draft_vocab is not None else self.logits(hidden, head)
-        top, conf = argmax_and_peak(logits)
-        ids = self.draft_vocab[top] if self.draft_vocab is not None else top
-        return ids, conf
+    def greedy_with_confidence(self, hidden: torch.Tensor, head: nn.Module, anchor: torch.Tensor | None = None,
+                               forced: torch.Tensor | None = None, *, confidence: bool = True
+                               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`greedy_tokens` [b, n] and the draft probability of each [b, n] (float32): how likely
+        the drafter thinks its proposal is, which is what an adaptive step trims its verify by.
+        DFlash 2: the walk's choice within the unary distribution whose candidates' logits are
+        replaced by the selector's scores (the tokens outside the candidates keep their mass)."""
+        if self.candidate_selector is None:
+            logits = self._draft_vocab_logits(hidden, head) if self.draft_vocab is not None else self.logits(hidden, head)
+            top, conf = argmax_and_peak(logits)
+            ids = self.draft_vocab[top] if self.draft_vocab is not None else top
+            return ids, conf
+        cands = self.candidates(hidden, head, normaliser=confidence)
+        ids, scores = self.walk(hidden, cands, anchor, keep_scores if confidence else pick_best, forced)
+        if not confidence:
+            return ids, None
+        outside = cands.logsumexp + torch.log1p(-torch.exp(cands.logits.logsumexp(-1) - cands.logsumexp).clamp(max=1.0))
+        total = torch.logaddexp(scores.logsumexp(-1), outside)  # [b, n]
+        return ids, torch.exp(scores.max(dim=-1).values - total)
+
+    def candidates(self, hidden: torch.Tensor, head: nn.Module, *, normaliser: bool = True) -> Candidates:
+        """DFlash 2: the K = selector_top_k most likely tokens of the unary draft distribution
+        at each position of hidden [.., H] (within the draft vocabulary when one is set), with
+        the distribution's normaliser unless `normaliser` is False."""
+        if self.draft_vocab is None:
+            logits = self.logits(hidden, head)  # [.., V]
+        else:
+            logits = self._draft_vocab_logits(hidden, head)  # [.., Vd]
+        top, index = logits.topk(min(self.cfg.selector_top_k, logits.shape[-1]), dim=-1)  # [.., K], descending
+        ids = index if self.draft_vocab is None else self.draft_vocab[index]
+        top = top.float()
+        lse = None
+        if normaliser:  # log sum e^x = max - log softmax(max): the peak kernel's one pass over the logits
+            lse = top[..., 0] - argmax_and_peak(logits)[1].log()
+        return Candidates(ids, top, lse)
+
+    def selector_scores(self, hidden: torch.Tensor, prev: torch.Tensor, cands: Candidates) -> torch.Tensor:
+        """DFlash 2: S(prev, c) for the candidates c of each position [.., K] (float32), with the
+        predecessor prev [..] given (training: the true previous token)."""
+        return self.candidate_selector.scores(hidden, prev, cands.ids, cands.logits)
+
+    def walk(self, hidden: torch.Tensor, cands: Candidates, anchor: torch.Tensor | None, pick: Pick,
+             forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """DFlash 2: proposals for hidden [b, n, H] by the selector's walk over `cands` from
+        anchor [b] (the last verified token); `pick` chooses at each position (dflash/selector.py).
+        forced [b, n]: token ids fixed in advance (-1 where free), which the walk goes on from.
+        Returns (ids [b, n], what `pick` kept [b, n, K] or None)."""
+        if anchor is None:
+            raise ValueError("a DFlash 2 drafter's proposals need the anchor (the last verified token of each row)")
+        return self.candidate_selector.walk(hidden, cands.ids, cands.logits, anchor, pick, forced)
 
     def _draft_vocab_logits(self, hidden: torch.Tensor, head: nn.Module) -> torch.Tensor:
         weight, bias = self._restricted_head(head)
@@ -476,18 +619,27 @@ class DFlashDrafter(nn.Module):
 
 
 def init_drafter_weights(model: DFlashDrafter, std: float = 0.02, seed: int | None = None) -> None:
-    """Normal(0, std) linear weights and unit norms, as Hugging Face initialises Qwen3."""
+    """Normal(0, std) linear weights and unit norms, as Hugging Face initialises Qwen3. DFlash 2:
+    identity convolutions, Normal(0, std) selector codebooks."""
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
+
+    def normal(t: torch.Tensor) -> None:
+        t.copy_(torch.empty(t.shape, dtype=torch.float32).normal_(0.0, std, generator=gen))
+
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, nn.Linear):
-                w = torch.empty(module.weight.shape, dtype=torch.float32)
-                w.normal_(0.0, std, generator=gen)
-                module.weight.copy_(w)
+                normal(module.weight)
                 if module.bias is not None:
                     module.bias.zero_()
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
+            elif isinstance(module, CandidateSelector):
+                normal(module.predecessor_codebook)
+                normal(module.successor_codebook)
+        for module in model.modules():
+            if isinstance(module, BlockConv):
+                module.reset_identity()
 
 
 def new_drafter(
@@ -507,11 +659,19 @@ def new_drafter(
     rope_theta: float = 1_000_000.0,
     max_position_embeddings: int = 40960,
     input_embedding_scale: float = 1.0,
+    architecture: str = DFLASH,
+    dflash2: dict | None = None,
     seed: int | None = 0,
     dtype: torch.dtype = torch.float32,
 ) -> DFlashDrafter:
-    """A freshly initialised drafter with explicit shapes (see `new_drafter_for_target`)."""
+    """A freshly initialised drafter with explicit shapes (see `new_drafter_for_target`).
+    architecture DFLASH2: a DFlash 2 drafter, its keys (DFLASH2_DEFAULTS) overridden by `dflash2`."""
     heads = num_attention_heads or max(1, hidden_size // 64)
+    extra = {}
+    if architecture == DFLASH2:
+        extra = {"architecture": DFLASH2, **DFLASH2_DEFAULTS, **(dflash2 or {})}
+    elif dflash2:
+        raise ConfigError(f"DFlash 2 settings {sorted(dflash2)} given for a {architecture} drafter")
     cfg = DrafterConfig(
         hidden_size=hidden_size,
         intermediate_size=intermediate_size or 3 * hidden_size,
@@ -528,6 +688,7 @@ def new_drafter(
         rope_theta=rope_theta,
         max_position_embeddings=max_position_embeddings,
         input_embedding_scale=input_embedding_scale,
+        **extra,
     )
     model = DFlashDrafter(cfg)
     init_drafter_weights(model, seed=seed)
@@ -541,13 +702,18 @@ def new_drafter_for_target(
     num_layers: int = 1,
     block_size: int = 16,
     target_layer_ids: tuple[int, ...] | None = None,
+    architecture: str = DFLASH,
+    dflash2: dict | None = None,
     seed: int | None = 0,
     dtype: torch.dtype = torch.float32,
 ) -> DFlashDrafter:
-    """A randomly initialised drafter shaped for a Hugging Face target config, in one call.
+    """A randomly initialised drafter shaped for a Hugging Face target config, in one call
+    (architecture and dflash2 as `new_drafter` takes them).
 
     Attention/MLP shapes follow the target's layers, so draft layers could be initialised from
-    target layers. Targets that scale their embeddings (Gemma) get `input_embedding_scale`.
+    target layers. Targets that scale their embeddings (Gemma) get `input_embedding_scale`. A
+    target without a dense MLP size (a MoE such as Qwen3.5-MoE) gets 3 x hidden, the width of the
+    published Qwen3.6-35B-A3B drafter.
     """
     cfg = getattr(target_config, "text_config", None) or target_config
     hidden = int(cfg.hidden_size)
@@ -569,12 +735,14 @@ def new_drafter_for_target(
         num_attention_heads=heads,
         num_key_value_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
         head_dim=int(getattr(cfg, "head_dim", None) or hidden // heads),
-        intermediate_size=int(cfg.intermediate_size),
+        intermediate_size=int(getattr(cfg, "intermediate_size", None) or 3 * hidden),
         target_layer_ids=target_layer_ids,
         rms_norm_eps=float(getattr(cfg, "rms_norm_eps", 1e-6)),
         rope_theta=float(rope_theta or 10000.0),
         max_position_embeddings=int(getattr(cfg, "max_position_embeddings", 40960)),
         input_embedding_scale=scale,
+        architecture=architecture,
+        dflash2=dflash2,
         seed=seed,
         dtype=dtype,
     )
@@ -667,19 +835,7 @@ def load_drafter(
     cfg = read_drafter_config(path)
     state = _read_state(path)
     model = DFlashDrafter(cfg)
-    expected = set(model.state_dict())
-    missing = sorted(expected - set(state))
-    unexpected = sorted(set(state) - expected)
-    if missing or unexpected:
-        raise CheckpointError(
-            f"drafter weights in {path} do not match its config.json: missing {missing[:5]}"
-            f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
-            f"{'...' if len(unexpected) > 5 else ''}"
-        )
-    for name, tensor in state.items():
-        want = model.state_dict()[name].shape
-        if tensor.shape != want:
-            raise CheckpointError(f"weight {name} has shape {tuple(tensor.shape)}, config implies {tuple(want)}")
+    _check_state(model, state, path)
     stored = next(iter(state.values())).dtype
     model.load_state_dict(state)
     if draft_vocab and (path / DRAFT_VOCAB_NAME).exists():
@@ -692,6 +848,44 @@ def load_drafter(
             raise CheckpointError(f"{path / DRAFT_VOCAB_NAME} is not a valid draft vocabulary ({e}); "
                                   f"delete it to draft from the whole vocabulary") from e
     return model.to(device=device, dtype=dtype or stored).eval()
+
+
+def _is_dflash2_weight(name: str) -> bool:
+    return name.startswith("candidate_selector.") or ".attention_conv." in name or ".mlp_conv." in name
+
+
+def _check_state(model: DFlashDrafter, state: dict[str, torch.Tensor], path: Path) -> None:
+    """Raises CheckpointError naming the first weight that is missing, unexpected or misshapen."""
+    want = {name: t.shape for name, t in model.state_dict().items()}
+    arch = model.cfg.architecture
+    missing = sorted(set(want) - set(state))
+    unexpected = sorted(set(state) - set(want))
+    if missing and _is_dflash2_weight(missing[0]):
+        raise CheckpointError(
+            f"DFlash 2 weight {missing[0]} is missing from {path} ({len(missing)} missing in all); its "
+            f"config.json declares {DFLASH2}: the checkpoint is incomplete, re-download or re-save it"
+        )
+    if unexpected and _is_dflash2_weight(unexpected[0]) and not model.cfg.dflash2:
+        raise CheckpointError(
+            f"weight {unexpected[0]} in {path} belongs to a DFlash 2 drafter, but its config.json declares "
+            f"{arch}; set \"architectures\": [\"{DFLASH2}\"] and the DFlash 2 keys in dflash_config"
+        )
+    if missing or unexpected:
+        raise CheckpointError(
+            f"drafter weights in {path} do not match its config.json: missing {missing[:5]}"
+            f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
+            f"{'...' if len(unexpected) > 5 else ''}"
+        )
+    for name, tensor in state.items():
+        if tensor.shape != want[name]:
+            why = ""
+            if _is_dflash2_weight(name):
+                c = model.cfg
+                why = (f" (DFlash 2 keys: conv_kernel_size {c.conv_kernel_size}, conv_group_size "
+                       f"{c.conv_group_size}, selector_rank {c.selector_rank}, hidden_size {c.hidden_size}, "
+                       f"vocab_size {c.vocab_size})")
+            raise CheckpointError(f"weight {name} in {path} has shape {tuple(tensor.shape)}, config.json implies "
+                                  f"{tuple(want[name])}{why}")
 
 
 def check_compatible(cfg: DrafterConfig, *, hidden_size: int, vocab_size: int, num_layers: int) -> None:

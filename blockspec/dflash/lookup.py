@@ -21,7 +21,7 @@ class LookupConfig:
     looked for (longer matches win; among equal ones the latest).
 
     The defaults come from held-out prompts (SmolLM2-135M with its shipped drafter, adaptive
-    blocks, batch 1, 24 prompts x 128 tokens, 2 cores; BENCHMARKS.md, session 24). Against
+    blocks, batch 1, 24 prompts x 128 tokens, 2 cores). Against
     min_ngram 3, min_ngram 2 committed +1.6% and +6.0% tokens per second on gsm8k TRAIN questions,
     +5.8% on stdlib stubs and 0% on gsm8k code stubs. min_ngram 1 lost 5%, max_ngram 6 gained
     nothing over 4."""

@@ -3,8 +3,10 @@
 Cost side: the wall time of one step verifying n tokens at batch size b, first calibrated (a
 target forward of n tokens plus, for n > 1, a draft pass, timed on a throwaway cache per
 batch-size bucket, for every bucket up to the engine's max_batch before the first request runs,
-so no calibration lands in the middle of serving), then tracked with the measured time of every
-real step.
+so no calibration lands in the middle of serving; the sizes in interleaved rounds, the fastest
+timing of each, so a burst of outside load cannot price some sizes out), then tracked with the
+measured time of every real step, per intra-op thread count (cpu/threads.py moves it with the
+machine's load).
 Gain side: each row's expected tokens for block n,
     E(n) = 1 + sum_{k=1}^{n-1} prod_{j<k} a_j,
 from per-position conditional acceptance rates a_j (the row's own counts shrunk towards the
@@ -15,8 +17,10 @@ Block 1 (plain decoding, no draft pass) is always a candidate, so a weak drafter
 or a large batch falls back to plain decoding instead of losing to it. While block 1 wins, a
 small probe block (4 tokens for a lone row, 2 for a batch) runs now and then (backing off
 exponentially, and never costing more than PROBE_SHARE of the plain decoding time since the
-last probe) to notice when drafting pays again. The other way round, while drafting wins, a
-plain step runs first and then now and then (also backing off) in each batch-size bucket:
+last probe) to notice when drafting pays again; a probe whose draft pass caught up on the plain
+steps' context runs once more, and that repeat's time is what drafting gets priced by. The other
+way round, while drafting wins, a plain step runs first and then now and then (also backing off)
+in each batch-size bucket:
 otherwise plain decoding's cost would only ever be the calibration's guess scaled like the
 drafting sizes, and the calibration's short context hides
 what a long context adds per verified token (at concurrency 16 that guess let block 3 run at a
@@ -42,6 +46,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -59,7 +64,7 @@ WIDEN_SHARE = 0.05  # a step drafts past its chosen block while that costs at mo
 # last draft pass, all at once (32 fresh rows of SmolLM2 prompts: ~3,500 context tokens). With
 # probes after 8, 16, 32... plain steps alone, concurrency 32 (32-token requests, 2 cores) ran at
 # 0.90-0.99x plain decoding while drafting almost nothing; 0.95-1.01x with this budget
-# (BENCHMARKS.md, session 24). The next probe waits until the plain steps since the last one took
+# (GSM8K, SmolLM2-135M). The next probe waits until the plain steps since the last one took
 # 1 / PROBE_SHARE times its extra cost.
 PROBE_SHARE = 0.05
 # Widening and trimming run for batches of at most this many rows (trimming also for larger ones
@@ -103,13 +108,18 @@ class CostModel:
     measurement is averaged in, a faster one replaces the estimate (see `observe`). A repeat
     measurement of a block size that drifted (longer contexts, machine load) moves the others'
     averages by a damped share of the drift, since such drift hits every block size alike.
+    Measurements belong to the intra-op thread count they ran at (`use_threads`): the count
+    follows the cores other processes leave free (cpu/threads.py), and 1 thread costs up to twice
+    what 2 do, unevenly across sizes, so each count keeps its own over the shared calibration.
     """
 
     max_block: int
     smoothing: float = 0.2
     calibrated: dict[int, list[float]] = field(default_factory=dict)
-    measured: dict[int, dict[int, float]] = field(default_factory=dict)
+    measured: dict[int, dict[int, float]] = field(default_factory=dict)  # at `threads` threads
     drafting: dict[int, list[float]] = field(default_factory=dict)  # calibrated draft passes alone
+    threads: int = 0  # the thread count `measured` belongs to (0: not told yet)
+    other_threads: dict[int, dict[int, dict[int, float]]] = field(default_factory=dict)  # the other counts'
 
     def __post_init__(self) -> None:
         if self.max_block < 1:
@@ -127,11 +137,23 @@ class CostModel:
             if values is not None and len(values) != self.max_block:
                 raise ValueError(f"need {self.max_block} {name}, got {len(values)}")
         self.calibrated[bucket(batch)] = list(costs)
-        self.measured.pop(bucket(batch), None)
+        for table in (self.measured, *self.other_threads.values()):
+            table.pop(bucket(batch), None)
         if drafting is None:
             self.drafting.pop(bucket(batch), None)
         else:
             self.drafting[bucket(batch)] = list(drafting)
+
+    def use_threads(self, threads: int) -> bool:
+        """Switches to the measurements taken at `threads` threads (the first count told keeps
+        what was measured before); True when the count changed."""
+        if threads == self.threads or threads < 1:
+            return False
+        if self.threads:
+            self.other_threads[self.threads] = self.measured
+            self.measured = self.other_threads.pop(threads, {})
+        self.threads = threads
+        return True
 
     def draft_table(self, batch: int) -> list[float] | None:
         """Estimated seconds of the draft pass alone at block sizes 1..max_block (0 at 1): its
@@ -285,17 +307,38 @@ def interpolate(points: dict[int, float], max_block: int) -> list[float]:
     return out
 
 
+def time_sizes(run: Callable[[int], tuple[float, float]], sizes: list[int],
+               rounds: int = 3) -> tuple[dict[int, float], dict[int, float]]:
+    """The fastest of `rounds` timings of every size: `run(n)` returns the seconds of a whole step
+    of n tokens and of its draft pass. The rounds take the sizes in turn (forwards, then backwards),
+    after one warm-up round, so a burst of outside load lands on one or two timings of every size
+    instead of on all the timings of a few sizes: timed one size after the other, a burst over the
+    drafting sizes had priced drafting out for the whole run. Outside load only ever slows a
+    step, so the fastest timing is the one closest to the step's own cost."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    best = {n: float("inf") for n in sizes}
+    best_draft = dict(best)
+    for r in range(rounds + 1):
+        for n in (sizes if r % 2 == 0 else sizes[::-1]):
+            total, draft = run(n)
+            if r:  # round 0 warms up
+                best[n] = min(best[n], total)
+                best_draft[n] = min(best_draft[n], draft)
+    return best, best_draft
+
+
 @torch.inference_mode()
 def calibrate(batch: DecodeBatch, size: int, max_block: int, context: int = 8,
-              repeats: int = 2, confidence: bool | None = None) -> tuple[list[float], list[float]]:
+              rounds: int = 3, confidence: bool | None = None) -> tuple[list[float], list[float]]:
     """Times one step's model work (target forward of n tokens, plus a draft pass for n > 1) at
-    batch size `size` for the block sizes of `calibration_sizes`, interpolating the rest.
+    batch size `size` for the block sizes of `calibration_sizes` (`time_sizes`: interleaved
+    rounds, the fastest of each), interpolating the rest.
 
     Runs the target (and drafter) on throwaway caches with `context` dummy tokens per row (kept
-    short: the prefill of size x context tokens is pure overhead); returns the best of `repeats`
-    timings per block size (after a warm-up run), in seconds: whole steps, and their draft passes
-    alone (0 for block 1). confidence: time drafts that also read back their confidences, as
-    trimmed steps do (default: for batches of at most TRIM_MAX_ROWS rows).
+    short: the prefill of size x context tokens is pure overhead); returns seconds: whole steps,
+    and their draft passes alone (0 for block 1). confidence: time drafts that also read back
+    their confidences, as trimmed steps do (default: for batches of at most TRIM_MAX_ROWS rows).
     """
     if confidence is None:
         confidence = size <= TRIM_MAX_ROWS
@@ -307,37 +350,35 @@ def calibrate(batch: DecodeBatch, size: int, max_block: int, context: int = 8,
     if hasattr(tcache, "reserve"):
         tcache.reserve(context)
     _, feats = target.forward(ids, positions, tcache, layer_ids, last_logits_only=True)
-    dcache = batch.draft.new_cache(size) if batch.draft is not None else None
-    out: dict[int, float] = {}
-    drafting: dict[int, float] = {}
-    for n in calibration_sizes(max_block):
+    caches = {"draft": batch.draft.new_cache(size) if batch.draft is not None else None}
+
+    def run(n: int) -> tuple[float, float]:
         block_ids = torch.zeros(size, n, dtype=torch.long, device=d)  # drafted and verified alike
         block_pos = context + torch.arange(n, device=d).expand(size, n)
-        best = best_draft = float("inf")
-        for _ in range(repeats + 1):  # the first run warms up
-            t0 = time.perf_counter()
-            if n > 1 and batch.draft is not None:
-                if hasattr(dcache, "reserve"):
-                    dcache.reserve(context + n, context + n)
-                ctx_pos = torch.full_like(positions[:, :1], EMPTY)
-                hidden = batch.draft(feats[:, :1], ctx_pos, target.embed(block_ids), block_pos, dcache)
-                if confidence:  # what trimmed steps compute: proposals and their confidences
-                    batch.drafter.greedy_with_confidence(hidden[:, 1:n], target.head())[1].tolist()
-                else:
-                    batch.drafter.greedy_tokens(hidden[:, 1:n], target.head()).tolist()
-            t1 = time.perf_counter()
-            if hasattr(tcache, "reserve"):
-                tcache.reserve(context + n)
-            greedy_forward(target, block_ids, block_pos, tcache, layer_ids)[0].tolist()  # as a greedy step does
-            elapsed = time.perf_counter() - t0
-            tcache.reject(torch.zeros(size, n, dtype=torch.bool, device=d))
-            tcache.compact(1.0)
-            if dcache is not None and not hasattr(dcache, "reserve"):
-                dcache = batch.draft.new_cache(size)  # dynamic caches grew: start over
-            best = min(best, elapsed)
-            best_draft = min(best_draft, t1 - t0)
-        out[n] = best
-        drafting[n] = best_draft if n > 1 else 0.0
+        dcache = caches["draft"]
+        t0 = time.perf_counter()
+        if n > 1 and batch.draft is not None:
+            if hasattr(dcache, "reserve"):
+                dcache.reserve(context + n, context + n)
+            ctx_pos = torch.full_like(positions[:, :1], EMPTY)
+            hidden = batch.draft(feats[:, :1], ctx_pos, target.embed(block_ids), block_pos, dcache)
+            anchor = block_ids[:, 0]  # a DFlash 2 drafter walks from it
+            if confidence:  # what trimmed steps compute: proposals and their confidences
+                batch.drafter.greedy_with_confidence(hidden[:, 1:n], target.head(), anchor)[1].tolist()
+            else:
+                batch.drafter.greedy_tokens(hidden[:, 1:n], target.head(), anchor).tolist()
+        t1 = time.perf_counter()
+        if hasattr(tcache, "reserve"):
+            tcache.reserve(context + n)
+        greedy_forward(target, block_ids, block_pos, tcache, layer_ids)[0].tolist()  # as a greedy step does
+        elapsed = time.perf_counter() - t0
+        tcache.reject(torch.zeros(size, n, dtype=torch.bool, device=d))
+        tcache.compact(1.0)
+        if dcache is not None and not hasattr(dcache, "reserve"):
+            caches["draft"] = batch.draft.new_cache(size)  # dynamic caches grew: start over
+        return elapsed, (t1 - t0 if n > 1 else 0.0)
+
+    out, drafting = time_sizes(run, calibration_sizes(max_block), rounds)
     return interpolate(out, max_block), interpolate(drafting, max_block)
 
 
@@ -347,12 +388,12 @@ class AdaptiveBlock:
     def __init__(self, max_block: int, *, prior: float = 0.5, probe_block: int = 4, batch_probe_block: int = 2,
                  probe_every: int = 8,
                  plain_every: int = 16, challenge_every: int = 16, costs: CostModel | None = None,
-                 ragged: bool = False) -> None:
+                 ragged: bool = False, thread_count: Callable[[], int] = torch.get_num_threads) -> None:
         self.max_block = max_block
         # Batches of several rows verify a length per row (`trimmer`) where the target packs
         # padding. Opt-in: on 2 CPU cores (SmolLM2, GSM8K) it was 3-7% ahead at concurrency 8 and
         # level at 16, within run-to-run noise; padded attention eats much of what the
-        # better-chosen tokens save (BENCHMARKS.md, session 16).
+        # better-chosen tokens save.
         self.ragged = ragged
         self.costs = costs or CostModel(max_block)
         self.global_accepted = [0] * max(0, max_block - 1)
@@ -371,6 +412,9 @@ class AdaptiveBlock:
         self.plain_spent = 0.0  # seconds of steps without a draft pass since the last probe
         self.probe_extra = 0.0  # what the last probe cost beyond a plain step (seconds)
         self._probing = False  # the step being chosen is a probe
+        self._confirm: int | None = None  # the block of a probe whose time was left out: run again
+        self._confirming = False  # the step being chosen repeats a probe
+        self._thread_count = thread_count
         self.last_choice = 1
         self.base_plain_every = plain_every
         self.plain_checks: dict[int, tuple[int, int]] = {}  # bucket -> (drafting steps since, interval)
@@ -433,6 +477,8 @@ class AdaptiveBlock:
         if self.max_block <= 1 or batch.drafter is None:
             return 1
         b = len(batch.rows)
+        if self.costs.use_threads(self._thread_count()):
+            self._recheck()
         if not self.costs.known(b):
             self.costs.set(b, *calibrate(batch, bucket(b), self.max_block, confidence=self._trims(batch, bucket(b))))
         costs = self.costs.table(b)
@@ -441,8 +487,16 @@ class AdaptiveBlock:
         rates = [tokens / cost for tokens, cost in zip(expected, costs)]
         best = planned = max(range(1, self.max_block + 1), key=lambda n: (rates[n - 1], -n))
         lookup = self._lookup_option(batch, plan, rates[best - 1])
-        self._probing = False
-        if best == 1 or lookup is not None:  # the drafter sits this step out
+        self._probing = self._confirming = False
+        confirm, self._confirm = self._confirm, None
+        if (best == 1 or lookup is not None) and confirm is not None:
+            # The probe's draft pass caught up on the plain steps' context, so its time said
+            # nothing about what drafting costs (`step` leaves it out): without this repeat, costs
+            # calibrated or measured under outside load that priced drafting out stayed for good
+            # (the demo beside a busy process: plain in 150 of 154 steps).
+            best, lookup = confirm, None
+            self._probing = self._confirming = True
+        elif best == 1 or lookup is not None:  # the drafter sits this step out
             self.plain_streak += 1
             if self.plain_streak >= self.probe_every and self.plain_spent * PROBE_SHARE >= self.probe_extra:
                 self.plain_streak = 0
@@ -543,6 +597,14 @@ class AdaptiveBlock:
 
         return trim
 
+    def _recheck(self) -> None:
+        """The thread count changed (other processes took or left cores): probe, check plain
+        decoding and the neighbouring sizes soon again instead of after a long back-off."""
+        self.probe_every = self.base_probe_every
+        self.plain_spent = self.probe_extra = 0.0
+        self.plain_checks.clear()
+        self.challenges.clear()
+
     def _ragged(self, batch: DecodeBatch) -> bool:
         return self.ragged and batch.packs_padding
 
@@ -604,6 +666,8 @@ class AdaptiveBlock:
             # engine then ran 31-155 of ~500 steps plain (held-out GSM8K, SmolLM2, 2 cores), and
             # the probes, each catching up on the whole run, kept confirming it.
             self.costs.observe(b, size, seconds)
+        elif self._probing and not self._confirming and used > 1:
+            self._confirm = block  # measured on the next step instead (`choose`)
         self._note_time(b, used, seconds)
         self.used[used] += 1
         if before is not None:
@@ -612,9 +676,10 @@ class AdaptiveBlock:
 
     def _note_time(self, batch_size: int, used: int, seconds: float) -> None:
         """Books a step's time against the probe budget (PROBE_SHARE)."""
-        if self._probing:
-            self.probe_extra = max(0.0, seconds - self.costs.cost(batch_size, 1))
-            self._probing = False
+        if self._probing:  # a probe, or its repeat: together they are what probing costs
+            extra = max(0.0, seconds - self.costs.cost(batch_size, 1))
+            self.probe_extra = self.probe_extra + extra if self._confirming else extra
+            self._probing = self._confirming = False
         elif used == 1 or self.lookup_step is not None:
             self.plain_spent += seconds
 

@@ -6,7 +6,8 @@ into the slots of the block positions start..start+q-1 for the duration of the p
 hold either nothing yet or context K/V of tokens a verification rejected; the block K/V are
 overwritten by the real context K/V once the tokens there are committed. Queries see slots below
 start + q (the committed context plus the whole block), so at batch size 1 the pass needs no
-mask and no concatenation.
+mask and no concatenation. A DFlash 2 drafter's block convolutions (dflash/conv.py) run in the
+PyTorch loop; the C layer program (cpu/program.py) takes DFlash drafters only.
 """
 
 from __future__ import annotations
@@ -84,6 +85,9 @@ class StaticDrafter:
                 return program
         program = None
         layers = self.module.layers
+        if self.cfg.dflash2:  # the kernel has no block convolutions: the Python loop runs them
+            self._program = (fused, None)
+            return None
         eps = {(layer.input_layernorm.eps, layer.post_attention_layernorm.eps, layer.self_attn.q_norm.eps,
                 layer.self_attn.k_norm.eps) for layer in layers}
         if len(eps) == 1:
@@ -244,6 +248,8 @@ class StaticDrafter:
             kind = self.layer_kinds[i]
             w_qkv, b_qkv, w_gate_up = fused[i]
             y = _norm(layer.input_layernorm, x)
+            if layer.attention_conv is not None:  # DFlash 2 (dflash/conv.py): the block's q/k/v read conv(y)
+                y, delta = layer.attention_conv.prepare(y, q)
             # one projection for the block's q/k/v and the context's k/v (its q columns unused)
             qkv = linear(torch.cat([ctx, y.reshape(b * q, -1)]), w_qkv, b_qkv, exact=False)  # [T + b q, (h + 2 kvh) d]
             k_cache, v_cache = cache.layer(i)
@@ -264,8 +270,16 @@ class StaticDrafter:
                     qg, k_cache[:, :, :horizon], v_cache[:, :, :horizon], attn_mask=masks[kind]
                 )
             out = out.view(b, kvh, g, q, d).permute(0, 3, 1, 2, 4).reshape(b, q, h * d)
-            x = x + project(attn.o_proj, out, exact=False)
-            gate_up = linear(_norm(layer.post_attention_layernorm, x), w_gate_up, exact=False)
-            x = x + project(layer.mlp.down_proj, silu_mul(gate_up), exact=False)
+            out = project(attn.o_proj, out, exact=False)
+            if layer.attention_conv is not None:
+                out = layer.attention_conv.finish(out, delta, q)
+            x = x + out
+            y = _norm(layer.post_attention_layernorm, x)
+            if layer.mlp_conv is not None:
+                y, delta = layer.mlp_conv.prepare(y, q)
+            out = project(layer.mlp.down_proj, silu_mul(linear(y, w_gate_up, exact=False)), exact=False)
+            if layer.mlp_conv is not None:
+                out = layer.mlp_conv.finish(out, delta, q)
+            x = x + out
         cache.fresh = False
         return _norm(m.norm, x)

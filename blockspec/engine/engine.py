@@ -34,6 +34,7 @@ from blockspec.dflash.policy import AdaptiveBlock
 from blockspec.engine.memory import trim_heap
 from blockspec.engine.metrics import EngineMetrics, MetricsRecorder
 from blockspec.cpu.openmp import release_thread_pool
+from blockspec.cpu.threads import follow_free_cores
 from blockspec.engine.request import Request, RequestHandle, StopCheck, TokenEvent
 from blockspec.engine.scheduler import Scheduler
 from blockspec.errors import ConfigError
@@ -62,7 +63,7 @@ class EngineConfig:
     # confidences, and rows with lookup continuations may verify them with no draft pass
     # (AdaptiveBlock(ragged=True); native targets on a CPU). Opt-in: on 2 cores it stayed within
     # run-to-run spread of the default at concurrency 8 and 16 (0.93-1.06x plain decoding against
-    # 0.98-1.08x; BENCHMARKS.md, sessions 16 and 20-22).
+    # 0.98-1.08x; GSM8K, SmolLM2-135M).
     ragged_verify: bool = False
     # An engine with a thread of its own that has had nothing to do for this long frees its
     # caches (sized for the largest batch and longest sequence seen) and trims the heap, so a
@@ -214,6 +215,8 @@ class Engine:
     # ---- the loop ------------------------------------------------------------------------------------
     def _calibrate(self) -> None:
         if self.adaptive is not None:
+            if self.batch.device.type == "cpu":
+                follow_free_cores()  # calibrated at the thread count the first steps will run
             try:  # before the first request, so no calibration pass lands inside a measured step
                 self.adaptive.calibrate_all(self.batch, self.config.max_batch)
             except Exception as e:  # the costs are then calibrated lazily per batch size
@@ -256,6 +259,8 @@ class Engine:
     def _tick(self) -> bool:
         """Admits waiting requests and runs one step; False when there was nothing to run."""
         try:
+            if self.batch.device.type == "cpu":
+                follow_free_cores()  # threads where cores are free (cpu/threads.py); the output is the same
             self._admit()
             if not self.batch.rows:
                 return False

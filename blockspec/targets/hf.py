@@ -11,23 +11,38 @@ from torch.nn import functional as F
 
 from blockspec.errors import CheckpointError, ConfigError
 from blockspec.targets.base import DTYPES, Target, TargetCache, TargetInfo, greedy_forward
+from blockspec.targets.gated_delta import DeltaState, delta_forward, is_gated_delta
 from blockspec.targets.slots import EMPTY, SlotTable, gather_slots
+
+# Layer kinds the adapter decodes exactly: attention through per-slot masks, Gated DeltaNet
+# linear attention through states it rolls back (targets/gated_delta.py).
+ATTENTION_KINDS = ("full_attention", "sliding_attention")
+LINEAR_KIND = "linear_attention"
+# Attention implementations that take an explicit [b, 1, q, S] mask: a boolean one (SDPA) or an
+# additive one (eager). Flash and flex attention take other forms and cannot express per-slot masks.
+MASK_FORMS = {"sdpa": "bool", "eager": "additive"}
 
 
 class HFCache:
-    """A transformers DynamicCache whose slots follow a SlotTable (see targets/slots.py)."""
+    """A transformers DynamicCache whose slots follow a SlotTable (see targets/slots.py), plus
+    the rolled-back states of a hybrid target's linear-attention layers (layer index -> state)."""
 
-    def __init__(self, batch: int, device: torch.device | str) -> None:
+    def __init__(self, batch: int, device: torch.device | str, linear: dict[int, DeltaState] | None = None) -> None:
         from transformers import DynamicCache
 
         self.kv = DynamicCache()
         self.slots = SlotTable(batch, device)
+        self.linear = linear or {}
 
     def lengths(self) -> torch.Tensor:
         return self.slots.lengths()
 
     def reject(self, keep: torch.Tensor) -> None:
+        """keep [b, n] over the last forward's n tokens; linear-attention states go back to the
+        last kept token of each row."""
         self.slots.reject(keep)
+        for state in self.linear.values():
+            state.commit(keep)
 
     def _layers(self) -> list:
         return [layer for layer in self.kv.layers if getattr(layer, "keys", None) is not None]
@@ -46,6 +61,8 @@ class HFCache:
         for layer in self._layers():
             layer.keys = layer.keys[rows]
             layer.values = layer.values[rows]
+        for state in self.linear.values():
+            state.select_rows(rows)
 
     def merge(self, other: HFCache) -> None:
         """Appends other's rows (requests joining a running batch); the table with fewer slots
@@ -64,6 +81,8 @@ class HFCache:
         for mine, theirs in zip(self._layers(), other._layers(), strict=True):
             mine.keys = torch.cat([pad(mine.keys, 2, 0.0), pad(theirs.keys, 2, 0.0)])
             mine.values = torch.cat([pad(mine.values, 2, 0.0), pad(theirs.values, 2, 0.0)])
+        for i, state in self.linear.items():
+            state.append_rows(other.linear[i])
 
 
 def _decoder(model: nn.Module) -> nn.Module:
@@ -77,8 +96,45 @@ def _decoder(model: nn.Module) -> nn.Module:
     return inner
 
 
+def _layer_kinds(decoder: nn.Module, text: object, model_type: str) -> list[str]:
+    """Each decoder layer's kind (see ATTENTION_KINDS, LINEAR_KIND); refuses layers whose state
+    the adapter cannot roll back or whose attention it cannot mask."""
+    layers = list(decoder.layers)
+    kinds = list(getattr(text, "layer_types", None) or ["full_attention"] * len(layers))
+    if len(kinds) < len(layers):
+        raise ConfigError(f"{model_type}: config.layer_types lists {len(kinds)} layers, the model has {len(layers)}")
+    for i, layer in enumerate(layers):
+        kind = kinds[i]
+        mixers = [n for n in _STATEFUL_MIXERS if getattr(layer, n, None) is not None]
+        if kind == LINEAR_KIND and mixers == ["linear_attn"] and is_gated_delta(layer.linear_attn):
+            continue
+        if kind in ATTENTION_KINDS and not mixers and getattr(layer, "self_attn", None) is not None:
+            continue
+        what = f"{kind!r} layers" if kind not in ATTENTION_KINDS + (LINEAR_KIND,) else f"layer {i} ({type(layer).__name__})"
+        raise ConfigError(
+            f"{model_type} is not supported as a target: blockspec cannot decode its {what} exactly (it rolls back "
+            "attention K/V and Gated DeltaNet states only); supported: Llama, Qwen2/3, Qwen3-MoE, GLM-4-MoE, "
+            "Gemma 3, gpt-oss, Qwen3-Next, Qwen3.5/3.6"
+        )
+    return kinds[: len(layers)]
+
+
+# Submodule names of token mixers that keep a state other than attention K/V.
+_STATEFUL_MIXERS = ("linear_attn", "mamba", "mixer", "conv", "short_conv", "ssm", "recurrent", "rwkv")
+
+
+def _linear_forward(module: nn.Module, state: DeltaState, valid: torch.Tensor):
+    def forward(hidden_states: torch.Tensor, cache_params: object = None, attention_mask: object = None,
+                **_: object) -> torch.Tensor:
+        return delta_forward(module, hidden_states, state, valid)
+
+    return forward
+
+
 class HFTarget:
-    """Adapter for any `transformers` AutoModelForCausalLM with standard decoder layers."""
+    """Adapter for a `transformers` causal LM whose decoder layers attend (full or sliding
+    window, with or without attention sinks) or are Gated DeltaNet linear attention; anything
+    else is refused, since its state could not be rolled back after a rejection."""
 
     def __init__(self, model: nn.Module, eos_token_ids: tuple[int, ...] = ()) -> None:
         self.model = model.eval()
@@ -86,16 +142,26 @@ class HFTarget:
         cfg = model.config
         text = getattr(cfg, "text_config", None) or cfg
         self.config = text
-        layer_types = getattr(text, "layer_types", None) or ()
-        self._sliding = "sliding_attention" in layer_types
+        model_type = str(getattr(text, "model_type", "unknown"))
+        self._kinds = _layer_kinds(self.decoder, text, model_type)
+        self._sliding = "sliding_attention" in self._kinds
         self._window = getattr(text, "sliding_window", None) if self._sliding else None
+        self._linear = {i: layer.linear_attn for i, layer in enumerate(self.decoder.layers)
+                        if self._kinds[i] == LINEAR_KIND}
+        impl = str(getattr(text, "_attn_implementation", None) or getattr(cfg, "_attn_implementation", None) or "eager")
+        if impl not in MASK_FORMS and len(self._linear) < len(self._kinds):
+            raise ConfigError(
+                f"{model_type} is loaded with attn_implementation={impl!r}, which cannot take the per-slot masks "
+                f"speculative decoding needs; load it with attn_implementation='sdpa' or 'eager'"
+            )
+        self._mask_form = MASK_FORMS.get(impl, "bool")
         embed = model.get_input_embeddings()
         self.info = TargetInfo(
             hidden_size=int(text.hidden_size),
             vocab_size=int(embed.weight.shape[0]),
             num_layers=len(self.decoder.layers),
             max_position_embeddings=int(getattr(text, "max_position_embeddings", 2048)),
-            model_type=str(getattr(text, "model_type", "unknown")),
+            model_type=model_type,
             eos_token_ids=tuple(eos_token_ids),
         )
         self._captured: dict[int, torch.Tensor] = {}
@@ -119,7 +185,8 @@ class HFTarget:
         return self.model.get_input_embeddings().weight.dtype
 
     def new_cache(self, batch: int) -> HFCache:
-        return HFCache(batch, self.device)
+        linear = {i: DeltaState.zeros(m, batch, self.dtype, self.device) for i, m in self._linear.items()}
+        return HFCache(batch, self.device, linear)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Raw (unscaled) input embeddings [b, n, H]: the drafter applies its own scale."""
@@ -130,11 +197,23 @@ class HFTarget:
         return head if head is not None else self.model.get_output_embeddings()
 
     def _masks(self, cache: HFCache, positions: torch.Tensor) -> torch.Tensor | dict:
-        full = cache.slots.attention_mask(positions, causal=True)
-        if not self._sliding:
+        """The attention mask in the form the attention implementation takes; with several layer
+        kinds, one per kind (linear-attention layers take none: padding comes from positions)."""
+        full = self._form(cache.slots.attention_mask(positions, causal=True))
+        if set(self._kinds) == {"full_attention"}:
             return full
-        window = cache.slots.attention_mask(positions, causal=True, sliding_window=self._window)
-        return {"full_attention": full, "sliding_attention": window}
+        masks: dict = {"full_attention": full, LINEAR_KIND: None}
+        if self._sliding:
+            window = cache.slots.attention_mask(positions, causal=True, sliding_window=self._window)
+            masks["sliding_attention"] = self._form(window)
+        return masks
+
+    def _form(self, visible: torch.Tensor) -> torch.Tensor:
+        if self._mask_form == "bool":
+            return visible
+        # eager attention adds the mask to the scores
+        zero = torch.zeros((), dtype=self.dtype, device=visible.device)
+        return torch.where(visible, zero, torch.finfo(self.dtype).min)
 
     @torch.no_grad()
     def forward(
@@ -154,6 +233,10 @@ class HFTarget:
         mask = self._masks(cache, positions)
         self._wanted = tuple(layer_ids)
         self._captured = {}
+        valid = positions != EMPTY
+        for i, module in self._linear.items():
+            # for this call only: the layer runs on the cache's rollback-able state
+            module.forward = _linear_forward(module, cache.linear[i], valid)
         try:
             out = self.model(
                 input_ids=ids,
@@ -165,6 +248,8 @@ class HFTarget:
             )
         finally:
             self._wanted = ()
+            for module in self._linear.values():
+                module.__dict__.pop("forward", None)
         features = None
         if layer_ids:
             last = self.info.num_layers - 1
@@ -179,8 +264,11 @@ class HFTarget:
 def load_hf_target(
     path: str | Path, *, dtype: str = "float32", device: str = "cpu"
 ) -> tuple[HFTarget, object]:
-    """Loads a local Hugging Face model directory (or zoo name) as target; returns (target, tokenizer)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Loads a local Hugging Face model directory (or zoo name) as target; returns (target,
+    tokenizer). The target must pass `check_exact`, or it is refused."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from blockspec.targets.exactness import check_exact
 
     if dtype not in DTYPES and dtype != "auto":
         raise ConfigError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {dtype!r}")
@@ -191,9 +279,13 @@ def load_hf_target(
             "directory or a known zoo name (see `blockspec pull --list`)"
         )
     torch_dtype = "auto" if dtype == "auto" else DTYPES[dtype]
+    options: dict = {}
+    if dtype == "float64":  # the grouped-matmul experts of MoE models take no float64
+        options["experts_implementation"] = "eager"
     try:
+        config = AutoConfig.from_pretrained(str(path))
         model = AutoModelForCausalLM.from_pretrained(
-            str(path), dtype=torch_dtype, attn_implementation="sdpa"
+            str(path), dtype=torch_dtype, attn_implementation=_attention_for(config), **options
         ).to(device)
         tokenizer = AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError) as e:
@@ -205,7 +297,21 @@ def load_hf_target(
             eos.add(source)
         elif isinstance(source, (list, tuple)):
             eos.update(int(t) for t in source)
-    return HFTarget(model, eos_token_ids=tuple(sorted(eos))), tokenizer
+    target = HFTarget(model, eos_token_ids=tuple(sorted(eos)))
+    check_exact(target)
+    return target, tokenizer
+
+
+def _attention_for(config: object) -> str:
+    """SDPA where the model class supports it (boolean masks), else eager (additive masks):
+    gpt-oss, for one, refuses SDPA because of its attention sinks."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        cls = AutoModelForCausalLM._model_mapping[type(config)]
+    except (KeyError, ValueError):
+        return "sdpa"
+    return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
 
 
 def embedding_scale_of(target_config: object) -> float:

@@ -1,4 +1,4 @@
-"""Anchor sampling and the block attention mask for DFlash training (DESIGN.md section 4).
+"""Anchor sampling and the block attention mask for DFlash training (docs/DESIGN.md section 7).
 
 One training sequence of S tokens yields many blocks at once: each anchor p makes a block
 [token[p], MASK x (B-1)] at positions p..p+B-1, and all blocks share one drafter pass over the

@@ -32,6 +32,24 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     dst.copy_(src.to(dst.dtype))
 
 
+def _fits(dst: nn.Module, src: nn.Module | None, names: tuple[str, ...]) -> bool:
+    """Whether src has every projection in `names`, each shaped like dst's (a MoE MLP, a gated
+    attention whose q_proj also makes the gate, or a linear-attention layer has not)."""
+    if src is None:
+        return False
+    got = [getattr(src, n, None) for n in names]
+    return all(isinstance(g, nn.Linear) and g.weight.shape == getattr(dst, n).weight.shape for g, n in zip(got, names))
+
+
+def _norm_scale(norm: nn.Module) -> torch.Tensor:
+    """The per-channel factor an RMS norm applies: its weight, or 1 + weight for the zero-centred
+    norms of Gemma, Qwen3-Next and Qwen3.5 (found by running it on ones)."""
+    w = norm.weight
+    ones = torch.ones(1, w.shape[0], dtype=torch.float32, device=w.device)
+    out = norm(ones.to(w.dtype)).float()[0]
+    return 1.0 + w.float() if torch.allclose(out, 1.0 + w.float(), rtol=1e-2, atol=1e-3) else w
+
+
 def default_source_layers(drafter: DFlashDrafter, num_target_layers: int) -> list[int]:
     """Target layers right after the last fused one (clamped to the top of the target)."""
     first = max(drafter.cfg.target_layer_ids) + 1
@@ -46,39 +64,56 @@ def init_from_target(
     target_model: nn.Module,
     source_layers: list[int] | None = None,
     calibration_ids: torch.Tensor | None = None,
+    log_fn=None,
 ) -> list[int]:
     """Copies target layer weights into the drafter (see module doc); returns the source layers.
 
-    Targets without q/k norms (Llama) get q_norm/k_norm weights equal to the mean RMS of their
-    query/key heads on `calibration_ids` [1, S] when given, so attention logits keep their scale.
+    Parts a source layer has in another shape (a MoE MLP, gated attention, a linear-attention
+    layer) keep their random initialisation, said through `log_fn`. Targets without q/k norms
+    (Llama) get q_norm/k_norm weights equal to the mean RMS of their query/key heads on
+    `calibration_ids` [1, S] when given, so attention logits keep their scale.
     """
     dec = _decoder(target_model)
     n_target = len(dec.layers)
     sources = list(source_layers) if source_layers else default_source_layers(drafter, n_target)
     if len(sources) != drafter.cfg.num_hidden_layers:
         raise ConfigError(f"need {drafter.cfg.num_hidden_layers} source layers, got {sources}")
+    attn_names, mlp_names = ("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj")
+    copies_attn = [_fits(drafter.layers[i].self_attn, getattr(dec.layers[s], "self_attn", None), attn_names)
+                   for i, s in enumerate(sources)]
     rms: dict[tuple[int, str], float] = {}
     if calibration_ids is not None:
-        rms = _qk_rms(target_model, dec, sources, calibration_ids, drafter.cfg.head_dim)
+        rms = _qk_rms(target_model, dec, [s for s, ok in zip(sources, copies_attn) if ok], calibration_ids,
+                      drafter.cfg.head_dim)
+    random_parts = []
     for i, src in enumerate(sources):
         t, d = dec.layers[src], drafter.layers[i]
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            _copy(getattr(d.self_attn, proj).weight, getattr(t.self_attn, proj).weight, f"layers.{i}.{proj}")
-            tb, db = getattr(t.self_attn, proj).bias, getattr(d.self_attn, proj).bias
-            if db is not None and tb is not None:
-                _copy(db, tb, f"layers.{i}.{proj}.bias")
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            _copy(getattr(d.mlp, proj).weight, getattr(t.mlp, proj).weight, f"layers.{i}.{proj}")
-        _copy(d.input_layernorm.weight, t.input_layernorm.weight, "input_layernorm")
-        _copy(d.post_attention_layernorm.weight, t.post_attention_layernorm.weight, "post_attention_layernorm")
-        for name in ("q_norm", "k_norm"):
-            src_norm = getattr(t.self_attn, name, None)
-            if src_norm is not None and getattr(src_norm, "weight", None) is not None:
-                _copy(getattr(d.self_attn, name).weight, src_norm.weight, name)
-            else:
-                getattr(d.self_attn, name).weight.fill_(rms.get((src, name), 1.0))
-    _copy(drafter.norm.weight, dec.norm.weight, "norm")
-    _copy(drafter.hidden_norm.weight, dec.layers[sources[0]].input_layernorm.weight, "hidden_norm")
+        if copies_attn[i]:
+            for proj in attn_names:
+                _copy(getattr(d.self_attn, proj).weight, getattr(t.self_attn, proj).weight, f"layers.{i}.{proj}")
+                tb, db = getattr(t.self_attn, proj).bias, getattr(d.self_attn, proj).bias
+                if db is not None and tb is not None:
+                    _copy(db, tb, f"layers.{i}.{proj}.bias")
+            for name in ("q_norm", "k_norm"):
+                src_norm = getattr(t.self_attn, name, None)
+                if src_norm is not None and getattr(src_norm, "weight", None) is not None:
+                    _copy(getattr(d.self_attn, name).weight, _norm_scale(src_norm), name)
+                else:
+                    getattr(d.self_attn, name).weight.fill_(rms.get((src, name), 1.0))
+        else:
+            random_parts.append(f"layer {i} attention")
+        if _fits(d.mlp, getattr(t, "mlp", None), mlp_names):
+            for proj in mlp_names:
+                _copy(getattr(d.mlp, proj).weight, getattr(t.mlp, proj).weight, f"layers.{i}.{proj}")
+        else:
+            random_parts.append(f"layer {i} MLP")
+        _copy(d.input_layernorm.weight, _norm_scale(t.input_layernorm), "input_layernorm")
+        _copy(d.post_attention_layernorm.weight, _norm_scale(t.post_attention_layernorm), "post_attention_layernorm")
+    _copy(drafter.norm.weight, _norm_scale(dec.norm), "norm")
+    _copy(drafter.hidden_norm.weight, _norm_scale(dec.layers[sources[0]].input_layernorm), "hidden_norm")
+    if random_parts and log_fn is not None:
+        log_fn(f"target layers {sources} have no {', '.join(random_parts)} of the drafter's shape (MoE, gated or "
+               "linear attention): those start random")
     hidden = drafter.cfg.hidden_size
     ids = list(drafter.cfg.target_layer_ids)
     last = ids.index(max(ids))

@@ -1,4 +1,4 @@
-"""The DFlash training loss: position-decayed cross-entropy over packed blocks (DESIGN.md s. 4).
+"""The DFlash training loss: position-decayed cross-entropy over packed blocks (docs/DESIGN.md s. 7).
 
 Block position k (1..B-1) predicts token[p + k]; its weight is w_k = exp(-(k - 1) / gamma), so
 early positions, which decide most of the acceptance length, count most. The loss of a batch is

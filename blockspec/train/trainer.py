@@ -1,4 +1,4 @@
-"""The DFlash drafter trainer (DESIGN.md section 4): frozen target, packed anchor blocks,
+"""The DFlash drafter trainer (docs/DESIGN.md section 7): frozen target, packed anchor blocks,
 position-decayed cross-entropy, warmup + cosine schedule, checkpoints, JSONL logs, quick tau evals.
 
 Data parallel over `torchrun` processes (gloo on CPU, nccl on GPU): every global step takes
@@ -231,16 +231,15 @@ def prepare_sequence(
     return SeqBatch(ids, mask, ex.id, anchors, labels, pos_weights[None, :] * valid.float())
 
 
-def attention_window(drafter: DFlashDrafter) -> int | None:
-    """The sliding window every layer of the drafter attends within (None: the whole context),
-    for the training mask. Training builds one mask for all layers, so causal layers and layers
-    with different windows are refused."""
-    kinds = {(layer.self_attn.causal, layer.self_attn.sliding_window) for layer in drafter.layers}
-    if len(kinds) > 1 or any(causal for causal, _ in kinds):
-        raise ConfigError(f"training needs drafter layers that attend alike and bidirectionally within a block; "
-                          f"these have (causal, sliding_window) = {sorted(kinds, key=str)}: set layer_types to one "
-                          "kind and is_causal to false in the drafter's config.json")
-    return next(iter(kinds))[1]
+def attention_windows(drafter: DFlashDrafter) -> list[int | None]:
+    """The sliding windows the drafter's layers attend within (None: the whole context), one
+    training mask each. Causal layers (an explicit `is_causal: true`) are refused: a block is
+    trained, and drafts, bidirectionally."""
+    causal = [i for i, layer in enumerate(drafter.layers) if layer.self_attn.causal]
+    if causal:
+        raise ConfigError(f"training needs drafter layers that attend bidirectionally within a block; layers {causal} "
+                          "are causal: set is_causal to false (or remove it) in the drafter's config.json")
+    return sorted({layer.self_attn.sliding_window for layer in drafter.layers}, key=lambda w: (w is not None, w or 0))
 
 
 def sequence_forward(
@@ -272,12 +271,14 @@ def sequence_forward(
     block_ids[:, 0] = seq.ids.to(device)[anchors]
     with torch.no_grad():
         embeds = target.embed(block_ids.reshape(1, n * B)).float() * drafter.cfg.input_embedding_scale  # [1, nB, H]
-    mask = block_attention_mask(anchors, B, S, attention_window(drafter))[None, None]  # [1, 1, nB, S+nB]
+    masks = {w: block_attention_mask(anchors, B, S, w)[None, None]  # [1, 1, nB, S+nB] per window
+             for w in attention_windows(drafter)}
     ctx_pos = torch.arange(S, device=device)[None]
     blk_pos = block_positions(anchors, B)[None]
     dtype = drafter.fc.weight.dtype
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-        hidden = drafter(features.to(device, dtype)[None], ctx_pos, embeds.to(dtype), blk_pos, attn_mask=mask)
+        hidden = drafter(features.to(device, dtype)[None], ctx_pos, embeds.to(dtype), blk_pos, attn_mask=masks,
+                         block_len=B)
     hidden = hidden.reshape(n, B, -1)[:, 1:]  # [n, B-1, H]: position k predicts token[p + k]
     w = seq.weights.to(device)
     keep = w > 0  # [n, B-1]
@@ -343,7 +344,7 @@ class Trainer:
             self._check_resumable()
         else:
             self.drafter = self._new_drafter()
-        attention_window(self.drafter)  # refused here, before any data is read, if it cannot be trained
+        attention_windows(self.drafter)  # refused here, before any data is read, if it cannot be trained
         self.drafter.train()
         # a single process has nothing to shard: "fsdp" then trains the plain drafter
         self.fsdp = cfg.parallel == "fsdp" and self.dist.active
@@ -427,7 +428,7 @@ class Trainer:
             from blockspec.train.init import init_from_target
 
             calib = torch.tensor([self.examples[0].input_ids[: cfg.max_seq_len]])
-            src = init_from_target(drafter, self.target.model, calibration_ids=calib)
+            src = init_from_target(drafter, self.target.model, calibration_ids=calib, log_fn=self.log_fn)
             self.log_fn(f"draft layers initialised from target layers {src}")
         return drafter
 

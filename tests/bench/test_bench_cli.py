@@ -24,7 +24,8 @@ def test_bench_command_writes_report(tmp_path, tiny_model_dir, tiny_drafter_dir,
 
     baselines = "hf,reference" if reference_available() else "hf"
     rc, out = _bench(tmp_path, tiny_model_dir, tiny_drafter_dir, "--datasets", "gsm8k,mt-bench",
-                     "--baselines", baselines, "--block-sizes", "2,4", "--thinking", "both", "--clock", "cpu")
+                     "--baselines", baselines, "--block-sizes", "2,4", "--no-adaptive", "--lookup", "off",
+                     "--thinking", "both", "--clock", "cpu")
     assert rc == 0, capsys.readouterr().err
     md = (out / "report.md").read_text()
     assert "| Task | Concurrency | AR | DFlash b2 (speedup) | τ b2 | DFlash b4 (speedup) | τ b4 |" in md
@@ -44,10 +45,10 @@ def test_bench_command_writes_report(tmp_path, tiny_model_dir, tiny_drafter_dir,
 
 def test_bench_adaptive_only_runs_plain_and_adaptive(tmp_path, tiny_model_dir, tiny_drafter_dir, capsys):
     rc, out = _bench(tmp_path, tiny_model_dir, tiny_drafter_dir, "--datasets", "gsm8k", "--block-sizes", "4",
-                     "--adaptive-only", "--concurrency", "1,2")
+                     "--adaptive-only", "--lookup", "both", "--concurrency", "1,2")
     assert rc == 0, capsys.readouterr().err
     data = json.loads((out / "results.json").read_text())
-    # --lookup both (the default): each DFlash runner without and with n-gram lookup proposals
+    # --lookup both: each DFlash runner without and with n-gram lookup proposals
     assert sorted({s["runner"] for s in data["summaries"]}) == ["ar", "dflash auto<=b4", "dflash+lookup auto<=b4"]
     assert sorted({s["concurrency"] for s in data["summaries"]}) == [1, 2]
     assert data["lossless"]["passed"] is True and "--adaptive-only" in data["meta"]["command"]
@@ -62,9 +63,26 @@ def test_bench_adaptive_only_runs_plain_and_adaptive(tmp_path, tiny_model_dir, t
     assert "| gsm8k | 2 | dflash+lookup auto<=b4 |" in md
 
 
+def test_bench_defaults_decode_as_every_verb(tmp_path, tiny_model_dir, tiny_drafter_dir, capsys):
+    """By default bench measures what generate/serve/demo run: the adaptive policy with lookup."""
+    rc, out = _bench(tmp_path, tiny_model_dir, tiny_drafter_dir, "--datasets", "gsm8k")
+    assert rc == 0, capsys.readouterr().err
+    data = json.loads((out / "results.json").read_text())
+    assert sorted({s["runner"] for s in data["summaries"]}) == ["ar", "dflash+lookup auto<=b4"]
+    assert "--adaptive --lookup on" in data["meta"]["command"]
+    rc, out = _bench(tmp_path, tiny_model_dir, tiny_drafter_dir, "--datasets", "gsm8k", "--block-sizes", "4")
+    assert rc == 0, capsys.readouterr().err  # fixed blocks on request, beside the adaptive runner
+    data = json.loads((out / "results.json").read_text())
+    assert sorted({s["runner"] for s in data["summaries"]}) == ["ar", "dflash+lookup auto<=b4", "dflash+lookup b4"]
+    rc, out = _bench(tmp_path, tiny_model_dir, tiny_drafter_dir, "--datasets", "gsm8k", "--no-adaptive")
+    assert rc == 0, capsys.readouterr().err  # fixed blocks alone, at the drafter's block size
+    data = json.loads((out / "results.json").read_text())
+    assert sorted({s["runner"] for s in data["summaries"]}) == ["ar", "dflash+lookup b4"]
+
+
 def test_bench_lookup_off_runs_the_drafter_alone(tmp_path, tiny_model_dir, tiny_drafter_dir, capsys):
     rc, out = _bench(tmp_path, tiny_model_dir, tiny_drafter_dir, "--datasets", "gsm8k", "--block-sizes", "4",
-                     "--lookup", "off")
+                     "--no-adaptive", "--lookup", "off")
     assert rc == 0, capsys.readouterr().err
     data = json.loads((out / "results.json").read_text())
     assert sorted({s["runner"] for s in data["summaries"]}) == ["ar", "dflash b4"]
@@ -78,13 +96,13 @@ def test_bench_ragged_verify_both_adds_a_ragged_adaptive_runner(tmp_path, tiny_m
     data = json.loads((out / "results.json").read_text())
     assert sorted({s["runner"] for s in data["summaries"]}) == ["ar", "dflash auto<=b4", "dflash auto<=b4 ragged"]
     assert data["lossless"]["passed"] is True and "--ragged-verify both" in data["meta"]["command"]
-    rc, _ = _bench(tmp_path, tiny_model_dir, tiny_drafter_dir, "--ragged-verify", "on")
-    assert rc == 2 and "add --adaptive" in capsys.readouterr().err
+    rc, _ = _bench(tmp_path, tiny_model_dir, tiny_drafter_dir, "--ragged-verify", "on", "--no-adaptive")
+    assert rc == 2 and "drop --no-adaptive" in capsys.readouterr().err
 
 
 def test_bench_top_p_is_recorded_and_rerunnable(tmp_path, tiny_model_dir, tiny_drafter_dir, capsys):
     rc, out = _bench(tmp_path, tiny_model_dir, tiny_drafter_dir, "--datasets", "gsm8k", "--block-sizes", "2",
-                     "--temperature", "0.8", "--top-p", "0.5")
+                     "--no-adaptive", "--temperature", "0.8", "--top-p", "0.5")
     assert rc == 0, capsys.readouterr().err
     data = json.loads((out / "results.json").read_text())
     assert data["meta"]["top_p"] == 0.5 and "--top-p 0.5" in data["meta"]["command"]

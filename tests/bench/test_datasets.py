@@ -1,40 +1,79 @@
-"""Prompt-set loaders on the shared data files: counts, templates, subsampling, the training guard."""
+"""Prompt-set loaders: the bundled benchmark sets (counts, templates, subsampling), the look-up
+order (data directory, $BLOCKSPEC_DATA, bundled copy, Hub), and the training guard."""
 
 from __future__ import annotations
 
+import fnmatch
 import json
+import re
 import sys
+from pathlib import Path
 
 import pytest
 
+import blockspec
 from blockspec.bench import datasets as ds
-from blockspec.bench.datasets import DATASETS, Sample, load_dataset, training_prompts
+from blockspec.bench.datasets import DATASETS, HubSource, Sample, SplitSpec, load_dataset, training_prompts
 from blockspec.errors import CheckpointError, ConfigError
-
-if ds.data_dir() is None:
-    pytest.skip("shared data directory not found (set BLOCKSPEC_DATA)", allow_module_level=True)
 
 SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 
 
+def _jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def train_dir(tmp_path: Path) -> Path:
+    """A data directory with small training splits: gsm8k train, ShareGPT, all of MBPP's ranges."""
+    _jsonl(tmp_path / "gsm8k_train.jsonl", [{"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"}
+                                            for i in range(20)])
+    _jsonl(tmp_path / "sharegpt_first_turns.jsonl", [
+        {"id": f"s{i}", "messages": [{"role": "user", "content": f"Tell me about topic {i}."},
+                                     {"role": "assistant", "content": f"Topic {i} is ..."}]} for i in range(20)
+    ] + [{"id": "empty", "messages": [{"role": "user", "content": "  "}]}])
+    mbpp = [{"task_id": t, "prompt": f"Write a function number {t}.", "code": "def f():\n    pass",
+             "test_list": ["assert f() is None"]} for t in (1, 5, 11, 300, 510, 511, 600, 601, 700)]
+    (tmp_path / "mbpp_sanitized.json").write_text(json.dumps(mbpp), encoding="utf-8")
+    return tmp_path
+
+
 @pytest.mark.parametrize(
-    ("name", "split", "count"),
-    [
-        ("gsm8k", "test", 1319),
-        ("gsm8k", "train", 7473),
-        ("math500", "test", 500),
-        ("humaneval", "test", 164),
-        ("mbpp", "test", 257),  # sanitized tasks with id 11..510
-        ("mt-bench", "test", 80),
-        ("alpaca", "test", 175),
-        ("sharegpt", "train", 10323),
-    ],
+    ("name", "count"),
+    [("gsm8k", 1319), ("math500", 500), ("humaneval", 164), ("mbpp", 257),  # MBPP: sanitized tasks 11..510
+     ("mt-bench", 80), ("alpaca", 175)],
 )
-def test_counts(name, split, count):
-    samples = load_dataset(name, split=split)
+def test_benchmark_sets_load_from_the_bundled_copy(name, count):
+    assert ds.data_dir() is None  # no data directory: the copy shipped in the package
+    samples = load_dataset(name)
     assert len(samples) == count
     assert len({s.id for s in samples}) == count  # ids unique
     assert all(isinstance(s, Sample) and s.turns for s in samples)
+
+
+def test_bundled_files_are_package_data_with_a_notice():
+    """Each bundled file loads through importlib.resources (as from an installed wheel), is matched
+    by pyproject's package-data patterns, and the notice names its licence."""
+    bundled = [sp.bundled for spec in DATASETS.values() for sp in spec.splits.values() if sp.bundled]
+    assert len(bundled) == 6
+    pyproject = (Path(blockspec.__file__).parent.parent / "pyproject.toml").read_text(encoding="utf-8")
+    table = pyproject.split("[tool.setuptools.package-data]", 1)[1].split("\n[", 1)[0]
+    patterns = re.findall(r'"([^"]+)"', table.split("blockspec = ", 1)[1].split("]", 1)[0])
+    for file in [*bundled, "README.md"]:
+        assert ds.bundled_path(file).is_file(), file
+        assert any(fnmatch.fnmatch(f"bench/{ds.BUNDLED_DIR}/{file}", p) for p in patterns), (file, patterns)
+    notice = ds.bundled_path("README.md").read_text(encoding="utf-8")
+    for file, licence in [("gsm8k_test", "MIT"), ("math500_test", "MIT"), ("humaneval_test", "MIT"),
+                          ("mbpp_sanitized_test", "CC-BY-4.0"), ("mtbench_questions", "Apache-2.0"),
+                          ("alpaca_seed_tasks", "Apache-2.0")]:
+        row = next(line for line in notice.splitlines() if line.startswith(f"| `{file}.jsonl.gz`"))
+        assert row.rstrip(" |").endswith(licence), row
+
+
+def test_only_benchmark_splits_may_be_bundled():
+    with pytest.raises(ConfigError, match="only benchmark"):
+        SplitSpec("x_train.jsonl", HubSource("x/y", None, "train"), False, bundled="x_train.jsonl.gz")
 
 
 def test_default_split_is_test_for_benchmarks_and_train_for_sharegpt():
@@ -82,10 +121,16 @@ def test_alpaca_appends_input_only_when_present():
     assert "Input:" not in samples[0].prompt
 
 
-def test_sharegpt_first_turns():
-    s = load_dataset("sharegpt", limit=1)[0]
-    assert s.prompt.startswith("Summarize the main ideas of Jeff Walker's Product Launch Formula")
-    assert s.reference and s.reference.startswith("Here are the main ideas")
+def test_sharegpt_first_turns_from_a_data_dir_in_both_record_forms(train_dir, tmp_path):
+    s = load_dataset("sharegpt", limit=1, data_dir=train_dir)[0]
+    assert s.id == "sharegpt/train/s0" and s.prompt == "Tell me about topic 0." and s.reference == "Topic 0 is ..."
+    assert len(load_dataset("sharegpt", data_dir=train_dir)) == 20  # the record without a user turn is skipped
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    _jsonl(raw / "sharegpt_first_turns.jsonl", [{"id": "r", "conversations": [
+        {"from": "human", "value": "Hi there"}, {"from": "gpt", "value": "Hello"}]}])
+    (only,) = load_dataset("sharegpt", data_dir=raw)
+    assert (only.prompt, only.reference) == ("Hi there", "Hello")
 
 
 def test_limit_is_first_n_by_default():
@@ -119,34 +164,65 @@ def test_training_guard_refuses_benchmark_splits(name):
         training_prompts([name], limit=4)
 
 
-def test_training_prompts_mix_train_splits():
-    mixed = training_prompts(["sharegpt", "gsm8k", "mbpp:train"], limit=50, seed=1)
-    assert len(mixed) == 50
-    assert mixed == training_prompts(["sharegpt", "gsm8k", "mbpp:train"], limit=50, seed=1)
+def test_training_prompts_mix_train_splits(train_dir):
+    mixed = training_prompts(["sharegpt", "gsm8k", "mbpp:train"], limit=30, seed=1, data_dir=train_dir)
+    assert len(mixed) == 30
+    assert mixed == training_prompts(["sharegpt", "gsm8k", "mbpp:train"], limit=30, seed=1, data_dir=train_dir)
     prefixes = {s.id.split("/")[0] + "/" + s.id.split("/")[1] for s in mixed}
-    assert prefixes <= {"sharegpt/train", "gsm8k/train", "mbpp/train"}
-    assert "gsm8k/test" not in {s.id.rsplit("/", 1)[0] for s in mixed}
+    assert prefixes == {"sharegpt/train", "gsm8k/train", "mbpp/train"}
+    assert {s.id for s in mixed if s.id.startswith("mbpp")} <= {"mbpp/train/601", "mbpp/train/700"}
     with pytest.raises(ConfigError):
         training_prompts([])
 
 
-def test_blockspec_data_override(tmp_path, monkeypatch):
-    shared = ds.data_dir()
-    rows = [{"question": "What is 2+2?", "answer": "2+2=4\n#### 4"}, {"question": "1+1?", "answer": "#### 2"}]
-    (tmp_path / "gsm8k_test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    monkeypatch.setenv(ds.ENV_VAR, str(tmp_path))
+def test_a_data_dir_file_replaces_the_bundled_copy_and_the_argument_comes_first(tmp_path, monkeypatch):
+    env_dir, arg_dir = tmp_path / "env", tmp_path / "arg"
+    env_dir.mkdir()
+    arg_dir.mkdir()
+    _jsonl(env_dir / "gsm8k_test.jsonl", [{"question": "What is 2+2?", "answer": "2+2=4\n#### 4"},
+                                          {"question": "1+1?", "answer": "#### 2"}])
+    _jsonl(arg_dir / "gsm8k_test.jsonl", [{"question": "3*3?", "answer": "#### 9"}])
+    monkeypatch.setenv(ds.ENV_VAR, str(env_dir))
     samples = load_dataset("gsm8k")
     assert [s.reference for s in samples] == ["4", "2"]
     assert samples[0].prompt == "What is 2+2?" + SUFFIX
-    assert ds.data_dir() == tmp_path
-    assert len(load_dataset("gsm8k", data_dir=shared)) == 1319  # the argument beats the variable
+    assert ds.data_dir() == env_dir
+    assert [s.reference for s in load_dataset("gsm8k", data_dir=arg_dir)] == ["9"]  # the argument first
+    assert len(load_dataset("math500", data_dir=arg_dir)) == 500  # neither holds it: the bundled copy
+    mbpp = [{"task_id": t, "prompt": f"task {t}"} for t in (3, 11, 510, 511)]
+    (arg_dir / "mbpp_sanitized.json").write_text(json.dumps(mbpp))
+    assert [s.id for s in load_dataset("mbpp", data_dir=arg_dir)] == ["mbpp/test/11", "mbpp/test/510"]
 
 
-def test_missing_file_offline_names_the_variable(tmp_path, monkeypatch):
-    monkeypatch.setenv(ds.ENV_VAR, str(tmp_path))
+def test_a_missing_split_says_what_to_pass(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` fails: no Hub fallback
-    with pytest.raises(CheckpointError, match="BLOCKSPEC_DATA"):
-        load_dataset("math500")
+    with pytest.raises(CheckpointError, match=r"pass --data-dir DIR \(or set BLOCKSPEC_DATA=DIR\) .* "
+                                              r"sharegpt_first_turns.jsonl \(looked in: no --data-dir given"):
+        load_dataset("sharegpt")
+    monkeypatch.setenv(ds.ENV_VAR, str(tmp_path))
+    with pytest.raises(CheckpointError, match=rf"gsm8k_train.jsonl \(looked in: {re.escape(str(tmp_path))}\).*"
+                                              r"install `datasets`"):
+        load_dataset("gsm8k", split="train")
+
+
+def test_training_never_reads_the_bundled_benchmark_copies(monkeypatch):
+    """With no data anywhere, asking for a training split fails, even where the package ships the
+    same set's test split."""
+    from blockspec.train.data import heldout_prompts, load_prompts
+
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    assert load_dataset("gsm8k", limit=1) and load_dataset("alpaca", limit=1)  # bundled
+    with pytest.raises(CheckpointError, match="gsm8k_train.jsonl"):
+        training_prompts(["gsm8k"])
+    with pytest.raises(CheckpointError, match="gsm8k_train.jsonl"):
+        heldout_prompts(4)
+    with pytest.raises(CheckpointError, match="alpaca_seed_tasks.jsonl"):
+        load_prompts(["alpaca"])
+    with pytest.raises(CheckpointError, match="mbpp_sanitized.json"):
+        load_prompts(["mbpp_train"])
+    assert list(ds.split_rows("gsm8k", "test", bundled=True))
+    with pytest.raises(CheckpointError, match="gsm8k_test.jsonl"):
+        list(ds.split_rows("gsm8k", "test", bundled=False))
 
 
 def test_sample_validation():

@@ -148,6 +148,15 @@ def test_cli_demo_adaptive_by_default(tiny_model_dir: Path, tiny_drafter_dir: Pa
     assert "block size 3" in r.stderr and "block 3)" in r.stderr
 
 
+def test_cli_demo_beside_busy_processes(tiny_model_dir: Path, tiny_drafter_dir: Path) -> None:
+    r = _cli("demo", "--target", str(tiny_model_dir), "--drafter", str(tiny_drafter_dir), "--max-new-tokens", "8",
+             "--busy", "1")
+    assert r.returncode == 0, r.stderr
+    assert "Running beside 1 CPU-bound process" in r.stderr and "output identical to plain decoding: True" in r.stderr
+    r = _cli("demo", "--target", str(tiny_model_dir), "--busy", "-1")
+    assert r.returncode == 2 and "--busy must be >= 0" in r.stderr
+
+
 def test_cli_generate_streams_and_summarises(tiny_model_dir: Path, tiny_drafter_dir: Path) -> None:
     r = _cli("generate", "--target", str(tiny_model_dir), "--drafter", str(tiny_drafter_dir),
              "--prompt", "Hello", "--max-new-tokens", "8", "--compare")
@@ -162,6 +171,7 @@ def test_cli_bad_input_is_one_clear_line(tiny_model_dir: Path) -> None:
     assert r.stderr.strip().startswith("error: temperature must be") and "Traceback" not in r.stderr
     r = _cli("generate", "--target", "/nonexistent/model", "--prompt", "x")
     assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().startswith("error: model '/nonexistent/model' not found")  # not "no drafter ships"
 
 
 def test_cli_evaluate_compares_drafters_on_heldout_prompts(tiny_model_dir: Path, tiny_drafter_dir: Path,
@@ -201,3 +211,102 @@ def test_cli_evaluate_compares_drafters_on_heldout_prompts(tiny_model_dir: Path,
     assert "at least 100 tokens of context" in r.stdout
     r = _cli(*args[:5], "--prompts", "5", "--max-new-tokens", "4", "--data-dir", str(data), "--context", "100", "--json")
     assert json.loads(r.stdout)["prompt_tokens"] >= max(100, alone + 40)  # the other prompts in front
+
+
+class _Recording:
+    """A pipeline whose generate_ids calls are recorded as (block_size, max_new_tokens)."""
+
+    def __init__(self, pipe) -> None:
+        self._pipe, self.calls = pipe, []
+
+    def __getattr__(self, name: str):
+        return getattr(self._pipe, name)
+
+    def generate_ids(self, prompts, params, *, block_size=None, on_tokens=None):
+        self.calls.append((block_size, params.max_new_tokens))
+        return self._pipe.generate_ids(prompts, params, block_size=block_size, on_tokens=on_tokens)
+
+
+def test_compare_warms_both_sides_alike_then_alternates(pipe) -> None:
+    from blockspec.commands.generate import compare
+    from blockspec.config import SamplingParams
+
+    rec = _Recording(pipe)
+    ids = pipe.encode(MESSAGES)
+    cmp = compare(rec, ids, SamplingParams(max_new_tokens=40, ignore_eos=True), runs=2, warmup_tokens=8)
+    # one uncounted warm-up of each side, of the same length, then timed runs D P P D
+    assert rec.calls == [(1, 8), (None, 8), (None, 40), (1, 40), (1, 40), (None, 40)]
+    assert cmp.order == ["dflash", "plain", "plain", "dflash"] and len(cmp.dflash) == len(cmp.plain) == 2
+    assert cmp.identical and all(len(r.token_ids) == 40 for r in cmp.dflash + cmp.plain)
+    n, seconds = 80, sum(r.stats.prefill_s + r.stats.decode_s for r in cmp.plain)
+    assert cmp.tokens_per_s(cmp.plain) == pytest.approx(n / seconds)
+    assert cmp.speedup == pytest.approx(cmp.tokens_per_s(cmp.dflash) / cmp.tokens_per_s(cmp.plain))
+    assert sum(cmp.block_choices.values()) == sum(r.stats.steps for r in cmp.dflash)  # timed steps only
+    assert "D P P D" in cmp.describe() and "8-token warm-up of each" in cmp.describe()
+
+
+def test_cli_generate_compare_says_what_was_timed(tiny_model_dir: Path, tiny_drafter_dir: Path) -> None:
+    base = ("generate", "--target", str(tiny_model_dir), "--drafter", str(tiny_drafter_dir),
+            "--prompt", "How much does Janet make?", "--max-new-tokens", "12", "--compare")
+    r = _cli(*base, "--compare-runs", "1")
+    assert r.returncode == 0, r.stderr
+    assert "[timed ] 1 run(s) of each side, in the order D P" in r.stderr and "warm-up of each" in r.stderr
+    r = _cli(*base, "--temperature", "0.8", "--seed", "1", "--json")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["identical"] is None and "D P P D" in report["timed"]  # sampled: not compared token by token
+    r = _cli(*base, "--compare-runs", "0")
+    assert r.returncode == 2 and r.stderr.strip() == "error: --compare-runs must be >= 1, got 0"
+
+
+def test_no_shipped_drafter_fails_before_loading_or_downloading(tmp_path: Path, monkeypatch) -> None:
+    cache = tmp_path / "cache"
+    env = {"BLOCKSPEC_CACHE": str(cache), "PATH": "/usr/bin:/bin"}
+    for target in ("qwen2.5-coder-0.5b-instruct", "someorg/some-model"):  # a zoo model not pulled; a Hub id
+        r = subprocess.run([sys.executable, "-m", "blockspec", "generate", "--target", target, "--prompt", "x"],
+                           capture_output=True, text=True, timeout=300, env=env)
+        assert r.returncode == 2 and "Traceback" not in r.stderr
+        line = r.stderr.strip()
+        assert line.count("\n") == 0 and line.startswith(f"error: no drafter ships for target '{target}'")
+        assert "--drafter fresh" in line and "--drafter none" in line and "--drafter DIR" in line
+        assert "drafter=" not in line and "smollm2-135m-instruct" in line  # names the models that have one
+    assert not cache.exists()  # nothing downloaded, nothing converted
+    monkeypatch.setenv("BLOCKSPEC_CACHE", str(cache))
+    with pytest.raises(CheckpointError, match='drafter="fresh"') as e:  # Python phrasing for the Python API
+        blockspec.load("qwen2.5-coder-0.5b-instruct")
+    assert "--drafter" not in str(e.value)
+    assert not cache.exists()
+
+
+def test_broken_drafter_directory_fails_before_the_target_loads(tmp_path: Path) -> None:
+    r = _cli("generate", "--target", "/nonexistent/model", "--drafter", str(tmp_path / "missing"), "--prompt", "x")
+    # the drafter is checked first: its error, not the target's
+    assert r.returncode == 2 and r.stderr.strip() == f"error: drafter directory {tmp_path / 'missing'} does not exist"
+
+
+def test_version() -> None:
+    for cmd in (["-m", "blockspec"], ["-m", "blockspec.cli"]):
+        r = subprocess.run([sys.executable, *cmd, "--version"], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and r.stdout.strip() == f"blockspec {blockspec.__version__}"
+    from importlib.metadata import version
+
+    assert version("blockspec") == blockspec.__version__  # one source: pyproject reads __version__
+
+
+def test_every_verb_defaults_to_the_demo_model_adaptive_with_lookup(capsys) -> None:
+    from blockspec.cli import build_parser, main
+    from blockspec.commands import DEFAULT_TARGET
+
+    assert DEFAULT_TARGET == "smollm2-135m-instruct"
+    required = {"datagen": ["--out", "o"], "train": ["--data", "d"], "evaluate": ["--drafter", "d"]}
+    for verb, extra in required.items():  # the verbs that do not decode take the same model
+        assert build_parser(verb).parse_args([verb, *extra]).target == DEFAULT_TARGET, verb
+    for verb, extra in (("generate", ["--prompt", "x"]), ("serve", []), ("bench", []), ("demo", [])):
+        args = build_parser(verb).parse_args([verb, *extra])
+        assert args.target == DEFAULT_TARGET, verb
+        assert not getattr(args, "no_lookup", False) and getattr(args, "lookup", "on") == "on", verb
+        adaptive = getattr(args, "adaptive_block", getattr(args, "adaptive", None))
+        assert adaptive if verb != "demo" else args.block_size is None, verb  # demo: adaptive unless --block-size
+        with pytest.raises(SystemExit):
+            main([verb, "--help"])
+        assert f"(default {DEFAULT_TARGET})" in " ".join(capsys.readouterr().out.split()), verb

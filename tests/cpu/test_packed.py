@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -261,3 +263,117 @@ def test_bench_reports_a_packed_target_and_stays_lossless(tmp_path, tiny_model_d
     assert rc == 0
     assert "- packed weights: 16 matrices in 4 bits (exact; BLOCKSPEC_PACK_WEIGHTS=0 turns them off)" in md
     assert "Lossless check: passed" in md
+
+
+def _converted(tmp_path, monkeypatch: pytest.MonkeyPatch, seed: int = 9):
+    """A tiny model of GGUF weights as a converted model of a fresh blockspec cache."""
+    monkeypatch.setenv("BLOCKSPEC_CACHE", str(tmp_path / "cache"))
+    model_dir = tmp_path / "cache" / "models" / "q4"
+    _q4_model(seed).save_pretrained(str(model_dir))
+    return model_dir
+
+
+class _CountPacking:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from blockspec.cpu import packed_cache
+
+        self.calls, real = 0, packed_cache.pack_linears
+
+        def counting(*args, **kwargs):
+            self.calls += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(packed_cache, "pack_linears", counting)
+
+
+def _same_packed(a, b) -> bool:
+    for (_, ma), (_, mb) in zip(a.net._packable(), b.net._packable(), strict=True):
+        pa, pb = ma.packed, mb.packed
+        if (pa is None) != (pb is None):
+            return False
+        if pa is not None and not (pa.bits == pb.bits and pa.dtype == pb.dtype and torch.equal(pa.qs, pb.qs)
+                                   and torch.equal(pa.sc, pb.sc) and pb.matches(mb.weight)):
+            return False
+    return True
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_packed_weights_kept_beside_a_converted_model_load_bit_identical(tmp_path, monkeypatch, dtype) -> None:
+    model_dir = _converted(tmp_path, monkeypatch)
+    packing = _CountPacking(monkeypatch)
+    fresh = load_native_target(model_dir, dtype)
+    kept = model_dir / f"packed-{dtype}.safetensors"
+    assert packing.calls == 1 and kept.is_file()
+    assert not list(model_dir.glob(".*.tmp"))  # written under a temporary name, then renamed
+    again = load_native_target(model_dir, dtype)
+    assert packing.calls == 1  # read back, not packed again
+    assert _same_packed(fresh, again) and again.net.packed_summary() == fresh.net.packed_summary()
+    ids = torch.tensor([[5, 9, 11, 2, 30, 7, 7, 1]])
+    a, b = (t.forward(ids, torch.arange(8)[None], t.new_cache(1, 16), (1, 3)) for t in (fresh, again))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@needs_kernel
+def test_a_damaged_stale_or_foreign_packed_file_is_rebuilt_not_trusted(tmp_path, monkeypatch) -> None:
+    from blockspec.cpu import packed_cache
+
+    model_dir = _converted(tmp_path, monkeypatch)
+    packing = _CountPacking(monkeypatch)
+    fresh = load_native_target(model_dir, "float32")
+    kept = model_dir / "packed-float32.safetensors"
+    good = kept.read_bytes()
+
+    def reload_packs_again(why: str) -> None:
+        before = packing.calls
+        got = load_native_target(model_dir, "float32")
+        assert packing.calls == before + 1, why
+        assert _same_packed(fresh, got), why
+        load_native_target(model_dir, "float32")  # and the file written then is good again
+        assert packing.calls == before + 1, why
+
+    kept.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+    reload_packs_again("one bit of the payload flipped: the checksum differs")
+    kept.write_bytes(good[: len(good) // 2])
+    reload_packs_again("truncated")
+    kept.write_bytes(b"not a safetensors file")
+    reload_packs_again("garbage")
+    weights = model_dir / "model.safetensors"
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    reload_packs_again("the model's weights were rewritten")
+    monkeypatch.setattr(packed_cache, "FORMAT", packed_cache.FORMAT + 1)
+    reload_packs_again("another packing format")
+    # a file with the right key and checksum whose scales do not rebuild these weights
+    names = fresh.net._packable()
+    wrong = {n: None if m.packed is None else PackedWeight(m.packed.bits, m.packed.qs, m.packed.sc * 2,
+                                                           m.packed.source) for n, m in names}
+    packed_cache.save(kept, wrong, packed_cache.source_key(model_dir, torch.float32))
+    reload_packs_again("packed from other weights")
+
+
+@needs_kernel
+def test_packed_weights_are_not_kept_for_models_outside_the_cache_or_when_writing_fails(tmp_path, monkeypatch) -> None:
+    import warnings
+
+    from blockspec.cpu import packed_cache
+
+    model_dir = _converted(tmp_path, monkeypatch)
+    outside = tmp_path / "mine"
+    model_dir.rename(outside)
+    packing = _CountPacking(monkeypatch)
+    load_native_target(outside, "float32")
+    load_native_target(outside, "float32")
+    assert packing.calls == 2 and sorted(p.name for p in outside.iterdir()) == ["config.json", "generation_config.json",
+                                                                               "model.safetensors"]
+    assert not (tmp_path / "cache" / "models").exists() or not any((tmp_path / "cache" / "models").iterdir())
+    outside.rename(model_dir)
+
+    def failing(*args, **kwargs):
+        raise OSError("read-only file system")
+
+    monkeypatch.setattr(packed_cache, "save", failing)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        target = load_native_target(model_dir, "float32")
+    assert target.net.packed_summary() is not None  # packed all the same
+    assert any("could not keep the packed weights" in str(w.message) for w in caught)

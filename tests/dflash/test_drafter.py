@@ -116,6 +116,39 @@ def test_reference_package_same_hidden_states(tmp_path: Path, family: str) -> No
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_zlab_mixed_sliding_and_full_config_is_never_causal(tmp_path: Path) -> None:
+    """A config shaped like Z Lab's Qwen3.6 drafters: sliding and full layers mixed, a window, no
+    is_causal. Every layer drafts bidirectionally (as the serving engines run them), the sliding
+    ones within the window over the context: the reference package's states once it is told
+    is_causal false (it would otherwise make the sliding layers causal). An explicit
+    `is_causal: true` still makes the layers causal."""
+    from dflash.model import DFlashDraftModel
+
+    target = make_tiny_target("qwen3", dtype=torch.float32, seed=3)
+    drafter = new_drafter_for_target(target.config, mask_token_id=47, num_layers=3, block_size=8, seed=6)
+    path = save_drafter(drafter, tmp_path / "zlab")
+    config = json.loads((path / "config.json").read_text())
+    config.update(layer_types=["sliding_attention", "sliding_attention", "full_attention"], sliding_window=6,
+                  use_sliding_window=True)
+    config.pop("is_causal", None)
+    (path / "config.json").write_text(json.dumps(config))
+    ours = load_drafter(path)
+    assert [(layer.self_attn.causal, layer.self_attn.sliding_window) for layer in ours.layers] == [
+        (False, 6), (False, 6), (False, None)]
+    (path / "config.json").write_text(json.dumps({**config, "is_causal": False}))
+    ref = DFlashDraftModel.from_pretrained(str(path)).float().eval()
+    g = torch.Generator().manual_seed(1)
+    ctx = torch.randn(1, 11, 32 * len(ours.target_layer_ids), generator=g)
+    emb = torch.randn(1, 8, 32, generator=g)
+    pos = torch.arange(19)[None]
+    with torch.no_grad():
+        a = ours(ctx, pos[:, :11], emb, pos[:, 11:])
+        b = ref(position_ids=pos, noise_embedding=emb, target_hidden=ctx)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    (path / "config.json").write_text(json.dumps({**config, "is_causal": True}))
+    assert all(layer.self_attn.causal for layer in load_drafter(path).layers)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_reference_package_same_greedy_tokens(tmp_path: Path, family: str) -> None:
     from dflash.model import DFlashDraftModel, dflash_generate

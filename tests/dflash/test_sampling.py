@@ -7,8 +7,8 @@ import itertools
 import pytest
 import torch
 from conftest import make_tiny_target
-from scipy.stats import chisquare
 from scripted import ScriptedDrafter
+from support import PROMPT, VOCAB, chi2_pvalue, exact_joint, sample_many
 
 from blockspec.config import SamplingParams, SpecConfig
 from blockspec.dflash.drafter import new_drafter_for_target
@@ -17,56 +17,6 @@ from blockspec.dflash.batch import SpecDecoder
 from blockspec.dflash.lookup import LookupConfig
 from blockspec.dflash.sampling import RowRandom, probabilities
 from blockspec.dflash.verify import verify_greedy
-
-VOCAB = 10
-PROMPT = [1, 2, 3]
-
-
-def shaped(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
-    n = logits.shape[0]
-    return probabilities(
-        logits[:, None], torch.full((n,), sp.temperature), torch.full((n,), sp.top_k, dtype=torch.long),
-        torch.full((n,), sp.top_p),
-    )[:, 0].double()
-
-
-def exact_joint(model, sp: SamplingParams) -> torch.Tensor:
-    """P(x1, x2, x3 | PROMPT) under the target with the same shaping, by enumeration: [V, V, V]."""
-    with torch.no_grad():
-        p1 = shaped(model(torch.tensor([PROMPT])).logits[:, -1], sp)[0]  # [V]
-        pairs = torch.tensor([PROMPT + [a] for a in range(VOCAB)])
-        p2 = shaped(model(pairs).logits[:, -1], sp)  # [V, V]
-        triples = torch.tensor([PROMPT + [a, b] for a, b in itertools.product(range(VOCAB), repeat=2)])
-        p3 = shaped(model(triples).logits[:, -1], sp).view(VOCAB, VOCAB, VOCAB)
-    return p1[:, None, None] * p2[:, :, None] * p3
-
-
-def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:
-    """Chi-square goodness of fit, pooling cells with small expected counts into one."""
-    n = counts.sum()
-    expected = probs.flatten() * n
-    counts = counts.flatten().double()
-    small = expected < min_expected
-    obs = torch.cat([counts[~small], counts[small].sum()[None]])
-    exp = torch.cat([expected[~small], expected[small].sum()[None]])
-    keep = exp > 0
-    assert float(obs[~keep].sum()) == 0.0, "sampled a token the target gives probability 0"
-    obs, exp = obs[keep], exp[keep]
-    exp = exp * (obs.sum() / exp.sum())  # the float32 probabilities sum to 1 only up to rounding
-    return float(chisquare(obs.numpy(), exp.numpy()).pvalue)
-
-
-def sample_many(dec: SpecDecoder, sp: SamplingParams, n: int, batch: int) -> torch.Tensor:
-    counts = torch.zeros(VOCAB, VOCAB, VOCAB)
-    seed = 0
-    for _ in range(n // batch):
-        params = [sp.with_(seed=seed + i) for i in range(batch)]
-        seed += batch
-        for r in dec.generate([PROMPT] * batch, params):
-            a, b, c = r.token_ids
-            counts[a, b, c] += 1
-    return counts
-
 
 @pytest.mark.parametrize(
     "shape",
@@ -210,6 +160,36 @@ def test_chi_square_detects_a_lossy_verifier(monkeypatch: pytest.MonkeyPatch) ->
     dec = SpecDecoder(HFTarget(model), drafter, SpecConfig(block_size=4))
     counts = sample_many(dec, sp, n=2000, batch=400)
     assert chi2_pvalue(counts.sum(0), joint.sum(0)) < 1e-6
+
+
+@pytest.mark.parametrize("rollback", ["exact", "keeps_rejected_tokens"])
+def test_sampled_tokens_follow_a_hybrid_targets_distribution(rollback: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Qwen3.5-style target (Gated DeltaNet layers, their states rolled back after rejections),
+    with weights large enough (init std 0.3) that the context shapes the next token's distribution.
+    Negative control: a rollback that leaves rejected tokens in the recurrent state must fail."""
+    from blockspec.targets.gated_delta import DeltaState
+
+    if rollback == "keeps_rejected_tokens":
+        commit = DeltaState.commit
+        monkeypatch.setattr(DeltaState, "commit", lambda self, keep=None: commit(self, None))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # batch 500 of a tiny model: thread hand-offs cost more than the work
+    try:
+        model = make_tiny_target("qwen3_5_text", vocab_size=VOCAB, seed=1, initializer_range=0.3)
+        sp = SamplingParams(max_new_tokens=3, ignore_eos=True, temperature=1.0)
+        joint = exact_joint(model, sp)
+        greedy = [[int(joint.sum((1, 2)).argmax()), 0, 0]]
+        drafter = ScriptedDrafter(model.config, [PROMPT] * 500, greedy * 500, error_rate=0.3)
+        dec = SpecDecoder(HFTarget(model), drafter, SpecConfig(block_size=4))
+        counts = sample_many(dec, sp, n=4000 if rollback == "exact" else 2000, batch=500)
+    finally:
+        torch.set_num_threads(threads)
+    if rollback == "exact":
+        assert chi2_pvalue(counts.sum((1, 2)), joint.sum((1, 2))) > 1e-3
+        assert chi2_pvalue(counts.sum(0), joint.sum(0)) > 1e-3
+        assert chi2_pvalue(counts, joint) > 1e-3
+    else:
+        assert chi2_pvalue(counts.sum(0), joint.sum(0)) < 1e-6
 
 
 def _trimmed_steps(monkeypatch: pytest.MonkeyPatch, trim) -> None:

@@ -48,13 +48,14 @@ def test_bf16_target_dflash_equals_its_own_plain_decoding(smollm2_dir) -> None:
     compute each token exactly as plain decoding does (before the batch-invariant attention,
     7 of 8 held-out outputs of 128 tokens drifted here). The reference is the same bf16 target."""
     from blockspec.api import default_drafter_for
-    from blockspec.train.data import heldout_prompts
+    from blockspec.bench.datasets import load_dataset
 
     params = blockspec.SamplingParams(max_new_tokens=64)
     drafter = str(default_drafter_for("smollm2-135m-instruct"))
     spec = blockspec.load(str(smollm2_dir), drafter, dtype="bfloat16", lookup=False, adaptive_block=False)
     plain = blockspec.load(str(smollm2_dir), "none", dtype="bfloat16")
-    messages = [[{"role": "user", "content": p}] for p in PROMPTS] + [list(p.messages) for p in heldout_prompts(4)]
+    gsm8k = [s.prompt for s in load_dataset("gsm8k", limit=4)]  # the bundled test split: held out of training
+    messages = [[{"role": "user", "content": p}] for p in (*PROMPTS, *gsm8k)]
     prompts = [spec.encode(m) for m in messages]
     ours = spec.generate_ids(prompts, params)
     assert [r.token_ids for r in ours] == [r.token_ids for r in plain.generate_ids(prompts, params)]

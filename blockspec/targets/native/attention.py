@@ -2,8 +2,8 @@
 
 PyTorch's CPU attention splits its work by the number of queries, so a token verified in a block
 got other bits than the same token decoded alone: ~1e-5 in fp32 logits, up to 0.4 in bf16,
-where speculative output then drifted from plain decoding within a few dozen tokens (BENCHMARKS.md,
-session 18). `kernels/attention.c` (built with the projections' kernel, cpu/kernels.py)
+where speculative output then drifted from plain decoding within a few dozen tokens.
+`kernels/attention.c` (built with the projections' kernel, cpu/kernels.py)
 computes each query the same way whatever else is in the pass, so verification sees exactly
 what one-token decoding sees. Where it is unavailable (no compiler, a GPU, a prompt of more than
 MAX_TOKENS), the caller keeps `F.scaled_dot_product_attention`.
@@ -18,7 +18,7 @@ from blockspec.cpu import kernels
 # Query tokens per row that the kernel takes: decoding, verification, and prompts of up to this
 # many tokens. Its prefills were faster than PyTorch's flash attention under the causal rule
 # (SmolLM2-135M on 2 Zen 5 cores, whole forwards: a 108-token prompt 96 -> 87 ms, 400 tokens 371
-# -> 338, a join of 8 prompts of 77-171 tokens 910 -> 830; BENCHMARKS.md, session 32), and a
+# -> 338, a join of 8 prompts of 77-171 tokens 910 -> 830), and a
 # prompt then attends alike alone or joined. Longer prompts keep PyTorch's kernel: this one keeps
 # each query's partial sums per chunk of keys, scratch that grows with the square of the prompt.
 MAX_TOKENS = 512

@@ -13,6 +13,7 @@ the argmax ids only (`forward_greedy`), which an fp32 head on a CPU finds by scr
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -26,7 +27,8 @@ from blockspec.cpu.program import LayerProgram, target_program
 from blockspec.targets.native.qkv import QKVPlacement, block_places
 from blockspec.cpu import kernels
 from blockspec.cpu.linear import fast_cpu_single_row, project
-from blockspec.cpu.packed_weights import BF16_MAX_ROWS, pack_linears
+from blockspec.cpu.packed_cache import pack_cached
+from blockspec.cpu.packed_weights import BF16_MAX_ROWS
 from blockspec.targets.native.attention import cached_attention, visible_keys
 from blockspec.targets.rope import Rotary, rope_inv_freq
 from blockspec.targets.slots import EMPTY
@@ -64,7 +66,7 @@ class NativeLayer(nn.Module):
     gate_up [2 I, H]. One product instead of two: each output column is the same dot product
     either way (the same bits), and the CPU kernel's call and thread start-up are paid once
     (SmolLM2-135M, 2 cores: 4.5 against 4.7 ms for 30 layers' gate and up at 1 token, 4.9 against
-    5.2 at 6; BENCHMARKS.md, session 28)."""
+    5.2 at 6)."""
 
     def __init__(self, cfg: NativeConfig) -> None:
         super().__init__()
@@ -118,18 +120,20 @@ class NativeLlama(nn.Module):
             ]
             self.single_head = self.lm_head.weight.t().contiguous()
 
-    def pack_weights(self, sources: dict[str, torch.Tensor] | None = None) -> int:
+    def pack_weights(self, sources: dict[str, torch.Tensor] | None = None, *, cache: Path | None = None,
+                     key: dict | None = None) -> int:
         """Packs the projections and the LM head whose fp32 weights a 4- or 8-bit GGUF left
         (cpu/packed_weights.py); the outputs keep their bits and a decoding step streams a fifth of the
         bytes (SmolLM2-135M from its GGUF file, 2 cores: the 120 Q4_1 projections at 1 token 3.1 ms
         against 9.0, at 6 tokens 5.1 against 10.6; its Q8_0 head's logits at 1 token 0.6 ms against
-        2.8; BENCHMARKS.md, session 29). Greedy steps of more than PACKED_HEAD_ROWS tokens keep the
+        2.8). Greedy steps of more than PACKED_HEAD_ROWS tokens keep the
         bf16 screen of the head (cpu/greedy_head.py), which is faster there. A bf16 model packs
         the fp32 `sources` it was rounded from (its native state dict before the cast), where their
-        packed values round to its weights. Returns how many were packed."""
+        packed values round to its weights. `cache`: a file that keeps the packed forms for the next
+        load with the same `key` (cpu/packed_cache.py). Returns how many were packed."""
         pairs = self._packable()
         self._program, self._program_tried = None, False  # its table points at what gets packed now
-        return pack_linears([m for _, m in pairs], None if sources is None else [sources.get(n) for n, _ in pairs])
+        return pack_cached(pairs, None if sources is None else [sources.get(n) for n, _ in pairs], cache, key)
 
     def _packable(self) -> list[tuple[str, nn.Linear]]:
         """(name of its weight in the native state dict, module) of each matrix `pack_weights` tries."""
@@ -397,7 +401,7 @@ class NativeLlama(nn.Module):
         copy (cpu/packed_weights.py) than from the bf16 screen: up to PACKED_HEAD_ROWS rows (SmolLM2's
         8-bit head after a forward's weights left the cache: 0.76 / 1.02 / 1.26 ms at 1 / 4 / 6
         rows against the screen's 1.30-1.40, 1.70 against 1.46 at 8; with the one-call layer loop,
-        held-out DFlash at batch 1 ran 2.4% faster with 6 than with 3; BENCHMARKS.md, session 30).
+        held-out DFlash at batch 1 ran 2.4% faster with 6 than with 3).
         The ids are the same either way: both are the argmax of the same fp32 logits, the first of
         ties."""
         packed = self.lm_head.__dict__.get("packed")

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from blockspec.cache_dir import packed_weights_file
+from blockspec.cpu.packed_cache import source_key
 from blockspec.errors import CheckpointError, ConfigError
 from blockspec.targets.native.config import native_config, unsupported_reason
 from blockspec.targets.native.llama import NativeLlama, NativeTarget
@@ -121,8 +123,11 @@ def load_native_target(
     pack_weights: keep a packed copy of each projection (and the head) whose weights are exactly
     of a 4- or 8-bit GGUF's form, or for bf16 their roundings (cpu/packed_weights.py: the same outputs,
     bit for bit, from fewer bytes); None = on for fp32 and bf16 on the CPU unless
-    $BLOCKSPEC_PACK_WEIGHTS is 0 (to compare against streaming the weights themselves).
+    $BLOCKSPEC_PACK_WEIGHTS is 0 (to compare against streaming the weights themselves). A model
+    converted into the blockspec cache keeps its packed forms beside it (cpu/packed_cache.py):
+    later loads read them back instead of packing again.
     """
+    path = None
     if isinstance(source, torch.nn.Module):
         hf_config = source.config
         state = source.state_dict()
@@ -166,7 +171,10 @@ def load_native_target(
         pack_weights = (torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16)
                         and os.environ.get(PACK_ENV, "1") != "0")
     if pack_weights:
-        net.pack_weights(mapped if dtype == torch.bfloat16 else None)
+        name = str(dtype).removeprefix("torch.")
+        cache = None if path is None else packed_weights_file(path, name)  # beside a converted model of the cache
+        net.pack_weights(mapped if dtype == torch.bfloat16 else None, cache=cache,
+                         key=None if cache is None else source_key(path, dtype))
     return NativeTarget(net, eos_token_ids if eos_token_ids is not None else default_eos, text_config)
 
 
