@@ -544,7 +544,6 @@ class DecodeBatch:
         block_ids[:, 0] = self.last
         greedy = self.all_greedy
         starts = self._starts()
-        draft_probs = None
         from_lookup = [0] * b
         lengths = [q] * b  # tokens each row verifies
         limit = padding = None  # a ragged step's proposals verified per row [b], padding [b, q]
@@ -572,7 +571,7 @@ class DecodeBatch:
                 block_ids[:, 1:] = self.drafter.greedy_tokens(hidden[:, 1:q], self.target.head(), self.last,
                                                               forced)  # [b, q-1]
             elif selector:
-                block_ids[:, 1:], draft_probs, conf = self._sample_walk(hidden[:, 1:q], forced, trim is not None)
+                block_ids[:, 1:], conf = self._sample_walk(hidden[:, 1:q], forced, trim is not None)
             else:
                 draft_logits = self.drafter.logits(hidden[:, 1:q], self.target.head())  # [b, q-1, V]
                 draft_probs = self._probs(draft_logits)
@@ -582,7 +581,7 @@ class DecodeBatch:
                     conf = draft_confidence(draft_probs)  # [b, q-1]
             self.pending_feats = None
             if self.lookup is not None:
-                from_lookup = self._lookup_proposals(block_ids, draft_probs)
+                from_lookup = self._lookup_proposals(block_ids)
             if trim is not None:
                 drafted, chosen = q, trim(conf.tolist(), from_lookup)
                 lengths = [max(1, min(q, int(n))) for n in (chosen if isinstance(chosen, list) else [chosen] * b)]
@@ -591,8 +590,6 @@ class DecodeBatch:
                 q = max(lengths)
                 if q < drafted:  # verify only the first q tokens of the drafted block
                     block_ids, positions, offsets = block_ids[:, :q].contiguous(), positions[:, :q].contiguous(), offsets[:q]
-                    if draft_probs is not None:
-                        draft_probs = draft_probs[:, : q - 1]
                 limit, padding, positions = _ragged(lengths, offsets, positions)
                 from_lookup = [min(m, n - 1) for m, n in zip(from_lookup, lengths)]
         else:
@@ -621,7 +618,7 @@ class DecodeBatch:
         positions = self.cur[:, None] + offsets  # [b, q]
         top = max(self.cur_host) + q
         block_ids = self.last[:, None].repeat(1, q)  # [b, q]
-        self._lookup_proposals(block_ids, None)  # each row's continuation; past its length it is padding
+        self._lookup_proposals(block_ids)  # each row's continuation; past its length it is padding
         limit, padding, positions = _ragged(lengths, offsets, positions)
         return self._verify_and_commit(block_ids, positions, offsets, top, [n - 1 for n in lengths], lengths,
                                        limit, padding)
@@ -710,35 +707,34 @@ class DecodeBatch:
         return torch.tensor(rows, dtype=torch.long, device=self.device)
 
     def _sample_walk(self, hidden: torch.Tensor, forced: torch.Tensor | None, confidence: bool
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A DFlash 2 drafter's sampled proposals for hidden [b, n, H]: the selector's walk from
         each row's last token, drawing position t's proposal from q_t = the row's shaping
         (temperature, top-k, top-p, as the target's p gets it) of its scores S_t(prev, .) over
-        the candidates, zero elsewhere. Returns (ids [b, n], q [b, n, V], with `confidence` the
+        the candidates, zero elsewhere. Returns (ids [b, n], with `confidence` the
         peaks [b, n] of the unary candidates' shaped distributions times their unary mass: the
         confidences an adaptive step trims by, which, unlike q_t, do not depend on the earlier
         samples; else None)."""
         head = self.target.head()
         cands = self.drafter.candidates(hidden, head, normaliser=confidence)
-        b, n, _ = cands.ids.shape
-        u = self.random.uniforms(n).to(self.device)
+        starts = self._starts()
 
         def pick(t: int, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             probs = self._probs(scores[:, None])[:, 0]  # [b, K]
-            return sample_from(probs, u[:, t]), probs
+            # the clocks of the candidates' own ids at this output position: the target's sample
+            # there races with the same clocks, so the walk's choice is what it will mostly accept
+            return self.random.race(probs, cands.ids[:, t], [s + t for s in starts]), probs
 
-        ids, q_k = self.drafter.walk(hidden, cands, self.last, pick, forced)
-        vocab = head.weight.shape[0]
-        draft_probs = q_k.new_zeros(b, n, vocab).scatter_(-1, cands.ids, q_k)  # [b, n, V]
+        ids, _ = self.drafter.walk(hidden, cands, self.last, pick, forced)
         if not confidence:
-            return ids, draft_probs, None
+            return ids, None
         mass = torch.exp(cands.logits.logsumexp(-1) - cands.logsumexp)  # [b, n]
-        return ids, draft_probs, self._probs(cands.logits).max(dim=-1).values * mass
+        return ids, self._probs(cands.logits).max(dim=-1).values * mass
 
-    def _lookup_proposals(self, block_ids: torch.Tensor, draft_probs: torch.Tensor | None) -> list[int]:
+    def _lookup_proposals(self, block_ids: torch.Tensor) -> list[int]:
         """Writes each row's lookup continuation over its drafted proposals (dflash/lookup.py);
-        returns how many proposals per row came from lookup. A lookup proposal is deterministic,
-        so its draft distribution is one-hot (rejection sampling stays exact)."""
+        returns how many proposals per row came from lookup. Verification does not ask where a
+        proposal came from: it keeps proposals while they equal the target's own tokens."""
         q = block_ids.shape[1]
         plan = [cont[: q - 1] for cont in self.lookup_plan()]
         rows_i = [i for i, cont in enumerate(plan) for _ in cont]
@@ -749,9 +745,6 @@ class DecodeBatch:
         d = block_ids.device
         ri, ci, v = (torch.tensor(x, dtype=torch.long, device=d) for x in (rows_i, cols, vals))
         block_ids[ri, ci] = v
-        if draft_probs is not None:  # the confidences a trim sees: a lookup proposal is certain
-            draft_probs[ri, ci - 1] = 0.0
-            draft_probs[ri, ci - 1, v] = 1.0
         return [len(cont) for cont in plan]
 
     def _commit(self, r: Row, new: list[int], logprobs: list[TokenLogprob] | None = None) -> None:

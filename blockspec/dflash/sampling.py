@@ -1,8 +1,8 @@
 """Temperature / top-k / top-p -> probabilities, and seeded per-request randomness.
 
-The same `probabilities` shapes both the target's p and the drafter's q, which lossless rejection
-sampling requires. Sampling itself consumes explicit uniforms, so verification stays a pure
-function and each request's generator alone decides its random stream.
+The same `probabilities` shapes both the target's p and the drafter's q, so their draws at one
+output position couple. Every draw is a function of (request seed, output position, token id)
+alone (`RowRandom`), so a seed gives the same text whatever the batch, block size or policy.
 """
 
 from __future__ import annotations
@@ -159,6 +159,15 @@ class RowRandom:
         if bool(wins.any()):
             ids = torch.where(wins, sample_from(tail, u[..., 1]), ids)
         return ids
+
+    def race(self, probs: torch.Tensor, ids: torch.Tensor, positions: list[int]) -> torch.Tensor:
+        """The index [b] into probs [b, k] of the winner of a race among the k tokens `ids` [b, k]
+        (probs zero elsewhere; need not sum to 1), row r with the clocks of output position
+        positions[r]: the token `sample` draws from the same distribution spread over the vocabulary
+        whenever the token is in its head."""
+        keys = self.keys(positions, 1).to(probs.device)[:, 0]  # [b]
+        arrival = -torch.log(slot_uniforms(keys, ids)) / probs.double()  # [b, k]; p = 0: never (inf)
+        return arrival.argmin(dim=-1)
 
     def select_rows(self, rows: list[int]) -> None:
         self.seeds = [self.seeds[i] for i in rows]

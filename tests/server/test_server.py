@@ -106,6 +106,15 @@ def test_seeded_sampling_is_reproducible(server, client):
     a = client.chat.completions.create(**kwargs).choices[0].message.content
     b = client.chat.completions.create(**kwargs).choices[0].message.content
     assert a == b
+    # between sampled batch mates that join and leave (so the steps' sizes and rows differ)
+    mates = [dict(kwargs, seed=100 + i, max_tokens=3 + 4 * i, messages=[{"role": "user", "content": "Hi " * i}])
+             for i in range(6)]
+    with ThreadPoolExecutor(max_workers=7) as pool:
+        busy = [pool.submit(client.chat.completions.create, **m) for m in mates[:3]]
+        again = pool.submit(client.chat.completions.create, **kwargs)
+        busy += [pool.submit(client.chat.completions.create, **m) for m in mates[3:]]
+        assert again.result().choices[0].message.content == a
+        assert all(f.result().choices for f in busy)
 
 
 def test_the_server_takes_requests_once_its_adaptive_engine_is_calibrated(pipe):
