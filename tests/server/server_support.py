@@ -1,4 +1,8 @@
-"""Helpers of the server tests: the served name, a prompt, HTTP shortcuts and error checks."""
+"""Helpers of the server tests: the served name, a prompt, HTTP shortcuts, error checks, and the
+fixtures of one tiny served model (tests/conftest.py `tiny_model_dir`, float64 so greedy text is
+exact) that a test module imports to use: `pipe`, `server` (started once per module), `client`.
+They live here, not in a conftest.py of this folder, because a second module named `conftest`
+would shadow tests/conftest.py for the modules that import helpers from it."""
 
 from __future__ import annotations
 
@@ -6,6 +10,14 @@ import json
 import time
 
 import httpx
+import pytest
+import torch
+from openai import OpenAI
+
+import blockspec.api
+from blockspec.engine import Engine, EngineConfig
+from blockspec.server.app import create_app
+from blockspec.server.launch import BackgroundServer
 
 MODEL = "tiny-llama"
 HELLO = [{"role": "user", "content": "Janet has 16 ducks. How much does she make?"}]
@@ -44,3 +56,34 @@ def assert_error(response: httpx.Response, status: int, *, param: str | None = "
 
 def sse_events(response: httpx.Response) -> list[str]:
     return [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny_model_dir):
+    # One intra-op thread: on a small shared CPU, thread contention makes tiny models 5x slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield blockspec.api.load(str(tiny_model_dir), "fresh", dtype="float64", block_size=4)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def server(pipe):
+    engine = Engine(pipe.target, pipe.drafter, EngineConfig(max_batch=8, max_queue=64, block_size=4),
+                    tokenizer=pipe.tokenizer)
+    app = create_app(pipe, engine=engine, served_model_name=MODEL)
+    try:
+        with BackgroundServer(app) as srv:
+            srv.engine = engine
+            srv.state = app.state.blockspec
+            yield srv
+    finally:
+        engine.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with OpenAI(base_url=f"{server.url}/v1", api_key="EMPTY", max_retries=0, timeout=60) as c:
+        yield c

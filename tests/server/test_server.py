@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from openai import OpenAI
+from server_support import client, pipe, server  # noqa: F401 (fixtures)
 from server_support import HELLO, MODEL, assert_error, post, sse_events, wait_for
 
 from blockspec.engine import Engine, EngineConfig

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from server_support import HELLO, MODEL
+from server_support import HELLO, MODEL, client, pipe, server  # noqa: F401 (fixtures)
 
 SAMPLED = dict(temperature=1.0, top_p=0.95)
 

@@ -9,7 +9,7 @@ import threading
 
 import httpx
 import pytest
-from server_support import HELLO, MODEL, assert_error, post
+from server_support import HELLO, MODEL, assert_error, pipe, post, server  # noqa: F401 (fixtures)
 
 from blockspec.engine import EngineConfig
 from blockspec.server.app import create_app

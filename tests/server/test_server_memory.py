@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from server_support import MODEL, wait_for
+from server_support import MODEL, pipe, wait_for  # noqa: F401 (fixtures)
 
 from blockspec.engine import Engine, EngineConfig
 from blockspec.server.app import create_app
