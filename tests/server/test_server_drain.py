@@ -50,11 +50,14 @@ def stream(url: str, max_tokens: int, out: dict) -> None:
     body = {"model": "tiny", "messages": [{"role": "user", "content": "Janet has 16 ducks."}],
             "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
     events = out.setdefault("events", [])
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as r:
-        out["status"] = r.status_code
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                events.append(line[len("data: "):])
+    try:
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as r:
+            out["status"] = r.status_code
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[len("data: "):])
+    except httpx.TransportError as e:  # a stream cut off (what the drain must not do)
+        out["error"] = repr(e)
 
 
 def summary(out: dict) -> tuple[int, list[str], str | None]:
@@ -94,13 +97,13 @@ def test_signal_drains_then_exits(tiny_model_dir, tiny_drafter_dir, sig):
         assert httpx.get(f"{url}/health", timeout=10).json() == {"status": "shutting_down"}
 
         short_thread.join(60)
-        assert short["status"] == 200
+        assert "error" not in short and short["status"] == 200
         assert summary(short)[1:] == (["length"], "[DONE]")  # it ran to its max_tokens inside the deadline
 
         for t in threads:
             t.join(60)
         for out in long_runs:  # cut at the deadline, properly ended
-            assert out["status"] == 200
+            assert "error" not in out and out["status"] == 200
             n, reasons, last = summary(out)
             assert reasons == ["length"] and last == "[DONE]"
         code = proc.wait(timeout=30)
