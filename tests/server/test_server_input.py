@@ -9,6 +9,8 @@ import threading
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from server_support import HELLO, MODEL, assert_error, pipe, post, server  # noqa: F401 (fixtures)
 
 from blockspec.engine import EngineConfig
@@ -234,6 +236,48 @@ def test_fuzzed_requests_never_get_5xx_and_the_server_stays_healthy(server):
             elif "text/event-stream" not in r.headers.get("content-type", ""):
                 assert r.json()["choices"]
     assert statuses.get(400, 0) > 50 and statuses.get(200, 0) > 5, statuses  # both kinds were exercised
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    assert post(server, CHAT, good()).status_code == 200
+    assert server.engine.metrics.errors_total == 0
+
+
+ODD_TEXT = st.sampled_from(["\ud800", "\udfff", "\x00", "<|im_end|>", "{{ messages }}", "{% raw %}", "😀", "é"])
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20) | ODD_TEXT,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8) | ODD_TEXT, inner, max_size=4),
+    max_leaves=12)
+
+
+@st.composite
+def bodies(draw) -> tuple[str, bytes]:
+    """(endpoint, raw body): a valid request with fields replaced or added by arbitrary JSON
+    (names OpenAI knows and others), sometimes as raw bytes instead."""
+    endpoint = draw(st.sampled_from([CHAT, COMPLETIONS]))
+    if draw(st.integers(0, 9)) == 0:
+        return endpoint, draw(st.binary(max_size=200))
+    body: dict = {"model": MODEL, "max_tokens": 2}
+    body.update({"messages": [{"role": "user", "content": "duck"}]} if endpoint == CHAT else {"prompt": "duck"})
+    body.update(draw(st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=6), JSON_VALUES, max_size=4)))
+    for name, most in (("max_tokens", 3), ("n", 3)):  # keep accepted answers short
+        if isinstance(body.get(name), int) and not isinstance(body[name], bool) and body[name] > most:
+            body[name] = most
+    return endpoint, json.dumps(body).encode()
+
+
+@settings(max_examples=80, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(case=bodies())
+def test_property_any_body_is_answered_below_500(server, case):
+    """Hypothesis: arbitrary JSON in any field (surrogates, deep values, wrong types, unknown
+    names) or arbitrary bytes, on both endpoints: never a 5xx, errors in OpenAI's shape."""
+    endpoint, raw = case
+    r = post(server, endpoint, raw=raw)
+    assert r.status_code < 500, (r.status_code, r.text, raw[:300])
+    if r.status_code != 200:
+        assert_error(r, r.status_code)
+
+
+def test_healthy_after_the_property_test(server):
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
     assert post(server, CHAT, good()).status_code == 200
     assert server.engine.metrics.errors_total == 0
