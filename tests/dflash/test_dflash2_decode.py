@@ -328,14 +328,18 @@ def test_chi_square_detects_walk_proposals_let_through(monkeypatch: pytest.Monke
 
 
 def test_sampled_walk_is_seeded_and_greedy_rows_beside_it_stay_exact() -> None:
-    """A seed reproduces a sampled request; a greedy row in the same batch (whose q is one-hot on
-    the walk's best candidate) still gets plain greedy output."""
+    """A seed reproduces a sampled request, also with other block sizes or the adaptive policy
+    (the target's keyed draws decide every token); a greedy row in the same batch (whose q is
+    one-hot on the walk's best candidate) still gets plain greedy output."""
     model = make_tiny_target("llama", seed=2)
     dec = SpecDecoder(HFTarget(model), random_dflash2(model, seed=1), SpecConfig(block_size=4))
     sp = SamplingParams(max_new_tokens=12, temperature=1.0, seed=1234)
     alone = dec.generate([[5, 6, 7]], sp)[0].token_ids
     assert dec.generate([[5, 6, 7]], sp)[0].token_ids == alone
     assert dec.generate([[5, 6, 7]], sp.with_(seed=99))[0].token_ids != alone
+    for config in (SpecConfig(block_size=1), SpecConfig(block_size=8), SpecConfig(block_size=8, adaptive=True)):
+        assert SpecDecoder(HFTarget(model), random_dflash2(model, seed=1), config).generate(
+            [[5, 6, 7]], sp)[0].token_ids == alone  # the seed's text whatever the block size or policy
     mixed = dec.generate([[5, 6, 7], [1, 2], [9, 4, 4]], [sp, SamplingParams(max_new_tokens=16),
                                                           SamplingParams(max_new_tokens=9)])
     assert mixed[1].token_ids == reference_greedy(model, [1, 2], 16)
