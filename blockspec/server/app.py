@@ -67,7 +67,7 @@ DEFAULT_DRAIN_S = 25.0  # under the 30 s most supervisors wait after SIGTERM bef
 INLINE_BYTES = 64 * 1024  # smaller bodies are parsed on the loop (a thread hop costs more)
 CUT_REASON = "length"  # what an answer cut by the drain deadline ends with: incomplete, as at max_tokens
 _CUT = object()  # put into a job's inbox when the drain deadline passes
-SAMPLING_RULE = "gumbel-coupled/1"  # how seeds map to tokens (spec/sampling.py); part of the fingerprint
+SAMPLING_RULE = "gumbel-coupled/1"  # how seeds map to tokens (dflash/sampling.py); part of the fingerprint
 
 
 @dataclass
