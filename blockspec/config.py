@@ -20,12 +20,18 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+MAX_TOP_LOGPROBS = 20  # alternatives per token a request may ask for
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request turns logits into tokens, and when it stops.
 
     temperature == 0 means greedy. top_k == 0 and top_p == 1 disable those filters. `seed` makes
-    sampling reproducible per request (None: drawn from the global generator).
+    sampling reproducible per request (None: drawn from the global generator): the same seed
+    gives the same tokens whatever the batch, block size, policy or lookup. `logprobs` k: also
+    return each generated token's log-probability under the target's unshaped distribution and
+    its k most likely alternatives (None: off).
     """
 
     max_new_tokens: int = 128
@@ -36,6 +42,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         _require(
@@ -59,6 +66,11 @@ class SamplingParams:
         _require(
             self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
             f"seed must be None or an integer in [0, 2**63), got {self.seed!r}",
+        )
+        _require(
+            self.logprobs is None or (isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)
+                                      and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
+            f"logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}",
         )
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         if isinstance(self.stop, str):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from blockspec.errors import ConfigError
 
@@ -60,20 +60,44 @@ class StopStrings:
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
-    def find(self, text: str) -> int | None:
-        """Index in text where the earliest stop string starts, or None."""
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+    def find(self, text: str, start: int = 0) -> int | None:
+        """Index in text where the earliest stop string starts (at or after `start`), or None."""
+        hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
         return min(hits) if hits else None
 
     def tokens_to_keep(self, ids: Sequence[int]) -> int | None:
-        if not self.stops:
+        """The shortest prefix of ids whose text holds a stop string (None: no stop string). Once a
+        prefix holds one every longer prefix does, so the prefix is found by bisection."""
+        if not self.stops or self.find(self.decode(ids)) is None:
             return None
-        if self.find(self.decode(ids)) is None:
-            return None
-        lo = 1  # smallest prefix whose text already contains a stop string
-        while lo < len(ids) and self.find(self.decode(ids[:lo])) is None:
-            lo += 1
+        lo, hi = 1, len(ids)  # the answer lies in [lo, hi]
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.find(self.decode(ids[:mid])) is None:
+                lo = mid + 1
+            else:
+                hi = mid
         return lo
+
+    def watch(self) -> Callable[[list[int]], int | None]:
+        """A `tokens_to_keep` for one growing sequence of ids (the engine's stop check): it decodes
+        only the tokens added since its last call, so a long answer costs linear time, not quadratic."""
+        text = IncrementalDetokenizer(StopStrings(self.tokenizer, ()))
+        longest = max((len(s) for s in self.stops), default=0)
+
+        def check(ids: list[int]) -> int | None:
+            if not self.stops:
+                return None
+            seen = len(text.ids)
+            if len(ids) < seen or (seen and ids[seen - 1] != text.ids[-1]):
+                return self.tokens_to_keep(ids)  # not the sequence it followed: the exact way
+            before = len(text.text)
+            text.push(ids[len(text.ids):])
+            if self.find(text.text, max(0, before - longest + 1)) is None:
+                return None
+            return self.tokens_to_keep(ids)
+
+        return check
 
     def visible_text(self, ids: Sequence[int]) -> str:
         """Decoded text with anything from the first stop string on removed."""
@@ -84,26 +108,55 @@ class StopStrings:
 
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas, holding back what may still change:
-    an incomplete UTF-8 sequence, or a tail that could be the start of a stop string."""
+    an incomplete UTF-8 sequence, or a tail that could be the start of a stop string.
+
+    Each push decodes only a window of recent tokens (the text of the tokens before it is fixed
+    once its characters are complete), so a stream costs time linear in its length. The deltas
+    add up to `stops.visible_text(ids)`.
+    """
 
     def __init__(self, stops: StopStrings) -> None:
         self.stops = stops
         self.ids: list[int] = []
+        self.text = ""  # the decoded text of ids[:read]
+        self.prefix = 0  # ids[prefix:read] are decoded again with the new ones, as their context
+        self.read = 0
         self.sent = 0
+        self.cut: int | None = None  # where the first stop string starts in text
+        self.checked = 0  # text searched for stop strings so far
+
+    def _advance(self, final: bool) -> None:
+        if self.read == len(self.ids):
+            return
+        decode = self.stops.decode
+        before = decode(self.ids[self.prefix:self.read]) if self.read > self.prefix else ""
+        after = decode(self.ids[self.prefix:])
+        if not final and (after.endswith("\ufffd") or len(after) <= len(before)):
+            return  # the last character is incomplete (or nothing printable yet): wait for more
+        self.text += after[len(before):]
+        self.prefix, self.read = self.read, len(self.ids)
+
+    def _find_stop(self) -> None:
+        if self.cut is not None or not self.stops.stops:
+            return
+        longest = max(len(s) for s in self.stops.stops)
+        self.cut = self.stops.find(self.text, max(0, self.checked - longest + 1))
+        self.checked = len(self.text)
 
     def push(self, new_ids: Sequence[int], final: bool = False) -> str:
         self.ids.extend(new_ids)
-        text = self.stops.visible_text(self.ids)
-        if not final:
-            if text.endswith("\ufffd"):
-                text = text.rstrip("\ufffd")
+        self._advance(final)
+        self._find_stop()
+        text = self.text if self.cut is None else self.text[: self.cut]
+        end = len(text)
+        if not final and self.cut is None:
             hold = max((len(s) - 1 for s in self.stops.stops), default=0)
-            for k in range(min(hold, len(text)), 0, -1):
-                if any(s.startswith(text[-k:]) for s in self.stops.stops):
-                    text = text[:-k]
+            for k in range(min(hold, end), 0, -1):
+                if any(s.startswith(text[end - k:]) for s in self.stops.stops):
+                    end -= k
                     break
-        if len(text) <= self.sent:
+        if end <= self.sent:
             return ""
-        delta = text[self.sent :]
-        self.sent = len(text)
+        delta = text[self.sent:end]
+        self.sent = end
         return delta

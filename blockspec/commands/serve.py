@@ -42,15 +42,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch", type=int, default=16, help="requests decoded together per step (default 16)")
     parser.add_argument("--max-queue", type=int, default=64,
                         help="waiting requests beyond the batch; more get HTTP 429 (default 64)")
+    parser.add_argument("--max-request-bytes", type=int, default=None,
+                        help="larger request bodies are answered 413 unread (default 4 MiB)")
+    parser.add_argument("--drain-timeout", type=float, default=None,
+                        help="on SIGTERM/SIGINT: seconds running requests may still take while new ones get 503; "
+                             "then open answers end (finish_reason 'length') and the server exits (default 25)")
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
 
 
 def run(args: argparse.Namespace) -> int:
     from blockspec.api import load
     from blockspec.engine import EngineConfig
-    from blockspec.server.app import create_app
+    from blockspec.errors import ConfigError
+    from blockspec.server.app import DEFAULT_DRAIN_S, DEFAULT_MAX_REQUEST_BYTES, create_app
     from blockspec.server.launch import bind, serve_forever, url_of
 
+    max_bytes = DEFAULT_MAX_REQUEST_BYTES if args.max_request_bytes is None else args.max_request_bytes
+    drain_s = DEFAULT_DRAIN_S if args.drain_timeout is None else args.drain_timeout
+    if max_bytes < 1024:
+        raise ConfigError(f"--max-request-bytes must be at least 1024, got {max_bytes}")
+    if not drain_s >= 0:
+        raise ConfigError(f"--drain-timeout must be a number of seconds >= 0, got {drain_s}")
     sock = bind(args.host, args.port)  # before loading: a busy port fails in a second, not a minute
     try:
         pipeline = load(args.target, args.drafter, dtype=args.dtype, device=args.device,
@@ -58,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         spec = SpecConfig(block_size=pipeline.block_size, adaptive=args.adaptive_block, lookup=pipeline.lookup)
         config = EngineConfig(spec, max_batch=args.max_batch, max_queue=args.max_queue)
         app = create_app(pipeline, engine_config=config, served_model_name=args.served_model_name,
-                         api_key=args.api_key)
+                         api_key=args.api_key, max_request_bytes=max_bytes)
         state = app.state.blockspec
         drafter = pipeline.drafter_source or ("none" if pipeline.drafter is None else "fresh")
         print(f"serving {state.served_model_name!r} (drafter: {drafter}, block size "
@@ -66,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
               f"at {url_of(sock)}/v1", flush=True)
         if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
             print("warning: listening beyond loopback without --api-key", file=sys.stderr, flush=True)
-        serve_forever(app, sock, log_level=args.log_level)
+        serve_forever(app, sock, log_level=args.log_level, drain_s=drain_s)
     finally:
         sock.close()
     return 0

@@ -28,8 +28,8 @@ from blockspec.dflash.static_drafter import StaticDrafter, has_standard_forward
 from blockspec.targets.slots import EMPTY
 from blockspec.targets.base import Target, greedy_forward
 from blockspec.dflash.lookup import LookupConfig, TokenIndex
-from blockspec.dflash.sampling import RowRandom, probabilities, sample_from
-from blockspec.dflash.verify import accept_greedy, verify_sampled
+from blockspec.dflash.sampling import RowRandom, probabilities
+from blockspec.dflash.verify import accept_greedy
 
 @dataclass
 class RequestStats:
@@ -75,6 +75,15 @@ class RequestStats:
         }
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the target's own distribution (log-softmax of
+    its logits: before temperature, top-k and top-p) and the `top` most likely (id, logprob)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class GenerationResult:
     """Generated token ids (stop token included when one ended the request) and statistics."""
@@ -117,6 +126,9 @@ class Row:
     captured: list[torch.Tensor] | None = None  # feature chunks of fed positions (capture mode)
     index: TokenIndex | None = None  # prompt + generated, for n-gram lookup proposals
     lookup_tries: list[int] = field(default_factory=list)  # as `tries`, for lookup proposals
+    # With params.logprobs: one entry per generated token, and those of `new_tokens`.
+    logprobs: list[TokenLogprob] | None = None
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def remaining(self) -> int:
@@ -147,7 +159,7 @@ def make_row(key: object, prompt_len: int, params: SamplingParams, eos: tuple[in
     stats = RequestStats(prompt_tokens=prompt_len, block_size=max_block, accepted_by_position=[0] * positions,
                          lookup_accepted_by_position=[0] * positions)
     return Row(key, params, _stop_ids(params, eos), stats, stop_check, tries=[0] * positions,
-               lookup_tries=[0] * positions)
+               lookup_tries=[0] * positions, logprobs=[] if params.logprobs is not None else None)
 
 
 def _static_cache(cache: object) -> bool:
@@ -237,6 +249,13 @@ class DecodeBatch:
             self.tcache = self.dcache = None
             self._reset()
 
+    @torch.inference_mode()
+    def release(self) -> None:
+        """Drops every row and the caches' storage too (`clear` keeps it for the next rows): an
+        idle engine gives back memory sized for its largest batch and longest sequence so far."""
+        self.tcache = self.dcache = None
+        self._reset()
+
     @property
     def packs_padding(self) -> bool:
         """Whether a ragged step costs what its rows verify in total (the target skips padding in
@@ -246,6 +265,16 @@ class DecodeBatch:
     @property
     def all_greedy(self) -> bool:
         return all(r.params.greedy for r in self.rows)
+
+    @property
+    def argmax_only(self) -> bool:
+        """Whether a target pass may return argmax ids alone: every row greedy, none asking for logprobs."""
+        return all(r.params.greedy and r.params.logprobs is None for r in self.rows)
+
+    def _starts(self) -> list[int]:
+        """Per row, the output position of the token its next target position predicts: what
+        each random draw is keyed by, with the request's seed (dflash/sampling.py)."""
+        return [len(r.generated) for r in self.rows]
 
     # ---- joining -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -276,13 +305,15 @@ class DecodeBatch:
         temperature = torch.tensor([sp.temperature for sp in params], dtype=torch.float32, device=d)
         top_k = torch.tensor([sp.top_k for sp in params], dtype=torch.long, device=d)
         top_p = torch.tensor([sp.top_p for sp in params], dtype=torch.float32, device=d)
-        if all(sp.greedy for sp in params):
+        first_lp: list[list[TokenLogprob]] | None = None
+        if all(sp.greedy and sp.logprobs is None for sp in params):
             best, feats = greedy_forward(self.target, ids, positions, tcache, self.layer_ids, last_logits_only=True)
             first = best[:, -1]  # [k]
         else:
             logits, feats = self.target.forward(ids, positions, tcache, self.layer_ids, last_logits_only=True)
             probs = probabilities(logits[:, -1:], temperature, top_k, top_p)  # [k, 1, V]
-            first = sample_from(probs, random.uniforms(1).to(d))[:, 0]
+            first = random.sample(probs, [0] * k)[:, 0]  # output position 0
+            first_lp = _logprobs(logits[:, -1:], first[:, None], [sp.logprobs for sp in params])
         dcache = None
         if self.draft is not None:
             dspawn = getattr(self.dcache, "spawn", None)
@@ -295,7 +326,7 @@ class DecodeBatch:
             self._merge(self.tcache, tcache)
             if dcache is not None:
                 self._merge(self.dcache, dcache)
-        self.random.generators.extend(random.generators)
+        self.random.extend(random)
         self.temperature = torch.cat([self.temperature, temperature])
         self.top_k = torch.cat([self.top_k, top_k])
         self.top_p = torch.cat([self.top_p, top_p])
@@ -312,13 +343,13 @@ class DecodeBatch:
                 r.captured = [host_feats[i, longest - lengths[i]:]]
         now = time.perf_counter()
         self._plan = None
-        for r, t, p in zip(rows, first_host, prompts):
+        for i, (r, t, p) in enumerate(zip(rows, first_host, prompts)):
             if self.lookup is not None and self.drafter is not None:
                 r.index = TokenIndex()
                 r.index.extend(p)
             r.decode_t0 = now
             r.new_tokens = []
-            self._commit(r, [t])
+            self._commit(r, [t], first_lp[i] if first_lp is not None else None)
         self.rows.extend(rows)
 
     @staticmethod
@@ -379,7 +410,7 @@ class DecodeBatch:
         block_ids = torch.empty(b, q, dtype=torch.long, device=d)
         block_ids[:, 0] = self.last
         greedy = self.all_greedy
-        draft_probs = None
+        starts = self._starts()
         from_lookup = [0] * b
         lengths = [q] * b  # tokens each row verifies
         limit = padding = None  # a ragged step's proposals verified per row [b], padding [b, q]
@@ -407,16 +438,17 @@ class DecodeBatch:
                 block_ids[:, 1:] = self.drafter.greedy_tokens(hidden[:, 1:q], self.target.head(), self.last,
                                                               forced)  # [b, q-1]
             elif selector:
-                block_ids[:, 1:], draft_probs, conf = self._sample_walk(hidden[:, 1:q], forced, trim is not None)
+                block_ids[:, 1:], conf = self._sample_walk(hidden[:, 1:q], forced, trim is not None)
             else:
                 draft_logits = self.drafter.logits(hidden[:, 1:q], self.target.head())  # [b, q-1, V]
                 draft_probs = self._probs(draft_logits)
-                block_ids[:, 1:] = sample_from(draft_probs, self.random.uniforms(q - 1).to(d))
+                # drawn with the draws the target's own sample at each position takes (dflash/sampling.py)
+                block_ids[:, 1:] = self.random.sample(draft_probs, starts)
                 if trim is not None:
                     conf = draft_confidence(draft_probs)  # [b, q-1]
             self.pending_feats = None
             if self.lookup is not None:
-                from_lookup = self._lookup_proposals(block_ids, draft_probs)
+                from_lookup = self._lookup_proposals(block_ids)
             if trim is not None:
                 drafted, chosen = q, trim(conf.tolist(), from_lookup)
                 lengths = [max(1, min(q, int(n))) for n in (chosen if isinstance(chosen, list) else [chosen] * b)]
@@ -425,14 +457,11 @@ class DecodeBatch:
                 q = max(lengths)
                 if q < drafted:  # verify only the first q tokens of the drafted block
                     block_ids, positions, offsets = block_ids[:, :q].contiguous(), positions[:, :q].contiguous(), offsets[:q]
-                    if draft_probs is not None:
-                        draft_probs = draft_probs[:, : q - 1]
                 limit, padding, positions = _ragged(lengths, offsets, positions)
                 from_lookup = [min(m, n - 1) for m, n in zip(from_lookup, lengths)]
         else:
             self._plain_since_draft += 1
-        return self._verify_and_commit(block_ids, positions, offsets, top, draft_probs, from_lookup, lengths,
-                                       limit, padding)
+        return self._verify_and_commit(block_ids, positions, offsets, top, from_lookup, lengths, limit, padding)
 
     @torch.inference_mode()
     def step_lookup(self, lengths: list[int]) -> int:
@@ -456,18 +485,22 @@ class DecodeBatch:
         positions = self.cur[:, None] + offsets  # [b, q]
         top = max(self.cur_host) + q
         block_ids = self.last[:, None].repeat(1, q)  # [b, q]
-        self._lookup_proposals(block_ids, None)  # each row's continuation; past its length it is padding
+        self._lookup_proposals(block_ids)  # each row's continuation; past its length it is padding
         limit, padding, positions = _ragged(lengths, offsets, positions)
-        return self._verify_and_commit(block_ids, positions, offsets, top, None, [n - 1 for n in lengths], lengths,
-                                       limit, padding, one_hot_drafts=True)
+        return self._verify_and_commit(block_ids, positions, offsets, top, [n - 1 for n in lengths], lengths,
+                                       limit, padding)
 
     def _verify_and_commit(self, block_ids: torch.Tensor, positions: torch.Tensor, offsets: torch.Tensor, top: int,
-                           draft_probs: torch.Tensor | None, from_lookup: list[int], lengths: list[int],
-                           limit: torch.Tensor | None, padding: torch.Tensor | None, *,
-                           one_hot_drafts: bool = False) -> int:
+                           from_lookup: list[int], lengths: list[int], limit: torch.Tensor | None,
+                           padding: torch.Tensor | None) -> int:
         """The target's pass over block_ids [b, q] (positions EMPTY at `padding`), acceptance, and
-        the commit of every row's accepted tokens and bonus. one_hot_drafts: every proposal is
-        deterministic (lookup), so a sampled step's draft distributions are one-hot at them."""
+        the commit of every row's accepted tokens and bonus.
+
+        Sampled rows take the target's own sample at each position (drawn with the draws of the
+        request's seed and that output position, dflash/sampling.py) and accept a proposal while
+        it equals that sample: each committed token is the one the target alone would have
+        sampled there, so the output follows the target's distribution exactly and does not depend
+        on what was proposed, by whom, or how many positions a step verified."""
         rows = self.rows
         b, q = block_ids.shape
         d = self.device
@@ -478,20 +511,17 @@ class DecodeBatch:
             # those beyond it hold stale keys of rejected tokens)
             self.tcache.reserve(max(self.cur_host) + q)
         proposals = block_ids[:, 1:]
-        if self.all_greedy:  # the target's argmax only: a native target skips most of its head
+        token_lp = None
+        if self.argmax_only:  # the target's argmax only: a native target skips most of its head
             best, feats = greedy_forward(self.target, block_ids, positions, self.tcache, self.layer_ids)
-            accepted, bonus = accept_greedy(proposals, best, limit)
         else:
             logits, feats = self.target.forward(block_ids, positions, self.tcache, self.layer_ids)
-            target_probs = self._probs(logits)
-            if one_hot_drafts:
-                draft_probs = torch.zeros_like(target_probs[:, 1:]).scatter_(-1, proposals[..., None], 1.0)
-            elif draft_probs is None:
-                draft_probs = torch.zeros_like(target_probs[:, :0])
-            u = self.random.uniforms(q).to(d)
-            accepted, bonus = verify_sampled(proposals, draft_probs, target_probs, u[:, :-1], u[:, -1], limit)
+            best = self.random.sample(self._probs(logits), self._starts())  # [b, q]: the target's own tokens
+        accepted, bonus = accept_greedy(proposals, best, limit)
         # [b, q]: proposals[:accepted] then the bonus; row r commits its first accepted+1.
         committed = torch.cat([proposals, bonus[:, None]], dim=1).scatter(1, accepted[:, None], bonus[:, None])
+        if not self.argmax_only:
+            token_lp = _logprobs(logits, committed, [r.params.logprobs for r in rows])
         host = torch.cat([committed, accepted[:, None]], dim=1).tolist()  # the one sync
         n_host = [min(h[-1] + 1, rem) for h, rem in zip(host, remaining)]
         n_new = torch.tensor(n_host, device=d)
@@ -509,7 +539,7 @@ class DecodeBatch:
         self.cur = self.cur + n_new
         self.cur_host = [c + n for c, n in zip(self.cur_host, n_host)]
         self._plan = None
-        for r, h, n, looked, length in zip(rows, host, n_host, from_lookup, lengths):
+        for i, (r, h, n, looked, length) in enumerate(zip(rows, host, n_host, from_lookup, lengths)):
             a = h[-1]
             r.stats.acceptance_lengths.append(n)
             if looked:  # drafted proposals after a lookup prefix are counted nowhere
@@ -522,7 +552,7 @@ class DecodeBatch:
             for k in range(min(a + 1, last, len(tries))):
                 tries[k] += 1
             r.new_tokens = []
-            self._commit(r, h[:n])
+            self._commit(r, h[:n], token_lp[i][:n] if token_lp is not None and token_lp[i] is not None else None)
         return q
 
     def lookup_plan(self) -> list[list[int]]:
@@ -544,35 +574,34 @@ class DecodeBatch:
         return torch.tensor(rows, dtype=torch.long, device=self.device)
 
     def _sample_walk(self, hidden: torch.Tensor, forced: torch.Tensor | None, confidence: bool
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A DFlash 2 drafter's sampled proposals for hidden [b, n, H]: the selector's walk from
         each row's last token, drawing position t's proposal from q_t = the row's shaping
         (temperature, top-k, top-p, as the target's p gets it) of its scores S_t(prev, .) over
-        the candidates, zero elsewhere. Returns (ids [b, n], q [b, n, V], with `confidence` the
+        the candidates, zero elsewhere. Returns (ids [b, n], with `confidence` the
         peaks [b, n] of the unary candidates' shaped distributions times their unary mass: the
         confidences an adaptive step trims by, which, unlike q_t, do not depend on the earlier
         samples; else None)."""
         head = self.target.head()
         cands = self.drafter.candidates(hidden, head, normaliser=confidence)
-        b, n, _ = cands.ids.shape
-        u = self.random.uniforms(n).to(self.device)
+        starts = self._starts()
 
         def pick(t: int, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             probs = self._probs(scores[:, None])[:, 0]  # [b, K]
-            return sample_from(probs, u[:, t]), probs
+            # the clocks of the candidates' own ids at this output position: the target's sample
+            # there races with the same clocks, so the walk's choice is what it will mostly accept
+            return self.random.race(probs, cands.ids[:, t], [s + t for s in starts]), probs
 
-        ids, q_k = self.drafter.walk(hidden, cands, self.last, pick, forced)
-        vocab = head.weight.shape[0]
-        draft_probs = q_k.new_zeros(b, n, vocab).scatter_(-1, cands.ids, q_k)  # [b, n, V]
+        ids, _ = self.drafter.walk(hidden, cands, self.last, pick, forced)
         if not confidence:
-            return ids, draft_probs, None
+            return ids, None
         mass = torch.exp(cands.logits.logsumexp(-1) - cands.logsumexp)  # [b, n]
-        return ids, draft_probs, self._probs(cands.logits).max(dim=-1).values * mass
+        return ids, self._probs(cands.logits).max(dim=-1).values * mass
 
-    def _lookup_proposals(self, block_ids: torch.Tensor, draft_probs: torch.Tensor | None) -> list[int]:
+    def _lookup_proposals(self, block_ids: torch.Tensor) -> list[int]:
         """Writes each row's lookup continuation over its drafted proposals (dflash/lookup.py);
-        returns how many proposals per row came from lookup. A lookup proposal is deterministic,
-        so its draft distribution is one-hot (rejection sampling stays exact)."""
+        returns how many proposals per row came from lookup. Verification does not ask where a
+        proposal came from: it keeps proposals while they equal the target's own tokens."""
         q = block_ids.shape[1]
         plan = [cont[: q - 1] for cont in self.lookup_plan()]
         rows_i = [i for i, cont in enumerate(plan) for _ in cont]
@@ -583,13 +612,10 @@ class DecodeBatch:
         d = block_ids.device
         ri, ci, v = (torch.tensor(x, dtype=torch.long, device=d) for x in (rows_i, cols, vals))
         block_ids[ri, ci] = v
-        if draft_probs is not None:
-            draft_probs[ri, ci - 1] = 0.0
-            draft_probs[ri, ci - 1, v] = 1.0
         return [len(cont) for cont in plan]
 
-    def _commit(self, r: Row, new: list[int]) -> None:
-        """Appends tokens, applying stop tokens, stop strings and the length limit."""
+    def _commit(self, r: Row, new: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
+        """Appends tokens (and their logprobs), applying stop tokens, stop strings and the length limit."""
         for j, t in enumerate(new):
             if t in r.stop_ids:
                 new = new[: j + 1]
@@ -597,6 +623,8 @@ class DecodeBatch:
                 break
         start = len(r.generated)
         r.generated.extend(new)
+        if r.logprobs is not None:
+            r.logprobs.extend((logprobs or [])[: len(new)])
         if r.finish_reason is None and r.stop_check is not None:
             keep = r.stop_check(r.generated)
             if keep is not None:
@@ -605,6 +633,9 @@ class DecodeBatch:
         if r.finish_reason is None and len(r.generated) >= r.params.max_new_tokens:
             r.finish_reason = "length"
         r.new_tokens = r.generated[start:]
+        if r.logprobs is not None:
+            del r.logprobs[len(r.generated):]
+            r.new_logprobs = r.logprobs[start:]
         if r.index is not None and r.finish_reason is None:
             r.index.extend(r.new_tokens)
 
@@ -639,6 +670,27 @@ class DecodeBatch:
             if self.dcache is not None:
                 self.dcache.compact(self.compact_ratio)
         return gone
+
+
+def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, wanted: list[int | None]
+              ) -> list[list[TokenLogprob] | None] | None:
+    """Per row, the TokenLogprob of tokens [b, n] under logits [b, n, V] with the `wanted[r]`
+    most likely alternatives (None: that row did not ask; None overall when no row did)."""
+    rows = [i for i, k in enumerate(wanted) if k is not None]
+    if not rows:
+        return None
+    index = torch.tensor(rows, device=logits.device)
+    lp = torch.log_softmax(logits[index].float(), dim=-1)  # [m, n, V]
+    chosen = lp.gather(-1, tokens[index][..., None])[..., 0].tolist()  # [m, n]
+    k = max(wanted[i] for i in rows)
+    top_v, top_i = (lp.topk(k, dim=-1) if k else (lp[..., :0], lp[..., :0].long()))  # [m, n, k]
+    top_v, top_i = top_v.tolist(), top_i.tolist()
+    out: list[list[TokenLogprob] | None] = [None] * len(wanted)
+    for j, i in enumerate(rows):
+        n_top = wanted[i]
+        out[i] = [TokenLogprob(chosen[j][t], tuple(zip(top_i[j][t][:n_top], top_v[j][t][:n_top])))
+                  for t in range(len(chosen[j]))]
+    return out
 
 
 def _ragged(lengths: list[int], offsets: torch.Tensor, positions: torch.Tensor

@@ -1,8 +1,8 @@
 """Temperature / top-k / top-p -> probabilities, and seeded per-request randomness.
 
-The same `probabilities` shapes both the target's p and the drafter's q, which lossless rejection
-sampling requires. Sampling itself consumes explicit uniforms, so verification stays a pure
-function and each request's generator alone decides its random stream.
+The same `probabilities` shapes both the target's p and the drafter's q, so their draws at one
+output position couple. Every draw is a function of (request seed, output position, token id)
+alone (`RowRandom`), so a seed gives the same text whatever the batch, block size or policy.
 """
 
 from __future__ import annotations
@@ -77,26 +77,100 @@ def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return idx.clamp_(max=probs.shape[-1] - 1)
 
 
+MASK64 = 2**64 - 1
+RACE_HEAD = 32  # tokens per position that race with their own clocks in `RowRandom.sample`
+
+
+def keyed(seed: int, position: int) -> int:
+    """A 64-bit random word that is a function of (seed, position) alone (splitmix64 of both)."""
+    z = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xD1B54A32D192ED03) & MASK64
+    for shift, mult in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
+        z = ((z ^ (z >> shift)) * mult) & MASK64
+    return z ^ (z >> 31)
+
+
+def _signed(x: int) -> int:
+    return x - 2**64 if x >= 2**63 else x
+
+
+_GOLDEN, _M1, _M2 = (_signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def slot_uniforms(keys: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Uniforms in (0, 1), float64, one per (key, slot): splitmix64 of key + slot, elementwise on
+    int64 bit patterns (products wrap, shifts are made logical by masking). keys [...] broadcast
+    against slots [..., k]."""
+    z = keys[..., None] + slots * _GOLDEN
+    z = (z ^ ((z >> 30) & ((1 << 34) - 1))) * _M1
+    z = (z ^ ((z >> 27) & ((1 << 37) - 1))) * _M2
+    z = z ^ ((z >> 31) & ((1 << 33) - 1))
+    return ((z >> 11) & ((1 << 53) - 1)).double().add_(0.5).mul_(2.0**-53)
+
+
 class RowRandom:
-    """One generator per request, so a request's samples do not depend on its batch mates."""
+    """Each row's random draws as a function of its request's seed and the output position alone
+    (`keyed`), never of how many draws came before: what a request samples does not depend on
+    its batch mates, the block size, the drafts or how many positions a step verified.
+
+    `sample` draws by an exponential race (Gumbel-max): token i at a position finishes at
+    E_i / p_i with E_i ~ Exp(1) fixed by (seed, position, i), and the first to finish is drawn,
+    exactly with probability p_i. A drafter's q at the same position races with the same clocks,
+    so its sample equals the target's whenever the two distributions allow it (the coupling that
+    speculative decoding then accepts, dflash/batch.py).
+    """
 
     def __init__(self, seeds: list[int | None]) -> None:
-        self.generators = [self._make(s) for s in seeds]
+        self.seeds = [self._resolve(s) for s in seeds]
 
     @staticmethod
-    def _make(seed: int | None) -> torch.Generator:
-        g = torch.Generator()
-        g.manual_seed(int(torch.randint(0, 2**62, (1,)).item()) if seed is None else seed)
-        return g
+    def _resolve(seed: int | None) -> int:
+        return int(torch.randint(0, 2**62, (1,)).item()) if seed is None else int(seed)
 
-    def uniforms(self, n: int) -> torch.Tensor:
-        """[b, n] uniforms in [0, 1), each row from its own generator."""
-        if not self.generators:
-            return torch.empty(0, n)
-        return torch.stack([torch.rand(n, generator=g, dtype=torch.float64) for g in self.generators])
+    def keys(self, starts: list[int], n: int) -> torch.Tensor:
+        """[b, n] int64 keys of row r's output positions starts[r] .. starts[r] + n - 1."""
+        return torch.tensor([[_signed(keyed(s, p + j)) for j in range(n)] for s, p in zip(self.seeds, starts)],
+                            dtype=torch.int64).reshape(len(self.seeds), n)
+
+    def sample(self, probs: torch.Tensor, starts: list[int]) -> torch.Tensor:
+        """Ids [b, n] drawn from probs [b, n, V] (need not sum to 1), row r's position j with the
+        clocks of output position starts[r] + j.
+
+        Only the RACE_HEAD most probable tokens get clocks of their own; the rest (the tail, mass
+        m) are one competitor whose clock is Exp(m) (the first of independent Exp(p_i) clocks
+        finishes at Exp(sum p_i), and it is token i with probability p_i / m), so a finishing
+        tail is resolved by inverse-CDF sampling within it. Exact for any distribution; the clocks
+        of a token are the same in every distribution that has it in its head."""
+        b, n, v = probs.shape
+        d = probs.device
+        keys = self.keys(starts, n).to(d)  # [b, n]
+        k = min(RACE_HEAD, v)
+        head, idx = probs.topk(k, dim=-1)  # [b, n, k]
+        arrival = -torch.log(slot_uniforms(keys, idx)) / head.double()  # [b, n, k]; p = 0: never (inf)
+        first = arrival.argmin(dim=-1)  # [b, n]
+        ids = idx.gather(-1, first[..., None])[..., 0]
+        if k == v:
+            return ids
+        tail = probs.scatter(-1, idx, 0.0)  # [b, n, V]
+        mass = tail.sum(dim=-1, dtype=torch.float64)  # [b, n]
+        reserved = torch.tensor([v, v + 1], dtype=torch.int64, device=d)  # the tail's clock and pick
+        u = slot_uniforms(keys, reserved)  # [b, n, 2]
+        tail_first = -torch.log(u[..., 0]) / mass  # mass 0: inf, never first
+        wins = tail_first < arrival.gather(-1, first[..., None])[..., 0]  # [b, n]
+        if bool(wins.any()):
+            ids = torch.where(wins, sample_from(tail, u[..., 1]), ids)
+        return ids
+
+    def race(self, probs: torch.Tensor, ids: torch.Tensor, positions: list[int]) -> torch.Tensor:
+        """The index [b] into probs [b, k] of the winner of a race among the k tokens `ids` [b, k]
+        (probs zero elsewhere; need not sum to 1), row r with the clocks of output position
+        positions[r]: the token `sample` draws from the same distribution spread over the vocabulary
+        whenever the token is in its head."""
+        keys = self.keys(positions, 1).to(probs.device)[:, 0]  # [b]
+        arrival = -torch.log(slot_uniforms(keys, ids)) / probs.double()  # [b, k]; p = 0: never (inf)
+        return arrival.argmin(dim=-1)
 
     def select_rows(self, rows: list[int]) -> None:
-        self.generators = [self.generators[i] for i in rows]
+        self.seeds = [self.seeds[i] for i in rows]
 
-    def add(self, seed: int | None) -> None:
-        self.generators.append(self._make(seed))
+    def extend(self, other: RowRandom) -> None:
+        self.seeds.extend(other.seeds)

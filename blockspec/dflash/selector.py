@@ -10,8 +10,7 @@ with A, B the predecessor and successor codebooks [V, r], W the hidden projectio
 the drafter's final normalised hidden state at t. A walk starts from the block's anchor (the last
 verified token, the predecessor of position 1) and picks one candidate per position: the best
 (greedy) or a sample of softmax(S_t(prev, .) / T) over C_t (the draft distribution q_t, zero
-outside C_t, which rejection sampling then needs). Verification is unchanged: the selector only
-changes what is proposed.
+outside C_t). Verification is unchanged: the selector only changes what is proposed.
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ from blockspec.cpu.threads import follow_free_cores
 from blockspec.dflash.batch import DecodeBatch, GenerationResult, Row, captured_features, make_row
 from blockspec.dflash.drafter import DFlashDrafter, check_compatible
 from blockspec.dflash.policy import AdaptiveBlock
+from blockspec.engine.memory import trim_heap
 from blockspec.engine.metrics import EngineMetrics, MetricsRecorder
 from blockspec.engine.request import OnTokens, Request, RequestHandle, StopCheck, TokenEvent, check_prompt
 from blockspec.engine.scheduler import Scheduler
@@ -58,6 +59,10 @@ class EngineConfig:
     # True: the adaptive policy measures every batch size up to max_batch before the first
     # request (no calibration pass inside a served step). False: each batch size at its first step.
     calibrate_first: bool = True
+    # An engine with a thread of its own that has had nothing to do for this long frees its
+    # caches (sized for the largest batch and longest sequence seen) and trims the heap, so a
+    # burst of long requests does not keep its memory; None keeps everything.
+    release_idle_s: float | None = 2.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.spec, SpecConfig):
@@ -69,6 +74,9 @@ class EngineConfig:
         for name in ("own_thread", "calibrate_first"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.release_idle_s is not None and not (isinstance(self.release_idle_s, (int, float))
+                                                    and self.release_idle_s >= 0):
+            raise ConfigError(f"release_idle_s must be None or seconds >= 0, got {self.release_idle_s!r}")
 
 
 class Engine:
@@ -187,8 +195,7 @@ class Engine:
         if stop_check is None and params.stop and self.tokenizer is not None:
             from blockspec.text import StopStrings
 
-            stops = StopStrings(self.tokenizer, params.stop)
-            stop_check = stops.tokens_to_keep
+            stop_check = StopStrings(self.tokenizer, params.stop).watch()
         rid = request_id or f"req-{uuid.uuid4().hex[:12]}-{next(self._ids)}"
         request = Request(rid, prompt_ids, params, stop_check, on_tokens=on_tokens)
         self.scheduler.submit(request)
@@ -223,15 +230,34 @@ class Engine:
     def _loop(self) -> None:
         self._calibrate()
         idle_released = False
+        idle_since: float | None = None
         while not self._stopping.is_set():
             if self._tick():
                 idle_released = False
+                idle_since = None
                 continue
             if not idle_released:  # an idle engine's team would slow a busy one down (openmp.py)
                 release_thread_pool()
                 idle_released = True
+            now = time.monotonic()
+            idle_since = now if idle_since is None else idle_since
+            keep = self.config.release_idle_s
+            if keep is not None and now - idle_since >= keep and not self.released:
+                self.release_memory()
             self.scheduler.wait_for_work(self.config.idle_wait_s)
         self._drop_all("cancelled")
+
+    @property
+    def released(self) -> bool:
+        """Whether the engine holds no cache storage (released while idle, or never used)."""
+        return self.batch.tcache is None and self.batch.dcache is None
+
+    def release_memory(self) -> None:
+        """Frees the caches' storage and trims the heap; only while nothing runs (engine thread)."""
+        if self.batch.rows:
+            return
+        self.batch.release()
+        trim_heap()
 
     def _tick(self) -> bool:
         """Admits waiting requests and runs one step; False when there was nothing to run."""
@@ -286,7 +312,7 @@ class Engine:
         return False
 
     def _finish_unstarted(self, request: Request, reason: str, error: str | None = None) -> None:
-        request.events.put(TokenEvent(request.request_id, [], True, reason, None, error))
+        request.emit(TokenEvent(request.request_id, [], True, reason, None, error))
         self.recorder.finished(reason, time.perf_counter() - request.submitted_at)
 
     def _drop_cancelled(self) -> None:
@@ -325,7 +351,8 @@ class Engine:
                 self.recorder.tokens(len(row.new_tokens))
                 if request.on_tokens is not None:
                     request.on_tokens(list(row.new_tokens))
-                request.events.put(TokenEvent(row.key, list(row.new_tokens), False, None, None))
+                request.emit(TokenEvent(row.key, list(row.new_tokens), False, None, None,
+                                        logprobs=_take_logprobs(row)))
                 row.new_tokens = []
         for row in self.batch.retire():
             request = self._requests.pop(row.key)
@@ -335,12 +362,14 @@ class Engine:
     def _emit(self, request: Request, row: Row, error: str | None = None) -> None:
         """The final event of a row (its last tokens included)."""
         reason = row.finish_reason or "error"
-        tokens = list(row.new_tokens) if reason not in ("cancelled", "error") else []
+        ended = reason not in ("cancelled", "error")
+        tokens = list(row.new_tokens) if ended else []
+        logprobs = _take_logprobs(row) if ended else None
         self.recorder.tokens(len(tokens))
         if tokens and request.on_tokens is not None:
             request.on_tokens(tokens)
-        features = captured_features(row) if reason not in ("cancelled", "error") else None
-        request.events.put(TokenEvent(row.key, tokens, True, reason, row.stats, error, features))
+        features = captured_features(row) if ended else None
+        request.emit(TokenEvent(row.key, tokens, True, reason, row.stats, error, features, logprobs=logprobs))
         row.new_tokens = []
         self.recorder.finished(reason, time.perf_counter() - request.submitted_at)
 
@@ -371,3 +400,12 @@ class Engine:
                 self._emit(request, row)
         self.batch.clear()
         self.scheduler.set_running(0)
+
+
+def _take_logprobs(row: Row) -> list | None:
+    """The logprobs of the row's new tokens (None when the request did not ask for them)."""
+    if row.logprobs is None:
+        return None
+    out = list(row.new_logprobs)
+    row.new_logprobs = []
+    return out

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from blockspec.config import SamplingParams
-from blockspec.dflash.batch import GenerationResult, RequestStats
+from blockspec.dflash.batch import GenerationResult, RequestStats, TokenLogprob
 from blockspec.errors import ConfigError, ContextLengthError
 from blockspec.targets.base import TargetInfo
 
@@ -53,7 +53,8 @@ def check_prompt(info: TargetInfo, prompt: list[int], params: SamplingParams) ->
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """Newly committed ids of one request; the last event of a request has finished=True."""
+    """Newly committed ids of one request; the last event of a request has finished=True.
+    With SamplingParams.logprobs set, `logprobs` holds one entry per id of `token_ids`."""
 
     request_id: str
     token_ids: list[int]
@@ -63,11 +64,17 @@ class TokenEvent:
     error: str | None = None
     # The final event of a request decoded with capture_layer_ids: target features [n, L*H].
     features: torch.Tensor | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
 class Request:
-    """Engine-side state of one request (the handle is the caller's side)."""
+    """Engine-side state of one request (the handle is the caller's side).
+
+    The engine thread hands events over with `emit`: into `events` for threads that block on
+    them, or straight onto an asyncio loop once a coroutine listens (`RequestHandle.aevents`),
+    so no worker thread is parked per waiting request.
+    """
 
     request_id: str
     prompt_ids: list[int]
@@ -78,6 +85,35 @@ class Request:
     events: queue.Queue = field(default_factory=queue.Queue)
     first_token_at: float | None = None
     on_tokens: OnTokens | None = None
+    _listener: tuple[asyncio.AbstractEventLoop, asyncio.Queue, object] | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def emit(self, event: TokenEvent) -> None:
+        """Delivers an event (any thread)."""
+        with self._lock:
+            listener = self._listener
+            if listener is None:
+                self.events.put(event)
+                return
+        loop, inbox, key = listener
+        item = event if key is None else (key, event)
+        try:
+            loop.call_soon_threadsafe(inbox.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    def listen(self, inbox: asyncio.Queue, key: object = None) -> None:
+        """From now on every event (those not yet taken first) goes into `inbox`, an asyncio
+        queue of the running loop: as is, or as (key, event) when a key is given."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            while True:
+                try:
+                    event = self.events.get_nowait()
+                except queue.Empty:
+                    break
+                inbox.put_nowait(event if key is None else (key, event))
+            self._listener = (loop, inbox, key)
 
 
 class RequestHandle:
@@ -110,12 +146,25 @@ class RequestHandle:
                 return
 
     async def aevents(self) -> AsyncIterator[TokenEvent]:
-        """The same events for asyncio code (waits in a worker thread, never blocks the loop)."""
+        """The same events for asyncio code (delivered onto the loop; never blocks it). Use either
+        this or `events`/`result` for one handle, not both."""
+        inbox: asyncio.Queue = asyncio.Queue()
+        self._request.listen(inbox)
         while self._final is None:
-            event = await asyncio.to_thread(self._next, None)
+            event = await inbox.get()
+            with self._lock:
+                self._tokens.extend(event.token_ids)
+                if event.finished:
+                    self._final = event
             yield event
             if event.finished:
                 return
+
+    def deliver_to(self, inbox: asyncio.Queue, key: object) -> None:
+        """Sends every event of this request into `inbox` (an asyncio queue of the running loop) as
+        (key, event), so one coroutine can wait on several requests at once; the handle itself
+        then records nothing (`events`, `result` and `aevents` are not for such a handle)."""
+        self._request.listen(inbox, key)
 
     def cancel(self) -> None:
         """Asks the engine to drop the request at the next step boundary."""

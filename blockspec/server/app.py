@@ -5,18 +5,31 @@
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{id}], GET /health,
 GET /metrics. Requests are tokenised here (chat template of the target), decoded by the engine on
-token ids, and detokenised here (stop strings held back until they cannot match). Each request is
-one engine handle: a client that goes away cancels its handle, which frees its batch slot at the
-next step boundary.
+token ids, and detokenised here (stop strings held back until they cannot match). Each choice of
+a request (`n`) is one engine handle: a client that goes away cancels its handles, which frees
+their batch slots at the next step boundary.
+
+The event loop only moves bytes: reading and parsing large bodies, rendering templates and
+tokenising run on a small thread pool (`ServerState.prep`), engine events arrive on the loop
+without parked threads (`RequestHandle.deliver_to`), and detokenising decodes a few tokens per
+event. Every failure, even a bug, is answered as an OpenAI error on a connection that stays open.
+
+Draining (SIGTERM/SIGINT, see launch.py): new generation requests get 503 `shutting_down`
+while the listener stays open; running ones finish until the drain deadline, when each open
+answer ends early (finish_reason "length", then `[DONE]` for streams).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import hashlib
 import hmac
 import logging
+import secrets
 import time
-from collections.abc import AsyncIterator
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -33,14 +46,28 @@ from blockspec.engine import Engine, EngineConfig, QueueFullError, RequestHandle
 from blockspec.errors import BlockspecError, ContextLengthError
 from blockspec.server import errors
 from blockspec.server.errors import APIError
+from blockspec.server.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from blockspec.server.metrics import ServerMetrics
-from blockspec.server.schemas import GenerationRequest, check_model, parse_chat, parse_completion, parse_json
+from blockspec.server.schemas import (
+    GenerationRequest,
+    check_model,
+    parse_chat,
+    parse_completion,
+    parse_json,
+    template_switches,
+)
 from blockspec.server.sse import DONE, Shapes, event, usage
 from blockspec.text import IncrementalDetokenizer, StopStrings, encode_prompt
 
 log = logging.getLogger("blockspec.server")
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20  # a 128K-token prompt is ~0.5 MB of text
+DEFAULT_DRAIN_S = 25.0  # under the 30 s most supervisors wait after SIGTERM before SIGKILL
+INLINE_BYTES = 64 * 1024  # smaller bodies are parsed on the loop (a thread hop costs more)
+CUT_REASON = "length"  # what an answer cut by the drain deadline ends with: incomplete, as at max_tokens
+_CUT = object()  # put into a job's inbox when the drain deadline passes
+SAMPLING_RULE = "gumbel-coupled/1"  # how seeds map to tokens (dflash/sampling.py); part of the fingerprint
 
 
 @dataclass
@@ -57,6 +84,37 @@ class ServerState:
     draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    fingerprint: str | None = None
+    switches: frozenset[str] = frozenset()  # chat template variables clients may set
+    max_token_bytes: int | None = None  # the longest token's UTF-8 bytes (None: unknown)
+    texts: TokenTexts | None = None
+    prep: ThreadPoolExecutor | None = None  # template rendering, tokenising, large JSON bodies
+    jobs: set = field(default_factory=set)  # open generation requests (_Job)
+    drain_deadline: float | None = None  # time.monotonic() at which open answers are cut
+    cut: bool = False  # the drain deadline has passed
+
+    def begin_drain(self, grace_s: float) -> None:
+        """Stops admitting; open requests may run for `grace_s` more seconds (any thread)."""
+        if not self.draining or self.drain_deadline is None:
+            self.drain_deadline = time.monotonic() + max(0.0, grace_s)
+        self.draining = True
+
+    def drain_tick(self) -> bool:
+        """Called on the loop while draining: cuts open answers once the deadline has passed;
+        True once nothing is open any more."""
+        if self.draining and not self.cut and self.drain_deadline is not None \
+                and time.monotonic() >= self.drain_deadline:
+            self.cut = True
+            for job in list(self.jobs):
+                job.inbox.put_nowait(_CUT)
+        return not self.jobs
+
+    async def offload(self, fn: Callable, *args: object) -> object:
+        """Runs fn(*args) on the prep pool, keeping the loop free."""
+        if self.prep is None:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self.prep, functools.partial(fn, *args))
 
 
 def create_app(
@@ -66,35 +124,40 @@ def create_app(
     engine_config: EngineConfig | None = None,
     served_model_name: str | None = None,
     api_key: str | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> FastAPI:
     """An app serving `pipeline` (a loaded `blockspec.api.Pipeline`).
 
     engine: an Engine to serve (the caller stops it); None builds one from the pipeline with
     `engine_config` (an EngineConfig; default: the pipeline's block size and lookup), started and stopped
-    with the app.
+    with the app. max_request_bytes: larger bodies are answered 413 unread.
     """
+    if not isinstance(max_request_bytes, int) or max_request_bytes < 1024:
+        raise BlockspecError(f"max_request_bytes must be an integer >= 1024, got {max_request_bytes!r}")
     owns = engine is None
     if engine is None:
         config = engine_config or EngineConfig(SpecConfig(block_size=pipeline.block_size, lookup=pipeline.lookup))
         engine = Engine(pipeline.target, pipeline.drafter, config, tokenizer=pipeline.tokenizer)
     info = pipeline.target.info
+    name = served_model_name or default_model_name(pipeline)
     state = ServerState(
         engine=engine,
         tokenizer=pipeline.tokenizer,
-        served_model_name=served_model_name or default_model_name(pipeline),
+        served_model_name=name,
         context_length=int(info.max_position_embeddings),
         vocab_size=int(info.vocab_size),
         api_key=api_key or None,
         owns_engine=owns,
+        max_request_bytes=max_request_bytes,
+        fingerprint=fingerprint(pipeline),
+        switches=template_switches(getattr(pipeline.tokenizer, "chat_template", None)),
+        max_token_bytes=longest_token_bytes(pipeline.tokenizer),
+        texts=TokenTexts(pipeline.tokenizer),
     )
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        # RequestHandle.aevents parks one worker thread per waiting request; the default pool
-        # (cpu + 4 threads) would make streams wait for each other, so size it to the engine.
-        workers = state.engine.config.max_batch + state.engine.config.max_queue + 8
-        pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="blockspec-events")
-        asyncio.get_running_loop().set_default_executor(pool)
+        state.prep = ThreadPoolExecutor(max_workers=2, thread_name_prefix="blockspec-prep")
         state.engine.start()
         # Requests are taken once the engine has timed its steps (adaptive block size: a few
         # seconds on a CPU), so the first one does not wait for that.
@@ -105,7 +168,7 @@ def create_app(
             state.draining = True
             if state.owns_engine:
                 await asyncio.to_thread(state.engine.stop)
-            pool.shutdown(wait=False, cancel_futures=True)
+            state.prep.shutdown(wait=False, cancel_futures=True)
 
     async def check_key(request: Request) -> None:
         if state.api_key is None or request.url.path == "/health":
@@ -128,7 +191,8 @@ def create_app(
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    @_guarded
+    async def metrics(request: Request) -> Response:
         text = state.metrics.render(state.engine.metrics)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -143,14 +207,16 @@ def create_app(
         return JSONResponse(_model_card(state))
 
     @app.post("/v1/chat/completions")
+    @_guarded
     async def chat(request: Request) -> Response:
-        req = parse_chat(parse_json(await request.body()))
-        return await _generate(state, request, req)
+        body = await _read_json(state, request)
+        return await _generate(state, request, parse_chat(body, state.switches))
 
     @app.post("/v1/completions")
+    @_guarded
     async def completions(request: Request) -> Response:
-        req = parse_completion(parse_json(await request.body()))
-        return await _generate(state, request, req)
+        body = await _read_json(state, request)
+        return await _generate(state, request, parse_completion(body))
 
     return app
 
@@ -161,74 +227,115 @@ def default_model_name(pipeline: Pipeline) -> str:
     return source.rsplit("/", 1)[-1] or "blockspec"
 
 
+def fingerprint(pipeline: Pipeline) -> str:
+    """`system_fingerprint`: what, besides the request and its seed, decides the sampled text (the
+    target, its dtype and device, the sampling rule). Not the drafter, block size or batch:
+    those change the speed, never the tokens."""
+    import blockspec
+
+    target = pipeline.target
+    parts = [getattr(blockspec, "__version__", "?"), str(getattr(pipeline, "target_source", "")),
+             str(getattr(target, "dtype", "")), str(getattr(target, "device", "")), type(target).__name__,
+             SAMPLING_RULE]
+    return "fp_" + hashlib.sha256("|".join(parts).encode()).hexdigest()[:12]
+
+
+def longest_token_bytes(tokenizer: object) -> int | None:
+    """An upper bound of the UTF-8 bytes one token stands for (None when unknown): a text of B
+    bytes has at least B / this many tokens, so a prompt far over the context is refused before
+    the (slow) tokenisation."""
+    try:
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None or backend.normalizer is not None:  # a normalizer may shrink text first
+            return None
+        vocab = backend.get_vocab(with_added_tokens=True)
+        return max(len(token.encode("utf-8")) for token in vocab)
+    except Exception:  # an unusual tokenizer: no early bound, only the exact count
+        return None
+
+
 def _model_card(state: ServerState) -> dict:
     return {"id": state.served_model_name, "object": "model", "created": state.created, "owned_by": "blockspec",
             "max_model_len": state.context_length}
 
 
-# ---- one generation request ------------------------------------------------------------------
+def _guarded(route: Callable[..., Awaitable[Response]]) -> Callable[..., Awaitable[Response]]:
+    """Answers every failure of a route itself, as an OpenAI error: an exception that escaped to
+    the framework would close the keep-alive connection (and would show Python internals)."""
 
-@dataclass
-class _Job:
-    """A request admitted to the engine, with what is needed to turn its tokens into text."""
-
-    req: GenerationRequest
-    prompt_ids: list[int]
-    params: SamplingParams
-    stops: StopStrings
-    handle: RequestHandle
-    shapes: Shapes
-    arrived: float
-    metrics: ServerMetrics
-    first_token_at: float | None = None
-    closed: bool = False
-
-    def __post_init__(self) -> None:
-        self.metrics.generation_started()
-
-    def close(self) -> None:
-        """Cancels the engine request (a no-op once it finished) and ends the accounting; idempotent.
-        Synchronous on purpose: it runs inside cancelled tasks, where awaiting is not possible."""
-        if not self.closed:
-            self.closed = True
-            self.handle.cancel()
-            self.metrics.generation_ended()
-
-
-class _EngineStream(StreamingResponse):
-    """A streaming response that always releases its engine request, even when the client left
-    before the body generator ever started (then the generator's own `finally` never runs)."""
-
-    def __init__(self, job: _Job, content: AsyncIterator[bytes]) -> None:
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.job = job
-
-    async def __call__(self, scope: dict, receive: object, send: object) -> None:
+    @functools.wraps(route)
+    async def guarded(*args: object, **kwargs: object) -> Response:
         try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.job.close()
+            return await route(*args, **kwargs)
+        except APIError as e:
+            return _error_response(e)
+        except Exception as e:
+            reference = uuid.uuid4().hex[:12]
+            log.exception("request failed (reference %s)", reference, exc_info=e)
+            return _error_response(errors.internal(reference))
+
+    return guarded
+
+
+def _error_response(e: APIError, headers: dict | None = None) -> Response:
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+# ---- reading a request -----------------------------------------------------------------------
+
+async def _read_json(state: ServerState, request: Request) -> dict:
+    limit = state.max_request_bytes
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise errors.too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise errors.too_large(limit)
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if len(raw) <= INLINE_BYTES:
+        return parse_json(raw)
+    return await state.offload(parse_json, raw)
 
 
 def _prompt_ids(state: ServerState, req: GenerationRequest) -> list[int]:
+    """Template rendering and tokenising (on the prep pool); a 400 for what cannot be a prompt."""
+    param = "messages" if req.kind == "chat" else "prompt"
+    if req.kind == "completion" and not isinstance(req.prompt, str):
+        ids = list(req.prompt)
+        if any(not 0 <= t < state.vocab_size for t in ids):
+            raise errors.bad_request(f"prompt token ids must be in [0, {state.vocab_size})", "prompt", "invalid_value")
+        return ids
+    _refuse_hopeless(state, req, param)
     try:
         if req.kind == "chat":
             return encode_prompt(state.tokenizer, req.messages, chat=True,
                                  chat_template_kwargs=req.chat_template_kwargs or None)
-        if isinstance(req.prompt, str):
-            return encode_prompt(state.tokenizer, req.prompt, chat=False)
+        return encode_prompt(state.tokenizer, req.prompt, chat=False)
     except BlockspecError as e:
-        raise errors.bad_request(str(e), "messages" if req.kind == "chat" else "prompt") from None
+        raise errors.bad_request(str(e), param) from None
     except TemplateError as e:  # a chat template may reject messages (e.g. roles must alternate)
-        raise errors.bad_request(f"the chat template rejected the messages: {e}", "messages") from None
-    ids = list(req.prompt)
-    if any(not 0 <= t < state.vocab_size for t in ids):
-        raise errors.bad_request(f"prompt token ids must be in [0, {state.vocab_size})", "prompt", "invalid_value")
-    return ids
+        raise errors.bad_request(f"the chat template rejected the messages: {e}", param) from None
 
 
-def _sampling(state: ServerState, req: GenerationRequest, prompt_len: int) -> SamplingParams:
+def _refuse_hopeless(state: ServerState, req: GenerationRequest, param: str) -> None:
+    """A prompt whose text alone needs more tokens than the context holds (see longest_token_bytes)."""
+    if state.max_token_bytes is None:
+        return
+    if req.kind == "chat":
+        size = sum(len(m["content"].encode("utf-8")) for m in req.messages)
+    else:
+        size = len(req.prompt.encode("utf-8"))
+    at_least = size // state.max_token_bytes
+    if at_least >= state.context_length:
+        raise errors.bad_request(
+            f"the prompt has at least {at_least} tokens but the model's context is {state.context_length} "
+            "tokens; shorten the prompt", param, "context_length_exceeded")
+
+
+def _sampling(state: ServerState, req: GenerationRequest, prompt_len: int, seed: int) -> SamplingParams:
     room = state.context_length - prompt_len
     prompt_param = "messages" if req.kind == "chat" else "prompt"
     if room < 1:
@@ -243,57 +350,192 @@ def _sampling(state: ServerState, req: GenerationRequest, prompt_len: int) -> Sa
             "max_tokens", "context_length_exceeded")
     try:
         return SamplingParams(max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                              top_k=req.top_k, seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
-                              ignore_eos=req.ignore_eos)
+                              top_k=req.top_k, seed=seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
+                              ignore_eos=req.ignore_eos, logprobs=req.top_logprobs if req.logprobs else None)
     except BlockspecError as e:
         raise errors.from_blockspec(e) from None
 
 
-def _admit(state: ServerState, req: GenerationRequest) -> _Job:
-    """Validates, tokenises and submits; raises APIError (nothing is queued on failure)."""
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request sampled with `seed`: choice 0 uses the seed itself
+    (so n=1 and the first of n>1 agree), the others a splitmix64 scramble of (seed, index)."""
+    if index == 0:
+        return seed
+    z = (seed + index * 0x9E3779B97F4A7C15) & (2**64 - 1)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+    return (z ^ (z >> 31)) >> 1  # 63 bits
+
+
+# ---- one generation request ------------------------------------------------------------------
+
+@dataclass
+class _Choice:
+    """One of the n completions of a request: an engine handle and what its tokens became."""
+
+    index: int
+    handle: RequestHandle
+    detok: IncrementalDetokenizer
+    ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    text_sent: int = 0  # characters streamed so far (completion logprobs' text offsets)
+    final: TokenEvent | None = None
+
+
+@dataclass
+class _Job:
+    """A request admitted to the engine, with what is needed to turn its tokens into text."""
+
+    state: ServerState
+    req: GenerationRequest
+    prompt_ids: list[int]
+    params: SamplingParams
+    stops: StopStrings
+    shapes: Shapes
+    arrived: float
+    choices: list[_Choice]
+    inbox: asyncio.Queue  # (choice, TokenEvent) from the engine, or _CUT
+    first_token_at: float | None = None
+    closed: bool = False
+    cut: bool = False
+
+    def __post_init__(self) -> None:
+        self.state.metrics.generation_started()
+        self.state.jobs.add(self)
+
+    def __hash__(self) -> int:
+        return id(self)
+
+    def close(self) -> None:
+        """Cancels the engine requests (a no-op once they finished) and ends the accounting;
+        idempotent. Synchronous on purpose: it runs inside cancelled tasks, where awaiting is not possible."""
+        if not self.closed:
+            self.closed = True
+            for c in self.choices:
+                c.handle.cancel()
+            self.state.metrics.generation_ended()
+            self.state.jobs.discard(self)
+
+    @property
+    def open_choices(self) -> int:
+        return sum(c.final is None for c in self.choices)
+
+    async def next(self) -> tuple[_Choice, TokenEvent] | None:
+        """The next engine event of any choice; None when the drain deadline cut the request."""
+        item = await self.inbox.get()
+        if item is _CUT:
+            self.cut = True
+            return None
+        choice_index, ev = item
+        choice = self.choices[choice_index]
+        if ev.token_ids:
+            if self.first_token_at is None:
+                self.first_token_at = time.perf_counter()
+            choice.ids.extend(ev.token_ids)
+            if ev.logprobs:
+                choice.logprobs.extend(ev.logprobs)
+        if ev.finished:
+            choice.final = ev
+        return choice, ev
+
+    def completion_tokens(self) -> int:
+        return sum(len(c.ids) for c in self.choices)
+
+    def usage(self) -> dict:
+        return usage(len(self.prompt_ids), self.completion_tokens(),
+                     [c.final.stats for c in self.choices if c.final is not None])
+
+    def record(self) -> dict:
+        reasons = [c.final.finish_reason if c.final is not None else CUT_REASON for c in self.choices]
+        stats = [c.final.stats for c in self.choices if c.final is not None and c.final.stats is not None]
+        lengths = [n for s in stats for n in s.acceptance_lengths]
+        ttft = None if self.first_token_at is None else self.first_token_at - self.arrived
+        self.state.metrics.generation_done(reasons[0] or "unknown", len(self.prompt_ids), self.completion_tokens(),
+                                           time.perf_counter() - self.arrived, ttft, lengths)
+        return self.usage()
+
+    def logprobs_of(self, choice: _Choice, ids: list[int], entries: list, offset: int = 0) -> dict | None:
+        if not self.req.logprobs:
+            return None
+        if self.req.kind == "chat":
+            return chat_logprobs(self.state.texts, ids, entries, self.req.top_logprobs)
+        return completion_logprobs(self.state.texts, ids, entries, self.req.top_logprobs, offset)
+
+
+class _EngineStream(StreamingResponse):
+    """A streaming response that always releases its engine requests, even when the client left
+    before the body generator ever started (then the generator's own `finally` never runs)."""
+
+    def __init__(self, job: _Job, content: AsyncIterator[bytes]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.job = job
+
+    async def __call__(self, scope: dict, receive: object, send: object) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.close()
+
+
+async def _generate(state: ServerState, request: Request, req: GenerationRequest) -> Response:
     check_model(req, state.served_model_name)
     if state.draining:
         raise errors.shutting_down()
     arrived = time.perf_counter()
-    prompt_ids = _prompt_ids(state, req)
-    params = _sampling(state, req, len(prompt_ids))
-    stops = StopStrings(state.tokenizer, params.stop)
-    shapes = Shapes(req.kind, state.served_model_name)
-    stop_check = stops.tokens_to_keep if params.stop else None
-    try:
-        handle = state.engine.submit(prompt_ids, params, request_id=shapes.id, stop_check=stop_check)
-    except QueueFullError as e:
-        raise errors.queue_full(str(e)) from None
-    except ContextLengthError as e:
-        raise errors.from_blockspec(e, "messages" if req.kind == "chat" else "prompt") from None
-    except BlockspecError as e:
-        raise errors.from_blockspec(e) from None
-    return _Job(req, prompt_ids, params, stops, handle, shapes, arrived, state.metrics)
-
-
-async def _generate(state: ServerState, request: Request, req: GenerationRequest) -> Response:
-    job = _admit(state, req)
+    prompt_ids = await state.offload(_prompt_ids, state, req)
+    seed = req.seed if req.seed is not None else secrets.randbits(63)
+    params = _sampling(state, req, len(prompt_ids), seed)
+    if state.draining:  # the drain began while the prompt was being tokenised
+        raise errors.shutting_down()
+    job = _admit(state, req, prompt_ids, params, seed, arrived)
     if req.stream:
-        return _EngineStream(job, _stream(state, job))
-    return await _collect(state, request, job)
+        return _EngineStream(job, _stream(job))
+    return await _collect(request, job)
 
 
-def _failure(ev: TokenEvent) -> APIError | None:
-    """The client-facing error of a final event that did not end normally."""
-    if ev.finish_reason == "error":
-        return errors.internal(ev.error or "the engine failed on this request")
-    if ev.finish_reason == "cancelled":
-        return errors.shutting_down()
+def _admit(state: ServerState, req: GenerationRequest, prompt_ids: list[int], params: SamplingParams, seed: int,
+           arrived: float) -> _Job:
+    """Submits the request's n choices; raises APIError with nothing left queued on failure."""
+    stops = StopStrings(state.tokenizer, params.stop)
+    shapes = Shapes(req.kind, state.served_model_name, fingerprint=state.fingerprint, seed=seed)
+    inbox: asyncio.Queue = asyncio.Queue()
+    handles: list[RequestHandle] = []
+    try:
+        for i in range(req.n):
+            handle = state.engine.submit(prompt_ids, params.with_(seed=choice_seed(seed, i)),
+                                         request_id=f"{shapes.id}-{i}",
+                                         stop_check=stops.watch() if params.stop else None)
+            handle.deliver_to(inbox, key=i)
+            handles.append(handle)
+    except BaseException as e:
+        for h in handles:
+            h.cancel()
+        if isinstance(e, QueueFullError):
+            raise errors.queue_full(str(e)) from None
+        if isinstance(e, ContextLengthError):
+            raise errors.from_blockspec(e, "messages" if req.kind == "chat" else "prompt") from None
+        if isinstance(e, BlockspecError):
+            raise errors.from_blockspec(e) from None
+        raise
+    choices = [_Choice(i, h, IncrementalDetokenizer(stops)) for i, h in enumerate(handles)]
+    job = _Job(state, req, prompt_ids, params, stops, shapes, arrived, choices, inbox)
+    if state.cut:  # admitted in the instant the deadline passed: cut it at once
+        inbox.put_nowait(_CUT)
+    return job
+
+
+def _failure(job: _Job) -> APIError | None:
+    """The client-facing error of choices that did not end normally."""
+    for c in job.choices:
+        ev = c.final
+        if ev is not None and ev.finish_reason == "error":
+            reference = uuid.uuid4().hex[:12]
+            log.error("engine failure (reference %s): %s", reference, ev.error)
+            return errors.internal(reference)
+        if ev is not None and ev.finish_reason == "cancelled":
+            return errors.shutting_down()
     return None
-
-
-def _record(state: ServerState, job: _Job, ev: TokenEvent, n_tokens: int) -> dict:
-    stats = ev.stats
-    lengths = list(stats.acceptance_lengths) if stats is not None else []
-    ttft = None if job.first_token_at is None else job.first_token_at - job.arrived
-    state.metrics.generation_done(ev.finish_reason or "unknown", len(job.prompt_ids), n_tokens,
-                                  time.perf_counter() - job.arrived, ttft, lengths)
-    return usage(len(job.prompt_ids), n_tokens, stats)
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -304,99 +546,113 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-async def _final_event(job: _Job, ids: list[int]) -> TokenEvent:
-    async for ev in job.handle.aevents():
-        if ev.token_ids:
-            if job.first_token_at is None:
-                job.first_token_at = time.perf_counter()
-            ids.extend(ev.token_ids)
-        if ev.finished:
-            return ev
-    raise RuntimeError("the engine ended a request without a final event")
+async def _all_events(job: _Job) -> None:
+    while job.open_choices:
+        if await job.next() is None:
+            return
 
 
-async def _collect(state: ServerState, request: Request, job: _Job) -> Response:
+async def _collect(request: Request, job: _Job) -> Response:
     """Non-streamed answer; a client that disconnects while waiting cancels its request."""
-    ids: list[int] = []
-    waiter = asyncio.ensure_future(_final_event(job, ids))
+    waiter = asyncio.ensure_future(_all_events(job))
     watcher = asyncio.ensure_future(_wait_disconnect(request))
     try:
         await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if not waiter.done():
-            job.handle.cancel()
             waiter.cancel()
             return Response(status_code=499)  # nobody is listening; uvicorn drops it
-        ev = waiter.result()
+        waiter.result()
     finally:
         watcher.cancel()
         job.close()
-    usage_obj = _record(state, job, ev, len(ids))
-    failure = _failure(ev)
+    usage_obj = job.record()
+    failure = _failure(job)
     if failure is not None:
         raise failure
-    text = job.stops.visible_text(ids)
-    return JSONResponse(job.shapes.full(text, ev.finish_reason, usage_obj))
+    choices = []
+    for c in job.choices:
+        text = c.detok.push(c.ids, final=True)
+        choices.append(job.shapes.choice(c.index, text, c.final.finish_reason if c.final else CUT_REASON,
+                                         job.logprobs_of(c, c.ids, c.logprobs)))
+    return JSONResponse(job.shapes.full(choices, usage_obj))
 
 
-async def _stream(state: ServerState, job: _Job) -> AsyncIterator[bytes]:
-    """Server-sent events: chunks as tokens are committed, the finish reason, usage, [DONE].
+async def _stream(job: _Job) -> AsyncIterator[bytes]:
+    """Server-sent events: chunks as tokens are committed, each choice's finish reason, usage, [DONE].
 
     When the client disconnects, the server cancels this generator; `finally` then cancels the
-    engine handle so the batch slot is freed at once instead of decoding for nobody.
+    engine handles so the batch slots are freed at once instead of decoding for nobody.
     """
-    detok = IncrementalDetokenizer(job.stops)
     shapes = job.shapes
-    n_tokens = 0
+    chat = job.req.kind == "chat"
     try:
-        if job.req.kind == "chat":
-            yield event(shapes.chunk("", role=True))
-        async for ev in job.handle.aevents():
-            if ev.token_ids:
-                if job.first_token_at is None:
-                    job.first_token_at = time.perf_counter()
-                n_tokens += len(ev.token_ids)
-                delta = detok.push(ev.token_ids)
-                if delta:
-                    yield event(shapes.chunk(delta))
-            if not ev.finished:
-                continue
-            usage_obj = _record(state, job, ev, n_tokens)
-            failure = _failure(ev)
-            if failure is not None:
-                yield event(failure.body())
+        if chat:
+            for c in job.choices:
+                yield event(shapes.chunk("", role=True, index=c.index))
+        while job.open_choices:
+            got = await job.next()
+            if got is None:  # the drain deadline: end every open choice now
+                for c in job.choices:
+                    if c.final is None:
+                        for piece in _closing(job, c, CUT_REASON):
+                            yield piece
                 break
-            tail = detok.push([], final=True)
-            if tail:
-                yield event(shapes.chunk(tail))
-            yield event(shapes.chunk(None if job.req.kind == "chat" else "", ev.finish_reason))
-            if job.req.include_usage:
-                yield event(shapes.usage_chunk(usage_obj))
-            break
+            c, ev = got
+            if ev.finished and ev.finish_reason in ("error", "cancelled"):
+                job.record()
+                yield event(_failure(job).body())
+                yield DONE
+                return
+            if ev.token_ids:
+                delta = c.detok.push(ev.token_ids)
+                lp = job.logprobs_of(c, ev.token_ids, ev.logprobs or [], c.text_sent)
+                if delta or lp is not None:
+                    yield event(shapes.chunk(delta, index=c.index, logprobs=lp))
+                    c.text_sent += len(delta)
+            if ev.finished:
+                for piece in _closing(job, c, ev.finish_reason):
+                    yield piece
+        usage_obj = job.record()
+        if job.req.include_usage:
+            yield event(shapes.usage_chunk(usage_obj))
         yield DONE
     except Exception as e:  # headers are out: report in-band, as OpenAI does, then end the stream
-        log.exception("stream failed", exc_info=e)
-        yield event(errors.internal(f"{type(e).__name__}: {e}").body())
+        reference = uuid.uuid4().hex[:12]
+        log.exception("stream failed (reference %s)", reference, exc_info=e)
+        yield event(errors.internal(reference).body())
         yield DONE
     finally:
         job.close()
+
+
+def _closing(job: _Job, c: _Choice, reason: str | None) -> list[bytes]:
+    """The held-back text of a choice and its chunk with the finish reason."""
+    out = []
+    tail = c.detok.push([], final=True)
+    if tail:
+        out.append(event(job.shapes.chunk(tail, index=c.index)))
+        c.text_sent += len(tail)
+    out.append(event(job.shapes.chunk(None if job.req.kind == "chat" else "", reason or CUT_REASON, index=c.index)))
+    return out
 
 
 # ---- errors and accounting -------------------------------------------------------------------
 
 def _install_error_handlers(app: FastAPI) -> None:
     async def api_error(_request: Request, exc: APIError) -> Response:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return _error_response(exc)
 
     async def http_error(_request: Request, exc: StarletteHTTPException) -> Response:
         return JSONResponse(errors.http_status_error(exc.status_code, str(exc.detail)).body(),
                             status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     async def validation_error(_request: Request, exc: RequestValidationError) -> Response:
-        return JSONResponse(errors.bad_request(f"invalid request: {exc.errors()}").body(), status_code=400)
+        return _error_response(errors.bad_request(f"invalid request: {exc.errors()!s:.300}"))
 
     async def unexpected(_request: Request, exc: Exception) -> Response:
-        log.exception("unhandled error", exc_info=exc)
-        return JSONResponse(errors.internal(f"{type(exc).__name__}: {exc}").body(), status_code=500)
+        reference = uuid.uuid4().hex[:12]
+        log.exception("unhandled error (reference %s)", reference, exc_info=exc)
+        return _error_response(errors.internal(reference))
 
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
@@ -405,7 +661,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 class _CountRequests:
-    """ASGI middleware counting answered requests by route and status (streaming-safe)."""
+    """ASGI middleware counting answered requests by route and status (streaming-safe), and
+    closing the connection after a 413 instead of reading the rest of an oversized body."""
 
     def __init__(self, app: object, metrics: ServerMetrics) -> None:
         self.app = app
@@ -421,6 +678,8 @@ class _CountRequests:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                if status == 413:
+                    message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
             await send(message)
 
         try:

@@ -27,11 +27,30 @@ class APIError(Exception):
         return self.message
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        # Messages may quote the client's input, which can hold lone surrogates: escape what
+        # UTF-8 cannot carry so the error itself can always be sent.
+        return {"error": {"message": _sendable(self.message), "type": self.type, "param": _sendable(self.param),
+                          "code": self.code}}
+
+
+def _sendable(text: str | None) -> str | None:
+    if text is None or text.isascii():
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, INVALID, param, code)
+
+
+def too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body exceeds this server's limit of {limit} bytes "
+                    "(--max-request-bytes); send a shorter prompt", INVALID, None, "request_too_large")
+
+
+def unknown_field(name: str) -> APIError:
+    """What OpenAI answers for a field it does not know."""
+    return APIError(400, f"Unrecognized request argument supplied: {name}", INVALID, name, "unknown_parameter")
 
 
 def unauthorized() -> APIError:
@@ -56,8 +75,10 @@ def shutting_down() -> APIError:
     return APIError(503, "the server is shutting down; retry on another server", "server_error", None, "shutting_down")
 
 
-def internal(message: str) -> APIError:
-    return APIError(500, f"internal error: {message}", "server_error", None, "internal_error")
+def internal(reference: str) -> APIError:
+    """A failure of the server itself; the details go to its log under `reference`, not to the client."""
+    return APIError(500, f"internal server error (reference {reference} in the server log); retry, or report it",
+                    "server_error", None, "internal_error")
 
 
 def from_blockspec(e: BlockspecError, param: str | None = None) -> APIError:

@@ -36,20 +36,51 @@ def url_of(sock: socket.socket) -> str:
     return f"http://{host}:{port}"
 
 
-class _DrainingServer(uvicorn.Server):
-    """On the first Ctrl-C / SIGTERM, new generation requests get 503 while running ones finish."""
+CLOSE_S = 5.0  # after the drain, how long idle keep-alive connections get to close
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn that drains instead of stopping at once (see `drain`); a second SIGTERM/SIGINT
+    during the drain exits at once. Apps without a blockspec ServerState stop as uvicorn does."""
+
+    def __init__(self, config: uvicorn.Config, drain_s: float) -> None:
+        super().__init__(config)
+        self.drain_s = drain_s
+        self.draining = False
+
+    @property
+    def state(self) -> object | None:
+        return getattr(getattr(self.config.app, "state", None), "blockspec", None)
+
+    def drain(self) -> None:
+        """Stops admitting while still listening (generation requests and /health get 503
+        `shutting_down`), lets running requests finish for up to `drain_s` seconds, then ends the
+        open ones (streams with a final chunk and [DONE]) and exits. Safe in a signal handler."""
+        state = self.state
+        if state is None:
+            self.should_exit = True
+            return
+        self.draining = True
+        state.begin_drain(self.drain_s)
 
     def handle_exit(self, sig: int, frame: object) -> None:
-        state = getattr(getattr(self.config.app, "state", None), "blockspec", None)
-        if state is not None:
-            state.draining = True
-        super().handle_exit(sig, frame)
+        # uvicorn would also re-raise the signal after a clean exit; the drain is the clean exit
+        if self.draining or self.state is None:
+            self.should_exit = self.force_exit = True
+        else:
+            self.drain()
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.draining and not self.should_exit and self.state.drain_tick():
+            self.should_exit = True  # everything answered: close the listener and exit
+        return await super().on_tick(counter)
 
 
-def serve_forever(app: object, sock: socket.socket, *, log_level: str = "info", graceful_s: float = 30.0) -> None:
-    """Serves until interrupted (a second Ctrl-C forces the exit)."""
-    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=graceful_s, lifespan="on")
-    _DrainingServer(config).run(sockets=[sock])
+def serve_forever(app: object, sock: socket.socket, *, log_level: str = "info",
+                  drain_s: float = 25.0) -> None:
+    """Serves until SIGTERM/SIGINT, then drains for up to `drain_s` seconds (see DrainingServer)."""
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=CLOSE_S, lifespan="on")
+    DrainingServer(config, drain_s).run(sockets=[sock])
 
 
 class BackgroundServer:
@@ -60,11 +91,11 @@ class BackgroundServer:
     """
 
     def __init__(self, app: object, host: str = "127.0.0.1", port: int = 0, *, log_level: str = "warning",
-                 graceful_s: float = 5.0) -> None:
+                 drain_s: float = 5.0) -> None:
         self.sock = bind(host, port)
         self.url = url_of(self.sock)
-        config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=graceful_s, lifespan="on")
-        self.server = uvicorn.Server(config)
+        config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=CLOSE_S, lifespan="on")
+        self.server = DrainingServer(config, drain_s)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
                                        name="blockspec-http")
 
@@ -79,6 +110,10 @@ class BackgroundServer:
                 raise TimeoutError(f"the HTTP server did not start within {timeout} s")
             time.sleep(0.01)
         return self
+
+    def drain(self) -> None:
+        """What SIGTERM does to `blockspec serve` (DrainingServer.drain); the thread ends after it."""
+        self.server.drain()
 
     def stop(self, timeout: float = 30.0) -> None:
         self.server.should_exit = True

@@ -1,9 +1,11 @@
 """Request bodies of /v1/chat/completions and /v1/completions, validated by hand.
 
 Validation is explicit rather than generated so every rejection names the offending field in
-`param` and says what is accepted, and so fields this server cannot honour (n > 1, penalties,
-logprobs, tools) are refused instead of silently ignored. Unknown fields are ignored, as other
-OpenAI-compatible servers do, because clients send vendor extensions freely.
+`param` and says what is accepted, and so fields this server cannot honour (penalties, tools,
+JSON-schema output) are refused instead of silently ignored. A field neither OpenAI nor this
+server knows gets OpenAI's own answer (400 "Unrecognized request argument supplied").
+Bodies are checked as a whole first (`parse_json`): JSON, nesting depth, and text that UTF-8
+can carry (a lone surrogate escaped as "\\ud800" is valid JSON but no tokenizer takes it).
 """
 
 from __future__ import annotations
@@ -12,12 +14,44 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from blockspec.server.errors import bad_request, model_not_found
+from blockspec.server.errors import bad_request, model_not_found, unknown_field
 
 MAX_INT = 2**31 - 1  # larger max_tokens values are nonsense, not a context question
 MAX_STOPS = 16
+MAX_N = 16  # completions per request (each is a request of the engine's batch)
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound
+MAX_DEPTH = 32  # JSON nesting; OpenAI request bodies need 6 or so
 ROLES = ("system", "user", "assistant", "tool", "developer")
 _MISSING = object()
+
+# The fields each endpoint understands: OpenAI's (some refused below unless neutral) and this
+# server's extensions (top_k, ignore_eos, stop_token_ids, chat_template_kwargs, ...).
+_COMMON_FIELDS = frozenset({
+    "model", "max_tokens", "temperature", "top_p", "n", "seed", "stop", "stream", "stream_options", "logprobs",
+    "presence_penalty", "frequency_penalty", "logit_bias", "user", "top_k", "ignore_eos", "stop_token_ids",
+    "repetition_penalty", "min_p",
+})
+CHAT_FIELDS = _COMMON_FIELDS | {
+    "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools", "tool_choice", "functions",
+    "function_call", "parallel_tool_calls", "store", "metadata", "service_tier", "modalities", "prediction", "audio",
+    "reasoning_effort", "prompt_cache_key", "safety_identifier", "verbosity", "web_search_options",
+    "chat_template_kwargs",
+}
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "best_of", "echo", "suffix"}
+MESSAGE_FIELDS = frozenset({"role", "content", "name", "refusal", "tool_calls", "tool_call_id", "function_call",
+                            "audio"})
+
+# Names apply_chat_template and the template machinery set themselves; a client may not.
+RESERVED_TEMPLATE_NAMES = frozenset({
+    "messages", "conversation", "add_generation_prompt", "continue_final_message", "tokenize", "tools", "documents",
+    "chat_template", "return_dict", "return_tensors", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    "padding", "truncation", "max_length", "bos_token", "eos_token", "pad_token", "unk_token", "sep_token",
+    "cls_token", "mask_token", "additional_special_tokens", "raise_exception", "strftime_now", "range", "loop",
+    "namespace", "joiner", "cycler", "lipsum", "dict", "true", "false", "none",
+})
+# Switches that clients send to any model (Qwen3-style thinking); accepted even where the
+# template does not read them, where they change nothing.
+COMMON_TEMPLATE_SWITCHES = frozenset({"enable_thinking", "thinking", "reasoning_effort"})
 
 
 @dataclass(frozen=True)
@@ -40,17 +74,56 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     chat_template_kwargs: dict = field(default_factory=dict)
+    n: int = 1
+    logprobs: bool = False  # return each chosen token's log-probability
+    top_logprobs: int = 0  # ... and this many most likely alternatives per position
 
 
 def parse_json(raw: bytes) -> dict:
-    """The body as a JSON object, or a 400 naming what is wrong with it."""
+    """The body as a JSON object, or a 400 naming what is wrong with it: not JSON, nested deeper
+    than MAX_DEPTH, or holding a string UTF-8 cannot encode (a lone surrogate)."""
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise bad_request(f"the request body is not valid JSON: {e}", None, "invalid_json") from None
+    except RecursionError:
+        raise bad_request(f"the request body is nested too deeply (at most {MAX_DEPTH} levels)", None,
+                          "invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}", None, "invalid_json")
+    _check_tree(body)
     return body
+
+
+def _check_tree(body: dict) -> None:
+    """Walks the parsed body without recursion: nesting depth and encodable strings."""
+    stack: list[tuple[object, str, int]] = [(body, "", 1)]
+    while stack:
+        value, path, depth = stack.pop()
+        if isinstance(value, str):
+            _check_text(value, path)
+            continue
+        if not isinstance(value, (dict, list)):
+            continue
+        if depth > MAX_DEPTH:
+            raise bad_request(f"the request body is nested too deeply (at most {MAX_DEPTH} levels)", None,
+                              "invalid_json")
+        if isinstance(value, dict):
+            for k, v in value.items():
+                _check_text(k, path)
+                stack.append((v, f"{path}.{k}" if path else k, depth + 1))
+        else:
+            stack.extend((v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value))
+
+
+def _check_text(text: str, path: str) -> None:
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad_request(f"'{path or 'body'}' holds invalid Unicode (a lone surrogate {text[e.start]!a} at "
+                          f"character {e.start}); send text UTF-8 can encode", path or None, "invalid_unicode") from None
 
 
 # ---- field readers: each raises a 400 naming the field -------------------------------------
@@ -68,7 +141,7 @@ def _int(body: dict, name: str, default: int | None, lo: int | None = None, hi: 
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise bad_request(f"'{name}' must be an integer, got {_type_name(value)} {value!r}", name, "invalid_type")
+        raise bad_request(f"'{name}' must be an integer, got {_type_name(value)} {value!r:.60}", name, "invalid_type")
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
         raise bad_request(f"'{name}' must be {bounds}, got {value}", name, "invalid_value")
@@ -80,7 +153,7 @@ def _number(body: dict, name: str, default: float, lo: float, hi: float, *, open
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise bad_request(f"'{name}' must be a number, got {_type_name(value)} {value!r}", name, "invalid_type")
+        raise bad_request(f"'{name}' must be a number, got {_type_name(value)} {value!r:.60}", name, "invalid_type")
     if value < lo or value > hi or (open_lo and value == lo):
         bounds = f"({lo}, {hi}]" if open_lo else f"[{lo}, {hi}]"
         raise bad_request(f"'{name}' must be in {bounds}, got {value}", name, "invalid_value")
@@ -92,7 +165,7 @@ def _bool(body: dict, name: str, default: bool) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise bad_request(f"'{name}' must be a boolean, got {_type_name(value)} {value!r}", name, "invalid_type")
+        raise bad_request(f"'{name}' must be a boolean, got {_type_name(value)} {value!r:.60}", name, "invalid_type")
     return value
 
 
@@ -101,7 +174,7 @@ def _unsupported(body: dict, name: str, neutral: tuple = (), why: str = "") -> N
     value = body.get(name, _MISSING)
     if value is _MISSING or value is None or any(value == n and type(value) is type(n) for n in neutral):
         return
-    raise bad_request(f"'{name}' = {value!r} is not supported by this server{why}", name, "unsupported_parameter")
+    raise bad_request(f"'{name}' = {value!r:.60} is not supported by this server{why}", name, "unsupported_parameter")
 
 
 def _stop(body: dict) -> tuple[str, ...]:
@@ -110,7 +183,7 @@ def _stop(body: dict) -> tuple[str, ...]:
         return ()
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise bad_request(f"'stop' must be a string or an array of strings, got {value!r}", "stop", "invalid_type")
+        raise bad_request(f"'stop' must be a string or an array of strings, got {value!r:.60}", "stop", "invalid_type")
     if len(stops) > MAX_STOPS:
         raise bad_request(f"'stop' takes at most {MAX_STOPS} strings, got {len(stops)}", "stop", "invalid_value")
     return tuple(s for s in stops if s)  # an empty stop string would end every answer at once
@@ -136,22 +209,20 @@ def _model(body: dict) -> str:
     return value
 
 
+def _known(body: dict, fields: frozenset[str]) -> None:
+    for name in body:
+        if name not in fields:
+            raise unknown_field(name)
+
+
 def _common(body: dict) -> dict:
     """Fields shared by both endpoints."""
-    _unsupported(body, "n", (1,), "; send one request per completion")
-    _unsupported(body, "best_of", (1,), "; send one request per completion")
-    _unsupported(body, "logprobs", (False, 0), "")
-    _unsupported(body, "top_logprobs", (0,), "")
     _unsupported(body, "presence_penalty", (0, 0.0), "")
     _unsupported(body, "frequency_penalty", (0, 0.0), "")
     _unsupported(body, "repetition_penalty", (1, 1.0), "")
+    _unsupported(body, "min_p", (0, 0.0), "")
     _unsupported(body, "logit_bias", ({},), "")
-    _unsupported(body, "tools", ([],), " (no tool calling)")
-    _unsupported(body, "functions", ([],), " (no function calling)")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise bad_request("'response_format' other than {'type': 'text'} is not supported by this server",
-                          "response_format", "unsupported_parameter")
+    _string(body, "user")
     if "max_completion_tokens" in body and body["max_completion_tokens"] is not None:
         max_tokens = _int(body, "max_completion_tokens", None, 1, MAX_INT)
     else:
@@ -173,7 +244,32 @@ def _common(body: dict) -> dict:
         ignore_eos=_bool(body, "ignore_eos", False),
         stream=_bool(body, "stream", False),
         include_usage=_bool(options or {}, "include_usage", False),
+        n=_int(body, "n", 1, 1, MAX_N),
     )
+
+
+def _string(body: dict, name: str) -> str | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, str):
+        raise bad_request(f"'{name}' must be a string, got {_type_name(value)}", name, "invalid_type")
+    return value
+
+
+def _no_tools(body: dict) -> None:
+    """Tool calling and structured output are refused with a 400 saying so."""
+    _unsupported(body, "tools", ([],), " (no tool calling)")
+    _unsupported(body, "functions", ([],), " (no function calling)")
+    for name in ("tool_choice", "function_call"):
+        _unsupported(body, name, ("none", "auto"), " (no tool calling)")
+    _bool(body, "parallel_tool_calls", True)
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise bad_request("'response_format' other than {'type': 'text'} (JSON mode, JSON schema) is not "
+                          "supported by this server", "response_format", "unsupported_parameter")
+    _unsupported(body, "modalities", (["text"],), " (text only)")
+    _unsupported(body, "audio", (), " (text only)")
+    _unsupported(body, "prediction", (), "")
+    _unsupported(body, "web_search_options", (), "")
 
 
 def _content(i: int, message: dict) -> str:
@@ -210,6 +306,13 @@ def _messages(body: dict) -> list[dict]:
     for i, m in enumerate(value):
         if not isinstance(m, dict):
             raise bad_request(f"messages[{i}] must be an object, got {_type_name(m)}", f"messages[{i}]", "invalid_type")
+        for key in m:
+            if key not in MESSAGE_FIELDS:
+                raise bad_request(f"messages[{i}]: unrecognized field {key!r}", f"messages[{i}].{key}",
+                                  "unknown_parameter")
+        if m.get("tool_calls"):
+            raise bad_request(f"messages[{i}].tool_calls: tool calling is not supported by this server",
+                              f"messages[{i}].tool_calls", "unsupported_parameter")
         role = m.get("role")
         if role not in ROLES:
             raise bad_request(f"messages[{i}].role must be one of {', '.join(ROLES)}; got {role!r}",
@@ -218,20 +321,61 @@ def _messages(body: dict) -> list[dict]:
     return out
 
 
-def _template_kwargs(body: dict) -> dict:
+def _template_kwargs(body: dict, switches: frozenset[str]) -> dict:
+    """Variables a client may set in the chat template: the `switches` the template reads (see
+    `template_switches`) and the common ones, each a JSON scalar. What the server sets itself
+    (add_generation_prompt, tokenize, messages, ...) is refused, as is what the template ignores."""
     value = body.get("chat_template_kwargs")
     if value is None:
         return {}
     if not isinstance(value, dict):
         raise bad_request("'chat_template_kwargs' must be an object, e.g. {'enable_thinking': false}",
                           "chat_template_kwargs", "invalid_type")
+    allowed = (switches | COMMON_TEMPLATE_SWITCHES) - RESERVED_TEMPLATE_NAMES
+    for key, v in value.items():
+        param = f"chat_template_kwargs.{key}"
+        if key in RESERVED_TEMPLATE_NAMES:
+            raise bad_request(f"chat_template_kwargs may not set {key!r}: the server sets it", param, "invalid_value")
+        if key not in allowed:
+            raise bad_request(f"chat_template_kwargs: {key!r} is not a switch of this model's chat template; "
+                              f"accepted: {', '.join(sorted(allowed))}", param, "invalid_value")
+        if v is not None and not isinstance(v, (bool, int, float, str)):
+            raise bad_request(f"chat_template_kwargs.{key} must be a boolean, number or string, got "
+                              f"{_type_name(v)}", param, "invalid_type")
     return dict(value)
 
 
-def parse_chat(body: dict) -> GenerationRequest:
+def template_switches(chat_template: object) -> frozenset[str]:
+    """The variables a chat template reads that the caller does not set (Qwen3's enable_thinking,
+    ...): what `chat_template_kwargs` may carry. Empty when the template cannot be parsed."""
+    if not isinstance(chat_template, str):
+        return frozenset()
+    try:
+        from jinja2 import meta
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"])
+        names = meta.find_undeclared_variables(env.parse(chat_template))
+    except Exception:  # a template jinja cannot parse here: only the common switches
+        return frozenset()
+    return frozenset(names) - RESERVED_TEMPLATE_NAMES
+
+
+def _chat_logprobs(body: dict) -> dict:
+    logprobs = _bool(body, "logprobs", False)
+    top = _int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
+    if top and not logprobs:
+        raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
+    return dict(logprobs=logprobs, top_logprobs=top)
+
+
+def parse_chat(body: dict, switches: frozenset[str] = frozenset()) -> GenerationRequest:
+    """A chat request; `switches`: the chat template's own variables (`template_switches`)."""
+    _known(body, CHAT_FIELDS)
+    _no_tools(body)
     common = _common(body)
-    return GenerationRequest(kind="chat", messages=_messages(body), chat_template_kwargs=_template_kwargs(body),
-                             **common)
+    return GenerationRequest(kind="chat", messages=_messages(body),
+                             chat_template_kwargs=_template_kwargs(body, switches), **common, **_chat_logprobs(body))
 
 
 def _is_ids(value: object) -> bool:
@@ -239,9 +383,16 @@ def _is_ids(value: object) -> bool:
 
 
 def parse_completion(body: dict) -> GenerationRequest:
+    _known(body, COMPLETION_FIELDS)
     common = _common(body)
     _unsupported(body, "echo", (False,), "")
     _unsupported(body, "suffix", ("",), "")
+    best_of = _int(body, "best_of", None, 1, MAX_N)
+    if best_of is not None and best_of != common["n"]:
+        raise bad_request(f"'best_of' = {best_of} is not supported by this server (only best_of == n)", "best_of",
+                          "unsupported_parameter")
+    # Completions take logprobs as the number of alternatives to list (0: the chosen token only).
+    top = _int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
     prompt = body.get("prompt", _MISSING)
     if prompt is _MISSING or prompt is None:
         raise bad_request("'prompt' is required: a string or an array of token ids", "prompt",
@@ -254,7 +405,8 @@ def parse_completion(body: dict) -> GenerationRequest:
                           "prompt", "unsupported_parameter")
     if not isinstance(prompt, str) and not (_is_ids(prompt) and prompt):
         raise bad_request("'prompt' must be a string or a non-empty array of token ids", "prompt", "invalid_type")
-    return GenerationRequest(kind="completion", prompt=prompt, **common)
+    return GenerationRequest(kind="completion", prompt=prompt, logprobs=top is not None, top_logprobs=top or 0,
+                             **common)
 
 
 def check_model(request: GenerationRequest, served: str) -> None:
@@ -263,4 +415,4 @@ def check_model(request: GenerationRequest, served: str) -> None:
         raise model_not_found(request.model, served)
 
 
-__all__ = ["GenerationRequest", "check_model", "parse_chat", "parse_completion", "parse_json"]
+__all__ = ["GenerationRequest", "check_model", "parse_chat", "parse_completion", "parse_json", "template_switches"]

@@ -1,7 +1,9 @@
 """OpenAI response objects (whole answers and stream chunks) and server-sent-event framing.
 
-One `Shapes` per request builds every object of its answer, so the id, creation time and model
-name are the same on all chunks, as OpenAI clients expect.
+One `Shapes` per request builds every object of its answer, so the id, creation time, model
+name, `system_fingerprint` and `seed` are the same on all chunks, as OpenAI clients expect.
+`seed` (an extension) is the seed the request was sampled with: the client's, or the one the
+server drew for it; sending it back reproduces the answer (see `system_fingerprint`).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Sequence
 
 DONE = b"data: [DONE]\n\n"
 
@@ -18,25 +21,25 @@ def event(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, stats: object | None) -> dict:
-    """The OpenAI usage object plus DFlash statistics under the extension key `dflash`.
-
-    tau is the mean acceptance length: tokens committed per decode step (accepted drafts + 1).
-    """
+def usage(prompt_tokens: int, completion_tokens: int, stats: Sequence[object]) -> dict:
+    """The OpenAI usage object plus DFlash statistics (over all choices) under the extension key
+    `dflash`. tau is the mean acceptance length: tokens committed per decode step (accepted + 1)."""
     out: dict = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
-    if stats is not None:
-        steps = len(getattr(stats, "acceptance_lengths", []) or [])
+    stats = [s for s in stats if s is not None]
+    if stats:
+        lengths = [n for s in stats for n in (getattr(s, "acceptance_lengths", None) or [])]
+        by_position = [list(getattr(s, "accepted_by_position", None) or []) for s in stats]
         out["dflash"] = {
-            "tau": round(float(stats.mean_tau), 4),
-            "steps": steps,
-            "block_size": int(getattr(stats, "block_size", 1)),
-            "accepted_by_position": list(getattr(stats, "accepted_by_position", []) or []),
-            "prefill_s": round(float(getattr(stats, "prefill_s", 0.0)), 6),
-            "decode_s": round(float(getattr(stats, "decode_s", 0.0)), 6),
+            "tau": round(sum(lengths) / max(1, len(lengths)), 4),
+            "steps": len(lengths),
+            "block_size": int(getattr(stats[0], "block_size", 1)),
+            "accepted_by_position": [sum(col) for col in zip(*by_position)],
+            "prefill_s": round(max(float(getattr(s, "prefill_s", 0.0)) for s in stats), 6),
+            "decode_s": round(max(float(getattr(s, "decode_s", 0.0)) for s in stats), 6),
         }
     return out
 
@@ -44,39 +47,48 @@ def usage(prompt_tokens: int, completion_tokens: int, stats: object | None) -> d
 class Shapes:
     """Builds the objects of one answer; `kind` is "chat" or "completion"."""
 
-    def __init__(self, kind: str, model: str) -> None:
+    def __init__(self, kind: str, model: str, *, fingerprint: str | None = None, seed: int | None = None) -> None:
         self.kind = kind
         self.model = model
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
+        self.fingerprint = fingerprint
+        self.seed = seed
 
     def _base(self, chunk: bool) -> dict:
         if self.kind == "chat":
             obj = "chat.completion.chunk" if chunk else "chat.completion"
         else:
             obj = "text_completion"
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+        out = {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+               "system_fingerprint": self.fingerprint}
+        if self.seed is not None:
+            out["seed"] = self.seed
+        return out
 
-    def full(self, text: str, finish_reason: str, usage_obj: dict) -> dict:
-        """The whole (non-streamed) answer."""
+    def choice(self, index: int, text: str, finish_reason: str, logprobs: dict | None = None) -> dict:
+        """One choice of a whole (non-streamed) answer."""
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish_reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        return {**self._base(False), "choices": [choice], "usage": usage_obj}
+            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                    "finish_reason": finish_reason}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, *, role: bool = False) -> dict:
-        """A stream chunk with a text delta (chat: the first one also carries the role)."""
+    def full(self, choices: list[dict], usage_obj: dict) -> dict:
+        """The whole (non-streamed) answer from its `choice`s."""
+        return {**self._base(False), "choices": choices, "usage": usage_obj}
+
+    def chunk(self, text: str | None, finish_reason: str | None = None, *, role: bool = False, index: int = 0,
+              logprobs: dict | None = None) -> dict:
+        """A stream chunk of choice `index` with a text delta (chat: the first one also carries the role)."""
         if self.kind == "chat":
             delta: dict = {}
             if role:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         return {**self._base(True), "choices": [choice]}
 
     def usage_chunk(self, usage_obj: dict) -> dict:

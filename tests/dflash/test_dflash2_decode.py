@@ -1,7 +1,7 @@
 """Decoding with DFlash 2 drafters: the selector's greedy walk keeps the output token-identical to
 plain greedy decoding (batch 1, ragged batches, the engine with joins, adaptive blocks, lookup,
 the server); its sampled walk keeps the output distributed as the target's (chi-square), and the
-test catches a walk verified against the wrong q. The drafter's fast path equals the module."""
+test catches a rule that lets the walk's proposals through. The drafter's fast path equals the module."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import make_tiny_target
-from support import VOCAB, chi2_pvalue, exact_joint, ragged_prompts, reference_greedy, sample_many
+from support import PROMPT, VOCAB, chi2_pvalue, exact_joint, ragged_prompts, reference_greedy, sample_many
 
 from blockspec.config import SamplingParams, SpecConfig
 from blockspec.dflash.batch import DecodeBatch, make_row
@@ -286,8 +286,8 @@ def _sampling_walker(model) -> DFlashDrafter:
 ], ids=["temperature", "top_k", "top_p", "lookup", "trimmed_top_p"])
 def test_sampled_walk_follows_the_target_distribution(shape: dict, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """q_t: the row's temperature, top-k and top-p shape the walk's scores over the K candidates
-    (as they shape p), zero elsewhere; exact because each proposal is drawn from the q_t it is
-    verified against. With lookup, continuations replace the first proposals (one-hot q) and the
+    (as they shape p), zero elsewhere, drawn with the clocks of the target's own draw at that
+    output position; exact because a proposal is kept only where it equals the target's draw. With lookup, continuations replace the first proposals (one-hot q) and the
     walk goes on from them; trimmed: the verify length comes from the confidences."""
     model = make_tiny_target("llama", vocab_size=VOCAB, seed=1)
     sp = SamplingParams(max_new_tokens=3, ignore_eos=True, **shape)
@@ -304,33 +304,43 @@ def test_sampled_walk_follows_the_target_distribution(shape: dict, mode: str, mo
     assert chi2_pvalue(counts, joint) > 1e-3
 
 
-def test_chi_square_detects_the_unary_softmax_as_q_for_the_walk(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Negative control: proposals drawn by the walk but verified against the unary draft
-    distribution (instead of the walk's q_t) bias the output, and the test above catches it."""
+def test_chi_square_detects_walk_proposals_let_through(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control: a rule that keeps the walk's proposals whatever the target samples (the
+    output then follows the walk's q_t, zero on 6 of the 10 tokens) fails the test above; and
+    with the right rule the walk's proposals are accepted often (the walk is coupled to the
+    target's draws), so the test above does exercise accepted walk proposals."""
+    import blockspec.dflash.batch as decode
+
     model = make_tiny_target("llama", vocab_size=VOCAB, seed=1)
     sp = SamplingParams(max_new_tokens=3, ignore_eos=True, temperature=1.0)
     joint = exact_joint(model, sp)
-    walk = DecodeBatch._sample_walk
-
-    def unary_q(self, hidden, forced, confidence):
-        ids, _, peaks = walk(self, hidden, forced, confidence)
-        return ids, self._probs(self.drafter.logits(hidden, self.target.head())), peaks
-
-    monkeypatch.setattr(DecodeBatch, "_sample_walk", unary_q)
     dec = SpecDecoder(HFTarget(model), _sampling_walker(model), SpecConfig(block_size=4))
+    results = dec.generate([PROMPT] * 200, [sp.with_(seed=i) for i in range(200)])
+    steps = [a for r in results for a in r.stats.acceptance_lengths]
+    assert sum(a > 1 for a in steps) >= 5  # steps that accepted a walk proposal (about 1 in 20 here)
+
+    def keep_all(proposals, best, limit=None):
+        m = proposals.shape[1]
+        return torch.full((proposals.shape[0],), m, dtype=torch.long), best[:, m]
+
+    monkeypatch.setattr(decode, "accept_greedy", keep_all)
     counts = sample_many(dec, sp, n=4000, batch=400)
     assert chi2_pvalue(counts.sum(0), joint.sum(0)) < 1e-6
 
 
 def test_sampled_walk_is_seeded_and_greedy_rows_beside_it_stay_exact() -> None:
-    """A seed reproduces a sampled request; a greedy row in the same batch (whose q is one-hot on
-    the walk's best candidate) still gets plain greedy output."""
+    """A seed reproduces a sampled request, also with other block sizes or the adaptive policy
+    (the target's keyed draws decide every token); a greedy row in the same batch (whose q is
+    one-hot on the walk's best candidate) still gets plain greedy output."""
     model = make_tiny_target("llama", seed=2)
     dec = SpecDecoder(HFTarget(model), random_dflash2(model, seed=1), SpecConfig(block_size=4))
     sp = SamplingParams(max_new_tokens=12, temperature=1.0, seed=1234)
     alone = dec.generate([[5, 6, 7]], sp)[0].token_ids
     assert dec.generate([[5, 6, 7]], sp)[0].token_ids == alone
     assert dec.generate([[5, 6, 7]], sp.with_(seed=99))[0].token_ids != alone
+    for config in (SpecConfig(block_size=1), SpecConfig(block_size=8), SpecConfig(block_size=8, adaptive=True)):
+        assert SpecDecoder(HFTarget(model), random_dflash2(model, seed=1), config).generate(
+            [[5, 6, 7]], sp)[0].token_ids == alone  # the seed's text whatever the block size or policy
     mixed = dec.generate([[5, 6, 7], [1, 2], [9, 4, 4]], [sp, SamplingParams(max_new_tokens=16),
                                                           SamplingParams(max_new_tokens=9)])
     assert mixed[1].token_ids == reference_greedy(model, [1, 2], 16)

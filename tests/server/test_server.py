@@ -1,92 +1,23 @@
 """The OpenAI-compatible server over real HTTP on loopback, with the official `openai` client and
-a tiny random Llama (tests/conftest.py `tiny_model_dir`), float64 so greedy text is exact."""
+a tiny random Llama (tests/server/conftest.py)."""
 
 from __future__ import annotations
 
 import json
 import socket
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-import torch
 from openai import OpenAI
+from server_support import client, pipe, server  # noqa: F401 (fixtures)
+from server_support import HELLO, MODEL, assert_error, post, sse_events, wait_for
 
-import blockspec.api
 from blockspec.config import SpecConfig
 from blockspec.engine import Engine, EngineConfig
 from blockspec.server.app import create_app, default_model_name
 from blockspec.server.launch import BackgroundServer
-
-MODEL = "tiny-llama"
-HELLO = [{"role": "user", "content": "Janet has 16 ducks. How much does she make?"}]
-
-
-def wait_for(predicate, timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.01)
-
-
-@pytest.fixture(scope="module")
-def pipe(tiny_model_dir):
-    # One intra-op thread: on a small shared CPU, thread contention makes tiny models 5x slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield blockspec.api.load(str(tiny_model_dir), "fresh", dtype="float64", block_size=4)
-    finally:
-        torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def server(pipe):
-    engine = Engine(pipe.target, pipe.drafter, EngineConfig(SpecConfig(block_size=4), max_batch=8, max_queue=64),
-                    tokenizer=pipe.tokenizer)
-    app = create_app(pipe, engine=engine, served_model_name=MODEL)
-    try:
-        with BackgroundServer(app) as srv:
-            srv.engine = engine
-            srv.state = app.state.blockspec
-            yield srv
-    finally:
-        engine.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with OpenAI(base_url=f"{server.url}/v1", api_key="EMPTY", max_retries=0, timeout=60) as c:
-        yield c
-
-
-def post(server, path: str, body=None, *, raw: bytes | None = None, headers: dict | None = None) -> httpx.Response:
-    content = raw if raw is not None else json.dumps(body).encode()
-    return httpx.post(f"{server.url}{path}", content=content, timeout=30,
-                      headers={"Content-Type": "application/json", **(headers or {})})
-
-
-def assert_error(response: httpx.Response, status: int, *, param: str | None = "any", code: str | None = "any") -> dict:
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert set(body) == {"error"}
-    err = body["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    assert isinstance(err["message"], str) and err["message"]
-    assert isinstance(err["type"], str) and err["type"]
-    if param != "any":
-        assert err["param"] == param, err
-    if code != "any":
-        assert err["code"] == code, err
-    return err
-
-
-def sse_events(response: httpx.Response) -> list[str]:
-    return [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
-
 
 # ---- the published model-card snippet and text equality -------------------------------------
 
@@ -177,6 +108,15 @@ def test_seeded_sampling_is_reproducible(server, client):
     a = client.chat.completions.create(**kwargs).choices[0].message.content
     b = client.chat.completions.create(**kwargs).choices[0].message.content
     assert a == b
+    # between sampled batch mates that join and leave (so the steps' sizes and rows differ)
+    mates = [dict(kwargs, seed=100 + i, max_tokens=3 + 4 * i, messages=[{"role": "user", "content": "Hi " * i}])
+             for i in range(6)]
+    with ThreadPoolExecutor(max_workers=7) as pool:
+        busy = [pool.submit(client.chat.completions.create, **m) for m in mates[:3]]
+        again = pool.submit(client.chat.completions.create, **kwargs)
+        busy += [pool.submit(client.chat.completions.create, **m) for m in mates[3:]]
+        assert again.result().choices[0].message.content == a
+        assert all(f.result().choices for f in busy)
 
 
 def test_the_server_takes_requests_once_its_adaptive_engine_is_calibrated(pipe):
@@ -249,8 +189,13 @@ def test_non_streaming_disconnect_cancels_the_request(server):
     with pytest.raises(httpx.ReadTimeout):
         post_timeout = httpx.Timeout(30, read=0.5)
         httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=post_timeout)
-    wait_for(lambda: server.engine.metrics.requests_running == 0, timeout=3.0, what="the slot to be freed")
-    assert server.engine.metrics.cancelled_total == cancelled + 1
+    # (on a busy machine the client may leave before its prompt is even tokenised: the request is
+    # then admitted and cancelled after it, so wait for the cancellation, not just an empty batch)
+    def cancelled_and_freed() -> bool:
+        metrics = server.engine.metrics  # a snapshot
+        return metrics.cancelled_total == cancelled + 1 and metrics.requests_running == 0
+
+    wait_for(cancelled_and_freed, timeout=10.0, what="the request to be cancelled and its slot freed")
 
 
 def test_queue_full_gives_429_and_shutdown_503(pipe):
@@ -305,8 +250,18 @@ def test_queue_full_gives_429_and_shutdown_503(pipe):
     ({"model": MODEL, "messages": HELLO, "stream": "yes"}, 400, "stream", "invalid_type"),
     ({"model": MODEL, "messages": HELLO, "stop": 3}, 400, "stop", "invalid_type"),
     ({"model": MODEL, "messages": HELLO, "seed": True}, 400, "seed", "invalid_type"),
-    ({"model": MODEL, "messages": HELLO, "n": 2}, 400, "n", "unsupported_parameter"),
-    ({"model": MODEL, "messages": HELLO, "logprobs": True}, 400, "logprobs", "unsupported_parameter"),
+    ({"model": MODEL, "messages": HELLO, "n": 0}, 400, "n", "invalid_value"),
+    ({"model": MODEL, "messages": HELLO, "n": 17}, 400, "n", "invalid_value"),
+    ({"model": MODEL, "messages": HELLO, "logprobs": "yes"}, 400, "logprobs", "invalid_type"),
+    ({"model": MODEL, "messages": HELLO, "top_logprobs": 3}, 400, "top_logprobs", "invalid_value"),
+    ({"model": MODEL, "messages": HELLO, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "invalid_value"),
+    ({"model": MODEL, "messages": HELLO, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools",
+     "unsupported_parameter"),
+    ({"model": MODEL, "messages": HELLO, "response_format": {"type": "json_object"}}, 400, "response_format",
+     "unsupported_parameter"),
+    ({"model": MODEL, "messages": HELLO, "frobnicate": 1}, 400, "frobnicate", "unknown_parameter"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x", "colour": "red"}]}, 400, "messages[0].colour",
+     "unknown_parameter"),
     ({"model": MODEL, "messages": HELLO, "chat_template_kwargs": "no"}, 400, "chat_template_kwargs", "invalid_type"),
 ])
 def test_chat_errors_have_openai_shape_and_status(server, body, status, param, code):

@@ -1,0 +1,51 @@
+"""Memory after load: an idle engine frees its caches (sized for the largest batch and longest
+sequence it served) and trims the heap, so rounds of the same load do not ratchet RSS upwards."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from server_support import MODEL, pipe, wait_for  # noqa: F401 (fixtures)
+
+from blockspec.config import SpecConfig
+from blockspec.engine import Engine, EngineConfig
+from blockspec.server.app import create_app
+from blockspec.server.launch import BackgroundServer
+
+# A load round from another process (so the client's own memory is not measured): concurrent
+# chat requests with long prompts, greedy and sampled, streamed and not.
+CLIENT = """
+import sys, httpx
+from concurrent.futures import ThreadPoolExecutor
+url, n = sys.argv[1], int(sys.argv[2])
+def one(i):
+    body = {"model": "%s", "messages": [{"role": "user", "content": "Janet has 16 ducks. " * 40 + str(i)}],
+            "max_tokens": 48, "temperature": 0.8 if i %% 2 else 0, "ignore_eos": True, "stream": bool(i %% 3)}
+    return httpx.post(url + "/v1/chat/completions", json=body, timeout=300).status_code
+with ThreadPoolExecutor(n) as pool:
+    assert set(pool.map(one, range(n))) == {200}
+""" % MODEL
+
+
+def rss_mb() -> float:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS")) / 1024
+
+
+def test_rounds_of_load_do_not_grow_rss(pipe):
+    engine = Engine(pipe.target, pipe.drafter, EngineConfig(SpecConfig(block_size=4), max_batch=8, max_queue=64, release_idle_s=0.2),
+                    tokenizer=pipe.tokenizer)
+    app = create_app(pipe, engine=engine, served_model_name=MODEL)
+    try:
+        with BackgroundServer(app) as srv:
+            after = []
+            for _ in range(5):
+                subprocess.run([sys.executable, "-c", CLIENT, srv.url, "24"], check=True, timeout=600)
+                wait_for(lambda: engine.released, timeout=30, what="the idle engine to free its caches")
+                after.append(rss_mb())
+    finally:
+        engine.stop()
+    assert engine.batch.tcache is None and engine.batch.dcache is None
+    # the first round warms up (allocator pools, imports of the request path); later ones reuse
+    assert max(after[2:]) - after[1] < 40, after
