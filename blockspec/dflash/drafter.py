@@ -144,6 +144,14 @@ class DrafterConfig:
         """Whether this is a DFlash 2 drafter (block convolutions and a candidate selector)."""
         return self.architecture == DFLASH2
 
+    @property
+    def block_causal(self) -> bool:
+        """Whether a block attends to itself causally, in every layer alike. Bidirectionally unless
+        `is_causal: true`, sliding layers included: so the serving engines run DFlash drafters and
+        so the published ones were trained (Z Lab's Qwen3.6 drafters mix sliding and full layers
+        and have no is_causal key)."""
+        return bool(self.is_causal)
+
     @classmethod
     def from_dict(cls, raw: dict) -> DrafterConfig:
         """Parses a published DFlash config.json (keys may sit at top level or in dflash_config)."""
@@ -323,11 +331,7 @@ class DraftAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         sliding = cfg.layer_types[layer_idx] == "sliding_attention"
-        # A block attends to itself bidirectionally, sliding layers included, as the serving
-        # engines run DFlash drafters and as the published ones were trained (Z Lab's Qwen3.6
-        # drafters mix sliding and full layers and have no is_causal key); only an explicit
-        # `is_causal: true` makes the layers causal.
-        self.causal = bool(cfg.is_causal)
+        self.causal = cfg.block_causal
         self.sliding_window = cfg.sliding_window if sliding else None
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:

@@ -54,14 +54,6 @@ def read_checkpoint(path: str | Path) -> DrafterCheckpoint:
     return DrafterCheckpoint(path, cfg, tensors)
 
 
-def layer_causality(cfg: DrafterConfig) -> set[bool]:
-    """Whether each layer's block attention is causal, as our drafter and the reference read it:
-    `is_causal` when the config sets it, else causal exactly on sliding layers."""
-    if cfg.is_causal is not None:
-        return {bool(cfg.is_causal)}
-    return {t == "sliding_attention" for t in cfg.layer_types}
-
-
 def engine_config(ckpt: DrafterCheckpoint, mask_token: str | None) -> dict:
     """config.json for vLLM, SGLang and Transformers: every key the engines read, where they read it."""
     cfg = ckpt.cfg
@@ -76,9 +68,7 @@ def engine_config(ckpt: DrafterCheckpoint, mask_token: str | None) -> dict:
             out[key] = dflash[key] = value
     # transformers' Qwen3Config (which vLLM and SGLang parse) drops sliding_window unless this is true
     out["use_sliding_window"] = "sliding_attention" in cfg.layer_types
-    causal = layer_causality(cfg)
-    if len(causal) == 1:  # explicit, so no engine falls back to its own default for sliding layers
-        out["is_causal"] = causal.pop()
+    out["is_causal"] = cfg.block_causal  # explicit, so no engine falls back to its own default for sliding layers
     if mask_token is not None:  # SGLang checks it against the target tokenizer (default "<|MASK|>")
         dflash["mask_token"] = mask_token
     out["dflash_config"] = dflash

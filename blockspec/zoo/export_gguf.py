@@ -18,7 +18,7 @@ import torch
 
 from blockspec.dflash.drafter import DFLASH2_DEFAULTS, check_compatible
 from blockspec.errors import CheckpointError, ConfigError
-from blockspec.zoo.export import DTYPES, DrafterCheckpoint, layer_causality
+from blockspec.zoo.export import DTYPES, DrafterCheckpoint
 
 ARCH = "dflash"
 # Published tensor name -> GGUF name ("{i}": layer index). The conv base kernels have no ".weight".
@@ -114,9 +114,6 @@ def _check_llama_cpp(ckpt: DrafterCheckpoint) -> None:
                           f"{cfg.rope_scaling!r} (convert it with llama.cpp's convert_hf_to_gguf.py instead)")
     if cfg.attention_bias:
         raise ConfigError("llama.cpp's dflash loader has no attention biases; this drafter has attention_bias true")
-    if len(layer_causality(cfg)) > 1:
-        raise ConfigError("llama.cpp runs all draft layers causal or all non-causal; this drafter mixes both "
-                          "(sliding layers causal, full layers not): set is_causal in its config.json")
     if cfg.dflash2 and cfg.hidden_size < cfg.selector_top_k * (cfg.selector_top_k + 1):
         k = cfg.selector_top_k
         raise ConfigError(f"llama.cpp needs hidden_size >= selector_top_k * (selector_top_k + 1) = {k * (k + 1)} "
@@ -168,7 +165,7 @@ def write_dflash_gguf(ckpt: DrafterCheckpoint, target_gguf: Path, out: Path, *, 
     w.add_float32(f"{ARCH}.attention.layer_norm_rms_epsilon", float(cfg.rms_norm_eps))
     # llama.cpp taps the input of target layer i + 1, i.e. the output of layer i that DFlash reads.
     w.add_array(f"{ARCH}.target_layers", [int(i) + 1 for i in cfg.target_layer_ids])
-    w.add_bool(f"{ARCH}.attention.causal", layer_causality(cfg).pop())
+    w.add_bool(f"{ARCH}.attention.causal", cfg.block_causal)
     if "sliding_attention" in cfg.layer_types:
         w.add_uint32(f"{ARCH}.attention.sliding_window", int(cfg.sliding_window))
         w.add_array(f"{ARCH}.attention.sliding_window_pattern", [t == "sliding_attention" for t in cfg.layer_types])

@@ -234,7 +234,7 @@ def test_dflash2_export_runs_in_the_reference_package(tiny_model_dir, tmp_path) 
     from transformers import AutoModelForCausalLM
 
     cfg = tiny_config(hidden_size=64, vocab_size=320, num_target_layers=4, mask_token_id=3, target_layer_ids=(1, 2),
-                      layer_types=("sliding_attention",) * 2, sliding_window=32, is_causal=False,
+                      layer_types=("sliding_attention",) * 2, sliding_window=32,
                       **dflash2_sizes(conv_group_size=16, selector_rank=8))
     result = export_drafter(write_checkpoint(tmp_path / "d2", cfg), "hf", tiny_model_dir, tmp_path / "x")
     from transformers import AutoConfig
@@ -268,12 +268,36 @@ def test_logit_transforms_go_where_the_engines_read_them() -> None:
     assert DrafterConfig.from_dict(raw).output_multiplier == 0.5  # and blockspec reads them back
 
 
+@pytest.mark.parametrize("over", [
+    dict(layer_types=("sliding_attention",) * 2, sliding_window=16),
+    dict(layer_types=("sliding_attention", "full_attention"), sliding_window=16),
+    dict(),
+    dict(is_causal=True),
+    dict(layer_types=("sliding_attention", "full_attention"), sliding_window=16, is_causal=False),
+])
+def test_exports_state_the_drafters_causality(tmp_path, over) -> None:
+    """Every export writes whether the block attention is causal, as our drafter runs it (causal
+    only with is_causal true, sliding layers included: issue 42), so no engine falls back to its
+    own default; the same holds for the GGUF, whose one flag covers mixed layer types too."""
+    from blockspec.dflash.drafter import DFlashDrafter
+
+    cfg = tiny_config(**over)
+    runs = {layer.self_attn.causal for layer in DFlashDrafter(cfg).layers}
+    assert runs == {bool(over.get("is_causal"))}
+    raw = engine_config(DrafterCheckpoint(Path("d"), cfg, {}), None)
+    assert "is_causal" in raw and {raw["is_causal"]} == runs
+    target = write_target_gguf(tmp_path / "t.gguf", hidden=32, layers=4, tokens=TOKENS)
+    result = export_drafter(write_checkpoint(tmp_path / "d", cfg), "llama.cpp", target, tmp_path / "out")
+    fields, _ = read_gguf(result.path)
+    assert {fields["dflash.attention.causal"]} == runs
+
+
 # ---- llama.cpp ----------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gguf_export_layout_metadata_and_values(tmp_path, dtype) -> None:
-    cfg = tiny_config(layer_types=("sliding_attention",) * 2, sliding_window=16, is_causal=False)
+    cfg = tiny_config(layer_types=("sliding_attention",) * 2, sliding_window=16)  # non-causal: no is_causal key
     src = write_checkpoint(tmp_path / "d", cfg)
     target = write_target_gguf(tmp_path / "t.gguf", hidden=32, layers=4, tokens=TOKENS)
     result = export_drafter(src, "llama.cpp", target, tmp_path / "out", dtype=dtype)
@@ -397,10 +421,6 @@ def test_export_errors(tiny_model_dir, tiny_drafter_dir, tmp_path, capsys) -> No
     target = write_target_gguf(tmp_path / "t.gguf", hidden=32, layers=4, tokens=TOKENS)
     with pytest.raises(CheckpointError, match="neither a GGUF file nor a zoo name"):
         export_drafter(src, "llama.cpp", tmp_path / "missing.gguf", tmp_path / "g")
-    mixed = write_checkpoint(tmp_path / "m", tiny_config(layer_types=("sliding_attention", "full_attention"),
-                                                          sliding_window=16))
-    with pytest.raises(ConfigError, match="mixes both"):
-        export_drafter(mixed, "llama.cpp", target, tmp_path / "g")
     scaled = write_checkpoint(tmp_path / "s", tiny_config(rope_scaling={"rope_type": "linear", "factor": 2.0}))
     with pytest.raises(ConfigError, match="plain RoPE only"):
         export_drafter(scaled, "llama.cpp", target, tmp_path / "g")
