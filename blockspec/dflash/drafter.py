@@ -20,18 +20,18 @@ from torch.nn import functional as F
 from blockspec.errors import CheckpointError, CompatibilityError, ConfigError
 from blockspec.cpu.argmax import argmax_and_peak, greedy_ids
 from blockspec.cpu.linear import linear, project
+from blockspec.dflash.checkpoint import (
+    CONFIG_NAME,
+    DRAFT_VOCAB_NAME,
+    check_tensors,
+    read_config_json,
+    read_tensors,
+    write_tensors,
+)
 from blockspec.dflash.conv import BlockConv
 from blockspec.dflash.selector import CandidateSelector, Pick, pick_best
 from blockspec.targets.rope import Rotary, apply_rope, rope_inv_freq
 from blockspec.targets.slots import EMPTY, SlotTable, gather_slots
-
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
-INDEX_NAME = "model.safetensors.index.json"
-# Optional, next to the published files (other loaders ignore it): the token ids the drafter
-# proposes from. Training with a restricted loss vocabulary writes it; drafting then scores only
-# those rows of the head, which is most of a draft pass on CPU. Verification is untouched.
-DRAFT_VOCAB_NAME = "draft_vocab.safetensors"
 
 
 DFLASH = "DFlashDraftModel"
@@ -143,6 +143,14 @@ class DrafterConfig:
     def dflash2(self) -> bool:
         """Whether this is a DFlash 2 drafter (block convolutions and a candidate selector)."""
         return self.architecture == DFLASH2
+
+    @property
+    def block_causal(self) -> bool:
+        """Whether a block attends to itself causally, in every layer alike. Bidirectionally unless
+        `is_causal: true`, sliding layers included: so the serving engines run DFlash drafters and
+        so the published ones were trained (Z Lab's Qwen3.6 drafters mix sliding and full layers
+        and have no is_causal key)."""
+        return bool(self.is_causal)
 
     @classmethod
     def from_dict(cls, raw: dict) -> DrafterConfig:
@@ -323,11 +331,7 @@ class DraftAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         sliding = cfg.layer_types[layer_idx] == "sliding_attention"
-        # A block attends to itself bidirectionally, sliding layers included, as the serving
-        # engines run DFlash drafters and as the published ones were trained (Z Lab's Qwen3.6
-        # drafters mix sliding and full layers and have no is_causal key); only an explicit
-        # `is_causal: true` makes the layers causal.
-        self.causal = bool(cfg.is_causal)
+        self.causal = cfg.block_causal
         self.sliding_window = cfg.sliding_window if sliding else None
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
@@ -755,75 +759,16 @@ def save_drafter(model: DFlashDrafter, path: str | Path, *, max_shard_bytes: int
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / CONFIG_NAME).write_text(json.dumps(model.cfg.to_dict(), indent=2) + "\n")
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, tensor in state.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensor
-        size += nbytes
-    for stale in list(path.glob("model*.safetensors")) + [path / INDEX_NAME, path / DRAFT_VOCAB_NAME]:
-        stale.unlink(missing_ok=True)
+    write_tensors(model.state_dict(), path, max_shard_bytes=max_shard_bytes)
+    (path / DRAFT_VOCAB_NAME).unlink(missing_ok=True)  # an earlier save's, for another vocabulary
     if model.draft_vocab is not None:
         save_file({"token_ids": model.draft_vocab.detach().cpu().contiguous()}, str(path / DRAFT_VOCAB_NAME))
-    if len(shards) == 1:
-        save_file(shards[0], str(path / WEIGHTS_NAME), metadata={"format": "pt"})
-        return path
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(path / fname), metadata={"format": "pt"})
-        weight_map.update({name: fname for name in shard})
-    total = sum(t.numel() * t.element_size() for t in state.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (path / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
     return path
-
-
-def _read_state(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    files: list[Path]
-    if (path / INDEX_NAME).exists():
-        try:
-            index = json.loads((path / INDEX_NAME).read_text())
-            files = [path / f for f in sorted(set(index["weight_map"].values()))]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{path / INDEX_NAME} is corrupt ({e}); re-download the drafter") from e
-    elif (path / WEIGHTS_NAME).exists():
-        files = [path / WEIGHTS_NAME]
-    else:
-        raise CheckpointError(
-            f"no {WEIGHTS_NAME} or {INDEX_NAME} in {path}; point --drafter at a DFlash drafter "
-            "directory (config.json + safetensors)"
-        )
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        if not f.exists():
-            raise CheckpointError(f"weight shard {f} is missing; re-download the drafter")
-        try:
-            state.update(load_file(str(f)))
-        except Exception as e:  # safetensors raises several types for truncated files
-            raise CheckpointError(f"cannot read {f} ({e}); the file is corrupt, re-download it") from e
-    return state
 
 
 def read_drafter_config(path: str | Path) -> DrafterConfig:
     """The config.json of a drafter directory in the published format."""
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"drafter directory {path} does not exist")
-    cfg_file = path / CONFIG_NAME
-    if not cfg_file.exists():
-        raise CheckpointError(f"{cfg_file} is missing; a DFlash drafter directory needs config.json")
-    try:
-        raw = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{cfg_file} is not valid JSON ({e}); re-download the drafter") from e
-    return DrafterConfig.from_dict(raw)
+    return DrafterConfig.from_dict(read_config_json(path))
 
 
 def load_drafter(
@@ -833,9 +778,9 @@ def load_drafter(
     False ignores a draft_vocab.safetensors beside it (propose from the whole vocabulary)."""
     path = Path(path)
     cfg = read_drafter_config(path)
-    state = _read_state(path)
+    state = read_tensors(path)
+    check_tensors(cfg, state, path)
     model = DFlashDrafter(cfg)
-    _check_state(model, state, path)
     stored = next(iter(state.values())).dtype
     model.load_state_dict(state)
     if draft_vocab and (path / DRAFT_VOCAB_NAME).exists():
@@ -848,44 +793,6 @@ def load_drafter(
             raise CheckpointError(f"{path / DRAFT_VOCAB_NAME} is not a valid draft vocabulary ({e}); "
                                   f"delete it to draft from the whole vocabulary") from e
     return model.to(device=device, dtype=dtype or stored).eval()
-
-
-def _is_dflash2_weight(name: str) -> bool:
-    return name.startswith("candidate_selector.") or ".attention_conv." in name or ".mlp_conv." in name
-
-
-def _check_state(model: DFlashDrafter, state: dict[str, torch.Tensor], path: Path) -> None:
-    """Raises CheckpointError naming the first weight that is missing, unexpected or misshapen."""
-    want = {name: t.shape for name, t in model.state_dict().items()}
-    arch = model.cfg.architecture
-    missing = sorted(set(want) - set(state))
-    unexpected = sorted(set(state) - set(want))
-    if missing and _is_dflash2_weight(missing[0]):
-        raise CheckpointError(
-            f"DFlash 2 weight {missing[0]} is missing from {path} ({len(missing)} missing in all); its "
-            f"config.json declares {DFLASH2}: the checkpoint is incomplete, re-download or re-save it"
-        )
-    if unexpected and _is_dflash2_weight(unexpected[0]) and not model.cfg.dflash2:
-        raise CheckpointError(
-            f"weight {unexpected[0]} in {path} belongs to a DFlash 2 drafter, but its config.json declares "
-            f"{arch}; set \"architectures\": [\"{DFLASH2}\"] and the DFlash 2 keys in dflash_config"
-        )
-    if missing or unexpected:
-        raise CheckpointError(
-            f"drafter weights in {path} do not match its config.json: missing {missing[:5]}"
-            f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
-            f"{'...' if len(unexpected) > 5 else ''}"
-        )
-    for name, tensor in state.items():
-        if tensor.shape != want[name]:
-            why = ""
-            if _is_dflash2_weight(name):
-                c = model.cfg
-                why = (f" (DFlash 2 keys: conv_kernel_size {c.conv_kernel_size}, conv_group_size "
-                       f"{c.conv_group_size}, selector_rank {c.selector_rank}, hidden_size {c.hidden_size}, "
-                       f"vocab_size {c.vocab_size})")
-            raise CheckpointError(f"weight {name} in {path} has shape {tuple(tensor.shape)}, config.json implies "
-                                  f"{tuple(want[name])}{why}")
 
 
 def check_compatible(cfg: DrafterConfig, *, hidden_size: int, vocab_size: int, num_layers: int) -> None:

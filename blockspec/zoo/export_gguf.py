@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from blockspec.dflash.drafter import check_compatible
+from blockspec.dflash.drafter import DFLASH2_DEFAULTS, check_compatible
 from blockspec.errors import CheckpointError, ConfigError
-from blockspec.zoo.export import DTYPES, DrafterCheckpoint, layer_causality
+from blockspec.zoo.export import DTYPES, DrafterCheckpoint
 
 ARCH = "dflash"
 # Published tensor name -> GGUF name ("{i}": layer index). The conv base kernels have no ".weight".
@@ -114,11 +114,8 @@ def _check_llama_cpp(ckpt: DrafterCheckpoint) -> None:
                           f"{cfg.rope_scaling!r} (convert it with llama.cpp's convert_hf_to_gguf.py instead)")
     if cfg.attention_bias:
         raise ConfigError("llama.cpp's dflash loader has no attention biases; this drafter has attention_bias true")
-    if len(layer_causality(cfg)) > 1:
-        raise ConfigError("llama.cpp runs all draft layers causal or all non-causal; this drafter mixes both "
-                          "(sliding layers causal, full layers not): set is_causal in its config.json")
-    if ckpt.dflash2 and cfg.hidden_size < ckpt.dflash2.selector_top_k * (ckpt.dflash2.selector_top_k + 1):
-        k = ckpt.dflash2.selector_top_k
+    if cfg.dflash2 and cfg.hidden_size < cfg.selector_top_k * (cfg.selector_top_k + 1):
+        k = cfg.selector_top_k
         raise ConfigError(f"llama.cpp needs hidden_size >= selector_top_k * (selector_top_k + 1) = {k * (k + 1)} "
                           f"for its DFlash 2 selector lattice; this drafter has hidden_size {cfg.hidden_size}")
 
@@ -160,15 +157,15 @@ def write_dflash_gguf(ckpt: DrafterCheckpoint, target_gguf: Path, out: Path, *, 
         "attention.head_count": cfg.num_attention_heads, "attention.head_count_kv": cfg.num_key_value_heads,
         "attention.key_length": cfg.head_dim, "attention.value_length": cfg.head_dim, "block_size": cfg.block_size,
     }
-    if ckpt.dflash2:
-        u32 |= {k: v for k, v in vars(ckpt.dflash2).items()}
+    if cfg.dflash2:
+        u32 |= {k: getattr(cfg, k) for k in DFLASH2_DEFAULTS}
     for key, value in u32.items():
         w.add_uint32(f"{ARCH}.{key}", int(value))
     w.add_float32(f"{ARCH}.rope.freq_base", float(cfg.rope_theta))
     w.add_float32(f"{ARCH}.attention.layer_norm_rms_epsilon", float(cfg.rms_norm_eps))
     # llama.cpp taps the input of target layer i + 1, i.e. the output of layer i that DFlash reads.
     w.add_array(f"{ARCH}.target_layers", [int(i) + 1 for i in cfg.target_layer_ids])
-    w.add_bool(f"{ARCH}.attention.causal", layer_causality(cfg).pop())
+    w.add_bool(f"{ARCH}.attention.causal", cfg.block_causal)
     if "sliding_attention" in cfg.layer_types:
         w.add_uint32(f"{ARCH}.attention.sliding_window", int(cfg.sliding_window))
         w.add_array(f"{ARCH}.attention.sliding_window_pattern", [t == "sliding_attention" for t in cfg.layer_types])

@@ -15,6 +15,7 @@ import torch
 from conftest import make_tiny_target
 
 from blockspec.errors import CheckpointError, ConfigError
+from blockspec.dflash.checkpoint import expected_tensors
 from blockspec.dflash.drafter import (
     DFLASH2,
     DFlashDrafter,
@@ -300,6 +301,27 @@ def test_missing_or_misshapen_dflash2_weights_are_refused_by_name(tmp_path: Path
     _rewrite(path, lambda state: state.update({name: state[name][..., :-1].contiguous()}))
     with pytest.raises(CheckpointError, match=rf"weight {name} in .* has shape .*config.json implies"):
         load_drafter(path)
+
+
+@pytest.mark.parametrize("arch,over", [
+    ("DFlashDraftModel", {}),
+    ("DFlashDraftModel", dict(attention_bias=True, num_key_value_heads=1, intermediate_size=40)),
+    (DFLASH2, {}),
+    (DFLASH2, dict(conv_kernel_size=3, conv_group_size=4, selector_rank=7, attention_bias=True)),
+])
+def test_expected_tensors_are_the_models_weights(arch: str, over: dict) -> None:
+    """The checkpoint check (used by loading and by export, without a model) expects exactly the
+    weights the model class has, with their shapes."""
+    base = dflash2_drafter().cfg.to_dict()
+    base["architectures"] = [arch]
+    if arch != DFLASH2:
+        for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            base["dflash_config"].pop(key)
+    for key, value in over.items():
+        (base["dflash_config"] if key in base["dflash_config"] else base)[key] = value
+    cfg = DrafterConfig.from_dict(base)
+    model = DFlashDrafter(cfg)
+    assert expected_tensors(cfg) == {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
 def test_dflash_config_with_dflash2_weights_is_refused(tmp_path: Path) -> None:

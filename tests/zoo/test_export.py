@@ -18,17 +18,11 @@ from safetensors.torch import load_file, save_file
 from blockspec.cli import main
 from blockspec.config import SamplingParams, SpecConfig
 from blockspec.engine.decoder import SpecDecoder
-from blockspec.dflash.drafter import DrafterConfig, load_drafter
+from blockspec.dflash.drafter import DFLASH2, DFLASH2_DEFAULTS, DrafterConfig, load_drafter
 from blockspec.errors import CheckpointError, CompatibilityError, ConfigError
 from blockspec.targets.hf import HFTarget
-from blockspec.zoo.export import (
-    DFlash2Sizes,
-    DrafterCheckpoint,
-    engine_config,
-    expected_tensors,
-    export_drafter,
-    read_checkpoint,
-)
+from blockspec.dflash.checkpoint import expected_tensors
+from blockspec.zoo.export import DrafterCheckpoint, engine_config, export_drafter, read_checkpoint
 from blockspec.zoo.export_gguf import gguf_name
 
 gguf = pytest.importorskip("gguf")
@@ -89,13 +83,19 @@ def tiny_config(**over) -> DrafterConfig:
     return DrafterConfig(**(kw | over))
 
 
-def write_checkpoint(path: Path, cfg: DrafterConfig, sizes: DFlash2Sizes | None = None, *,
-                     sizes_at_top_level: bool = False, seed: int = 0, drop: str | None = None,
-                     reshape: str | None = None) -> Path:
-    """A checkpoint in the published layout with random tensors: DFlash, or DFlash 2 built by hand
-    from DESIGN section 7 (the layout vLLM, SGLang and llama.cpp read), not from a model class."""
+def dflash2_sizes(conv_kernel_size: int = 2, conv_group_size: int = 8, selector_rank: int = 6,
+                  selector_top_k: int = 4) -> dict:
+    """The DrafterConfig fields of a DFlash 2 drafter of these sizes."""
+    return dict(architecture=DFLASH2, conv_kernel_size=conv_kernel_size, conv_group_size=conv_group_size,
+                selector_rank=selector_rank, selector_top_k=selector_top_k)
+
+
+def write_checkpoint(path: Path, cfg: DrafterConfig, *, sizes_at_top_level: bool = False, seed: int = 0,
+                     drop: str | None = None, reshape: str | None = None) -> Path:
+    """A checkpoint in the published layout with random tensors, DFlash or DFlash 2 (DESIGN
+    section 7: the layout vLLM, SGLang and llama.cpp read), from the config, not a model class."""
     g = torch.Generator().manual_seed(seed)
-    tensors = {n: torch.randn(s, generator=g) * 0.05 for n, s in expected_tensors(cfg, sizes).items()}
+    tensors = {n: torch.randn(s, generator=g) * 0.05 for n, s in expected_tensors(cfg).items()}
     for name in tensors:
         if name.endswith("norm.weight"):
             tensors[name] = 1.0 + tensors[name]
@@ -104,11 +104,8 @@ def write_checkpoint(path: Path, cfg: DrafterConfig, sizes: DFlash2Sizes | None 
     if reshape:
         tensors[reshape] = tensors[reshape][..., :-1].contiguous()
     raw = cfg.to_dict()
-    if sizes:
-        raw["architectures"] = ["DFlash2DraftModel"]
-        fields = {"conv_kernel_size": sizes.conv_kernel_size, "conv_group_size": sizes.conv_group_size,
-                  "selector_rank": sizes.selector_rank, "selector_top_k": sizes.selector_top_k}
-        (raw if sizes_at_top_level else raw["dflash_config"]).update(fields)
+    if cfg.dflash2 and sizes_at_top_level:
+        raw |= {k: raw["dflash_config"].pop(k) for k in DFLASH2_DEFAULTS}
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(raw))
     save_file(tensors, str(path / "model.safetensors"))
@@ -209,9 +206,10 @@ def test_dflash2_checkpoint_exports_with_its_keys_in_dflash_config(tiny_model_di
     """A hand-built DFlash 2 checkpoint with its sizes at the top level (DESIGN: read from either
     place): the export moves them into dflash_config, where vLLM and SGLang read them, and keeps
     every tensor byte for byte under its published name."""
-    cfg = tiny_config(hidden_size=64, vocab_size=320, num_target_layers=4, mask_token_id=3, target_layer_ids=(1, 2))
-    sizes = DFlash2Sizes(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4)
-    src = write_checkpoint(tmp_path / "d2", cfg, sizes, sizes_at_top_level=True)
+    cfg = tiny_config(hidden_size=64, vocab_size=320, num_target_layers=4, mask_token_id=3, target_layer_ids=(1, 2),
+                      **dflash2_sizes(conv_group_size=16, selector_rank=8))
+    src = write_checkpoint(tmp_path / "d2", cfg, sizes_at_top_level=True)
+    assert "selector_rank" not in json.loads((src / "config.json").read_text())["dflash_config"]
     result = export_drafter(src, "vllm", tiny_model_dir, tmp_path / "x")
     assert '"num_speculative_tokens": 7' in result.command  # the convolution spans 1 + that many slots
     raw = json.loads((result.path / "config.json").read_text())
@@ -224,7 +222,8 @@ def test_dflash2_checkpoint_exports_with_its_keys_in_dflash_config(tiny_model_di
     assert all(torch.equal(original[k], exported[k]) for k in original)
     assert exported["layers.1.attention_conv.kernel_projection.weight"].shape == (2 * 2 * (64 // 16), 64)
     assert exported["candidate_selector.successor_codebook"].shape == (320, 8)
-    assert read_checkpoint(result.path).dflash2 == sizes  # the export reads back as the same checkpoint
+    back = read_checkpoint(result.path).cfg  # the export reads back as the same drafter
+    assert back.dflash2 and all(getattr(back, k) == getattr(cfg, k) for k in DFLASH2_DEFAULTS)
 
 
 def test_dflash2_export_runs_in_the_reference_package(tiny_model_dir, tmp_path) -> None:
@@ -235,9 +234,9 @@ def test_dflash2_export_runs_in_the_reference_package(tiny_model_dir, tmp_path) 
     from transformers import AutoModelForCausalLM
 
     cfg = tiny_config(hidden_size=64, vocab_size=320, num_target_layers=4, mask_token_id=3, target_layer_ids=(1, 2),
-                      layer_types=("sliding_attention",) * 2, sliding_window=32, is_causal=False)
-    sizes = DFlash2Sizes(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4)
-    result = export_drafter(write_checkpoint(tmp_path / "d2", cfg, sizes), "hf", tiny_model_dir, tmp_path / "x")
+                      layer_types=("sliding_attention",) * 2, sliding_window=32,
+                      **dflash2_sizes(conv_group_size=16, selector_rank=8))
+    result = export_drafter(write_checkpoint(tmp_path / "d2", cfg), "hf", tiny_model_dir, tmp_path / "x")
     from transformers import AutoConfig
 
     parsed = AutoConfig.from_pretrained(str(result.path))  # what vLLM and SGLang parse config.json into
@@ -262,11 +261,35 @@ def test_dflash2_export_runs_in_the_reference_package(tiny_model_dir, tmp_path) 
 
 def test_logit_transforms_go_where_the_engines_read_them() -> None:
     cfg = tiny_config(output_multiplier=0.5, final_logit_softcapping=30.0, input_embedding_scale=2.0)
-    raw = engine_config(DrafterCheckpoint(Path("d"), cfg, None, {}), None)
+    raw = engine_config(DrafterCheckpoint(Path("d"), cfg, {}), None)
     assert raw["dflash_config"]["output_multiplier"] == 0.5 == raw["output_multiplier"]
     assert raw["dflash_config"]["final_logit_softcapping"] == 30.0
     assert raw["dflash_config"]["input_embedding_scale"] == 2.0
     assert DrafterConfig.from_dict(raw).output_multiplier == 0.5  # and blockspec reads them back
+
+
+@pytest.mark.parametrize("over", [
+    dict(layer_types=("sliding_attention",) * 2, sliding_window=16),
+    dict(layer_types=("sliding_attention", "full_attention"), sliding_window=16),
+    dict(),
+    dict(is_causal=True),
+    dict(layer_types=("sliding_attention", "full_attention"), sliding_window=16, is_causal=False),
+])
+def test_exports_state_the_drafters_causality(tmp_path, over) -> None:
+    """Every export writes whether the block attention is causal, as our drafter runs it (causal
+    only with is_causal true, sliding layers included: issue 42), so no engine falls back to its
+    own default; the same holds for the GGUF, whose one flag covers mixed layer types too."""
+    from blockspec.dflash.drafter import DFlashDrafter
+
+    cfg = tiny_config(**over)
+    runs = {layer.self_attn.causal for layer in DFlashDrafter(cfg).layers}
+    assert runs == {bool(over.get("is_causal"))}
+    raw = engine_config(DrafterCheckpoint(Path("d"), cfg, {}), None)
+    assert "is_causal" in raw and {raw["is_causal"]} == runs
+    target = write_target_gguf(tmp_path / "t.gguf", hidden=32, layers=4, tokens=TOKENS)
+    result = export_drafter(write_checkpoint(tmp_path / "d", cfg), "llama.cpp", target, tmp_path / "out")
+    fields, _ = read_gguf(result.path)
+    assert {fields["dflash.attention.causal"]} == runs
 
 
 # ---- llama.cpp ----------------------------------------------------------------------------------
@@ -274,7 +297,7 @@ def test_logit_transforms_go_where_the_engines_read_them() -> None:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gguf_export_layout_metadata_and_values(tmp_path, dtype) -> None:
-    cfg = tiny_config(layer_types=("sliding_attention",) * 2, sliding_window=16, is_causal=False)
+    cfg = tiny_config(layer_types=("sliding_attention",) * 2, sliding_window=16)  # non-causal: no is_causal key
     src = write_checkpoint(tmp_path / "d", cfg)
     target = write_target_gguf(tmp_path / "t.gguf", hidden=32, layers=4, tokens=TOKENS)
     result = export_drafter(src, "llama.cpp", target, tmp_path / "out", dtype=dtype)
@@ -305,9 +328,7 @@ def test_gguf_export_layout_metadata_and_values(tmp_path, dtype) -> None:
 
 
 def test_dflash2_gguf_export(tmp_path) -> None:
-    cfg = tiny_config()
-    sizes = DFlash2Sizes(conv_kernel_size=2, conv_group_size=8, selector_rank=6, selector_top_k=4)
-    src = write_checkpoint(tmp_path / "d2", cfg, sizes)
+    src = write_checkpoint(tmp_path / "d2", tiny_config(**dflash2_sizes()))
     target = write_target_gguf(tmp_path / "t.gguf", hidden=32, layers=4, tokens=TOKENS)
     result = export_drafter(src, "llama.cpp", target, tmp_path / "d2.gguf", dtype="bfloat16")
     assert result.path == tmp_path / "d2.gguf"
@@ -335,27 +356,34 @@ def test_dflash2_gguf_export(tmp_path) -> None:
 
 
 def test_checkpoint_errors_name_the_tensor(tmp_path) -> None:
-    cfg = tiny_config()
-    sizes = DFlash2Sizes(conv_kernel_size=2, conv_group_size=8, selector_rank=6, selector_top_k=4)
-    with pytest.raises(CheckpointError, match="tensor layers.1.mlp_conv.base_kernel is missing"):
-        read_checkpoint(write_checkpoint(tmp_path / "a", cfg, sizes, drop="layers.1.mlp_conv.base_kernel"))
-    with pytest.raises(CheckpointError, match=r"candidate_selector.hidden_projection.weight has shape \[6, 31\]"):
-        read_checkpoint(write_checkpoint(tmp_path / "b", cfg, sizes, reshape="candidate_selector.hidden_projection.weight"))
-    d2 = write_checkpoint(tmp_path / "c", cfg, sizes)
+    """Export reads a checkpoint as loading a drafter does: the same checks, the same messages."""
+    cfg = tiny_config(**dflash2_sizes())
+    with pytest.raises(CheckpointError, match="DFlash 2 weight layers.1.mlp_conv.base_kernel is missing"):
+        read_checkpoint(write_checkpoint(tmp_path / "a", cfg, drop="layers.1.mlp_conv.base_kernel"))
+    with pytest.raises(CheckpointError, match="weight layers.0.mlp.up_proj.weight is missing"):
+        read_checkpoint(write_checkpoint(tmp_path / "a2", cfg, drop="layers.0.mlp.up_proj.weight"))
+    with pytest.raises(CheckpointError, match=r"candidate_selector.hidden_projection.weight in .* has shape \(6, 31\)"):
+        read_checkpoint(write_checkpoint(tmp_path / "b", cfg, reshape="candidate_selector.hidden_projection.weight"))
+    d2 = write_checkpoint(tmp_path / "c", cfg)
     raw = json.loads((d2 / "config.json").read_text())
     raw["architectures"] = ["DFlashDraftModel"]
     (d2 / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(CheckpointError, match="unexpected tensor .*DFlash 2 tensor but config.json declares"):
+    with pytest.raises(CheckpointError, match="belongs to a DFlash 2 drafter, but its config.json declares DFlashDraftModel"):
         read_checkpoint(d2)
+    extra = write_checkpoint(tmp_path / "e", tiny_config())
+    save_file(load_file(str(extra / "model.safetensors")) | {"lm_head.weight": torch.zeros(48, 32)},
+              str(extra / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="unexpected weight lm_head.weight in"):
+        read_checkpoint(extra)
+    # a DFlash 2 key left out takes the published drafters' value (DFLASH2_DEFAULTS), as loading does
     raw["architectures"] = ["DFlash2DraftModel"]
     del raw["dflash_config"]["selector_top_k"]
     (d2 / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(CheckpointError, match="declares DFlash2DraftModel but has no selector_top_k"):
-        read_checkpoint(d2)
+    assert read_checkpoint(d2).cfg.selector_top_k == DFLASH2_DEFAULTS["selector_top_k"]
     raw["dflash_config"]["selector_top_k"] = 4
     raw["dflash_config"]["conv_group_size"] = 5
     (d2 / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(ConfigError, match="conv_group_size 5 does not divide hidden_size 32"):
+    with pytest.raises(ConfigError, match="conv_group_size 5 must divide hidden_size 32"):
         read_checkpoint(d2)
 
 
@@ -393,15 +421,10 @@ def test_export_errors(tiny_model_dir, tiny_drafter_dir, tmp_path, capsys) -> No
     target = write_target_gguf(tmp_path / "t.gguf", hidden=32, layers=4, tokens=TOKENS)
     with pytest.raises(CheckpointError, match="neither a GGUF file nor a zoo name"):
         export_drafter(src, "llama.cpp", tmp_path / "missing.gguf", tmp_path / "g")
-    mixed = write_checkpoint(tmp_path / "m", tiny_config(layer_types=("sliding_attention", "full_attention"),
-                                                          sliding_window=16))
-    with pytest.raises(ConfigError, match="mixes both"):
-        export_drafter(mixed, "llama.cpp", target, tmp_path / "g")
     scaled = write_checkpoint(tmp_path / "s", tiny_config(rope_scaling={"rope_type": "linear", "factor": 2.0}))
     with pytest.raises(ConfigError, match="plain RoPE only"):
         export_drafter(scaled, "llama.cpp", target, tmp_path / "g")
-    big_k = write_checkpoint(tmp_path / "k", tiny_config(),
-                             DFlash2Sizes(conv_kernel_size=2, conv_group_size=8, selector_rank=6, selector_top_k=8))
+    big_k = write_checkpoint(tmp_path / "k", tiny_config(**dflash2_sizes(selector_top_k=8)))
     with pytest.raises(ConfigError, match="hidden_size >= selector_top_k"):
         export_drafter(big_k, "llama.cpp", target, tmp_path / "g")
 
