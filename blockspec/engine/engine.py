@@ -298,11 +298,8 @@ class Engine:
             self.scheduler.set_running(len(self.batch.rows))
             return
         prefill_s = time.perf_counter() - t0
-        now = time.perf_counter()
-        for r, row in zip(joining, rows):
+        for row in rows:
             row.stats.prefill_s = prefill_s
-            r.first_token_at = now
-            self.recorder.first_token(now - r.submitted_at)
         self._report()
 
     def _skip_cancelled(self, request: Request) -> bool:
@@ -313,7 +310,7 @@ class Engine:
 
     def _finish_unstarted(self, request: Request, reason: str, error: str | None = None) -> None:
         request.emit(TokenEvent(request.request_id, [], True, reason, None, error))
-        self.recorder.finished(reason, time.perf_counter() - request.submitted_at)
+        self.recorder.finished(reason)
 
     def _drop_cancelled(self) -> None:
         changed = False
@@ -371,7 +368,7 @@ class Engine:
         features = captured_features(row) if ended else None
         request.emit(TokenEvent(row.key, tokens, True, reason, row.stats, error, features, logprobs=logprobs))
         row.new_tokens = []
-        self.recorder.finished(reason, time.perf_counter() - request.submitted_at)
+        self.recorder.finished(reason)
 
     def _note_error(self, e: BaseException) -> None:
         self.last_error = "".join(traceback.format_exception(e))

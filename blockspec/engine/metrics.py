@@ -1,31 +1,40 @@
-"""Engine counters and latency histograms, for the server's /metrics."""
+"""Engine counters, for the server's /metrics, and the one histogram type.
+
+Latency and time to first token are measured where a user sees them, at the HTTP edge
+(server/metrics.py), from a request's arrival; the engine counts steps, tokens and outcomes.
+"""
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
 
-# Upper bounds (seconds) of the latency histogram buckets; the last bucket is +inf.
-LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
 @dataclass
 class Histogram:
-    """Cumulative-friendly histogram: counts[i] requests took <= bounds[i] (last: the rest)."""
+    """A histogram as Prometheus defines it: counts[i] observations were <= bounds[i]
+    (cumulative), `count` all of them."""
 
-    bounds: tuple[float, ...] = LATENCY_BUCKETS
-    counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
-    total: float = 0.0
-    n: int = 0
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    sum: float = 0.0
+    count: int = 0
 
-    def add(self, seconds: float) -> None:
-        i = next((k for k, b in enumerate(self.bounds) if seconds <= b), len(self.bounds))
-        self.counts[i] += 1
-        self.total += seconds
-        self.n += 1
+    def __post_init__(self) -> None:
+        self.counts = [0] * len(self.bounds)
+
+    def observe(self, value: float) -> None:
+        self.sum += value
+        self.count += 1
+        for i, b in enumerate(self.bounds):
+            if value <= b:
+                self.counts[i] += 1
 
     def copy(self) -> Histogram:
-        return Histogram(self.bounds, list(self.counts), self.total, self.n)
+        out = Histogram(self.bounds)
+        out.counts, out.sum, out.count = list(self.counts), self.sum, self.count
+        return out
 
 
 @dataclass(frozen=True)
@@ -40,8 +49,6 @@ class EngineMetrics:
     mean_tau: float
     errors_total: int
     cancelled_total: int
-    latency: Histogram  # submit -> final event
-    time_to_first_token: Histogram
     block_sizes: dict[int, int]  # steps per block size used
 
 
@@ -57,8 +64,6 @@ class MetricsRecorder:
         self.committed_in_steps = 0
         self.errors_total = 0
         self.cancelled_total = 0
-        self.latency = Histogram()
-        self.ttft = Histogram()
         self.block_sizes: dict[int, int] = {}
 
     def submitted(self) -> None:
@@ -76,13 +81,8 @@ class MetricsRecorder:
         with self._lock:
             self.tokens_generated_total += n
 
-    def first_token(self, seconds: float) -> None:
+    def finished(self, reason: str) -> None:
         with self._lock:
-            self.ttft.add(seconds)
-
-    def finished(self, reason: str, seconds: float) -> None:
-        with self._lock:
-            self.latency.add(seconds)
             if reason == "error":
                 self.errors_total += 1
             elif reason == "cancelled":
@@ -99,7 +99,5 @@ class MetricsRecorder:
                 mean_tau=self.committed_in_steps / self.row_steps if self.row_steps else 0.0,
                 errors_total=self.errors_total,
                 cancelled_total=self.cancelled_total,
-                latency=self.latency.copy(),
-                time_to_first_token=self.ttft.copy(),
                 block_sizes=dict(self.block_sizes),
             )

@@ -80,10 +80,8 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     stop_check: StopCheck | None = None
-    submitted_at: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
     events: queue.Queue = field(default_factory=queue.Queue)
-    first_token_at: float | None = None
     on_tokens: OnTokens | None = None
     _listener: tuple[asyncio.AbstractEventLoop, asyncio.Queue, object] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)

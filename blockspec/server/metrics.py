@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 import threading
 from collections import defaultdict
-from dataclasses import dataclass, field
+
+from blockspec.engine.metrics import Histogram
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 TAU_BUCKETS = (1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 16.0)
@@ -28,30 +29,11 @@ ENGINE_FIELDS = (
 )
 
 
-@dataclass
-class Histogram:
-    """Cumulative-bucket histogram as Prometheus defines it."""
-
-    buckets: tuple[float, ...]
-    counts: list[int] = field(default_factory=list)
-    sum: float = 0.0
-    count: int = 0
-
-    def __post_init__(self) -> None:
-        self.counts = [0] * len(self.buckets)
-
-    def observe(self, value: float) -> None:
-        self.sum += value
-        self.count += 1
-        for i, b in enumerate(self.buckets):
-            if value <= b:
-                self.counts[i] += 1
-
-    def lines(self, name: str) -> list[str]:
-        out = [f'{name}_bucket{{le="{_num(b)}"}} {c}' for b, c in zip(self.buckets, self.counts)]
-        out.append(f'{name}_bucket{{le="+Inf"}} {self.count}')
-        out += [f"{name}_sum {_num(self.sum)}", f"{name}_count {self.count}"]
-        return out
+def _histogram_lines(name: str, hist: Histogram) -> list[str]:
+    out = [f'{name}_bucket{{le="{_num(b)}"}} {c}' for b, c in zip(hist.bounds, hist.counts)]
+    out.append(f'{name}_bucket{{le="+Inf"}} {hist.count}')
+    out += [f"{name}_sum {_num(hist.sum)}", f"{name}_count {hist.count}"]
+    return out
 
 
 def _num(x: float) -> str:
@@ -142,43 +124,20 @@ class ServerMetrics:
             tau = self.spec_tokens / self.spec_steps if self.spec_steps else 0.0
             out.append(f"blockspec_tau {_num(tau)}")
             head("blockspec_request_tau", "histogram", "Acceptance length per finished request.")
-            out += self.tau.lines("blockspec_request_tau")
+            out += _histogram_lines("blockspec_request_tau", self.tau)
             head("blockspec_request_latency_seconds", "histogram", "End-to-end latency of generation requests.")
-            out += self.latency.lines("blockspec_request_latency_seconds")
+            out += _histogram_lines("blockspec_request_latency_seconds", self.latency)
             head("blockspec_time_to_first_token_seconds", "histogram", "Time from arrival to the first token.")
-            out += self.ttft.lines("blockspec_time_to_first_token_seconds")
+            out += _histogram_lines("blockspec_time_to_first_token_seconds", self.ttft)
         if engine_metrics is not None:
             for attr, kind, text in ENGINE_FIELDS:
                 value = getattr(engine_metrics, attr, None)
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     head(f"blockspec_engine_{attr}", kind, text)
                     out.append(f"blockspec_engine_{attr} {_num(value)}")
-            for attr, name, text in ENGINE_HISTOGRAMS:
-                hist = getattr(engine_metrics, attr, None)
-                if hist is not None and hasattr(hist, "bounds"):
-                    head(name, "histogram", text)
-                    out += _engine_histogram_lines(name, hist)
             blocks = getattr(engine_metrics, "block_sizes", None)
             if isinstance(blocks, dict):
                 head("blockspec_engine_steps_by_block_size_total", "counter", "Decode steps per block size used.")
                 for size, n in sorted(blocks.items()):
                     out.append(f'blockspec_engine_steps_by_block_size_total{{block_size="{size}"}} {n}')
         return "\n".join(out) + "\n"
-
-
-ENGINE_HISTOGRAMS = (
-    ("latency", "blockspec_engine_request_latency_seconds", "Engine time from submit to the final event."),
-    ("time_to_first_token", "blockspec_engine_time_to_first_token_seconds",
-     "Engine time from submit to the first token."),
-)
-
-
-def _engine_histogram_lines(name: str, hist: object) -> list[str]:
-    """The engine keeps per-bucket counts (last = overflow); Prometheus wants cumulative ones."""
-    out, running = [], 0
-    for bound, count in zip(hist.bounds, hist.counts):
-        running += count
-        out.append(f'{name}_bucket{{le="{_num(bound)}"}} {running}')
-    out.append(f'{name}_bucket{{le="+Inf"}} {hist.n}')
-    out += [f"{name}_sum {_num(hist.total)}", f"{name}_count {hist.n}"]
-    return out
