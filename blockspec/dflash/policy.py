@@ -77,7 +77,7 @@ TRIM_MAX_ROWS = 1
 # rope, the K/V writes and (the CPU kernel) attention; what is left of it (norms, unpacking) cost
 # SmolLM2 on 2 cores, 16 rows at 250 tokens of context, 6 rows verifying 4 tokens beside 10
 # verifying 1: 93-99 ms, where the same 34 tokens as a uniform block cost ~93 and 16 rows of 4
-# ~150 (session 16, before the padding-free attention and rope: a share of 0.17).
+# ~150 (with attention and rope computed over the padding too, the share measured 0.17).
 PAD_SHARE = 0.05
 
 

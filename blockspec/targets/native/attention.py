@@ -3,7 +3,7 @@
 PyTorch's CPU attention splits its work by the number of queries, so a token verified in a block
 got other bits than the same token decoded alone: ~1e-5 in fp32 logits, up to 0.4 in bf16,
 where speculative output then drifted from plain decoding within a few dozen tokens.
-`kernels/attention.c` (built with the projections' kernel, cpu/kernels.py)
+`cpu/csrc/attention.c` (built with the projections' kernel, cpu/kernels.py)
 computes each query the same way whatever else is in the pass, so verification sees exactly
 what one-token decoding sees. Where it is unavailable (no compiler, a GPU, a prompt of more than
 MAX_TOKENS), the caller keeps `F.scaled_dot_product_attention`.
