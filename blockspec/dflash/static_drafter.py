@@ -170,7 +170,7 @@ class StaticDrafter:
             return None
         b, q = block_positions.shape
         # the keys of a query at the block's last position are exactly those slots
-        return visible_keys((block_positions[:, :1] + q - 1).expand(b, q), False, dtype)
+        return visible_keys((block_positions[:, :1] + q - 1).expand(b, q), dtype)
 
     @torch.inference_mode()
     def __call__(

@@ -24,13 +24,13 @@ from blockspec.cpu import kernels
 MAX_TOKENS = 512
 
 
-def visible_keys(positions: torch.Tensor, static: bool, dtype: torch.dtype) -> torch.Tensor | None:
+def visible_keys(positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     """Keys (a prefix of the position-indexed cache) each query token sees [b, q] (int64), or
     None where the kernel does not take this pass (decided once per forward, not per layer).
     Slot j is visible to position p when j <= p; padding (EMPTY) sees nothing, so the kernel
     skips it (its output is zeros; a packed forward never reads it)."""
     k = kernels.kernel()
-    if k is None or dtype not in k.attention or static or positions.device.type != "cpu" \
+    if k is None or dtype not in k.attention or positions.device.type != "cpu" \
             or positions.shape[1] > MAX_TOKENS:
         return None
     return (positions + 1).clamp_min(0).to(torch.int64).contiguous()

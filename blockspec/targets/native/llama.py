@@ -141,14 +141,12 @@ class NativeLlama(nn.Module):
         head = "embed" if self.lm_head.weight is self.embed.weight else "lm_head"
         return [(n + ".weight", self.get_submodule(n)) for n in names] + [(head + ".weight", self.lm_head)]
 
-    def _horizon(self, positions: torch.Tensor, cache: StaticCache, static: bool = False) -> int:
+    def _horizon(self, positions: torch.Tensor, cache: StaticCache) -> int:
         """Slots [0, horizon) hold every key this forward's queries may see."""
-        if static:
-            return cache.scratch
         return cache.horizon if cache.fresh else int(positions.max()) + 1
 
-    def _sdpa_masks(self, positions: torch.Tensor, cache: StaticCache, horizon: int,
-                    static: bool = False) -> tuple[torch.Tensor | None, bool | tuple[tuple[int, int], ...]]:
+    def _sdpa_masks(self, positions: torch.Tensor, cache: StaticCache,
+                    horizon: int) -> tuple[torch.Tensor | None, bool | tuple[tuple[int, int], ...]]:
         """(mask, causal) for PyTorch's attention, shared by the layers of one forward (built only
         when a layer runs it: on a CPU, passes of more than attention.MAX_TOKENS tokens).
 
@@ -160,12 +158,9 @@ class NativeLlama(nn.Module):
         the left), one call per row over its own tokens, so a prompt attends alike alone or
         beside others. Padding queries get zeros (a packed forward drops them). Otherwise
         (tokens after some context) the grouped boolean mask [b, 1, g * q, horizon].
-        static: attend over the whole capacity with a mask (fixed shapes for CUDA graphs).
         """
         b, q = positions.shape
         groups = self.cfg.groups
-        if static:
-            return attention_mask(positions, cache.scratch, groups), False
         if b == 1 and q == 1 and cache.fresh:
             return None, False  # the single query sits at horizon - 1: sees everything
         if cache.fresh and b == 1 and q == horizon:
@@ -252,7 +247,6 @@ class NativeLlama(nn.Module):
         cache: StaticCache,
         layer_ids: tuple[int, ...] = (),
         last_logits_only: bool = False,
-        static: bool = False,
         packed: torch.Tensor | None = None,
         resume: tuple[int, torch.Tensor] | None = None,
         greedy: bool = False,
@@ -281,9 +275,9 @@ class NativeLlama(nn.Module):
             x = self.embed(ids if packed is None else ids.reshape(-1)[packed])
         elif packed is not None:
             x = x.reshape(b * q, -1)[packed]
-        horizon = self._horizon(positions, cache, static)
+        horizon = self._horizon(positions, cache)
         sdpa: tuple | None = None  # `_sdpa_masks`' (mask, causal), at the first layer that needs it
-        visible = visible_keys(positions, static, x.dtype)  # [b, q]: the batch-invariant kernel's, or None
+        visible = visible_keys(positions, x.dtype)  # [b, q]: the batch-invariant kernel's, or None
         write = cache.write_index(positions)  # [b, q]
         rows = torch.arange(b, device=ids.device)[:, None]
         if packed is not None:  # rope and the K/V writes of the T real tokens only
@@ -299,7 +293,7 @@ class NativeLlama(nn.Module):
         last = cfg.num_layers - 1
         single = self.single if b * q == 1 else None
         ran = None
-        if packed is None and start == 0 and not static and single is None and visible is not None:
+        if packed is None and start == 0 and single is None and visible is not None:
             ran = self._run_program(x, place, visible, horizon, cache, layer_ids)
         for i, layer in enumerate(self.layers):
             if i < start or ran is not None:
@@ -317,7 +311,7 @@ class NativeLlama(nn.Module):
                 qg = self._queries_and_cache(layer, qkv, cos, sin, k_cache, v_cache, rows, write, packed, b, q)
             out = None if visible is None else cached_attention(qg, k_cache, v_cache, visible, horizon, self.scale)
             if out is None:
-                sdpa = sdpa or self._sdpa_masks(positions, cache, horizon, static)
+                sdpa = sdpa or self._sdpa_masks(positions, cache, horizon)
                 out = self._sdpa(qg, k_cache, v_cache, horizon, *sdpa)
             out = out.view(b, kvh, g, q, d).permute(0, 3, 1, 2, 4).reshape(b, q, h * d)
             if packed is not None:
@@ -453,7 +447,6 @@ class NativeTarget:
 
     def __init__(self, net: NativeLlama, eos_token_ids: tuple[int, ...] = (), hf_config: object | None = None) -> None:
         self.net = net.eval()
-        self.graphs = None  # a CudaGraphs runner once enable_cuda_graphs() was called
         self.config = hf_config  # the Hugging Face (text) config, e.g. to shape a fresh drafter
         cfg = net.cfg
         self.info = TargetInfo(
@@ -477,7 +470,7 @@ class NativeTarget:
     def packs_padding(self) -> bool:
         """Whether padding tokens (EMPTY positions) cost nothing in `forward`'s matmuls, so rows
         of a batch may verify different lengths for the price of their sum (`padding_index`)."""
-        return self.device.type == "cpu" and self.graphs is None
+        return self.device.type == "cpu"
 
     def new_cache(self, batch: int, capacity: int = 64) -> StaticCache:
         cfg = self.net.cfg
@@ -519,9 +512,6 @@ class NativeTarget:
 
     def _run(self, ids: torch.Tensor, positions: torch.Tensor, cache: StaticCache, layer_ids: tuple[int, ...],
              last_logits_only: bool, greedy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self.graphs is not None and self.graphs.handles(ids, cache, last_logits_only):
-            logits, feats = self.graphs.forward(ids, positions, cache, tuple(layer_ids))
-            return (greedy_ids(logits) if greedy else logits), feats
         if not cache.fresh:
             cache.reserve(int(positions.max()) + 1)
         return self.net(ids, positions, cache, layer_ids, last_logits_only, packed=padding_index(positions),
@@ -542,13 +532,6 @@ class NativeTarget:
         _, feats = self.net(ids.to(self.device), positions, cache, (last,), last_logits_only=True,
                             resume=(start, x.to(self.device, self.dtype)))
         return feats
-
-    def enable_cuda_graphs(self, max_block: int = 16, *, compile: bool = False) -> None:
-        """Replays decode steps (batch buckets x block sizes) from captured CUDA graphs; CUDA
-        only. UNTESTED on real GPUs in this repository so far (developed on a CPU machine)."""
-        from blockspec.targets.native.graphs import CudaGraphs
-
-        self.graphs = CudaGraphs(self.net, max_block=max_block, compile=compile)
 
 
 __all__ = ["EMPTY", "NativeLlama", "NativeTarget", "rms_norm"]
