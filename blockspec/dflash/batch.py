@@ -100,7 +100,7 @@ RowStopCheck = Callable[[list[int]], int | None]
 # distribution at each proposal position; per row, how many leading proposals came from n-gram
 # lookup instead) -> tokens to verify, in 1..block: one length for every row, or a list with one
 # per row (a ragged step; the rows' unverified tail is padding, which costs nothing where the
-# target `packs_padding`). It sees the draft distributions only, never the target nor the
+# target `skips_padding`). It sees the draft distributions only, never the target nor the
 # sampled proposals: whether a sampled proposal is verified must not depend on the proposal
 # itself (verifying only the likely-looking samples would bias the output towards them), and the
 # peaks are fixed before any sample is drawn. Greedy, the peak is the proposal's own probability.
@@ -367,10 +367,10 @@ class DecodeBatch:
             self._reset()
 
     @property
-    def packs_padding(self) -> bool:
+    def skips_padding(self) -> bool:
         """Whether a ragged step costs what its rows verify in total (the target skips padding in
         its matmuls), rather than what its longest row does."""
-        return self.target.packs_padding
+        return self.target.skips_padding
 
     @property
     def all_greedy(self) -> bool:

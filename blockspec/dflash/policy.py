@@ -566,7 +566,7 @@ class AdaptiveBlock:
         the time, 0.5-0.6: 51%, 0.9-1: 97%), lookup proposals keep lookup's rates. The draft is
         paid by then, so only the verify part of each size's cost differs.
 
-        With `ragged`, a batch of rows whose target packs padding (`DecodeBatch.packs_padding`)
+        With `ragged`, a batch of rows whose target skips padding (`DecodeBatch.skips_padding`)
         gets a length per row: the proposals most likely to be accepted, across all rows, until
         one more costs more than it is expected to commit. The cost of T verified tokens is that of a uniform
         block of T / rows tokens (interpolated), since the matmuls cost by rows, plus PAD_SHARE of
@@ -602,7 +602,7 @@ class AdaptiveBlock:
         self.challenges.clear()
 
     def _ragged(self, batch: DecodeBatch) -> bool:
-        return self.ragged and batch.packs_padding
+        return self.ragged and batch.skips_padding
 
     def _trims(self, batch: DecodeBatch, rows: int) -> bool:
         """Whether drafting steps of `rows` rows get trimmed (so read back confidences)."""

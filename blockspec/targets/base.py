@@ -80,7 +80,7 @@ class Target(Protocol):
     info: TargetInfo
     # whether padding tokens (EMPTY positions) cost nothing in `forward`'s products, so the rows
     # of a batch may verify different lengths for the price of their sum
-    packs_padding: bool
+    skips_padding: bool
 
     def new_cache(self, batch: int) -> TargetCache: ...
 

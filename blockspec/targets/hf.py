@@ -144,7 +144,7 @@ class HFTarget:
     window, with or without attention sinks) or are Gated DeltaNet linear attention; anything
     else is refused, since its state could not be rolled back after a rejection."""
 
-    packs_padding = False  # transformers' layers compute padding rows like any other
+    skips_padding = False  # transformers' layers compute padding rows like any other
 
     def __init__(self, model: nn.Module, eos_token_ids: tuple[int, ...] = ()) -> None:
         self.model = model.eval()

@@ -36,7 +36,7 @@ SPANS = {  # positions of 3 rows verifying 5 tokens each; cache capacity
 @pytest.mark.parametrize("d", [8, 64, 72])
 def test_matches_sdpa_and_each_query_gets_its_bits_alone(dtype: torch.dtype, d: int, span: str) -> None:
     """Numbers as PyTorch's attention under the target's causal mask, zeros for padding (a
-    packed forward never reads them), and a query's output bits are the same in a block of 5, in
+    forward that skips padding never reads them), and a query's output bits are the same in a block of 5, in
     a batch of 3 rows or alone, on one thread or two."""
     assert kernels.kernel() is not None
     b, kvh, g, n = 3, 2, 3, 5

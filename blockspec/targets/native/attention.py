@@ -28,7 +28,7 @@ def visible_keys(positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | 
     """Keys (a prefix of the position-indexed cache) each query token sees [b, q] (int64), or
     None where the kernel does not take this pass (decided once per forward, not per layer).
     Slot j is visible to position p when j <= p; padding (EMPTY) sees nothing, so the kernel
-    skips it (its output is zeros; a packed forward never reads it)."""
+    skips it (its output is zeros; a forward that skips padding never reads it)."""
     k = kernels.kernel()
     if k is None or dtype not in k.attention or positions.device.type != "cpu" \
             or positions.shape[1] > MAX_TOKENS:
