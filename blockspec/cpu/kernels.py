@@ -20,7 +20,7 @@ query tokens (targets/native/attention.py), `cpu/csrc/norm.c`, RMSNorm in one ca
 PyTorch's ten small operators (`rms_norm` below), `cpu/csrc/peak.c`, a draft head's argmax with
 its softmax probability (`argmax_peak` below) or alone (`argmax`), `bs_greedy_head` in rows.c, the
 greedy ids of an fp32 LM head screened in bf16 (cpu/greedy_head.py), and `cpu/csrc/rope.c`, a layer's
-query/key norms, rotary embedding and K/V cache writes in one call (targets/native/qkv.py).
+query/key norms, rotary embedding and K/V cache writes in one call (cpu/qkv.py).
 
 Built with the system C compiler (`$CC`, else cc/gcc/clang; -O3 -march=native -fopenmp) into
 the blockspec cache (`$BLOCKSPEC_CACHE/kernels`, default ~/.cache/blockspec/kernels), keyed by the

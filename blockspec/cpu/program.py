@@ -13,18 +13,28 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from blockspec.cpu import kernels
-from blockspec.targets.native.cache import StaticCache
-from blockspec.targets.native.qkv import QKVPlacement
+from blockspec.cpu.qkv import QKVPlacement
 
 DTYPES = (torch.float32, torch.bfloat16)
 DIMS = 18  # the int64 geometry values `run` passes (cpu/csrc/layers.c's D_COUNT; `build` checks)
 ENV = "BLOCKSPEC_LAYER_LOOP"  # "0": keep the Python loops (to compare, or to rule the C loop out)
 Watched = tuple[dict | None, str | None, torch.Tensor]  # (holder such as module._parameters, key, tensor)
+
+
+class KVStoreRows(Protocol):
+    """What `run` reads of a position-indexed KV cache (targets/native/cache.py's StaticCache):
+    rows [row0, row0 + batch) of a store whose per-layer `keys` / `values` are
+    [rows, kv_heads, capacity + 1, head_dim]."""
+
+    store: object
+    row0: int
+    batch: int
 
 
 @dataclass(frozen=True)
@@ -117,7 +127,7 @@ class LayerProgram:
         changed in place or given new storage since `build`)."""
         return all(owner is None or owner[name] is t for owner, name, t in self.watched) and self._key() == self.key
 
-    def run(self, x: torch.Tensor, place: QKVPlacement, visible: torch.Tensor, horizon: int, cache: StaticCache,
+    def run(self, x: torch.Tensor, place: QKVPlacement, visible: torch.Tensor, horizon: int, cache: KVStoreRows,
             *, inter: int, scale: float, ctx: torch.Tensor | None = None, capture: list[int] | None = None,
             features: torch.Tensor | None = None, packed_max: int = 0,
             start: torch.Tensor | None = None) -> torch.Tensor | None:

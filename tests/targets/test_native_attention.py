@@ -1,4 +1,4 @@
-"""The native target's batch-invariant CPU attention (targets/native/attention.py, kernels/attention.c)."""
+"""The native target's batch-invariant CPU attention (targets/native/attention.py, cpu/csrc/attention.c)."""
 
 from __future__ import annotations
 

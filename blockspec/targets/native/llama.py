@@ -24,7 +24,7 @@ from blockspec.cpu.greedy_head import GreedyHead
 from blockspec.targets.native.cache import KVStore, StaticCache, attention_mask
 from blockspec.targets.native.config import NativeConfig
 from blockspec.cpu.program import LayerProgram, target_program
-from blockspec.targets.native.qkv import QKVPlacement, block_places
+from blockspec.cpu.qkv import QKVPlacement, block_places
 from blockspec.cpu import kernels
 from blockspec.cpu.linear import fast_cpu_single_row, project
 from blockspec.cpu.packed_cache import pack_cached
@@ -203,7 +203,7 @@ class NativeLlama(nn.Module):
     def _placement(self, b: int, q: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    rows: torch.Tensor, write: torch.Tensor, real: torch.Tensor | None) -> QKVPlacement | None:
         """Where this forward's tokens put their queries and K/V, for the one-call CPU kernel
-        (targets/native/qkv.py); None where PyTorch's operators run instead."""
+        (cpu/qkv.py); None where PyTorch's operators run instead."""
         if not QKVPlacement.available(x.dtype, x.device):
             return None
         cfg = self.cfg
