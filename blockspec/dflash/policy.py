@@ -656,7 +656,7 @@ class AdaptiveBlock:
         drafts = self.costs.draft_table(b)
         if drafts is not None and self._drafted not in (None, size):  # priced as if it had drafted only `size`
             seconds += drafts[size - 1] - drafts[self._drafted - 1]
-        if not getattr(batch, "caught_up", False):
+        if not batch.caught_up:
             # A draft pass that also read joined prompts or a run of plain steps' context costs
             # more than its size does. Believed, it priced drafting out: at concurrency 8 a fresh
             # engine then ran 31-155 of ~500 steps plain (held-out GSM8K, SmolLM2, 2 cores), and

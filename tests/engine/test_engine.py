@@ -364,7 +364,7 @@ def test_adaptive_probes_cost_at_most_their_share_of_plain_decoding(monkeypatch:
             batch.verified = 16 * block
             return block
 
-        batch = SimpleNamespace(drafter=object(), rows=rows, skips_padding=True, verified=0,
+        batch = SimpleNamespace(drafter=object(), rows=rows, skips_padding=True, verified=0, caught_up=False,
                                 lookup_plan=lambda: [[]] * 16, step=step)
         costs = CostModel(max_block=8)
         costs.set(16, [1.0] + [10.0] * 7)  # drafting never pays
