@@ -26,6 +26,7 @@ from blockspec.targets.base import DTYPES, Target
 from blockspec.dflash.batch import GenerationResult, RequestStats
 from blockspec.engine.decoder import SpecDecoder
 from blockspec.dflash.lookup import LookupConfig
+from blockspec.zoo.registry import resolve_target_dir
 from blockspec.text import IncrementalDetokenizer, Messages, StopStrings, encode_prompt
 
 FRESH = "fresh"  # drafter argument: a randomly initialised drafter (lossless, but tau ~ 1)
@@ -214,16 +215,6 @@ class Pipeline:
                 yield item
                 return
             yield item
-
-
-def resolve_target_dir(target: str | Path) -> Path:
-    """A local model directory for a zoo name, local path or Hub id."""
-    path = Path(target)
-    if path.is_dir():
-        return path
-    from blockspec.zoo import resolve_model
-
-    return resolve_model(str(target))
 
 
 def resolve_drafter_dtype(drafter_dtype: str, target_dtype: str, device: str) -> torch.dtype:

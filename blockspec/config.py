@@ -10,7 +10,6 @@ import math
 from dataclasses import dataclass, field, replace
 
 from blockspec.errors import ConfigError
-from blockspec.dflash.lookup import LookupConfig
 
 MAX_BLOCK_SIZE = 64
 
@@ -21,6 +20,29 @@ def _require(ok: bool, message: str) -> None:
 
 
 MAX_TOP_LOGPROBS = 20  # alternatives per token a request may ask for
+
+
+@dataclass(frozen=True)
+class LookupConfig:
+    """min_ngram: the fewest trailing tokens (the last committed one included) that must match
+    an earlier occurrence before its continuation is proposed; max_ngram: the longest match
+    looked for (longer matches win; among equal ones the latest).
+
+    The defaults come from held-out prompts (SmolLM2-135M with its shipped drafter, adaptive
+    blocks, batch 1, 24 prompts x 128 tokens, 2 cores). Against
+    min_ngram 3, min_ngram 2 committed +1.6% and +6.0% tokens per second on gsm8k TRAIN questions,
+    +5.8% on stdlib stubs and 0% on gsm8k code stubs. min_ngram 1 lost 5%, max_ngram 6 gained
+    nothing over 4."""
+
+    min_ngram: int = 2
+    max_ngram: int = 4
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.min_ngram, int) or self.min_ngram < 1:
+            raise ConfigError(f"lookup min_ngram must be an integer >= 1, got {self.min_ngram!r}")
+        if not isinstance(self.max_ngram, int) or self.max_ngram < self.min_ngram:
+            raise ConfigError(f"lookup max_ngram must be an integer >= min_ngram ({self.min_ngram}), "
+                              f"got {self.max_ngram!r}")
 
 
 @dataclass(frozen=True)

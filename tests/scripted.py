@@ -23,6 +23,9 @@ class _RowCache(DraftCache):
         super().select_rows(rows)
         self.row_ids = [self.row_ids[i] for i in rows.tolist()]
 
+    def spawn(self, batch: int) -> _RowCache:
+        return _RowCache(len(self.keys), batch)
+
 
 class ScriptedDrafter(DFlashDrafter):
     """Proposes `continuations[row][pos - prompt_len]`, wrong with probability `error_rate`."""

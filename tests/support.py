@@ -111,6 +111,9 @@ class _KeyCache(DraftCache):
         super().select_rows(rows)
         self.keys_of_rows = [self.keys_of_rows[i] for i in rows.tolist()]
 
+    def spawn(self, batch: int) -> _KeyCache:
+        return _KeyCache(len(self.keys), batch)
+
     def merge(self, other: _KeyCache) -> None:
         self.slots.positions = torch.cat([self.slots.positions, other.slots.positions])
         self.keys_of_rows += other.keys_of_rows

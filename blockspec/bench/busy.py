@@ -123,7 +123,7 @@ def table(runs: dict[tuple[str, str], list[Run]], busy: int) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     from blockspec.api import load
-    from blockspec.commands.demo import DEFAULT_PROMPT, DEFAULT_TARGET
+    from blockspec.zoo.registry import DEFAULT_PROMPT, DEFAULT_TARGET
     from blockspec.config import SamplingParams
     from blockspec.errors import BlockspecError
 

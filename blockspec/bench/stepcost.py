@@ -154,7 +154,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="default bfloat16 on CUDA, float32 on CPU")
-    ap.add_argument("--cuda-graphs", action="store_true", help="replay captured CUDA graphs (native target)")
     ap.add_argument("--thread", default="main", choices=THREADS,
                     help="where the steps run: main = the thread that built the models; worker = a second "
                          "thread while the main one keeps its OpenMP team; worker-released = a second thread "
@@ -205,8 +204,6 @@ def _run(args: argparse.Namespace) -> int:
     dtype = DTYPES[dtype_name]
     draft_dtypes = [resolve_drafter_dtype(d.strip(), dtype_name, args.device) for d in args.draft_dtype.split(",")]
     target = random_target(args.shape, device=args.device, dtype=dtype)
-    if args.cuda_graphs:
-        target.enable_cuda_graphs(max_block=max(blocks))
     vocab = target.info.vocab_size
     if not 0 <= args.draft_vocab <= vocab:
         raise ConfigError(f"--draft-vocab must be in [0, {vocab}] for shape {args.shape}, got {args.draft_vocab}")
@@ -230,7 +227,7 @@ def _run(args: argparse.Namespace) -> int:
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     head = f"draft vocabulary {args.draft_vocab}" if args.draft_vocab else "full-vocabulary draft head"
     print(f"shape {args.shape}, {args.draft_layers}-layer drafter ({head}), context {args.context}, "
-          f"{dtype_name} target, {device}{', CUDA graphs' if args.cuda_graphs else ''}, "
+          f"{dtype_name} target, {device}, "
           f"{args.thread} thread, CPU matmul {linear_kind()}\n")
     print("| batch | block | drafter dtype | plain step (ms) | DFlash step (ms) | DFlash / plain |")
     print("|---|---|---|---|---|---|")

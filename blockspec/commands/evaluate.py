@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--context must be >= 0 tokens, got {args.context}")
     import torch
 
-    import blockspec
+    from blockspec.api import load
     from blockspec.text import encode_prompt
     from blockspec.train.data import heldout_prompts
     from blockspec.train.evaluate import quick_tau
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     held = heldout_prompts(args.prompts, data_dir=args.data_dir, source=args.heldout)
     rows = []
     for drafter in args.drafter:
-        pipe = blockspec.load(args.target, drafter, dtype=args.dtype, device=args.device,
+        pipe = load(args.target, drafter, dtype=args.dtype, device=args.device,
                               block_size=args.block_size, drafter_dtype=args.drafter_dtype)
         prompts = [encode_prompt(pipe.tokenizer, m, chat=True) for m in _with_context(held, args.context, pipe)]
         block = args.block_size or pipe.drafter.block_size

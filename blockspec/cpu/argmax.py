@@ -1,4 +1,4 @@
-"""Argmax over logits on a CPU through `kernels/peak.c`: greedy ids alone, or with the softmax
+"""Argmax over logits on a CPU through `cpu/csrc/peak.c`: greedy ids alone, or with the softmax
 probability at them (a draft's confidence). PyTorch's argmax took ~1.3 ns per logit on 2 cores:
 0.25 ms for a draft head's 8 rows x 1 token, about as much for the target's greedy check of a
 batch; the kernel reads each row once."""
@@ -19,7 +19,7 @@ def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
 def argmax_and_peak(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [.., V] (fp32 or bf16) -> (argmax [..], softmax probability of it [..], float32).
 
-    On a CPU through `kernels/peak.c` (two passes over each row; ~190 us -> ~70 us for 15 rows of
+    On a CPU through `cpu/csrc/peak.c` (two passes over each row; ~190 us -> ~70 us for 15 rows of
     a 19K-token draft vocabulary). Elsewhere `max` gives the argmax (the first of tied maxima, as
     `argmax`) in one pass, and the peak's probability is exp(peak - logsumexp), in place on an
     fp32 copy.

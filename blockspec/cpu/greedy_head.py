@@ -1,4 +1,4 @@
-"""The greedy ids of an fp32 LM head without computing every logit in fp32 (`kernels/rows.c`,
+"""The greedy ids of an fp32 LM head without computing every logit in fp32 (`cpu/csrc/rows.c`,
 bs_greedy_head).
 
 A greedy step needs only the argmax of each row's logits. On a CPU a one-token forward of

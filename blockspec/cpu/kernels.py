@@ -1,14 +1,13 @@
-"""A native CPU kernel for fp32 and bf16 products of a few rows: `kernels/rows.c`, compiled at first use.
+"""A native CPU kernel for fp32 and bf16 products of a few rows: `cpu/csrc/rows.c`, compiled at first use.
 
 A decoding step multiplies a few rows by every weight matrix (one per sequence, or a verified
 block per sequence), and on a CPU its time should be the time to stream the weights from memory
 once. PyTorch's kernels do not manage that for so few rows (measured: the
-projections of SmolLM2-135M for one row took 1.6x the kernel's time through oneDNN). Since
-session 17 it tiles rows and weight rows in registers (from 5 fp32 rows, 3 bf16 ones, since
-session 22), and beat oneDNN here up to 128 rows (the projections of SmolLM2-135M: 8 rows 30 ms
-against 45, 16 rows 37 against 56, 64 rows 116 against 126). Since session 22 its prefetches
-aim at the outer caches, which took 8 fp32 rows of those projections and head from 25.4 ms to
-18.2 and one row from 20.4 to 16.6.
+projections of SmolLM2-135M for one row took 1.6x the kernel's time through oneDNN). It tiles
+rows and weight rows in registers (from 5 fp32 rows, 3 bf16 ones), which beat oneDNN up to 128
+rows (the projections of SmolLM2-135M: 8 rows 30 ms against 45, 16 rows 37 against 56, 64 rows
+116 against 126), and its prefetches aim at the outer caches (8 fp32 rows of those projections
+and head: 18.2 ms with them, 25.4 without; one row 16.6 against 20.4).
 The kernel is also batch invariant: a row gets the same bits alone or beside others.
 bf16 products (a bf16 drafter, or a bf16 target) sum in fp32 and stream half the bytes; with
 AVX512_BF16 they multiply in pairs, and a 16-20 row draft pass's projections took 1.8-2.2 ms
@@ -16,12 +15,12 @@ against oneDNN's 4.0-4.6. fp32 weights that a 4- or 8-bit GGUF left are
 multiplied from a packed copy with the fp32 product's bits (`bs_rows_matmul_q4` / `_q8`,
 cpu/packed_weights.py), and their bf16 roundings with the bf16 product's (`_q4_bf16` / `_q8_bf16`).
 
-The same library holds `kernels/attention.c`, the target's batch-invariant attention for a few
-query tokens (targets/native/attention.py), `kernels/norm.c`, RMSNorm in one call instead of
-PyTorch's ten small operators (`rms_norm` below), `kernels/peak.c`, a draft head's argmax with
+The same library holds `cpu/csrc/attention.c`, the target's batch-invariant attention for a few
+query tokens (targets/native/attention.py), `cpu/csrc/norm.c`, RMSNorm in one call instead of
+PyTorch's ten small operators (`rms_norm` below), `cpu/csrc/peak.c`, a draft head's argmax with
 its softmax probability (`argmax_peak` below) or alone (`argmax`), `bs_greedy_head` in rows.c, the
-greedy ids of an fp32 LM head screened in bf16 (cpu/greedy_head.py), and `kernels/rope.c`, a layer's
-query/key norms, rotary embedding and K/V cache writes in one call (targets/native/qkv.py).
+greedy ids of an fp32 LM head screened in bf16 (cpu/greedy_head.py), and `cpu/csrc/rope.c`, a layer's
+query/key norms, rotary embedding and K/V cache writes in one call (cpu/qkv.py).
 
 Built with the system C compiler (`$CC`, else cc/gcc/clang; -O3 -march=native -fopenmp) into
 the blockspec cache (`$BLOCKSPEC_CACHE/kernels`, default ~/.cache/blockspec/kernels), keyed by the
@@ -344,7 +343,7 @@ def _product(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | 
 
 def argmax_peak(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(argmax [..], softmax probability at it [..] float32) of logits [.., V] (fp32 or bf16, on
-    the CPU) through `kernels/peak.c`; None where the kernel does not take them (no kernel, other
+    the CPU) through `cpu/csrc/peak.c`; None where the kernel does not take them (no kernel, other
     dtypes, autograd)."""
     if torch.is_grad_enabled() and logits.requires_grad:
         return None
@@ -353,13 +352,13 @@ def argmax_peak(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | Non
 
 def argmax(logits: torch.Tensor) -> torch.Tensor | None:
     """argmax [..] (int64, the first of tied maxima) of logits [.., V] (fp32 or bf16, on the CPU)
-    through `kernels/peak.c` in one pass; None where the kernel does not take them."""
+    through `cpu/csrc/peak.c` in one pass; None where the kernel does not take them."""
     out = _peak(logits, with_peak=False)
     return None if out is None else out[0]
 
 
 def _peak(logits: torch.Tensor, with_peak: bool) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """`kernels/peak.c` over the rows of logits [.., V]: argmax, and the softmax peak if asked."""
+    """`cpu/csrc/peak.c` over the rows of logits [.., V]: argmax, and the softmax peak if asked."""
     fn = kernel()
     f = None if fn is None else fn.argmax_peak.get(logits.dtype)
     if f is None or logits.shape[-1] == 0:
@@ -373,7 +372,7 @@ def _peak(logits: torch.Tensor, with_peak: bool) -> tuple[torch.Tensor, torch.Te
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
-    """silu(gate) * up of gate_up [..., 2 I] (gate first) -> [..., I] through `kernels/layers.c`
+    """silu(gate) * up of gate_up [..., 2 I] (gate first) -> [..., I] through `cpu/csrc/layers.c`
     (fp32 or bf16 on the CPU; bf16 rounds where PyTorch's bf16 operators do), or None where the
     kernel does not take it (the caller then uses PyTorch's operators). The native models use it
     on both of their paths (the Python loops and `bs_layers`), so their bits agree."""
@@ -411,7 +410,7 @@ def block_conv(x: torch.Tensor, base: torch.Tensor, delta: torch.Tensor, block_l
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
-    """Hugging Face's RMSNorm of x [..., n] (on the CPU) by weight [n] through `kernels/norm.c`
+    """Hugging Face's RMSNorm of x [..., n] (on the CPU) by weight [n] through `cpu/csrc/norm.c`
     (statistics in fp32, the product by weight in x's dtype), or None where the kernel does not
     take it (no kernel, dtypes other than fp32 or bf16 alike, autograd). Kept lean: it runs ~60
     times per decoding step."""

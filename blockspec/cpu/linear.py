@@ -1,8 +1,8 @@
 """The projections of the native models, with faster CPU kernels than `F.linear`'s.
 
 `linear(x, w, b)` equals `F.linear(x, w, b)` up to float rounding. On a CPU, `F.linear` runs
-MKL's GEMM, whose kernels for a handful of rows are poor: on the 2-core machine this was developed
-on, 2 rows cost twice 1 row and a block of 16 cost 2.7 plain decoding steps. Faster paths:
+MKL's GEMM, whose kernels for a handful of rows are poor: on a 2-core machine,
+2 rows cost twice 1 row and a block of 16 cost 2.7 plain decoding steps. Faster paths:
 
 - "native" (the default; where no C compiler builds the kernel it acts as "onednn"): fp32 and
   bf16 products of 1..`kernels.max_rows(dtype)` rows (fp32: 128 with AVX-512, 8 elsewhere;
@@ -35,7 +35,7 @@ from blockspec.cpu import kernels
 from blockspec.cpu.packed_weights import packed_linear
 
 SMALL_ROWS = 64  # small-rows path: measured equal or faster up to 64 rows; beyond, level with F.linear
-MKL_ROWS: frozenset[int] = frozenset({2, 3, 4})  # fp32 only: in bf16, oneDNN wins here too (session 10)
+MKL_ROWS: frozenset[int] = frozenset({2, 3, 4})  # fp32 only: in bf16, oneDNN wins here too (measured)
 CPU_MATMULS = ("native", "onednn", "small-rows", "mkl")
 _ONEDNN_KINDS = ("native", "onednn")  # the kinds that send what they do not handle themselves to oneDNN
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)

@@ -6,7 +6,7 @@ its LM head) has fp32 weights that take, per 32 consecutive inputs of a row, onl
 m + d q (Q4_1, q in 0..15) or d q (Q8_0, q in -128..127), with m and d fp16 numbers. Decoding
 streams every weight once per step, so on a CPU its time is the time to read them: 4 bytes per
 weight in fp32. `pack` finds such a matrix and keeps q with its block's scales: 0.75 or 1.125
-bytes per weight. The kernels (`bs_rows_matmul_q4` / `_q8` in kernels/rows.c) rebuild each
+bytes per weight. The kernels (`bs_rows_matmul_q4` / `_q8` in cpu/csrc/rows.c) rebuild each
 weight in registers, exactly the fp32 weight (d has 11 significant bits and q at most 8, so d q
 is exact, and m + d q keeps the one rounding the GGUF reader made), and sum the products in
 the order of the fp32 kernel. So a packed product has the bits of the fp32 product, row for row,
@@ -38,7 +38,7 @@ BF16_MAX_ROWS = 4
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A [out, in] fp32 matrix packed as `bits`-bit q with per-block scales (kernels/rows.c):
+    """A [out, in] fp32 matrix packed as `bits`-bit q with per-block scales (cpu/csrc/rows.c):
     bits 4: qs [out, in / 2] uint8 (input i of a block of 32 in the low nibble of byte i, input
     16 + i in the high one), sc [out, in / 32, 2] fp32 (d, m), weight m + d q;
     bits 8: qs [out, in] int8, sc [out, in / 32, 1] fp32 (d), weight d q."""

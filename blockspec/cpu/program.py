@@ -1,4 +1,4 @@
-"""A forward's decoder layers as one kernel call (`kernels/layers.c`, bs_layers / bs_layers_bf16).
+"""A forward's decoder layers as one kernel call (`cpu/csrc/layers.c`, bs_layers / bs_layers_bf16).
 
 The Python loops of `NativeLlama.forward` and of the drafter's `StaticDrafter` call about ten
 kernels per layer, and each call pays a few microseconds of argument checks and ctypes
@@ -13,18 +13,28 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from blockspec.cpu import kernels
-from blockspec.targets.native.cache import StaticCache
-from blockspec.targets.native.qkv import QKVPlacement
+from blockspec.cpu.qkv import QKVPlacement
 
 DTYPES = (torch.float32, torch.bfloat16)
-DIMS = 18  # the int64 geometry values `run` passes (kernels/layers.c's D_COUNT; `build` checks)
+DIMS = 18  # the int64 geometry values `run` passes (cpu/csrc/layers.c's D_COUNT; `build` checks)
 ENV = "BLOCKSPEC_LAYER_LOOP"  # "0": keep the Python loops (to compare, or to rule the C loop out)
 Watched = tuple[dict | None, str | None, torch.Tensor]  # (holder such as module._parameters, key, tensor)
+
+
+class KVStoreRows(Protocol):
+    """What `run` reads of a position-indexed KV cache (targets/native/cache.py's StaticCache):
+    rows [row0, row0 + batch) of a store whose per-layer `keys` / `values` are
+    [rows, kv_heads, capacity + 1, head_dim]."""
+
+    store: object
+    row0: int
+    batch: int
 
 
 @dataclass(frozen=True)
@@ -117,7 +127,7 @@ class LayerProgram:
         changed in place or given new storage since `build`)."""
         return all(owner is None or owner[name] is t for owner, name, t in self.watched) and self._key() == self.key
 
-    def run(self, x: torch.Tensor, place: QKVPlacement, visible: torch.Tensor, horizon: int, cache: StaticCache,
+    def run(self, x: torch.Tensor, place: QKVPlacement, visible: torch.Tensor, horizon: int, cache: KVStoreRows,
             *, inter: int, scale: float, ctx: torch.Tensor | None = None, capture: list[int] | None = None,
             features: torch.Tensor | None = None, packed_max: int = 0,
             start: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -146,7 +156,7 @@ class LayerProgram:
         layers = len(store.keys)
         dims = [t, tokens, hidden, layers, h, kvh, d, inter, b, q, cache.batch, k0.shape[2], s_row, s_head, s_slot,
                 horizon, 0 if features is None else features.shape[-1], packed_max]
-        assert len(dims) == DIMS  # the order of kernels/layers.c's D_* values
+        assert len(dims) == DIMS  # the order of cpu/csrc/layers.c's D_* values
         dims_t = torch.tensor(dims, dtype=torch.int64)  # named: a temporary would be freed before the call
         kin = torch.empty(t + tokens, hidden, dtype=dtype)
         if ctx is not None:

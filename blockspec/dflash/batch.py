@@ -23,10 +23,10 @@ import torch
 
 from blockspec.config import SamplingParams
 from blockspec.errors import ConfigError
-from blockspec.dflash.drafter import DFlashDrafter
+from blockspec.dflash.drafter import DFlashDrafter, DraftContextCache
 from blockspec.dflash.static_drafter import StaticDrafter, has_standard_forward
 from blockspec.targets.slots import EMPTY
-from blockspec.targets.base import Target, greedy_forward
+from blockspec.targets.base import Target, TargetCache, greedy_forward
 from blockspec.dflash.lookup import LookupConfig, TokenIndex
 from blockspec.dflash.sampling import RowRandom, probabilities
 from blockspec.dflash.verify import accept_greedy
@@ -101,7 +101,7 @@ RowStopCheck = Callable[[list[int]], int | None]
 # distribution at each proposal position; per row, how many leading proposals came from n-gram
 # lookup instead) -> tokens to verify, in 1..block: one length for every row, or a list with one
 # per row (a ragged step; the rows' unverified tail is padding, which costs nothing where the
-# target `packs_padding`). It sees the draft distributions only, never the target nor the
+# target `skips_padding`). It sees the draft distributions only, never the target nor the
 # sampled proposals: whether a sampled proposal is verified must not depend on the proposal
 # itself (verifying only the likely-looking samples would bias the output towards them), and the
 # peaks are fixed before any sample is drawn. Greedy, the peak is the proposal's own probability.
@@ -162,10 +162,6 @@ def make_row(key: object, prompt_len: int, params: SamplingParams, eos: tuple[in
                lookup_tries=[0] * positions, logprobs=[] if params.logprobs is not None else None)
 
 
-def _static_cache(cache: object) -> bool:
-    return hasattr(cache, "reserve")
-
-
 class DecodeBatch:
     """The rows being decoded together, their caches, and the step that advances them all.
 
@@ -204,19 +200,19 @@ class DecodeBatch:
         self.device = target.embed(torch.zeros(1, 1, dtype=torch.long)).device
         self.offsets = torch.arange(max(1, self.max_block), device=self.device)
         self.rows: list[Row] = []
+        self.tcache: TargetCache | None = None
+        self.dcache: DraftContextCache | None = None
         self._reset()
 
     def _reset(self) -> None:
         d = self.device
         self.rows = []
-        # Static caches keep their storage for the next rows (an empty window of the same store).
+        # Caches keep their storage for the next rows (a native cache: an empty window of the
+        # same store); the next join spawns from them.
         empty = torch.zeros(0, dtype=torch.long, device=d)
-        for name in ("tcache", "dcache"):
-            cache = getattr(self, name, None)
-            if _static_cache(cache):
+        for cache in (self.tcache, self.dcache):
+            if cache is not None:
                 cache.select_rows(empty)
-            else:
-                setattr(self, name, None)
         self.random = RowRandom([])
         self.cur = torch.zeros(0, dtype=torch.long, device=d)
         self.cur_host: list[int] = []
@@ -257,10 +253,10 @@ class DecodeBatch:
         self._reset()
 
     @property
-    def packs_padding(self) -> bool:
+    def skips_padding(self) -> bool:
         """Whether a ragged step costs what its rows verify in total (the target skips padding in
         its matmuls), rather than what its longest row does."""
-        return bool(getattr(self.target, "packs_padding", False))
+        return self.target.skips_padding
 
     @property
     def all_greedy(self) -> bool:
@@ -296,10 +292,8 @@ class DecodeBatch:
             ids[i, longest - len(p):] = torch.tensor(p)
             positions[i, longest - len(p):] = torch.arange(len(p))
         ids, positions = ids.to(d), positions.to(d)
-        spawn = getattr(self.tcache, "spawn", None)
-        tcache = spawn(k) if spawn is not None else self.target.new_cache(k)
-        if _static_cache(tcache):
-            tcache.reserve(longest)
+        tcache = self.target.new_cache(k) if self.tcache is None else self.tcache.spawn(k)
+        tcache.reserve(longest)
         params = [r.params for r in rows]
         random = RowRandom([sp.seed for sp in params])
         temperature = torch.tensor([sp.temperature for sp in params], dtype=torch.float32, device=d)
@@ -316,16 +310,15 @@ class DecodeBatch:
             first_lp = _logprobs(logits[:, -1:], first[:, None], [sp.logprobs for sp in params])
         dcache = None
         if self.draft is not None:
-            dspawn = getattr(self.dcache, "spawn", None)
-            dcache = dspawn(k) if dspawn is not None else self.draft.new_cache(k)
+            dcache = self.draft.new_cache(k) if self.dcache is None else self.dcache.spawn(k)
         first_host = first.tolist()
         # ---- from here on the batch changes
         if not self.rows:
             self.tcache, self.dcache = tcache, dcache
         else:
-            self._merge(self.tcache, tcache)
+            self.tcache.merge(tcache)
             if dcache is not None:
-                self._merge(self.dcache, dcache)
+                self.dcache.merge(dcache)
         self.random.extend(random)
         self.temperature = torch.cat([self.temperature, temperature])
         self.top_k = torch.cat([self.top_k, top_k])
@@ -351,16 +344,6 @@ class DecodeBatch:
             r.new_tokens = []
             self._commit(r, [t], first_lp[i] if first_lp is not None else None)
         self.rows.extend(rows)
-
-    @staticmethod
-    def _merge(into: object, other: object) -> None:
-        merge = getattr(into, "merge", None)
-        if merge is None:
-            raise ConfigError(
-                f"{type(into).__name__} cannot take rows joining a running batch; use the native "
-                "target / standard drafter, or decode such requests in separate batches"
-            )
-        merge(other)
 
     def _add_pending(self, feats: torch.Tensor, positions: torch.Tensor, *, joining: bool) -> None:
         """Queues context features: new rows' (joining) or every row's latest (appended)."""
@@ -423,12 +406,11 @@ class DecodeBatch:
             embeds = self.target.embed(draft_ids)  # [b, q, H]
             if self.embed_scale != 1.0:
                 embeds = embeds * self.embed_scale
-            if _static_cache(self.dcache):
-                self.dcache.reserve(top, self.draft_top)
+            self.dcache.reserve(top, self.draft_top)
             self._flush_pending()
             hidden = self.draft(self.pending_feats, self.pending_pos, embeds, positions, self.dcache)
             conf = None
-            selector = getattr(self.drafter, "candidate_selector", None) is not None
+            selector = self.drafter.candidate_selector is not None
             # a DFlash 2 walk goes on from the lookup continuation that will replace its first proposals
             forced = self._lookup_forced(q) if selector and self.lookup is not None else None
             if greedy and trim is not None:
@@ -506,10 +488,9 @@ class DecodeBatch:
         d = self.device
         remaining = [r.remaining for r in rows]
         self.verified = b * q if padding is None else sum(lengths)
-        if _static_cache(self.tcache):
-            # the attention horizon of the tokens verified (a trimmed block reads fewer slots:
-            # those beyond it hold stale keys of rejected tokens)
-            self.tcache.reserve(max(self.cur_host) + q)
+        # the attention horizon of the tokens verified (a trimmed block reads fewer slots: those
+        # beyond it hold stale keys of rejected tokens)
+        self.tcache.reserve(max(self.cur_host) + q)
         proposals = block_ids[:, 1:]
         token_lp = None
         if self.argmax_only:  # the target's argmax only: a native target skips most of its head

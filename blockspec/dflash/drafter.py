@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -285,6 +286,37 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+class DraftContextCache(Protocol):
+    """The drafter's cache of context K/V for a batch: `DraftCache` (the PyTorch forward) or a
+    native `StaticCache` (`StaticDrafter`). Block K/V never stay in it, so it has no `reject`.
+    Every implementation has every method, so callers never ask a cache what it can do."""
+
+    def lengths(self) -> torch.Tensor:
+        """Valid context slots per row [b]."""
+        ...
+
+    def reserve(self, n: int, capacity: int = 0) -> None:
+        """The next pass reads slots < n and writes positions below max(n, capacity)
+        (preallocated caches grow; growing ones do nothing)."""
+        ...
+
+    def compact(self, ratio: float) -> None:
+        """Reclaims empty slots once they exceed `ratio` of the cache (may do nothing)."""
+        ...
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keeps only these rows, in this order (an empty index keeps the storage for later)."""
+        ...
+
+    def spawn(self, batch: int) -> DraftContextCache:
+        """An empty cache of the same kind for `batch` new rows, which `merge` takes."""
+        ...
+
+    def merge(self, other: DraftContextCache) -> None:
+        """Appends other's rows; raises ConfigError where a cache cannot take joining rows."""
+        ...
+
+
 class DraftCache:
     """Context K/V of every draft layer, per row; block K/V are never stored.
 
@@ -299,6 +331,9 @@ class DraftCache:
 
     def lengths(self) -> torch.Tensor:
         return self.slots.lengths()
+
+    def reserve(self, n: int, capacity: int = 0) -> None:
+        """Nothing to do: the keys and values grow as passes append context to them."""
 
     def compact(self, ratio: float) -> None:
         index = self.slots.compaction_plan(ratio)
@@ -315,6 +350,17 @@ class DraftCache:
         self.slots.select_rows(rows)
         self.keys = [k[rows] if k is not None else None for k in self.keys]
         self.values = [v[rows] if v is not None else None for v in self.values]
+
+    def spawn(self, batch: int) -> DraftCache:
+        """A new, empty cache for `batch` rows (the same as the drafter's `new_cache`)."""
+        return DraftCache(len(self.keys), batch, self.slots.positions.device)
+
+    def merge(self, other: DraftCache) -> None:
+        """Refused: rows joining a running batch need the static drafter's cache."""
+        raise ConfigError(
+            f"{type(self).__name__} cannot take rows joining a running batch; use the native "
+            "target / standard drafter, or decode such requests in separate batches"
+        )
 
 
 class DraftAttention(nn.Module):

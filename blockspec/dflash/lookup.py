@@ -11,30 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from blockspec.errors import ConfigError
-
-
-@dataclass(frozen=True)
-class LookupConfig:
-    """min_ngram: the fewest trailing tokens (the last committed one included) that must match
-    an earlier occurrence before its continuation is proposed; max_ngram: the longest match
-    looked for (longer matches win; among equal ones the latest).
-
-    The defaults come from held-out prompts (SmolLM2-135M with its shipped drafter, adaptive
-    blocks, batch 1, 24 prompts x 128 tokens, 2 cores). Against
-    min_ngram 3, min_ngram 2 committed +1.6% and +6.0% tokens per second on gsm8k TRAIN questions,
-    +5.8% on stdlib stubs and 0% on gsm8k code stubs. min_ngram 1 lost 5%, max_ngram 6 gained
-    nothing over 4."""
-
-    min_ngram: int = 2
-    max_ngram: int = 4
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.min_ngram, int) or self.min_ngram < 1:
-            raise ConfigError(f"lookup min_ngram must be an integer >= 1, got {self.min_ngram!r}")
-        if not isinstance(self.max_ngram, int) or self.max_ngram < self.min_ngram:
-            raise ConfigError(f"lookup max_ngram must be an integer >= min_ngram ({self.min_ngram}), "
-                              f"got {self.max_ngram!r}")
+from blockspec.config import LookupConfig
 
 
 @dataclass

@@ -77,7 +77,7 @@ TRIM_MAX_ROWS = 1
 # rope, the K/V writes and (the CPU kernel) attention; what is left of it (norms, unpacking) cost
 # SmolLM2 on 2 cores, 16 rows at 250 tokens of context, 6 rows verifying 4 tokens beside 10
 # verifying 1: 93-99 ms, where the same 34 tokens as a uniform block cost ~93 and 16 rows of 4
-# ~150 (session 16, before the padding-free attention and rope: a share of 0.17).
+# ~150 (with attention and rope computed over the padding too, the share measured 0.17).
 PAD_SHARE = 0.05
 
 
@@ -347,19 +347,16 @@ def calibrate(batch: DecodeBatch, size: int, max_block: int, context: int = 8,
     ids = torch.zeros(size, context, dtype=torch.long, device=d)
     positions = torch.arange(context, device=d).expand(size, context).contiguous()
     tcache = target.new_cache(size)
-    if hasattr(tcache, "reserve"):
-        tcache.reserve(context)
+    tcache.reserve(context)
     _, feats = target.forward(ids, positions, tcache, layer_ids, last_logits_only=True)
-    caches = {"draft": batch.draft.new_cache(size) if batch.draft is not None else None}
+    dcache = batch.draft.new_cache(size) if batch.draft is not None else None
 
     def run(n: int) -> tuple[float, float]:
         block_ids = torch.zeros(size, n, dtype=torch.long, device=d)  # drafted and verified alike
         block_pos = context + torch.arange(n, device=d).expand(size, n)
-        dcache = caches["draft"]
         t0 = time.perf_counter()
         if n > 1 and batch.draft is not None:
-            if hasattr(dcache, "reserve"):
-                dcache.reserve(context + n, context + n)
+            dcache.reserve(context + n, context + n)
             ctx_pos = torch.full_like(positions[:, :1], EMPTY)
             hidden = batch.draft(feats[:, :1], ctx_pos, target.embed(block_ids), block_pos, dcache)
             anchor = block_ids[:, 0]  # a DFlash 2 drafter walks from it
@@ -368,14 +365,13 @@ def calibrate(batch: DecodeBatch, size: int, max_block: int, context: int = 8,
             else:
                 batch.drafter.greedy_tokens(hidden[:, 1:n], target.head(), anchor).tolist()
         t1 = time.perf_counter()
-        if hasattr(tcache, "reserve"):
-            tcache.reserve(context + n)
+        tcache.reserve(context + n)
         greedy_forward(target, block_ids, block_pos, tcache, layer_ids)[0].tolist()  # as a greedy step does
         elapsed = time.perf_counter() - t0
         tcache.reject(torch.zeros(size, n, dtype=torch.bool, device=d))
         tcache.compact(1.0)
-        if dcache is not None and not hasattr(dcache, "reserve"):
-            caches["draft"] = batch.draft.new_cache(size)  # dynamic caches grew: start over
+        if dcache is not None:
+            dcache.compact(1.0)  # the dummy context took only empty slots: a growing cache drops them
         return elapsed, (t1 - t0 if n > 1 else 0.0)
 
     out, drafting = time_sizes(run, calibration_sizes(max_block), rounds)
@@ -570,7 +566,7 @@ class AdaptiveBlock:
         the time, 0.5-0.6: 51%, 0.9-1: 97%), lookup proposals keep lookup's rates. The draft is
         paid by then, so only the verify part of each size's cost differs.
 
-        With `ragged`, a batch of rows whose target packs padding (`DecodeBatch.packs_padding`)
+        With `ragged`, a batch of rows whose target skips padding (`DecodeBatch.skips_padding`)
         gets a length per row: the proposals most likely to be accepted, across all rows, until
         one more costs more than it is expected to commit. The cost of T verified tokens is that of a uniform
         block of T / rows tokens (interpolated), since the matmuls cost by rows, plus PAD_SHARE of
@@ -606,7 +602,7 @@ class AdaptiveBlock:
         self.challenges.clear()
 
     def _ragged(self, batch: DecodeBatch) -> bool:
-        return self.ragged and batch.packs_padding
+        return self.ragged and batch.skips_padding
 
     def _trims(self, batch: DecodeBatch, rows: int) -> bool:
         """Whether drafting steps of `rows` rows get trimmed (so read back confidences)."""
@@ -660,7 +656,7 @@ class AdaptiveBlock:
         drafts = self.costs.draft_table(b)
         if drafts is not None and self._drafted not in (None, size):  # priced as if it had drafted only `size`
             seconds += drafts[size - 1] - drafts[self._drafted - 1]
-        if not getattr(batch, "caught_up", False):
+        if not batch.caught_up:
             # A draft pass that also read joined prompts or a run of plain steps' context costs
             # more than its size does. Believed, it priced drafting out: at concurrency 8 a fresh
             # engine then ran 31-155 of ~500 steps plain (held-out GSM8K, SmolLM2, 2 cores), and

@@ -23,7 +23,7 @@ from blockspec.targets.native.attention import cached_attention, visible_keys
 from blockspec.targets.native.cache import KVStore, StaticCache, attention_mask
 from blockspec.targets.native.llama import padding_index, rms_norm, rope_bqhd, silu_mul
 from blockspec.cpu.program import LayerProgram, LayerWeights, parameters_of
-from blockspec.targets.native.qkv import QKVPlacement, block_places
+from blockspec.cpu.qkv import QKVPlacement, block_places
 
 
 def has_standard_forward(drafter: nn.Module) -> bool:
@@ -170,7 +170,7 @@ class StaticDrafter:
             return None
         b, q = block_positions.shape
         # the keys of a query at the block's last position are exactly those slots
-        return visible_keys((block_positions[:, :1] + q - 1).expand(b, q), False, dtype)
+        return visible_keys((block_positions[:, :1] + q - 1).expand(b, q), dtype)
 
     @torch.inference_mode()
     def __call__(

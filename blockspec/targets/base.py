@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 from blockspec.cpu.argmax import greedy_ids
-from blockspec.targets.slots import SlotTable
 
 DTYPES = {
     "float32": torch.float32,
@@ -37,23 +36,51 @@ class TargetInfo:
 
 
 class TargetCache(Protocol):
-    """KV cache of a target for a batch. Invariant: valid slots hold committed tokens only."""
+    """KV cache of a target for a batch. Invariant: valid slots hold committed tokens only.
 
-    slots: SlotTable
+    Every implementation has every method (a no-op where it has nothing to do), so callers never
+    ask a cache what it can do. docs/DESIGN.md section 9 says how each one keeps the invariant.
+    """
 
-    def lengths(self) -> torch.Tensor: ...
+    def lengths(self) -> torch.Tensor:
+        """Valid (committed) slots per row [b]."""
+        ...
 
-    def reject(self, keep: torch.Tensor) -> None: ...
+    def reserve(self, n: int, capacity: int = 0) -> None:
+        """The next forward reads slots < n and may write positions below max(n, capacity):
+        preallocated caches grow and set their attention horizon; growing ones do nothing."""
+        ...
 
-    def compact(self, ratio: float) -> None: ...
+    def reject(self, keep: torch.Tensor) -> None:
+        """Of the last forward's q slots per row, keep those where keep [b, q] is True."""
+        ...
 
-    def select_rows(self, rows: torch.Tensor) -> None: ...
+    def compact(self, ratio: float) -> None:
+        """Reclaims rejected slots once they exceed `ratio` of the cache (may do nothing)."""
+        ...
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keeps only these rows, in this order (an empty index keeps the storage for later)."""
+        ...
+
+    def spawn(self, batch: int) -> TargetCache:
+        """An empty cache of the same kind for `batch` new rows, which `merge` takes (without
+        copying where the storage is shared)."""
+        ...
+
+    def merge(self, other: TargetCache) -> None:
+        """Appends other's rows (requests joining a running batch); other came from `spawn`.
+        Raises ConfigError where a cache cannot take joining rows."""
+        ...
 
 
 class Target(Protocol):
     """A causal LM usable as a DFlash target."""
 
     info: TargetInfo
+    # whether padding tokens (EMPTY positions) cost nothing in `forward`'s products, so the rows
+    # of a batch may verify different lengths for the price of their sum
+    skips_padding: bool
 
     def new_cache(self, batch: int) -> TargetCache: ...
 

@@ -93,7 +93,13 @@ class DeltaState:
         self.commit()
         self.conv, self.rec = self.conv[rows], self.rec[rows]
 
-    def append_rows(self, other: DeltaState) -> None:
+    def spawn(self, batch: int) -> DeltaState:
+        """The state before any token for `batch` new rows, shaped like this one."""
+        return DeltaState(self.conv.new_zeros((batch, *self.conv.shape[1:])),
+                          self.rec.new_zeros((batch, *self.rec.shape[1:])))
+
+    def merge(self, other: DeltaState) -> None:
+        """Appends other's rows."""
         self.commit()
         other.commit()
         self.conv = torch.cat([self.conv, other.conv])

@@ -37,6 +37,9 @@ class HFCache:
     def lengths(self) -> torch.Tensor:
         return self.slots.lengths()
 
+    def reserve(self, n: int, capacity: int = 0) -> None:
+        """Nothing to do: the DynamicCache grows as forwards append to it."""
+
     def reject(self, keep: torch.Tensor) -> None:
         """keep [b, n] over the last forward's n tokens; linear-attention states go back to the
         last kept token of each row."""
@@ -64,6 +67,11 @@ class HFCache:
         for state in self.linear.values():
             state.select_rows(rows)
 
+    def spawn(self, batch: int) -> HFCache:
+        """A new, empty cache for `batch` rows (the same as the target's `new_cache`)."""
+        linear = {i: state.spawn(batch) for i, state in self.linear.items()}
+        return HFCache(batch, self.slots.positions.device, linear)
+
     def merge(self, other: HFCache) -> None:
         """Appends other's rows (requests joining a running batch); the table with fewer slots
         is left-padded with empty slots."""
@@ -82,7 +90,7 @@ class HFCache:
             mine.keys = torch.cat([pad(mine.keys, 2, 0.0), pad(theirs.keys, 2, 0.0)])
             mine.values = torch.cat([pad(mine.values, 2, 0.0), pad(theirs.values, 2, 0.0)])
         for i, state in self.linear.items():
-            state.append_rows(other.linear[i])
+            state.merge(other.linear[i])
 
 
 def _decoder(model: nn.Module) -> nn.Module:
@@ -135,6 +143,8 @@ class HFTarget:
     """Adapter for a `transformers` causal LM whose decoder layers attend (full or sliding
     window, with or without attention sinks) or are Gated DeltaNet linear attention; anything
     else is refused, since its state could not be rolled back after a rejection."""
+
+    skips_padding = False  # transformers' layers compute padding rows like any other
 
     def __init__(self, model: nn.Module, eos_token_ids: tuple[int, ...] = ()) -> None:
         self.model = model.eval()

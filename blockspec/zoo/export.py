@@ -174,7 +174,7 @@ def export_drafter(drafter: str | Path, fmt: str, target: str | Path, out: str |
         path = out / "drafter.gguf" if out.suffix != ".gguf" else out
         write_dflash_gguf(ckpt, target_gguf, path, dtype=dtype)
         return ExportResult(path, (path.name,), serve_command(fmt, ckpt, str(target_gguf), path))
-    from blockspec.api import resolve_target_dir
+    from blockspec.zoo.registry import resolve_target_dir
 
     target_dir = resolve_target_dir(target)
     files = export_hf_dir(ckpt, target_dir, out, dtype=dtype)

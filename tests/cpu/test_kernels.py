@@ -26,7 +26,7 @@ def test_kernel_matches_f_linear_and_is_batch_invariant(n: int, dtype: torch.dty
     """Any row count (one weight row at a time below the kernel's TILE_ROWS, 3-8 by build and
     element type, register tiles from it on, partial tiles included), widths off the vector
     steps (16 fp32, 32 bf16 pairs) and output counts off the tile width, with and without bias,
-    and widths the tiles take in several passes (kernels/rows.c, K_PASS): the exact product's
+    and widths the tiles take in several passes (cpu/csrc/rows.c, K_PASS): the exact product's
     numbers (bf16: summed in fp32, rounded once), and each row's bits equal that row computed
     alone."""
     g = torch.Generator().manual_seed(n)
@@ -183,7 +183,7 @@ def test_kernel_bits_do_not_depend_on_the_thread_count() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_kernel_computes_hugging_faces_rmsnorm_row_by_row(dtype: torch.dtype) -> None:
-    """kernels/norm.c: fp32 statistics, the weight's product in the model's dtype (bf16: the
+    """cpu/csrc/norm.c: fp32 statistics, the weight's product in the model's dtype (bf16: the
     normalised row rounded first, as HF's module does), widths off the vector step, any row
     count and thread count; a row's bits do not depend on the rows beside it."""
     g = torch.Generator().manual_seed(4)

@@ -41,7 +41,7 @@ class Machine:
                                 stats=SimpleNamespace(accepted_by_position=[0] * 15,
                                                       lookup_accepted_by_position=[0] * 15),
                                 tries=[0] * 15, lookup_tries=[0] * 15) for _ in range(ROWS)]
-        self.batch = SimpleNamespace(drafter=object(), rows=rows, packs_padding=False, verified=0,
+        self.batch = SimpleNamespace(drafter=object(), rows=rows, skips_padding=False, verified=0,
                                      lookup_plan=lambda: [[]] * ROWS, step=self.step, caught_up=False)
 
     def step(self, block: int, trim: object = None) -> int:

@@ -239,7 +239,7 @@ def test_verify_lengths_per_row_keep_sampling_exact(monkeypatch: pytest.MonkeyPa
     _trimmed_steps(monkeypatch, trim)
     model, sp, joint, plain = _trim_sampling_setup()
     target = load_native_target(model, dtype=None, eos_token_ids=())
-    assert target.packs_padding
+    assert target.skips_padding
     dec = SpecDecoder(target, plain.drafter, SpecConfig(block_size=4))
     counts = sample_many(dec, sp, n=1600, batch=32)
     assert min(seen.count(1), seen.count(2), seen.count(3)) > 150, [seen.count(n) for n in (1, 2, 3)]

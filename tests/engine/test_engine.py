@@ -260,16 +260,16 @@ def test_adaptive_policy_widens_cheap_drafts_and_trims_by_confidence() -> None:
     looked = policy.trimmer(SimpleNamespace(rows=[_confident_row(lookup_rate=0.8)]))
     assert looked([[0.0] * 7], [7]) == 8  # lookup proposals: lookup's rates (0.8), not the drafter's
     assert trim([[0.97] * 3], [0]) == 4  # a draft clipped by the rows' limits
-    two = policy.trimmer(SimpleNamespace(rows=[_confident_row(), _confident_row()], packs_padding=True))
+    two = policy.trimmer(SimpleNamespace(rows=[_confident_row(), _confident_row()], skips_padding=True))
     assert two([[0.97] * 7, [0.0] * 7], [0, 0]) == 8  # one length for the batch: the sum decides
-    # ragged: a length per row where the target packs padding; a step of T tokens costs what a
+    # ragged: a length per row where the target skips padding; a step of T tokens costs what a
     # uniform block of T / rows does
     ragged = AdaptiveBlock(8, costs=costs, ragged=True)
-    per_row = ragged.trimmer(SimpleNamespace(rows=[_confident_row(), _confident_row()], packs_padding=True))
+    per_row = ragged.trimmer(SimpleNamespace(rows=[_confident_row(), _confident_row()], skips_padding=True))
     assert per_row([[0.97] * 7, [0.0] * 7], [0, 0]) == [8, 1]
     assert per_row([[0.97] * 7, [0.9, 0.9, 0.02, 0.9, 0.9, 0.9, 0.9]], [0, 0]) == [8, 3]
     assert per_row([[0.0] * 7, [0.0] * 7], [0, 0]) == [1, 1]
-    unpacked = ragged.trimmer(SimpleNamespace(rows=[_confident_row(), _confident_row()], packs_padding=False))
+    unpacked = ragged.trimmer(SimpleNamespace(rows=[_confident_row(), _confident_row()], skips_padding=False))
     assert unpacked([[0.97] * 7, [0.0] * 7], [0, 0]) == 8  # padding would cost full rows: one length
 
 
@@ -364,7 +364,7 @@ def test_adaptive_probes_cost_at_most_their_share_of_plain_decoding(monkeypatch:
             batch.verified = 16 * block
             return block
 
-        batch = SimpleNamespace(drafter=object(), rows=rows, packs_padding=True, verified=0,
+        batch = SimpleNamespace(drafter=object(), rows=rows, skips_padding=True, verified=0, caught_up=False,
                                 lookup_plan=lambda: [[]] * 16, step=step)
         costs = CostModel(max_block=8)
         costs.set(16, [1.0] + [10.0] * 7)  # drafting never pays
@@ -397,7 +397,7 @@ def test_adaptive_cost_model_leaves_out_draft_passes_that_catch_up(monkeypatch: 
         return block
 
     drafted: list[int] = []
-    batch = SimpleNamespace(drafter=object(), rows=rows, packs_padding=False, verified=0,
+    batch = SimpleNamespace(drafter=object(), rows=rows, skips_padding=False, verified=0,
                             lookup_plan=lambda: [[]] * 2, step=step, caught_up=False)
     costs = CostModel(max_block=4)
     costs.set(2, [1.0, 1.1, 1.2, 1.3])
@@ -451,10 +451,10 @@ def test_adaptive_policy_verifies_lookup_continuations_without_drafting() -> Non
     policy.choose(none)
     assert policy.lookup_step is None
     pair = dict(drafter=object(), rows=[_lookup_row(0.9), _lookup_row(0.9)], lookup_plan=lambda: [[5, 6, 7], []])
-    assert policy.choose(SimpleNamespace(**pair, packs_padding=True)) == 1 and policy.lookup_step is None  # batch: opt-in
+    assert policy.choose(SimpleNamespace(**pair, skips_padding=True)) == 1 and policy.lookup_step is None  # batch: opt-in
     ragged = AdaptiveBlock(8, costs=costs, plain_every=1000, challenge_every=1000, ragged=True)
-    assert ragged.choose(SimpleNamespace(**pair, packs_padding=True)) == 1 and ragged.lookup_step == [4, 1]
-    ragged.choose(SimpleNamespace(**pair, packs_padding=False))  # padding would cost full rows
+    assert ragged.choose(SimpleNamespace(**pair, skips_padding=True)) == 1 and ragged.lookup_step == [4, 1]
+    ragged.choose(SimpleNamespace(**pair, skips_padding=False))  # padding would cost full rows
     assert ragged.lookup_step is None
 
 

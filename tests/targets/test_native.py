@@ -368,23 +368,6 @@ def test_load_target_backends_from_directory(tmp_path) -> None:
         load_target(tmp_path, backend="fast")
 
 
-def test_fixed_shape_forward_for_cuda_graphs_matches_eager() -> None:
-    """The CUDA-graph path attends over the whole capacity under a mask; same numbers on CPU."""
-    model = make_tiny_target("qwen3", seed=14)
-    target = native(model)
-    seq = torch.randint(0, 48, (2, 12), generator=torch.Generator().manual_seed(4))
-    pos = torch.arange(12).expand(2, 12)
-    eager, static = target.new_cache(2), target.new_cache(2)
-    target.forward(seq[:, :8], pos[:, :8], eager)
-    target.forward(seq[:, :8], pos[:, :8], static)
-    want, want_f = target.forward(seq[:, 8:], pos[:, 8:], eager, (1, 3))
-    got, got_f = target.net(seq[:, 8:], pos[:, 8:], static, (1, 3), static=True)
-    torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
-    torch.testing.assert_close(got_f, want_f, atol=1e-10, rtol=1e-10)
-    with pytest.raises(ConfigError, match="CUDA"):
-        target.enable_cuda_graphs()  # CPU: refused, the eager path stays
-
-
 def test_static_drafter_sees_weights_updated_in_place() -> None:
     """Training evaluates the live drafter: an optimizer step (in-place) must reach the stacked
     q/k/v and gate/up weights of the static pass."""

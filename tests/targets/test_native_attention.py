@@ -1,4 +1,4 @@
-"""The native target's batch-invariant CPU attention (targets/native/attention.py, kernels/attention.c)."""
+"""The native target's batch-invariant CPU attention (targets/native/attention.py, cpu/csrc/attention.c)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ SPANS = {  # positions of 3 rows verifying 5 tokens each; cache capacity
 @pytest.mark.parametrize("d", [8, 64, 72])
 def test_matches_sdpa_and_each_query_gets_its_bits_alone(dtype: torch.dtype, d: int, span: str) -> None:
     """Numbers as PyTorch's attention under the target's causal mask, zeros for padding (a
-    packed forward never reads them), and a query's output bits are the same in a block of 5, in
+    forward that skips padding never reads them), and a query's output bits are the same in a block of 5, in
     a batch of 3 rows or alone, on one thread or two."""
     assert kernels.kernel() is not None
     b, kvh, g, n = 3, 2, 3, 5
@@ -44,7 +44,7 @@ def test_matches_sdpa_and_each_query_gets_its_bits_alone(dtype: torch.dtype, d: 
     q, k, v = _case(b, kvh, g, n, d, cap, dtype, seed=d)
     positions = torch.tensor(layout)
     horizon = int(positions.max()) + 1
-    visible = native_attention.visible_keys(positions, static=False, dtype=dtype)
+    visible = native_attention.visible_keys(positions, dtype=dtype)
     got = native_attention.cached_attention(q, k, v, visible, horizon, 0.3)
     assert got.dtype == dtype and got.shape == q.shape
     mask = attention_mask(positions, horizon, g)
@@ -100,11 +100,10 @@ def test_a_first_key_per_query_is_a_sliding_window(dtype: torch.dtype) -> None:
 
 def test_only_cpu_passes_of_a_few_tokens_take_the_kernel() -> None:
     few, fp32 = torch.arange(4)[None], torch.float32
-    assert native_attention.visible_keys(few, static=False, dtype=fp32).tolist() == [[1, 2, 3, 4]]
-    assert native_attention.visible_keys(few, static=True, dtype=fp32) is None  # fixed shapes (CUDA graphs)
+    assert native_attention.visible_keys(few, dtype=fp32).tolist() == [[1, 2, 3, 4]]
     long = torch.arange(native_attention.MAX_TOKENS + 1)[None]
-    assert native_attention.visible_keys(long, static=False, dtype=fp32) is None
-    assert native_attention.visible_keys(few, static=False, dtype=torch.float64) is None
+    assert native_attention.visible_keys(long, dtype=fp32) is None
+    assert native_attention.visible_keys(few, dtype=torch.float64) is None
     q, k, v = _case(1, 1, 1, 1, 8, 4, torch.float64, seed=0)
     assert native_attention.cached_attention(q, k, v, torch.ones(1, 1, dtype=torch.int64), 4, 1.0) is None
 

@@ -3,7 +3,7 @@
 PyTorch's CPU attention splits its work by the number of queries, so a token verified in a block
 got other bits than the same token decoded alone: ~1e-5 in fp32 logits, up to 0.4 in bf16,
 where speculative output then drifted from plain decoding within a few dozen tokens.
-`kernels/attention.c` (built with the projections' kernel, cpu/kernels.py)
+`cpu/csrc/attention.c` (built with the projections' kernel, cpu/kernels.py)
 computes each query the same way whatever else is in the pass, so verification sees exactly
 what one-token decoding sees. Where it is unavailable (no compiler, a GPU, a prompt of more than
 MAX_TOKENS), the caller keeps `F.scaled_dot_product_attention`.
@@ -24,13 +24,13 @@ from blockspec.cpu import kernels
 MAX_TOKENS = 512
 
 
-def visible_keys(positions: torch.Tensor, static: bool, dtype: torch.dtype) -> torch.Tensor | None:
+def visible_keys(positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     """Keys (a prefix of the position-indexed cache) each query token sees [b, q] (int64), or
     None where the kernel does not take this pass (decided once per forward, not per layer).
     Slot j is visible to position p when j <= p; padding (EMPTY) sees nothing, so the kernel
-    skips it (its output is zeros; a packed forward never reads it)."""
+    skips it (its output is zeros; a forward that skips padding never reads it)."""
     k = kernels.kernel()
-    if k is None or dtype not in k.attention or static or positions.device.type != "cpu" \
+    if k is None or dtype not in k.attention or positions.device.type != "cpu" \
             or positions.shape[1] > MAX_TOKENS:
         return None
     return (positions + 1).clamp_min(0).to(torch.int64).contiguous()

@@ -24,7 +24,7 @@ from blockspec.cpu.greedy_head import GreedyHead
 from blockspec.targets.native.cache import KVStore, StaticCache, attention_mask
 from blockspec.targets.native.config import NativeConfig
 from blockspec.cpu.program import LayerProgram, target_program
-from blockspec.targets.native.qkv import QKVPlacement, block_places
+from blockspec.cpu.qkv import QKVPlacement, block_places
 from blockspec.cpu import kernels
 from blockspec.cpu.linear import fast_cpu_single_row, project
 from blockspec.cpu.packed_cache import pack_cached
@@ -141,14 +141,12 @@ class NativeLlama(nn.Module):
         head = "embed" if self.lm_head.weight is self.embed.weight else "lm_head"
         return [(n + ".weight", self.get_submodule(n)) for n in names] + [(head + ".weight", self.lm_head)]
 
-    def _horizon(self, positions: torch.Tensor, cache: StaticCache, static: bool = False) -> int:
+    def _horizon(self, positions: torch.Tensor, cache: StaticCache) -> int:
         """Slots [0, horizon) hold every key this forward's queries may see."""
-        if static:
-            return cache.scratch
         return cache.horizon if cache.fresh else int(positions.max()) + 1
 
-    def _sdpa_masks(self, positions: torch.Tensor, cache: StaticCache, horizon: int,
-                    static: bool = False) -> tuple[torch.Tensor | None, bool | tuple[tuple[int, int], ...]]:
+    def _sdpa_masks(self, positions: torch.Tensor, cache: StaticCache,
+                    horizon: int) -> tuple[torch.Tensor | None, bool | tuple[tuple[int, int], ...]]:
         """(mask, causal) for PyTorch's attention, shared by the layers of one forward (built only
         when a layer runs it: on a CPU, passes of more than attention.MAX_TOKENS tokens).
 
@@ -158,14 +156,11 @@ class NativeLlama(nn.Module):
         column's position (padding after the prompts), one call for the batch; a tuple: each
         row's (first column, length), its prompt somewhere in the row (the engine's joins pad on
         the left), one call per row over its own tokens, so a prompt attends alike alone or
-        beside others. Padding queries get zeros (a packed forward drops them). Otherwise
+        beside others. Padding queries get zeros (a forward that skips padding drops them). Otherwise
         (tokens after some context) the grouped boolean mask [b, 1, g * q, horizon].
-        static: attend over the whole capacity with a mask (fixed shapes for CUDA graphs).
         """
         b, q = positions.shape
         groups = self.cfg.groups
-        if static:
-            return attention_mask(positions, cache.scratch, groups), False
         if b == 1 and q == 1 and cache.fresh:
             return None, False  # the single query sits at horizon - 1: sees everything
         if cache.fresh and b == 1 and q == horizon:
@@ -206,15 +201,15 @@ class NativeLlama(nn.Module):
         return out.view(b, kvh, gq, d)
 
     def _placement(self, b: int, q: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   rows: torch.Tensor, write: torch.Tensor, packed: torch.Tensor | None) -> QKVPlacement | None:
+                   rows: torch.Tensor, write: torch.Tensor, real: torch.Tensor | None) -> QKVPlacement | None:
         """Where this forward's tokens put their queries and K/V, for the one-call CPU kernel
-        (targets/native/qkv.py); None where PyTorch's operators run instead."""
+        (cpu/qkv.py); None where PyTorch's operators run instead."""
         if not QKVPlacement.available(x.dtype, x.device):
             return None
         cfg = self.cfg
         d = cfg.head_dim
-        if packed is not None:  # T real tokens: rows, write [T], cos, sin [T, 1, d]
-            q_rows, q_cols, kv_rows, kv_slots = rows, packed % q, rows, write
+        if real is not None:  # T real tokens: rows, write [T], cos, sin [T, 1, d]
+            q_rows, q_cols, kv_rows, kv_slots = rows, real % q, rows, write
         else:
             q_rows, q_cols = block_places(b, q)  # [b q]
             kv_rows, kv_slots = q_rows, write.reshape(-1)
@@ -224,12 +219,12 @@ class NativeLlama(nn.Module):
 
     def _queries_and_cache(self, layer: NativeLayer, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                            k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor, write: torch.Tensor,
-                           packed: torch.Tensor | None, b: int, q: int) -> torch.Tensor:
+                           real: torch.Tensor | None, b: int, q: int) -> torch.Tensor:
         """PyTorch's operators for what QKVPlacement does in one call: q/k norms, rope, the K/V
         writes -> queries [b, kvh, g * q, d]."""
         cfg = self.cfg
         h, kvh, g, d = cfg.num_heads, cfg.num_kv_heads, cfg.groups, cfg.head_dim
-        lead = qkv.shape[:-1]  # [b, q], or [T] when packed
+        lead = qkv.shape[:-1]  # [b, q], or [T] without padding
         qs, ks, vs = qkv.split(self._split, dim=-1)
         qs = qs.view(*lead, h, d)
         ks = ks.view(*lead, kvh, d)
@@ -241,8 +236,8 @@ class NativeLlama(nn.Module):
         ks = rope_bqhd(ks, cos, sin)
         k_cache[rows, :, write] = ks
         v_cache[rows, :, write] = vs
-        if packed is not None:
-            qs = _unpack(qs.reshape(-1, h * d), packed, b, q).view(b, q, h, d)
+        if real is not None:
+            qs = _spread(qs.reshape(-1, h * d), real, b, q).view(b, q, h, d)
         return qs.view(b, q, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * q, d)
 
     def forward(
@@ -252,8 +247,7 @@ class NativeLlama(nn.Module):
         cache: StaticCache,
         layer_ids: tuple[int, ...] = (),
         last_logits_only: bool = False,
-        static: bool = False,
-        packed: torch.Tensor | None = None,
+        real: torch.Tensor | None = None,
         resume: tuple[int, torch.Tensor] | None = None,
         greedy: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -263,7 +257,7 @@ class NativeLlama(nn.Module):
         ties) in place of the logits; an fp32 head on a CPU is then screened in bf16 and computes
         only the near-maximal logits exactly (cpu/greedy_head.py), the same ids.
 
-        packed [T]: flat indices (into b * q) of the tokens that are not padding. The projections,
+        real [T]: flat indices (into b * q) of the tokens that are not padding. The projections,
         norms, rope, K/V writes and the LM head then run on those T tokens only, and attention on
         the [b, q] layout (the kernel skips padding queries); padding positions get zero logits
         and features. What a ragged verify (rows verifying different lengths) or a batch of
@@ -275,31 +269,31 @@ class NativeLlama(nn.Module):
         cfg = self.cfg
         b, q = ids.shape
         h, kvh, g, d = cfg.num_heads, cfg.num_kv_heads, cfg.groups, cfg.head_dim
-        # x: [b, q, H], or [T, H] when packed
+        # x: [b, q, H], or [T, H] without padding
         start, x = resume if resume is not None else (0, None)
         if x is None:
-            x = self.embed(ids if packed is None else ids.reshape(-1)[packed])
-        elif packed is not None:
-            x = x.reshape(b * q, -1)[packed]
-        horizon = self._horizon(positions, cache, static)
+            x = self.embed(ids if real is None else ids.reshape(-1)[real])
+        elif real is not None:
+            x = x.reshape(b * q, -1)[real]
+        horizon = self._horizon(positions, cache)
         sdpa: tuple | None = None  # `_sdpa_masks`' (mask, causal), at the first layer that needs it
-        visible = visible_keys(positions, static, x.dtype)  # [b, q]: the batch-invariant kernel's, or None
+        visible = visible_keys(positions, x.dtype)  # [b, q]: the batch-invariant kernel's, or None
         write = cache.write_index(positions)  # [b, q]
         rows = torch.arange(b, device=ids.device)[:, None]
-        if packed is not None:  # rope and the K/V writes of the T real tokens only
-            write, rows = write.reshape(-1)[packed], torch.div(packed, q, rounding_mode="floor")  # [T]
-            cos, sin = self.rotary(positions.reshape(-1)[packed][None], x.dtype)  # [1, T, d]
+        if real is not None:  # rope and the K/V writes of the T real tokens only
+            write, rows = write.reshape(-1)[real], torch.div(real, q, rounding_mode="floor")  # [T]
+            cos, sin = self.rotary(positions.reshape(-1)[real][None], x.dtype)  # [1, T, d]
             cos, sin = cos[0, :, None], sin[0, :, None]  # [T, 1, d]
         else:
             cos, sin = self.rotary(positions, x.dtype)  # [b, q, d]
             cos, sin = cos[:, :, None], sin[:, :, None]
-        place = self._placement(b, q, x, cos, sin, rows, write, packed)
+        place = self._placement(b, q, x, cos, sin, rows, write, real)
         wanted = set(layer_ids)
         captured: dict[int, torch.Tensor] = {}
         last = cfg.num_layers - 1
         single = self.single if b * q == 1 else None
         ran = None
-        if packed is None and start == 0 and not static and single is None and visible is not None:
+        if real is None and start == 0 and single is None and visible is not None:
             ran = self._run_program(x, place, visible, horizon, cache, layer_ids)
         for i, layer in enumerate(self.layers):
             if i < start or ran is not None:
@@ -314,14 +308,14 @@ class NativeLlama(nn.Module):
                     if layer.q_norm is not None else (None, None)
                 qg = place(qkv.reshape(-1, qkv.shape[-1]), k_cache, v_cache, *norms)
             if qg is None:
-                qg = self._queries_and_cache(layer, qkv, cos, sin, k_cache, v_cache, rows, write, packed, b, q)
+                qg = self._queries_and_cache(layer, qkv, cos, sin, k_cache, v_cache, rows, write, real, b, q)
             out = None if visible is None else cached_attention(qg, k_cache, v_cache, visible, horizon, self.scale)
             if out is None:
-                sdpa = sdpa or self._sdpa_masks(positions, cache, horizon, static)
+                sdpa = sdpa or self._sdpa_masks(positions, cache, horizon)
                 out = self._sdpa(qg, k_cache, v_cache, horizon, *sdpa)
             out = out.view(b, kvh, g, q, d).permute(0, 3, 1, 2, 4).reshape(b, q, h * d)
-            if packed is not None:
-                out = out.reshape(b * q, h * d)[packed]  # [T, h * d]
+            if real is not None:
+                out = out.reshape(b * q, h * d)[real]  # [T, h * d]
             x = project(layer.o, out, residual=x)
             y = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
             gate_up = project(layer.gate_up, y) if single is None else _matmul(y, single[i][1], single[i][2])
@@ -339,23 +333,23 @@ class NativeLlama(nn.Module):
         elif last in wanted:  # the one-call loop filled the other captured layers' columns
             at = layer_ids.index(last) * cfg.hidden_size
             features[..., at : at + cfg.hidden_size] = x
-        if packed is not None:
-            features = _unpack(features, packed, b, q) if features is not None else None
+        if real is not None:
+            features = _spread(features, real, b, q) if features is not None else None
             if last_logits_only:  # the last column of every row, padding or not
-                x = _unpack(x, packed, b, q)
+                x = _spread(x, real, b, q)
         x = x[:, -1:] if last_logits_only else x
         if greedy:
             head = None if self._packed_head_takes(x) else self._screened_head()
-            best = None if head is None else head.ids(x)  # [b, q|1], or [T] when packed
+            best = None if head is None else head.ids(x)  # [b, q|1], or [T] without padding
             if best is not None:
-                return (_unpack(best[:, None], packed, b, q)[..., 0] if packed is not None and not last_logits_only
+                return (_spread(best[:, None], real, b, q)[..., 0] if real is not None and not last_logits_only
                         else best), features
         if self.single_head is not None and x.shape[0] * x.shape[1] == 1:
             logits = x @ self.single_head
         else:
             logits = project(self.lm_head, x)
-        if packed is not None and not last_logits_only:
-            logits = _unpack(logits, packed, b, q)
+        if real is not None and not last_logits_only:
+            logits = _spread(logits, real, b, q)
         return (greedy_ids(logits) if greedy else logits), features
 
     def _run_program(self, x: torch.Tensor, place: QKVPlacement | None, visible: torch.Tensor, horizon: int,
@@ -429,10 +423,10 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _unpack(t: torch.Tensor, packed: torch.Tensor, b: int, q: int) -> torch.Tensor:
-    """Rows t [T, n] of the tokens at flat indices `packed` -> [b, q, n], zero at padding."""
+def _spread(t: torch.Tensor, real: torch.Tensor, b: int, q: int) -> torch.Tensor:
+    """Rows t [T, n] of the tokens at flat indices `real` -> [b, q, n], zero at padding."""
     out = t.new_zeros(b * q, t.shape[-1])
-    out[packed] = t
+    out[real] = t
     return out.view(b, q, t.shape[-1])
 
 
@@ -453,7 +447,6 @@ class NativeTarget:
 
     def __init__(self, net: NativeLlama, eos_token_ids: tuple[int, ...] = (), hf_config: object | None = None) -> None:
         self.net = net.eval()
-        self.graphs = None  # a CudaGraphs runner once enable_cuda_graphs() was called
         self.config = hf_config  # the Hugging Face (text) config, e.g. to shape a fresh drafter
         cfg = net.cfg
         self.info = TargetInfo(
@@ -474,10 +467,10 @@ class NativeTarget:
         return self.net.embed.weight.dtype
 
     @property
-    def packs_padding(self) -> bool:
+    def skips_padding(self) -> bool:
         """Whether padding tokens (EMPTY positions) cost nothing in `forward`'s matmuls, so rows
         of a batch may verify different lengths for the price of their sum (`padding_index`)."""
-        return self.device.type == "cpu" and self.graphs is None
+        return self.device.type == "cpu"
 
     def new_cache(self, batch: int, capacity: int = 64) -> StaticCache:
         cfg = self.net.cfg
@@ -519,12 +512,9 @@ class NativeTarget:
 
     def _run(self, ids: torch.Tensor, positions: torch.Tensor, cache: StaticCache, layer_ids: tuple[int, ...],
              last_logits_only: bool, greedy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self.graphs is not None and self.graphs.handles(ids, cache, last_logits_only):
-            logits, feats = self.graphs.forward(ids, positions, cache, tuple(layer_ids))
-            return (greedy_ids(logits) if greedy else logits), feats
         if not cache.fresh:
             cache.reserve(int(positions.max()) + 1)
-        return self.net(ids, positions, cache, layer_ids, last_logits_only, packed=padding_index(positions),
+        return self.net(ids, positions, cache, layer_ids, last_logits_only, real=padding_index(positions),
                         greedy=greedy)
 
     @torch.inference_mode()
@@ -542,13 +532,6 @@ class NativeTarget:
         _, feats = self.net(ids.to(self.device), positions, cache, (last,), last_logits_only=True,
                             resume=(start, x.to(self.device, self.dtype)))
         return feats
-
-    def enable_cuda_graphs(self, max_block: int = 16, *, compile: bool = False) -> None:
-        """Replays decode steps (batch buckets x block sizes) from captured CUDA graphs; CUDA
-        only. UNTESTED on real GPUs in this repository so far (developed on a CPU machine)."""
-        from blockspec.targets.native.graphs import CudaGraphs
-
-        self.graphs = CudaGraphs(self.net, max_block=max_block, compile=compile)
 
 
 __all__ = ["EMPTY", "NativeLlama", "NativeTarget", "rms_norm"]

@@ -1,4 +1,4 @@
-"""The one-call q/k/v placement (targets/native/qkv.py, kernels/rope.c): q/k norms, rope, the query
+"""The one-call q/k/v placement (cpu/qkv.py, cpu/csrc/rope.c): q/k norms, rope, the query
 layout and the K/V cache writes give the same bits as the PyTorch operators they replace, in the
 target and in the drafter, fp32 and bf16."""
 
@@ -14,7 +14,7 @@ from blockspec.dflash.drafter import init_drafter_weights, new_drafter_for_targe
 from blockspec.targets.native import load_native_target
 from blockspec.dflash.static_drafter import StaticDrafter
 from blockspec.targets.native.llama import NativeLlama
-from blockspec.targets.native.qkv import QKVPlacement
+from blockspec.cpu.qkv import QKVPlacement
 from blockspec.targets.slots import EMPTY
 
 pytestmark = pytest.mark.skipif(kernels.kernel() is None, reason="no C compiler: the kernel is not built here")

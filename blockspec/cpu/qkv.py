@@ -1,4 +1,4 @@
-"""A layer's attention inputs from its fused q/k/v projection in one kernel call (`kernels/rope.c`).
+"""A layer's attention inputs from its fused q/k/v projection in one kernel call (`cpu/csrc/rope.c`).
 
 The per-layer work between the q/k/v projection and attention (query/key head norms where the
 model has them, the rotary embedding, the query layout attention reads, the K/V cache writes)
