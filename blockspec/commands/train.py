@@ -2,7 +2,8 @@
 
 Single process: `blockspec train --target T --data D --out O`. Data parallel:
 `torchrun --nproc-per-node N -m blockspec.cli train ...` (gloo on CPU, nccl on GPU); add
-`--parallel fsdp` to shard the drafter instead of replicating it.
+`--parallel fsdp` to shard the drafter instead of replicating it. `--arch dflash2` trains a
+DFlash 2 drafter; with `--init DIR` of a DFlash drafter it converts that drafter first.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import json
 
 from blockspec.commands import DEFAULT_TARGET
 
-HELP = "train a DFlash drafter for a target model"
+HELP = "train a DFlash (or DFlash 2) drafter for a target model"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -34,6 +35,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="target: draft layers start as copies of the target layers after the last fused one; "
                         "random; or a drafter directory (published format) to continue training from, e.g. "
                         "to fine-tune a published drafter on your data (its shape and layers are kept)")
+    p.add_argument("--arch", default=None, choices=["dflash", "dflash2"],
+                   help="dflash, or dflash2: block convolutions and a candidate selector trained beside the "
+                        "unary loss (default: --init's architecture, else dflash). --init DIR of a DFlash "
+                        "drafter with --arch dflash2 converts it: same proposals at the start")
+    p.add_argument("--conv-kernel-size", type=int, default=None, help="DFlash 2 convolution taps (default 2)")
+    p.add_argument("--conv-group-size", type=int, default=None,
+                   help="DFlash 2 channels sharing one dynamic kernel (default 16)")
+    p.add_argument("--selector-rank", type=int, default=None, help="DFlash 2 selector rank (default 256)")
+    p.add_argument("--selector-top-k", type=int, default=None,
+                   help="DFlash 2 candidates per block position (default 16)")
+    p.add_argument("--selector-loss-alpha", type=float, default=1.0,
+                   help="weight of the DFlash 2 selector loss beside the unary loss")
     p.add_argument("--anchors", type=int, default=512, help="max anchors (blocks) per sequence")
     p.add_argument("--batch-seqs", type=int, default=4, help="sequences per optimizer step (global)")
     p.add_argument("--epochs", type=float, default=1.0)
@@ -145,6 +158,9 @@ def run(args: argparse.Namespace) -> int:
         head_chunk=args.head_chunk, time_limit_s=args.time_limit, loss_vocab=args.loss_vocab,
         distill=args.distill,
         parallel=args.parallel,
+        arch=args.arch, conv_kernel_size=args.conv_kernel_size, conv_group_size=args.conv_group_size,
+        selector_rank=args.selector_rank, selector_top_k=args.selector_top_k,
+        selector_loss_alpha=args.selector_loss_alpha,
     )
     trainer = Trainer(cfg, target, examples, features=store, eval_prompts=eval_prompts, resume=args.resume)
     result = trainer.train()

@@ -8,7 +8,8 @@ that the target's own next layer computes; the drafter starts as a shortcut thro
 the target instead of from noise.
 
 `grow_layers` deepens a trained drafter without changing what it computes, so a run can continue
-from a shallower drafter (`--init DIR --num-layers N`).
+from a shallower drafter (`--init DIR --num-layers N`); `to_dflash2` turns a DFlash drafter into a
+DFlash 2 one that proposes the same tokens (`--init DIR --arch dflash2`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 from torch import nn
 
 from blockspec.errors import ConfigError
-from blockspec.dflash.drafter import DFlashDrafter
+from blockspec.dflash.drafter import DFLASH2, DFLASH2_DEFAULTS, DFlashDrafter, init_drafter_weights
 from blockspec.targets.hf import _decoder
 
 
@@ -168,3 +169,34 @@ def grow_layers(drafter: DFlashDrafter, num_layers: int) -> DFlashDrafter:
     if drafter.draft_vocab is not None:
         grown.set_draft_vocab(drafter.draft_vocab)
     return grown.train(drafter.training)
+
+
+@torch.no_grad()
+def to_dflash2(drafter: DFlashDrafter, settings: dict | None = None, *, seed: int = 0,
+               std: float = 0.02) -> DFlashDrafter:
+    """A DFlash 2 copy of a DFlash drafter whose greedy proposals are the original's.
+
+    The backbone (layers, fc, norms) and the draft vocabulary are kept. The block convolutions
+    start as the identity (DESIGN.md section 7), so every hidden state is unchanged. The selector's
+    codebooks start Normal(0, std) and its hidden projection at zero: every transition score is
+    then 0, the walk picks each position's unary argmax, and the first gradient reaches the
+    projection at once (its gradient is the codebooks' product, not zero). `settings` overrides
+    DFLASH2_DEFAULTS (conv_kernel_size, conv_group_size, selector_rank, selector_top_k).
+    """
+    cfg = drafter.cfg
+    if cfg.dflash2:
+        raise ConfigError("the drafter is already a DFlash 2 drafter")
+    unknown = sorted(set(settings or {}) - set(DFLASH2_DEFAULTS))
+    if unknown:
+        raise ConfigError(f"unknown DFlash 2 settings {unknown}; known: {sorted(DFLASH2_DEFAULTS)}")
+    two = DFlashDrafter(dataclasses.replace(cfg, architecture=DFLASH2, **{**DFLASH2_DEFAULTS, **(settings or {})}))
+    init_drafter_weights(two, std=std, seed=seed)  # identity convolutions, small codebooks
+    missing, unexpected = two.load_state_dict(drafter.state_dict(), strict=False)
+    new = ("candidate_selector.", ".attention_conv.", ".mlp_conv.")
+    if unexpected or any(not any(part in k for part in new) for k in missing):
+        raise ConfigError(f"drafter weights do not fit its DFlash 2 form: missing {missing}, unexpected {unexpected}")
+    two.candidate_selector.hidden_projection.weight.zero_()
+    two.to(device=drafter.fc.weight.device, dtype=drafter.fc.weight.dtype)
+    if drafter.draft_vocab is not None:
+        two.set_draft_vocab(drafter.draft_vocab)
+    return two.train(drafter.training)

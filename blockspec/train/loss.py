@@ -102,15 +102,18 @@ class _FusedHeadCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, weights, mult, chunk, stats,  # noqa: D102
-                teacher, teacher_rows, alpha):
+                teacher, teacher_rows, alpha, top_k):
         total = hidden.new_zeros((), dtype=torch.float32)
         grad = torch.empty_like(hidden) if hidden.requires_grad else None
         correct = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
+        top = torch.empty(hidden.shape[0], top_k, dtype=torch.long, device=hidden.device) if top_k else None
         for a in range(0, hidden.shape[0], chunk):
             h = hidden[a : a + chunk]
             logits = head_logits(h, weight, bias, mult)  # [c, V]
             lab, w = labels[a : a + chunk], weights[a : a + chunk]
             correct[a : a + chunk] = logits.argmax(-1) == lab
+            if top is not None:  # DFlash 2's candidate sets, while the chunk's logits exist anyway
+                top[a : a + chunk] = logits.topk(top_k, dim=-1).indices
             lse = torch.logsumexp(logits, dim=-1)  # [c]
             ce = lse - logits.gather(1, lab[:, None])[:, 0]
             soft = None
@@ -127,12 +130,13 @@ class _FusedHeadCE(torch.autograd.Function):
                 grad[a : a + chunk] = (probs.to(weight.dtype) @ weight).to(hidden.dtype)
         ctx.save_for_backward(grad if grad is not None else hidden.new_zeros(0))
         stats["correct"] = correct
+        stats["top"] = top
         return total
 
     @staticmethod
     def backward(ctx, grad_out):  # noqa: D102
         (grad,) = ctx.saved_tensors
-        return (grad * grad_out.to(grad.dtype),) + (None,) * 10
+        return (grad * grad_out.to(grad.dtype),) + (None,) * 11
 
 
 def fused_head_ce(
@@ -146,8 +150,11 @@ def fused_head_ce(
     teacher: torch.Tensor | None = None,
     teacher_rows: torch.Tensor | None = None,
     alpha: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """sum(w * ce) of the frozen linear head on hidden [m, H] and whether argmax == label [m].
+    top_k: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """sum(w * ce) of the frozen linear head on hidden [m, H] and whether argmax == label [m];
+    with top_k > 0 also the head rows of the top_k largest logits of each row [m, top_k]
+    (descending; DFlash 2's candidates).
 
     Exactly the cross-entropy of `head(hidden) * output_multiplier` over the head's rows. With a
     teacher (probabilities [U, V] over the same rows, teacher_rows [m] picking each row's) and
@@ -163,6 +170,8 @@ def fused_head_ce(
     bias = getattr(head, "bias", None)
     total = _FusedHeadCE.apply(
         hidden, head.weight.detach(), None if bias is None else bias.detach(), labels, weights.float(),
-        float(output_multiplier), int(chunk), stats, teacher, teacher_rows, float(alpha),
+        float(output_multiplier), int(chunk), stats, teacher, teacher_rows, float(alpha), int(top_k),
     )
+    if top_k:
+        return total, stats["correct"], stats["top"]
     return total, stats["correct"]

@@ -24,13 +24,23 @@ import torch
 import torch.distributed as dist
 
 from blockspec.errors import CheckpointError, ConfigError
-from blockspec.dflash.drafter import DFlashDrafter, load_drafter, new_drafter_for_target, save_drafter
+from blockspec.dflash.drafter import (
+    DFLASH2,
+    DFLASH2_DEFAULTS,
+    DFlashDrafter,
+    load_drafter,
+    new_drafter_for_target,
+    read_drafter_config,
+    save_drafter,
+)
 from blockspec.train.anchors import block_attention_mask, block_labels, block_positions, sample_anchors
 from blockspec.train.data import Example
 from blockspec.train.loss import fused_head_ce, position_weights
+from blockspec.train.selector_loss import selector_loss
 from blockspec.train.teacher import teacher_hidden, teacher_probs, teacher_target
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ARCHS = {"dflash": "DFlashDraftModel", "dflash2": DFLASH2}
 
 
 @dataclass(frozen=True)
@@ -75,9 +85,31 @@ class TrainConfig:
     # "ddp": every rank holds the whole drafter; "fsdp": parameters, gradients and optimizer state
     # are sharded across ranks (for drafters too large to replicate). Same update either way.
     parallel: str = "ddp"
+    # "dflash" or "dflash2" (block convolutions + candidate selector); None: the --init drafter's
+    # architecture, else "dflash". A DFlash drafter given to --init with "dflash2" is converted
+    # (train/init.py `to_dflash2`): backbone kept, new modules start as no-ops.
+    arch: str | None = None
+    # DFlash 2 shape (None: the --init drafter's, else the published DFLASH2_DEFAULTS)
+    conv_kernel_size: int | None = None
+    conv_group_size: int | None = None
+    selector_rank: int | None = None
+    selector_top_k: int | None = None
+    selector_loss_alpha: float = 1.0  # weight of the selector's K-way loss beside the unary loss
 
     def __post_init__(self) -> None:
         init_source(self.init)
+        if self.arch not in (None, *ARCHS):
+            raise ConfigError(f"--arch must be one of {sorted(ARCHS)}, got {self.arch!r}")
+        for name in DFLASH2_DEFAULTS:
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if self.arch == "dflash" and self.dflash2_settings():
+            raise ConfigError(f"{', '.join('--' + k.replace('_', '-') for k in self.dflash2_settings())} "
+                              "only apply to --arch dflash2")
+        if not self.selector_loss_alpha >= 0:
+            raise ConfigError(f"--selector-loss-alpha must be >= 0, got {self.selector_loss_alpha!r}")
+        self.architecture()  # settings that need another architecture fail here, before any loading
         if self.loss_vocab not in ("full", "data"):
             raise ConfigError(f"--loss-vocab must be 'full' or 'data', got {self.loss_vocab!r}")
         if not 0.0 <= self.distill <= 1.0:
@@ -99,6 +131,22 @@ class TrainConfig:
             raise ConfigError("--lr and --epochs must be positive")
         if not 0 <= self.warmup < 1 or not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError("--warmup must be in [0, 1) and --min-lr-ratio in [0, 1]")
+
+    def dflash2_settings(self) -> dict:
+        """The DFlash 2 keys this run sets explicitly."""
+        return {k: getattr(self, k) for k in DFLASH2_DEFAULTS if getattr(self, k) is not None}
+
+    def architecture(self) -> str:
+        """The drafter architecture this run trains (see `arch`)."""
+        source = init_source(self.init)
+        if self.arch is not None:
+            arch = ARCHS[self.arch]
+        else:
+            arch = read_drafter_config(source).architecture if source is not None else ARCHS["dflash"]
+        if arch != DFLASH2 and self.dflash2_settings():
+            raise ConfigError(f"{', '.join('--' + k.replace('_', '-') for k in self.dflash2_settings())} "
+                              "only apply to DFlash 2 drafters: add --arch dflash2")
+        return arch
 
 
 def init_source(init: str) -> Path | None:
@@ -254,13 +302,21 @@ def sequence_forward(
     candidate_head: torch.nn.Module | None = None,
     teacher: torch.Tensor | None = None,
     distill: float = 0.0,
+    selector_alpha: float = 1.0,
+    parts: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """sum(w * ce) over the sequence's blocks (graph attached) and correctness [n, B-1] (bool).
+    """sum(w * ce) over the sequence's blocks (graph attached) and unary top-1 correctness
+    [n, B-1] (bool).
 
     With `candidates` (sorted token ids containing every label) and `candidate_head` (the head's
     rows for them), the softmax runs over those tokens only. With `teacher` (what the target's
     head reads at each position [S, H], train/teacher.py) and distill > 0, each label is
     distill * the target's distribution + (1 - distill) * its greedy token.
+
+    DFlash 2 drafters add `selector_alpha` * the selector loss (train/selector_loss.py) to the
+    sum. `parts`, when given, receives the float sums "unary" and "selector" and, per block
+    position [n, B-1] (bool), "in_top_k" (label among the unary top K) and "selector_correct"
+    (the selector's pick given the true previous token).
     """
     device = drafter.fc.weight.device
     B = drafter.block_size
@@ -297,13 +353,34 @@ def sequence_forward(
         at = (anchors[:, None] + torch.arange(B - 1, device=device)[None])[keep]  # [m]
         needed, rows = torch.unique(at, return_inverse=True)
         table = teacher_probs(teacher.to(device)[needed], head, drafter.cfg.output_multiplier)  # [U, V]
-    total, correct_rows = fused_head_ce(
+    selector = drafter.candidate_selector
+    top_k = min(drafter.cfg.selector_top_k, head.weight.shape[0]) if selector is not None else 0
+    out = fused_head_ce(
         h, head, labels, w[keep],
         output_multiplier=drafter.cfg.output_multiplier, chunk=head_chunk,
-        teacher=table, teacher_rows=rows, alpha=distill,
+        teacher=table, teacher_rows=rows, alpha=distill, top_k=top_k,
     )
+    total, correct_rows = out[0], out[1]
     correct = torch.zeros(n, B - 1, dtype=torch.bool, device=device)
     correct[keep] = correct_rows
+    if parts is not None:
+        parts["unary"] = float(total.detach())
+    if selector is not None:
+        # block position k's predecessor is the true token[p + k - 1] (the anchor for k = 1)
+        prev = seq.ids.to(device)[anchors[:, None] + torch.arange(B - 1, device=device)[None]][keep]  # [m]
+        sel = selector_loss(
+            selector, hidden[keep], h, head.weight.detach(),
+            None if getattr(head, "bias", None) is None else head.bias.detach(),
+            out[2], labels, prev, w[keep],
+            token_ids=candidates, output_multiplier=drafter.cfg.output_multiplier,
+        )
+        total = total + selector_alpha * sel.total
+        if parts is not None:
+            parts["selector"] = float(sel.total.detach())
+            for name, rows_ in (("in_top_k", sel.in_top_k), ("selector_correct", sel.correct)):
+                full = torch.zeros(n, B - 1, dtype=torch.bool, device=device)
+                full[keep] = rows_
+                parts[name] = full
     return total, correct
 
 
@@ -338,6 +415,7 @@ class Trainer:
         self.pos_weights = position_weights(cfg.block_size, cfg.gamma)
         self.total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * len(examples) / cfg.batch_seqs))
         self.step = 0
+        self.arch = cfg.architecture()
         ckpt = self.out / "checkpoint"
         if resume and (ckpt / "config.json").exists():
             self.drafter = load_drafter(ckpt, dtype=torch.float32, device=str(self.device))
@@ -405,6 +483,11 @@ class Trainer:
 
     def _check_resumable(self) -> None:
         c = self.drafter.cfg
+        if c.architecture != self.arch:
+            raise CheckpointError(
+                f"checkpoint in {self.out / 'checkpoint'} holds a {c.architecture}, but this run trains a "
+                f"{self.arch}; use another --out or the same --arch"
+            )
         if c.block_size != self.cfg.block_size or c.num_hidden_layers != self.cfg.num_layers:
             raise CheckpointError(
                 f"checkpoint in {self.out / 'checkpoint'} has block_size {c.block_size} and "
@@ -420,9 +503,11 @@ class Trainer:
         source = init_source(cfg.init)
         if source is not None:
             return self._drafter_from(source)
+        dflash2 = self.arch == DFLASH2
         drafter = new_drafter_for_target(
             self.target.model.config, mask_token_id=cfg.mask_token_id, num_layers=cfg.num_layers,
             block_size=cfg.block_size, target_layer_ids=cfg.target_layer_ids, seed=cfg.seed,
+            architecture=self.arch, dflash2=cfg.dflash2_settings() if dflash2 else None,
         ).to(self.device)
         if cfg.init == "target":
             from blockspec.train.init import init_from_target
@@ -456,7 +541,31 @@ class Trainer:
                 raise ConfigError(f"--init {path}: the drafter has {flag} {have}, the run asks for {want}; "
                                   f"drop {flag} (it is read from the drafter) or start from 'target'/'random'")
         self.log_fn(f"draft weights initialised from {path}")
-        return drafter.train()
+        return self._as_architecture(drafter, path).train()
+
+    def _as_architecture(self, drafter: DFlashDrafter, path: Path) -> DFlashDrafter:
+        """The --init drafter in this run's architecture: a DFlash one converted to DFlash 2 (its
+        outputs unchanged at the start); a DFlash 2 one kept, its DFlash 2 keys as asked."""
+        d = drafter.cfg
+        if d.architecture == self.arch:
+            if d.dflash2:
+                for key, want in self.cfg.dflash2_settings().items():
+                    if getattr(d, key) != want:
+                        flag = "--" + key.replace("_", "-")
+                        raise ConfigError(f"--init {path}: the drafter has {flag} {getattr(d, key)}, the run asks "
+                                          f"for {want}; drop {flag} (it is read from the drafter)")
+            return drafter
+        if self.arch != DFLASH2:
+            raise ConfigError(f"--init {path} is a {d.architecture}; a DFlash drafter cannot be made from it "
+                              "(drop --arch, or use --arch dflash2)")
+        from blockspec.train.init import to_dflash2
+
+        two = to_dflash2(drafter, self.cfg.dflash2_settings(), seed=self.cfg.seed)
+        c = two.cfg
+        self.log_fn(f"converted to DFlash 2 (conv kernel {c.conv_kernel_size}, group {c.conv_group_size}, selector "
+                    f"rank {c.selector_rank}, top-{c.selector_top_k}): identity convolutions, a selector that "
+                    "adds nothing yet")
+        return two
 
     # ------------------------------------------------------------------ data order
 
@@ -502,14 +611,19 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=False)
         B1 = cfg.block_size - 1
         stats = torch.zeros(3 + 2 * B1, dtype=torch.float64)  # sum wce, n anchors, streak sum, hits, counts
+        dflash2 = self.drafter.candidate_selector is not None
+        # DFlash 2: unary sum, selector sum, selector streak sum, top-K hits, selector hits
+        stats2 = torch.zeros(3 + 2 * B1, dtype=torch.float64)
         for s in seqs:
             feats = self._features(self.examples_by_id[s.example_id], s.ids.numel())
             teacher = None
             if cfg.distill > 0:
                 teacher = teacher_hidden(self.teacher, s.ids, feats, self.drafter.target_layer_ids)
+            parts: dict = {}
             total, correct = sequence_forward(
                 self.drafter, self.target, s, feats, head_chunk=cfg.head_chunk, autocast=cfg.precision == "bf16",
                 candidates=self.candidates, candidate_head=self.candidate_head, teacher=teacher, distill=cfg.distill,
+                selector_alpha=cfg.selector_loss_alpha, parts=parts,
             )
             if global_w > 0:
                 (total / global_w).backward()
@@ -523,6 +637,14 @@ class Trainer:
             stats[2] += float((hit.long().cumprod(1).sum(1) + 1).sum())
             stats[3 : 3 + B1] += hit.sum(0).double()
             stats[3 + B1 :] += valid.cpu().sum(0).double()
+            if dflash2:
+                in_top = (parts["in_top_k"] & valid).cpu()
+                sel_hit = (parts["selector_correct"] & valid).cpu()
+                stats2[0] += parts["unary"]
+                stats2[1] += parts["selector"]
+                stats2[2] += float((sel_hit.long().cumprod(1).sum(1) + 1).sum())
+                stats2[3 : 3 + B1] += in_top.sum(0).double()
+                stats2[3 + B1 :] += sel_hit.sum(0).double()
         for _ in range(passes - len(seqs)):
             self._idle_pass()
         if self.dist.active and not self.fsdp:
@@ -545,6 +667,17 @@ class Trainer:
             self.optimizer.step()
         self.dist.sum_(stats)
         counts = stats[3 + B1 :].clamp_min(1)
+        extra = {}
+        if dflash2:
+            self.dist.sum_(stats2)
+            extra = {
+                "unary_loss": float(stats2[0] / max(global_w, 1e-12)),
+                "selector_loss": float(stats2[1] / max(global_w, 1e-12)),
+                "selector_top_k": self.drafter.cfg.selector_top_k,
+                "topk_recall": [round(float(a), 4) for a in (stats2[3 : 3 + B1] / counts)],
+                "selector_acc": [round(float(a), 4) for a in (stats2[3 + B1 :] / counts)],
+                "tau_proxy_selector": round(float(stats2[2] / stats[1]), 4) if stats[1] > 0 else 1.0,
+            }
         return {
             "type": "train",
             "step": step + 1,
@@ -553,6 +686,7 @@ class Trainer:
             **({"distill": cfg.distill} if cfg.distill > 0 else {}),
             "acc": [round(float(a), 4) for a in (stats[3 : 3 + B1] / counts)],
             "tau_proxy": round(float(stats[2] / stats[1]), 4) if stats[1] > 0 else 1.0,
+            **extra,
             "anchors": int(stats[1]),
             "lr": self.optimizer.param_groups[0]["lr"],
             "grad_norm": round(float(norm), 4),
@@ -571,7 +705,10 @@ class Trainer:
         blk_pos = torch.arange(1, B + 1, device=self.device)[None]
         with torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16, enabled=self.cfg.precision == "bf16"):
             hidden = d(feats, ctx_pos, embeds, blk_pos)  # [1, B, H]
-        (hidden.float().sum() * 0).backward()
+        zero = hidden.float().sum() * 0
+        if d.candidate_selector is not None:  # used outside the forward: its gradients must exist too
+            zero = zero + sum(p.sum() for p in d.candidate_selector.parameters()) * 0
+        zero.backward()
 
     def unsharded_drafter(self, device: torch.device | str | None = None) -> DFlashDrafter | None:
         """The drafter as a plain module with the current weights: `self.drafter` itself when it is
@@ -613,24 +750,34 @@ class Trainer:
         from blockspec.train.evaluate import quick_tau
 
         res = quick_tau(self.target, drafter, self.eval_prompts, max_new_tokens=self.cfg.eval_max_new_tokens)
-        return {"type": "eval", "step": self.step, "loss_full": self.full_loss(drafter=drafter), **res}
+        return {"type": "eval", "step": self.step, **self.full_losses(drafter=drafter), **res}
 
-    @torch.no_grad()
     def full_loss(self, n: int = 4, drafter: DFlashDrafter | None = None) -> float:
         """The exact published loss (full vocabulary) on the first n training sequences, with
-        fixed anchors: comparable across steps and runs whatever `loss_vocab` trains with.
+        fixed anchors: comparable across steps and runs whatever `loss_vocab` trains with, and
+        between DFlash and DFlash 2 drafters (the unary loss only).
         `drafter` defaults to `self.drafter`; pass `unsharded_drafter()` under FSDP."""
+        return self.full_losses(n, drafter)["loss_full"]
+
+    @torch.no_grad()
+    def full_losses(self, n: int = 4, drafter: DFlashDrafter | None = None) -> dict:
+        """{"loss_full": `full_loss`} and for DFlash 2 "selector_loss_full", the selector's loss
+        over the full vocabulary's top K on the same blocks."""
         drafter = drafter if drafter is not None else self.drafter
-        tot, wsum = 0.0, 0.0
+        tot, sel, wsum = 0.0, 0.0, 0.0
         for i, ex in enumerate(self.examples[:n]):
             s = prepare_sequence(ex, self.cfg.block_size, self.cfg.anchors, self.cfg.max_seq_len,
                                  self.pos_weights, _seed(self.cfg.seed, "fixed", i))
             if s is None:
                 continue
-            total, _ = sequence_forward(drafter, self.target, s, self._features(ex, s.ids.numel()),
-                                        head_chunk=self.cfg.head_chunk)
-            tot, wsum = tot + float(total), wsum + s.weight_sum
-        return tot / max(wsum, 1e-12)
+            parts: dict = {}
+            sequence_forward(drafter, self.target, s, self._features(ex, s.ids.numel()),
+                             head_chunk=self.cfg.head_chunk, parts=parts)
+            tot, sel, wsum = tot + parts["unary"], sel + parts.get("selector", 0.0), wsum + s.weight_sum
+        out = {"loss_full": tot / max(wsum, 1e-12)}
+        if drafter.candidate_selector is not None:
+            out["selector_loss_full"] = sel / max(wsum, 1e-12)
+        return out
 
     def save_checkpoint(self) -> None:
         """fp32 drafter + optimizer state to OUT/checkpoint (every rank must call it: FSDP gathers
@@ -711,9 +858,13 @@ class Trainer:
                 if self.step % cfg.log_every == 0 or self.step == self.total_steps:
                     window = []
                     self._log(rec)
+                    two = ""
+                    if "selector_acc" in rec:
+                        two = (f" | top{rec['selector_top_k']}@1 {rec['topk_recall'][0]:.3f} sel1 "
+                               f"{rec['selector_acc'][0]:.3f} sel-tau~{rec['tau_proxy_selector']:.2f}")
                     self.log_fn(
                         f"step {rec['step']}/{self.total_steps} loss {rec['loss']:.4f} acc1 {rec['acc'][0]:.3f} "
-                        f"tau~{rec['tau_proxy']:.2f} lr {rec['lr']:.2e} {rec['step_s']:.2f}s/step"
+                        f"tau~{rec['tau_proxy']:.2f}{two} lr {rec['lr']:.2e} {rec['step_s']:.2f}s/step"
                     )
                 stop_flag = torch.tensor([1.0 if self._stop else 0.0])
                 if cfg.time_limit_s and time.perf_counter() - t_start > cfg.time_limit_s:
@@ -748,7 +899,8 @@ class Trainer:
         if self.dist.main and (self.out / "log.jsonl").exists():
             from blockspec.train.curves import plot_curves
 
-            plot_curves(self.out / "log.jsonl", self.out / "curves.png", title=f"DFlash drafter training: {self.out.name}")
+            name = "DFlash 2" if self.arch == DFLASH2 else "DFlash"
+            plot_curves(self.out / "log.jsonl", self.out / "curves.png", title=f"{name} drafter training: {self.out.name}")
 
 
 def _average(records: list[dict]) -> dict:
@@ -758,6 +910,12 @@ def _average(records: list[dict]) -> dict:
     out["loss"] = sum(r["loss"] for r in used) / len(used)
     out["acc"] = [round(sum(r["acc"][k] for r in used) / len(used), 4) for k in range(len(used[0]["acc"]))]
     out["tau_proxy"] = round(sum(r["tau_proxy"] for r in used) / len(used), 4)
+    for key in ("unary_loss", "selector_loss", "tau_proxy_selector"):
+        if key in out:
+            out[key] = round(sum(r[key] for r in used) / len(used), 6)
+    for key in ("topk_recall", "selector_acc"):
+        if key in out:
+            out[key] = [round(sum(r[key][k] for r in used) / len(used), 4) for k in range(len(used[0][key]))]
     out["anchors"] = sum(r["anchors"] for r in records)
     out["steps_averaged"] = len(records)
     out["step_s"] = round(sum(r["step_s"] for r in records) / len(records), 3)

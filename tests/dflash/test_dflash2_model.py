@@ -4,15 +4,14 @@ weights (loaded into its modules through the published weight names)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 import types
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import make_tiny_target
+from speculators_oracle import load_speculators_dflash2, their_hidden_by_layer, their_layers, their_selector
 
 from blockspec.errors import CheckpointError, ConfigError
 from blockspec.dflash.checkpoint import expected_tensors
@@ -52,80 +51,7 @@ def dflash2_drafter(seed: int = 0, *, layers: int = 2, block_size: int = 8, hidd
 
 @pytest.fixture()
 def speculators_dflash2(monkeypatch: pytest.MonkeyPatch) -> types.SimpleNamespace:
-    """speculators' DFlash 2 modules (MIT, Z Lab), loaded from their files: the package's own
-    import pulls in its training stack (datasets, loguru, ...), which its drafter modules do not
-    need. `make test` installs speculators==0.9.0 without dependencies."""
-    spec = importlib.util.find_spec("speculators")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("speculators==0.9.0 is not installed (make test installs it: pip install --no-deps speculators==0.9.0)")
-    root = Path(spec.submodule_search_locations[0])
-    for name in ("speculators", "speculators.models", "speculators.models.dflash", "speculators.models.dflash2"):
-        stub = types.ModuleType(name)
-        stub.__path__ = []
-        monkeypatch.setitem(sys.modules, name, stub)
-
-    def load(name: str, rel: str) -> types.ModuleType:
-        s = importlib.util.spec_from_file_location(name, root / rel)
-        module = importlib.util.module_from_spec(s)
-        monkeypatch.setitem(sys.modules, name, module)
-        s.loader.exec_module(module)
-        return module
-
-    dflash = load("speculators.models.dflash.model_definitions", "models/dflash/model_definitions.py")
-    dflash2 = load("speculators.models.dflash2.model_definitions", "models/dflash2/model_definitions.py")
-    masks = load("speculators.models.dflash.attention", "models/dflash/attention.py")
-    return types.SimpleNamespace(dflash=dflash, dflash2=dflash2, masks=masks)
-
-
-def _their_layers(oracle, drafter: DFlashDrafter) -> list[torch.nn.Module]:
-    from transformers import Qwen3Config
-
-    cfg = drafter.cfg
-    raw = {k: v for k, v in cfg.to_dict().items() if k not in ("dflash_config", "architectures")}
-    hf = Qwen3Config(**raw)
-    hf._attn_implementation = "eager"
-    state = drafter.state_dict()
-    layers = []
-    for i in range(cfg.num_hidden_layers):
-        layer = oracle.dflash2.Qwen3DFlash2DecoderLayer(hf, i, block_size=cfg.block_size,
-                                                        conv_kernel_size=cfg.conv_kernel_size,
-                                                        conv_group_size=cfg.conv_group_size)
-        prefix = f"layers.{i}."
-        layer.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}, strict=True)
-        layers.append(layer.to(drafter.fc.weight.dtype).eval())
-    return layers
-
-
-def _their_selector(oracle, drafter: DFlashDrafter) -> torch.nn.Module:
-    cfg = drafter.cfg
-    sel = oracle.dflash2.CandidateSelector(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-                                           rank=cfg.selector_rank, top_k=cfg.selector_top_k)
-    state = {k[len("candidate_selector."):]: v for k, v in drafter.state_dict().items()
-             if k.startswith("candidate_selector.")}
-    sel.load_state_dict(state, strict=True)
-    return sel.to(drafter.fc.weight.dtype).eval()
-
-
-def _rope(drafter: DFlashDrafter, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
-
-    cfg = drafter.cfg
-    raw = {k: v for k, v in cfg.to_dict().items() if k not in ("dflash_config", "architectures")}
-    from transformers import Qwen3Config
-
-    rotary = Qwen3RotaryEmbedding(Qwen3Config(**raw))
-    return rotary(torch.zeros(1, dtype=drafter.fc.weight.dtype), positions)
-
-
-def _their_hidden_by_layer(oracle, drafter, feats, embeds, positions, mask, layers) -> list[torch.Tensor]:
-    """Each layer's output of their stack, after our final norm (what a drafter cut there returns)."""
-    ctx = drafter.hidden_norm(drafter.fc(feats))
-    cos_sin = _rope(drafter, positions)
-    h, out = embeds, []
-    for layer in layers:
-        h = layer(target_hidden=ctx, hidden_states=h, attention_mask=mask, position_embeddings=cos_sin)
-        out.append(drafter.norm(h))
-    return out
+    return load_speculators_dflash2(monkeypatch)
 
 
 def _cut(drafter: DFlashDrafter, n: int) -> DFlashDrafter:
@@ -143,14 +69,14 @@ def test_block_forward_matches_speculators_layer_by_layer(speculators_dflash2, b
     """One inference block after a context: every layer's output equals speculators' layer stack
     (their conv, its placement around attention and MLP, the K/V injection)."""
     drafter = dflash2_drafter(seed=batch, layers=3, block_size=block)
-    layers = _their_layers(speculators_dflash2, drafter)
+    layers = their_layers(speculators_dflash2, drafter)
     g = torch.Generator().manual_seed(block)
     c = 9
     feats = torch.randn(batch, c, len(drafter.target_layer_ids) * 32, generator=g)
     embeds = torch.randn(batch, block, 32, generator=g)
     positions = torch.arange(c + block)[None].expand(batch, -1)
     with torch.no_grad():
-        theirs = _their_hidden_by_layer(speculators_dflash2, drafter, feats, embeds, positions, None, layers)
+        theirs = their_hidden_by_layer(speculators_dflash2, drafter, feats, embeds, positions, None, layers)
         for n, want in enumerate(theirs, 1):
             ours = _cut(drafter, n)(feats, positions[:, :c], embeds, positions[:, c:])
             torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-5, msg=f"layer {n}")
@@ -167,7 +93,7 @@ def test_packed_training_blocks_match_speculators(speculators_dflash2) -> None:
 
     B, S = 4, 14
     drafter = dflash2_drafter(seed=5, layers=2, block_size=B)
-    layers = _their_layers(speculators_dflash2, drafter)
+    layers = their_layers(speculators_dflash2, drafter)
     anchors = torch.tensor([2, 3, 7, 10])
     g = torch.Generator().manual_seed(3)
     feats = torch.randn(1, S, 64, generator=g)
@@ -180,7 +106,7 @@ def test_packed_training_blocks_match_speculators(speculators_dflash2) -> None:
     assert torch.equal(visible, ours_mask)
     additive = torch.zeros(visible.shape).masked_fill(~visible, float("-inf"))
     with torch.no_grad():
-        theirs = _their_hidden_by_layer(speculators_dflash2, drafter, feats, embeds,
+        theirs = their_hidden_by_layer(speculators_dflash2, drafter, feats, embeds,
                                         torch.cat([torch.arange(S)[None], blk], dim=1), additive, layers)[-1]
         ours = drafter(feats, torch.arange(S)[None], embeds, blk, attn_mask=ours_mask, block_len=B)
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
@@ -188,7 +114,7 @@ def test_packed_training_blocks_match_speculators(speculators_dflash2) -> None:
 
 def test_selector_scores_and_candidates_match_speculators(speculators_dflash2) -> None:
     drafter = dflash2_drafter(seed=2)
-    sel = _their_selector(speculators_dflash2, drafter)
+    sel = their_selector(speculators_dflash2, drafter)
     head = torch.nn.Linear(32, 48, bias=False)
     g = torch.Generator().manual_seed(8)
     with torch.no_grad():
@@ -208,7 +134,7 @@ def test_greedy_walk_matches_speculators_step_by_step(speculators_dflash2, seed:
     """The greedy walk: from the anchor, the candidate speculators scores best given the
     previous pick; it differs from the unary argmax (so the selector is really used)."""
     drafter = dflash2_drafter(seed=seed)
-    sel = _their_selector(speculators_dflash2, drafter)
+    sel = their_selector(speculators_dflash2, drafter)
     head = torch.nn.Linear(32, 48, bias=False)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
