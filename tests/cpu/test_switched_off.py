@@ -26,7 +26,7 @@ from conftest import make_tiny_target
 from support import native, ragged_prompts
 from blockspec.config import SamplingParams, SpecConfig
 from blockspec.cpu import kernels, program
-from blockspec.dflash.batch import SpecDecoder
+from blockspec.engine.decoder import SpecDecoder
 from blockspec.dflash.drafter import init_drafter_weights, new_drafter_for_target
 from blockspec.dflash.lookup import LookupConfig
 

@@ -13,7 +13,7 @@ from speculators_oracle import load_speculators_dflash2, their_hidden_by_layer, 
 from support import CharTokenizer, predictable_target, prompts
 
 from blockspec.config import SamplingParams, SpecConfig
-from blockspec.dflash.batch import SpecDecoder
+from blockspec.engine.decoder import SpecDecoder
 from blockspec.dflash.drafter import DFLASH2, load_drafter, new_drafter_for_target, save_drafter
 from blockspec.errors import CheckpointError, ConfigError
 from blockspec.train.data import read_examples
