@@ -34,18 +34,21 @@ def rss_mb() -> float:
 
 
 def test_rounds_of_load_do_not_grow_rss(pipe):
-    engine = Engine(pipe.target, pipe.drafter, EngineConfig(SpecConfig(block_size=4), max_batch=8, max_queue=64, release_idle_s=0.2),
-                    tokenizer=pipe.tokenizer)
+    config = EngineConfig(SpecConfig(block_size=4), max_batch=8, max_queue=64, release_idle_s=0.2)
+    engine = Engine(pipe.target, pipe.drafter, config, tokenizer=pipe.tokenizer)
     app = create_app(pipe, engine=engine, served_model_name=MODEL)
     try:
         with BackgroundServer(app) as srv:
             after = []
-            for _ in range(5):
+            for _ in range(8):
                 subprocess.run([sys.executable, "-c", CLIENT, srv.url, "24"], check=True, timeout=600)
                 wait_for(lambda: engine.released, timeout=30, what="the idle engine to free its caches")
                 after.append(rss_mb())
     finally:
         engine.stop()
     assert engine.batch.tcache is None and engine.batch.dcache is None
-    # the first round warms up (allocator pools, imports of the request path); later ones reuse
-    assert max(after[2:]) - after[1] < 40, after
+    # The first round warms up (allocator pools, imports of the request path). After that RSS
+    # at rest swings by up to ~50 MB with what the allocator happens to hold at that moment, but
+    # its floor must not rise: memory kept from every round would lift the floor of the last
+    # rounds over that of the first ones.
+    assert min(after[-3:]) - min(after[1:4]) < 25, after
