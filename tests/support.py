@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
 from conftest import make_tiny_target
 from scipy.stats import chisquare
@@ -30,6 +31,16 @@ class CharTokenizer:
 
     def __call__(self, text, add_special_tokens=False):
         return {"input_ids": [2 + (ord(c) % 60) for c in text]}
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module: on a small shared CPU two threads fighting over the cores
+    make tiny models several times slower. Use with `pytestmark = pytest.mark.usefixtures(...)`."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
 
 
 def predictable_target(seed: int = 0) -> HFTarget:

@@ -106,14 +106,7 @@ def test_reference_package_same_hidden_states(tmp_path: Path, family: str) -> No
         assert json.loads((path / "config.json").read_text())["use_sliding_window"] is True
     ref = DFlashDraftModel.from_pretrained(str(path)).float().eval()
     assert list(ref.target_layer_ids) == list(ours.target_layer_ids)
-    g = torch.Generator().manual_seed(0)
-    ctx = torch.randn(1, 11, 32 * len(ours.target_layer_ids), generator=g)
-    emb = torch.randn(1, 8, 32, generator=g)
-    pos = torch.arange(19)[None]
-    with torch.no_grad():
-        a = ours(ctx, pos[:, :11], emb, pos[:, 11:])
-        b = ref(position_ids=pos, noise_embedding=emb, target_hidden=ctx)
-    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    _assert_drafts_as_the_reference(ours, ref, seed=0)
 
 
 def test_zlab_mixed_sliding_and_full_config_is_never_causal(tmp_path: Path) -> None:
@@ -137,14 +130,7 @@ def test_zlab_mixed_sliding_and_full_config_is_never_causal(tmp_path: Path) -> N
         (False, 6), (False, 6), (False, None)]
     (path / "config.json").write_text(json.dumps({**config, "is_causal": False}))
     ref = DFlashDraftModel.from_pretrained(str(path)).float().eval()
-    g = torch.Generator().manual_seed(1)
-    ctx = torch.randn(1, 11, 32 * len(ours.target_layer_ids), generator=g)
-    emb = torch.randn(1, 8, 32, generator=g)
-    pos = torch.arange(19)[None]
-    with torch.no_grad():
-        a = ours(ctx, pos[:, :11], emb, pos[:, 11:])
-        b = ref(position_ids=pos, noise_embedding=emb, target_hidden=ctx)
-    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    _assert_drafts_as_the_reference(ours, ref, seed=1)
     (path / "config.json").write_text(json.dumps({**config, "is_causal": True}))
     assert all(layer.self_attn.causal for layer in load_drafter(path).layers)
 
@@ -311,3 +297,15 @@ def test_drafter_dtype_resolution() -> None:
     assert resolve_drafter_dtype("float32", "float32", "cpu") == torch.float32
     with pytest.raises(ConfigError, match="drafter_dtype must be 'auto' or one of"):
         resolve_drafter_dtype("int8", "float32", "cpu")
+
+
+def _assert_drafts_as_the_reference(ours, ref, seed: int) -> None:
+    """One pass of 11 context features and an 8-token block: our hidden states = the reference's."""
+    g = torch.Generator().manual_seed(seed)
+    ctx = torch.randn(1, 11, 32 * len(ours.target_layer_ids), generator=g)
+    emb = torch.randn(1, 8, 32, generator=g)
+    pos = torch.arange(19)[None]
+    with torch.no_grad():
+        a = ours(ctx, pos[:, :11], emb, pos[:, 11:])
+        b = ref(position_ids=pos, noise_embedding=emb, target_hidden=ctx)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 from speculators_oracle import load_speculators_dflash2, their_hidden_by_layer, their_layers, their_selector
-from support import CharTokenizer, predictable_target, prompts
+from support import CharTokenizer, one_thread, predictable_target, prompts  # noqa: F401 (fixture)
 
 from blockspec.config import SamplingParams, SpecConfig
 from blockspec.engine.decoder import SpecDecoder
@@ -22,16 +22,10 @@ from blockspec.train.loss import position_weights
 from blockspec.train.selector_loss import selector_loss, training_candidates
 from blockspec.train.trainer import Trainer, TrainConfig, _seed, prepare_sequence, sequence_forward
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 SMALL = dict(conv_group_size=8, selector_rank=8, selector_top_k=4)
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The machine's cores are shared: one thread is much faster than two fighting ones."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="module")

@@ -18,16 +18,10 @@ from blockspec.train.trainer import Trainer, TrainConfig, _seed, prepare_sequenc
 from blockspec.train.loss import position_weights
 
 from conftest import make_tiny_target
-from support import CharTokenizer, predictable_target, prompts
+from support import CharTokenizer, one_thread, predictable_target, prompts  # noqa: F401 (fixture)
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The machine's cores are shared: one thread is much faster than two fighting ones."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 def test_one_step_lowers_loss_on_fixed_batch(tmp_path):
