@@ -102,17 +102,15 @@ class SpecDecoder:
         if spec.block_size > 1 and self.drafter is None:
             raise ConfigError("block_size > 1 needs a drafter; pass one, or use block_size=1")
         engine = self._engine(spec, tuple(capture_layer_ids))
-        for p, sp in zip(prompts, params):  # all are checked before any is queued
-            engine.check(p, sp)
-        handles = []
-        for i, (p, sp) in enumerate(zip(prompts, params)):
-            check = (lambda ids, i=i: stop_check(i, ids)) if stop_check is not None else None
-            hear = (lambda ids, i=i: on_tokens(i, ids)) if on_tokens is not None else None
-            handles.append(engine.submit(p, sp, stop_check=check, on_tokens=hear))
         engine.last_exception = None
+        handles = []
         try:
+            for i, (p, sp) in enumerate(zip(prompts, params)):
+                check = (lambda ids, i=i: stop_check(i, ids)) if stop_check is not None else None
+                hear = (lambda ids, i=i: on_tokens(i, ids)) if on_tokens is not None else None
+                handles.append(engine.submit(p, sp, stop_check=check, on_tokens=hear))
             engine.run_until_idle()
-        except BaseException:  # an interrupt: nothing of this call may run on in the next one
+        except BaseException:  # a refused prompt or an interrupt: nothing of this call runs on in the next
             engine.stop()
             raise
         if engine.last_exception is not None:

@@ -179,10 +179,6 @@ class Engine:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def check(self, prompt_ids: list[int], params: SamplingParams) -> list[int]:
-        """The prompt as ints if this engine can take the request; else ConfigError or ContextLengthError."""
-        return check_prompt(self.target.info, prompt_ids, params)
-
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                stop_check: StopCheck | None = None, on_tokens: OnTokens | None = None) -> RequestHandle:
         """Queues a request; validates it now (ContextLengthError, ConfigError) and raises
@@ -191,7 +187,7 @@ class Engine:
         commit on the decoding thread, before the event is queued."""
         if not isinstance(params, SamplingParams):
             raise ConfigError(f"params must be a SamplingParams, got {type(params).__name__}")
-        prompt_ids = self.check(prompt_ids, params)
+        prompt_ids = check_prompt(self.target.info, prompt_ids, params)
         if stop_check is None and params.stop and self.tokenizer is not None:
             from blockspec.text import StopStrings
 

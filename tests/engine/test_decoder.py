@@ -10,6 +10,7 @@ from support import OracleDrafter, distinct_prompts, reference_greedy
 from blockspec.api import Pipeline
 from blockspec.config import SamplingParams, SpecConfig
 from blockspec.engine import Engine, SpecDecoder
+from blockspec.errors import ConfigError
 from blockspec.targets.native import load_native_target
 
 
@@ -72,6 +73,17 @@ def test_an_interrupt_leaves_nothing_running_for_the_next_call(setup) -> None:
     assert got[0].token_ids == truths[0]
     assert set(steps) == {0}  # only this call's prompt was decoded
     assert all(e.batch.rows == [] and e.scheduler.depth == 0 for e in dec._engines.values())
+
+
+def test_a_refused_prompt_queues_nothing_of_its_call(setup) -> None:
+    model, target, drafter, prompts, truths = setup
+    dec = SpecDecoder(target, drafter, SpecConfig(block_size=6))
+    with pytest.raises(ConfigError, match="token ids must be in"):
+        dec.generate([prompts[0], [10**6]], SamplingParams(max_new_tokens=20))
+    steps = {}
+    got = dec.generate(prompts[1:2], SamplingParams(max_new_tokens=20),
+                       on_tokens=lambda row, ids: steps.__setitem__(row, steps.get(row, 0) + 1))
+    assert got[0].token_ids == truths[1] and set(steps) == {0}
 
 
 def test_fixed_block_calls_and_captured_features_keep_their_own_engines(setup) -> None:
