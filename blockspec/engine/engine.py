@@ -11,10 +11,10 @@ its batch mates: rows never see each other's cache entries and verification is e
     for event in handle.events(): ...   # or handle.result(), or `async for` handle.aevents()
     engine.stop()
 
-By default the engine decodes on a thread of its own, started by the first submit (a server).
-With EngineConfig(own_thread=False) nothing decodes until the owner calls run_until_idle() on
-its own thread (a benchmark; the Python API through engine/decoder.py). Either way one thread does all the torch work, which on CPU is what
-keeps its small matrix products fast (cpu/openmp.py).
+By default the engine decodes on a thread of its own, started by the first submit (a server). With
+EngineConfig(own_thread=False) nothing decodes until the owner calls run_until_idle() on its own
+thread (a benchmark; the Python API through engine/decoder.py). Either way one thread does all the
+torch work, which on CPU is what keeps its small matrix products fast (cpu/openmp.py).
 """
 
 from __future__ import annotations
@@ -342,10 +342,10 @@ class Engine:
             request = self._requests[row.key]
             if row.finish_reason is None and row.new_tokens:
                 self.recorder.tokens(len(row.new_tokens))
+                new = list(row.new_tokens)
                 if request.on_tokens is not None:
-                    request.on_tokens(list(row.new_tokens))
-                request.emit(TokenEvent(row.key, list(row.new_tokens), False, None, None,
-                                        logprobs=_take_logprobs(row)))
+                    request.on_tokens(new)
+                request.emit(TokenEvent(row.key, new, False, None, None, logprobs=_take_logprobs(row)))
                 row.new_tokens = []
         for row in self.batch.retire():
             request = self._requests.pop(row.key)
