@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import itertools
+import subprocess
 
 import pytest
 import torch
@@ -31,6 +34,21 @@ class CharTokenizer:
 
     def __call__(self, text, add_special_tokens=False):
         return {"input_ids": [2 + (ord(c) % 60) for c in text]}
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    """`blockspec ARGS` run in this process (`cli.main`), its stdout and stderr captured: what a
+    subprocess would return, without a fresh interpreter importing torch for every call. Tests of
+    the console entry point itself (exit codes, no traceback) start real processes instead."""
+    from blockspec.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as e:  # argparse's usage errors
+            code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    return subprocess.CompletedProcess(["blockspec", *args], code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import pytest
 import blockspec
 from blockspec.errors import CheckpointError, ConfigError
 from blockspec.text import IncrementalDetokenizer, StopStrings
+from support import run_cli
 
 MESSAGES = [{"role": "user", "content": "How much does Janet make?"}]
 
@@ -95,13 +96,14 @@ def test_load_errors(tiny_model_dir: Path, tmp_path: Path) -> None:
         blockspec.load(str(tiny_model_dir), "none", lookup="yes")
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
+def _process(*args: str) -> subprocess.CompletedProcess:
+    """`blockspec ARGS` as a real process: what a shell sees (exit code, no traceback)."""
     return subprocess.run([sys.executable, "-m", "blockspec.cli", *args], capture_output=True, text=True,
                           timeout=300)
 
 
 def test_cli_generate_compare_json(tiny_model_dir: Path, tiny_drafter_dir: Path) -> None:
-    r = _cli("generate", "--target", str(tiny_model_dir), "--drafter", str(tiny_drafter_dir),
+    r = run_cli("generate", "--target", str(tiny_model_dir), "--drafter", str(tiny_drafter_dir),
              "--prompt", "How much does Janet make?", "--max-new-tokens", "12", "--compare", "--json")
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
@@ -112,8 +114,9 @@ def test_cli_generate_compare_json(tiny_model_dir: Path, tiny_drafter_dir: Path)
 
 def test_cli_generate_lookup_on_by_default_and_off_on_request(tiny_model_dir: Path, tiny_drafter_dir: Path) -> None:
     base = ("generate", "--target", str(tiny_model_dir), "--drafter", str(tiny_drafter_dir),
-            "--prompt", "one two three one two three one two", "--max-new-tokens", "40", "--compare", "--json")
-    on, off = _cli(*base), _cli(*base, "--no-lookup")
+            "--prompt", "one two three one two three one two", "--max-new-tokens", "40", "--compare", "--json",
+            "--no-adaptive-block")  # every step drafts, so proposals come from lookup whatever the timing
+    on, off = run_cli(*base), run_cli(*base, "--no-lookup")
     assert on.returncode == 0 and off.returncode == 0, on.stderr + off.stderr
     on, off = json.loads(on.stdout), json.loads(off.stdout)
     assert on["identical"] and off["identical"] and on["text"] == off["text"]
@@ -124,13 +127,13 @@ def test_cli_generate_adaptive_block_by_default(tiny_model_dir: Path, tiny_draft
     base = ("generate", "--target", str(tiny_model_dir), "--drafter", str(tiny_drafter_dir),
             "--prompt", "How much does Janet make?", "--max-new-tokens", "12", "--compare", "--json")
     for extra in ((), ("--adaptive-block",)):  # the default, and the flag of earlier versions
-        r = _cli(*base, *extra)
+        r = run_cli(*base, *extra)
         assert r.returncode == 0, r.stderr
         report = json.loads(r.stdout)
         assert report["identical"] is True
         choices = {int(b): n for b, n in report["block_choices"].items()}
         assert choices and set(choices) <= set(range(1, 5)) and sum(choices.values()) >= 1
-    r = _cli(*base, "--no-adaptive-block")  # the published behaviour: the whole block every step
+    r = run_cli(*base, "--no-adaptive-block")  # the published behaviour: the whole block every step
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
     assert report["identical"] is True and "block_choices" not in report
@@ -138,38 +141,38 @@ def test_cli_generate_adaptive_block_by_default(tiny_model_dir: Path, tiny_draft
 
 
 def test_cli_demo_adaptive_by_default(tiny_model_dir: Path, tiny_drafter_dir: Path) -> None:
-    r = _cli("demo", "--target", str(tiny_model_dir), "--drafter", str(tiny_drafter_dir), "--max-new-tokens", "12")
+    r = run_cli("demo", "--target", str(tiny_model_dir), "--drafter", str(tiny_drafter_dir), "--max-new-tokens", "12")
     assert r.returncode == 0, r.stderr
     assert "block size adaptive, up to 4" in r.stderr and "steps per block size" in r.stderr
     assert "output identical to plain decoding: True" in r.stderr
-    r = _cli("demo", "--target", str(tiny_model_dir), "--drafter", str(tiny_drafter_dir), "--max-new-tokens", "12",
+    r = run_cli("demo", "--target", str(tiny_model_dir), "--drafter", str(tiny_drafter_dir), "--max-new-tokens", "12",
              "--block-size", "3")
     assert r.returncode == 0, r.stderr
     assert "block size 3" in r.stderr and "block 3)" in r.stderr
 
 
 def test_cli_demo_beside_busy_processes(tiny_model_dir: Path, tiny_drafter_dir: Path) -> None:
-    r = _cli("demo", "--target", str(tiny_model_dir), "--drafter", str(tiny_drafter_dir), "--max-new-tokens", "8",
+    r = run_cli("demo", "--target", str(tiny_model_dir), "--drafter", str(tiny_drafter_dir), "--max-new-tokens", "8",
              "--busy", "1")
     assert r.returncode == 0, r.stderr
     assert "Running beside 1 CPU-bound process" in r.stderr and "output identical to plain decoding: True" in r.stderr
-    r = _cli("demo", "--target", str(tiny_model_dir), "--busy", "-1")
+    r = run_cli("demo", "--target", str(tiny_model_dir), "--busy", "-1")
     assert r.returncode == 2 and "--busy must be >= 0" in r.stderr
 
 
 def test_cli_generate_streams_and_summarises(tiny_model_dir: Path, tiny_drafter_dir: Path) -> None:
-    r = _cli("generate", "--target", str(tiny_model_dir), "--drafter", str(tiny_drafter_dir),
+    r = _process("generate", "--target", str(tiny_model_dir), "--drafter", str(tiny_drafter_dir),
              "--prompt", "Hello", "--max-new-tokens", "8", "--compare")
     assert r.returncode == 0, r.stderr
     assert "[dflash]" in r.stderr and "speedup" in r.stderr and "identical" in r.stderr
 
 
 def test_cli_bad_input_is_one_clear_line(tiny_model_dir: Path) -> None:
-    r = _cli("generate", "--target", str(tiny_model_dir), "--drafter", "none", "--prompt", "x",
+    r = _process("generate", "--target", str(tiny_model_dir), "--drafter", "none", "--prompt", "x",
              "--temperature", "-1")
     assert r.returncode == 2
     assert r.stderr.strip().startswith("error: temperature must be") and "Traceback" not in r.stderr
-    r = _cli("generate", "--target", "/nonexistent/model", "--prompt", "x")
+    r = _process("generate", "--target", "/nonexistent/model", "--prompt", "x")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().startswith("error: model '/nonexistent/model' not found")  # not "no drafter ships"
 
@@ -184,7 +187,7 @@ def test_cli_evaluate_compares_drafters_on_heldout_prompts(tiny_model_dir: Path,
                                 "answer": f"#### {3}"}) + "\n")
     args = ("evaluate", "--target", str(tiny_model_dir), "--drafter", str(tiny_drafter_dir), "--drafter",
             str(tiny_drafter_dir), "--prompts", "3", "--max-new-tokens", "8", "--data-dir", str(data))
-    r = _cli(*args, "--json")
+    r = run_cli(*args, "--json")
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in r.stdout.splitlines()]
     assert len(rows) == 2 and all(row["prompts"] == 3 and row["block_size"] == 4 for row in rows)
@@ -192,24 +195,24 @@ def test_cli_evaluate_compares_drafters_on_heldout_prompts(tiny_model_dir: Path,
     # the prefill makes each prompt's first token; every step after it commits tau tokens on average
     assert 1.0 <= rows[0]["tau"] <= 4.0 and rows[0]["tau"] * rows[0]["steps"] + 3 >= rows[0]["generated_tokens"]
     assert rows[0]["tau"] == rows[1]["tau"]  # greedy: the same drafter scores the same
-    r = _cli(*args[:5], "--prompts", "2", "--max-new-tokens", "4", "--data-dir", str(data), "--block-size", "2")
+    r = run_cli(*args[:5], "--prompts", "2", "--max-new-tokens", "4", "--data-dir", str(data), "--block-size", "2")
     assert r.returncode == 0, r.stderr
     assert "held-out gsm8k_train prompts: 2" in r.stdout and str(tiny_drafter_dir) in r.stdout
-    r = _cli(*args[:5], "--prompts", "2", "--max-new-tokens", "4", "--data-dir", str(data), "--heldout", "gsm8k_code")
+    r = run_cli(*args[:5], "--prompts", "2", "--max-new-tokens", "4", "--data-dir", str(data), "--heldout", "gsm8k_code")
     assert r.returncode == 0, r.stderr
     assert "held-out gsm8k_code prompts: 2" in r.stdout
-    r = _cli(*args[:5], "--prompts", "2", "--max-new-tokens", "4", "--data-dir", str(data), "--heldout", "py_stubs")
+    r = run_cli(*args[:5], "--prompts", "2", "--max-new-tokens", "4", "--data-dir", str(data), "--heldout", "py_stubs")
     assert r.returncode == 0, r.stderr
     assert "held-out py_stubs prompts: 2" in r.stdout
-    r = _cli(*args[:5], "--prompts", "0")
+    r = run_cli(*args[:5], "--prompts", "0")
     assert r.returncode == 2 and r.stderr.strip() == "error: --prompts must be >= 1, got 0"
     # --context: the other held-out prompts in front of each one
-    r = _cli(*args[:5], "--prompts", "5", "--max-new-tokens", "4", "--data-dir", str(data), "--json")
+    r = run_cli(*args[:5], "--prompts", "5", "--max-new-tokens", "4", "--data-dir", str(data), "--json")
     alone = json.loads(r.stdout)["prompt_tokens"]
-    r = _cli(*args[:5], "--prompts", "5", "--max-new-tokens", "4", "--data-dir", str(data), "--context", "100")
+    r = run_cli(*args[:5], "--prompts", "5", "--max-new-tokens", "4", "--data-dir", str(data), "--context", "100")
     assert r.returncode == 0, r.stderr
     assert "at least 100 tokens of context" in r.stdout
-    r = _cli(*args[:5], "--prompts", "5", "--max-new-tokens", "4", "--data-dir", str(data), "--context", "100", "--json")
+    r = run_cli(*args[:5], "--prompts", "5", "--max-new-tokens", "4", "--data-dir", str(data), "--context", "100", "--json")
     assert json.loads(r.stdout)["prompt_tokens"] >= max(100, alone + 40)  # the other prompts in front
 
 
@@ -248,30 +251,28 @@ def test_compare_warms_both_sides_alike_then_alternates(pipe) -> None:
 def test_cli_generate_compare_says_what_was_timed(tiny_model_dir: Path, tiny_drafter_dir: Path) -> None:
     base = ("generate", "--target", str(tiny_model_dir), "--drafter", str(tiny_drafter_dir),
             "--prompt", "How much does Janet make?", "--max-new-tokens", "12", "--compare")
-    r = _cli(*base, "--compare-runs", "1")
+    r = run_cli(*base, "--compare-runs", "1")
     assert r.returncode == 0, r.stderr
     assert "[timed ] 1 run(s) of each side, in the order D P" in r.stderr and "warm-up of each" in r.stderr
-    r = _cli(*base, "--temperature", "0.8", "--seed", "1", "--json")
+    r = run_cli(*base, "--temperature", "0.8", "--seed", "1", "--json")
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
     assert report["identical"] is None and "D P P D" in report["timed"]  # sampled: not compared token by token
-    r = _cli(*base, "--compare-runs", "0")
+    r = run_cli(*base, "--compare-runs", "0")
     assert r.returncode == 2 and r.stderr.strip() == "error: --compare-runs must be >= 1, got 0"
 
 
 def test_no_shipped_drafter_fails_before_loading_or_downloading(tmp_path: Path, monkeypatch) -> None:
     cache = tmp_path / "cache"
-    env = {"BLOCKSPEC_CACHE": str(cache), "PATH": "/usr/bin:/bin"}
+    monkeypatch.setenv("BLOCKSPEC_CACHE", str(cache))
     for target in ("qwen2.5-coder-0.5b-instruct", "someorg/some-model"):  # a zoo model not pulled; a Hub id
-        r = subprocess.run([sys.executable, "-m", "blockspec", "generate", "--target", target, "--prompt", "x"],
-                           capture_output=True, text=True, timeout=300, env=env)
-        assert r.returncode == 2 and "Traceback" not in r.stderr
+        r = run_cli("generate", "--target", target, "--prompt", "x")
+        assert r.returncode == 2
         line = r.stderr.strip()
         assert line.count("\n") == 0 and line.startswith(f"error: no drafter ships for target '{target}'")
         assert "--drafter fresh" in line and "--drafter none" in line and "--drafter DIR" in line
         assert "drafter=" not in line and "smollm2-135m-instruct" in line  # names the models that have one
     assert not cache.exists()  # nothing downloaded, nothing converted
-    monkeypatch.setenv("BLOCKSPEC_CACHE", str(cache))
     with pytest.raises(CheckpointError, match='drafter="fresh"') as e:  # Python phrasing for the Python API
         blockspec.load("qwen2.5-coder-0.5b-instruct")
     assert "--drafter" not in str(e.value)
@@ -279,7 +280,7 @@ def test_no_shipped_drafter_fails_before_loading_or_downloading(tmp_path: Path, 
 
 
 def test_broken_drafter_directory_fails_before_the_target_loads(tmp_path: Path) -> None:
-    r = _cli("generate", "--target", "/nonexistent/model", "--drafter", str(tmp_path / "missing"), "--prompt", "x")
+    r = run_cli("generate", "--target", "/nonexistent/model", "--drafter", str(tmp_path / "missing"), "--prompt", "x")
     # the drafter is checked first: its error, not the target's
     assert r.returncode == 2 and r.stderr.strip() == f"error: drafter directory {tmp_path / 'missing'} does not exist"
 

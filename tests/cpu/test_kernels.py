@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import shutil
 
 import pytest
@@ -131,12 +132,22 @@ def test_without_a_compiler_linear_falls_back(monkeypatch: pytest.MonkeyPatch, t
 
 
 def test_a_fresh_cache_builds_the_kernel_once(monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> None:
+    # The caching is tried on a one-function library: the real sources take ~40 s to compile, and
+    # every test that runs a kernel already proves that they build (the session loads them).
     cc = shutil.which("cc") or shutil.which("gcc")
     assert cc
+    src = tmp_path / "one.c"
+    src.write_text("int bs_one(void) { return 1; }\n")
+    monkeypatch.setattr(kernels, "SOURCES", (src,))
+    monkeypatch.setattr(kernels, "HEADERS", ())
     lib = kernels.build(cc, tmp_path / "kernels")
+    assert ctypes.CDLL(str(lib)).bs_one() == 1
     stamp = lib.stat().st_mtime_ns
     assert kernels.build(cc, tmp_path / "kernels") == lib and lib.stat().st_mtime_ns == stamp
     assert [p.name for p in (tmp_path / "kernels").iterdir()] == [lib.name]  # no temporary left
+    src.write_text("int bs_one(void) { return 2; }\n")  # a changed source is a new library
+    changed = kernels.build(cc, tmp_path / "kernels")
+    assert changed != lib and ctypes.CDLL(str(changed)).bs_one() == 2
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
