@@ -1,6 +1,6 @@
 """A forward's decoder layers as one kernel call (`cpu/csrc/layers.c`, bs_layers / bs_layers_bf16).
 
-The Python loops of `NativeLlama.forward` and of the drafter's `StaticDrafter` call about ten
+The Python loops of `NativeLlama.forward` and of the drafter's static pass (`StaticPass`) call about ten
 kernels per layer, and each call pays a few microseconds of argument checks and ctypes
 conversion: ~2 ms of a 6.9 ms one-token SmolLM2-135M forward on 2 cores. A `LayerProgram` keeps
 every layer's weight pointers (packed or not) in one int64 table and runs the loop in C with the

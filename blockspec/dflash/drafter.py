@@ -4,12 +4,18 @@ Checkpoint-compatible with the published DFlash drafters (docs/DESIGN.md section
 layer stack with KV injection of the target's context features in every layer, `fc` +
 `hidden_norm` to fuse the chosen target layers, and no embedding table or LM head of its own.
 
-The model is stateless: context K/V live in a `DraftCache` owned by the caller.
+The model is stateless: context K/V live in a cache owned by the caller (`DraftContextCache`).
+`DFlashDrafter.forward` is the drafter's one layer sequence; the cache's `DraftPass` decides where
+K/V are stored, which keys each query sees and which kernels run the products: `DraftCache`'s
+(`ConcatPass`: the modules' own calls, for training and as the reference) or the static drafter's
+slot cache on the CPU kernels (dflash/static_drafter.py), which parity tests hold equal.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -286,10 +292,54 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+class DraftPass(Protocol):
+    """What one draft pass asks of its context cache (`DraftContextCache.open_pass`).
+
+    `DFlashDrafter.forward` is the drafter's one layer sequence; it runs against this. The pass
+    owns what depends on where K/V live: the layout of the new context tokens, each layer's
+    attention over context + block (which keys each query sees, where the context K/V are
+    stored) and the kernels of the products and norms around it. `DraftCache`'s pass calls the
+    modules (the reference: autograd, FSDP, any device); the static cache's
+    (dflash/static_drafter.py) runs the CPU kernels, and may run the whole layer stack as one
+    call of the C layer program (`layers`)."""
+
+    def context(self, features: torch.Tensor) -> torch.Tensor:
+        """The new context's features [b, c, F] laid out as this pass's `attention` reads them."""
+        ...
+
+    def linear(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """`module(x)`."""
+        ...
+
+    def norm(self, module: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        """`module(x)`."""
+        ...
+
+    def attention(self, i: int, attn: DraftAttention, ctx: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Layer i's attention block: y [b, q, H] (its normed input) attends to the cached context,
+        the new context ctx (from `context`, fused by fc + hidden_norm) and the block; the new
+        context K/V stay in the cache. Returns o_proj's output [b, q, H]."""
+        ...
+
+    def mlp(self, i: int, mlp: DraftMLP, y: torch.Tensor) -> torch.Tensor:
+        """Layer i's MLP on y [b, q, H]."""
+        ...
+
+    def layers(self, x: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor | None:
+        """The whole layer stack on the block x [b, q, H] in one call (before the final norm),
+        or None: the caller runs the layer loop (the same numbers)."""
+        ...
+
+    def close(self) -> None:
+        """The pass is over (its K/V are the cache's now)."""
+        ...
+
+
 class DraftContextCache(Protocol):
-    """The drafter's cache of context K/V for a batch: `DraftCache` (the PyTorch forward) or a
-    native `StaticCache` (`StaticDrafter`). Block K/V never stay in it, so it has no `reject`.
-    Every implementation has every method, so callers never ask a cache what it can do."""
+    """The drafter's cache of context K/V for a batch: `DraftCache` (K/V concatenated, the
+    module's reference pass) or the static drafter's slot cache (dflash/static_drafter.py). Block
+    K/V never stay in it, so it has no `reject`. Every implementation has every method, so
+    callers never ask a cache what it can do."""
 
     def lengths(self) -> torch.Tensor:
         """Valid context slots per row [b]."""
@@ -314,6 +364,12 @@ class DraftContextCache(Protocol):
 
     def merge(self, other: DraftContextCache) -> None:
         """Appends other's rows; raises ConfigError where a cache cannot take joining rows."""
+        ...
+
+    def open_pass(self, drafter: DFlashDrafter, ctx_positions: torch.Tensor, block_positions: torch.Tensor,
+                  attn_mask: torch.Tensor | dict[int | None, torch.Tensor] | None = None) -> DraftPass:
+        """A pass of `drafter` writing the context at ctx_positions [b, c] (EMPTY: padding) and
+        reading the block at block_positions [b, q]; `attn_mask` as `DFlashDrafter.forward` takes it."""
         ...
 
 
@@ -362,6 +418,84 @@ class DraftCache:
             "target / standard drafter, or decode such requests in separate batches"
         )
 
+    def open_pass(self, drafter: DFlashDrafter, ctx_positions: torch.Tensor, block_positions: torch.Tensor,
+                  attn_mask: torch.Tensor | dict[int | None, torch.Tensor] | None = None) -> ConcatPass:
+        return ConcatPass(self, drafter, ctx_positions, block_positions, attn_mask)
+
+
+class ConcatPass:
+    """`DraftCache`'s pass (see `DraftPass`): the modules' own forwards, context K/V appended to
+    the cache's and concatenated with the block's for attention under a mask from the slots'
+    positions. What autograd and FSDP see: every product is a module call."""
+
+    def __init__(self, cache: DraftCache, drafter: DFlashDrafter, ctx_positions: torch.Tensor,
+                 block_positions: torch.Tensor, attn_mask: torch.Tensor | dict[int | None, torch.Tensor] | None
+                 ) -> None:
+        b = block_positions.shape[0]
+        self.cache = cache
+        cache.slots.append(ctx_positions)
+        self.table = SlotTable(b, block_positions.device)
+        self.table.positions = torch.cat([cache.slots.positions, block_positions], dim=1)  # [b, S+q]
+        self.block_positions = block_positions
+        self.all_valid = bool((self.table.positions != EMPTY).all())
+        self.attn_mask = attn_mask
+        self.masks: dict[tuple[bool, int | None], torch.Tensor | None] = {}
+        dtype = drafter.fc.weight.dtype
+        self.rope_block = drafter.rotary(block_positions, dtype)
+        self.rope_ctx = drafter.rotary(ctx_positions, dtype)
+
+    def context(self, features: torch.Tensor) -> torch.Tensor:
+        return features
+
+    def linear(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        return module(x)
+
+    def norm(self, module: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        return module(x)
+
+    def attention(self, i: int, attn: DraftAttention, ctx: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return attn(y, ctx, self.rope_block, self.rope_ctx, functools.partial(self._attend, i, attn))
+
+    def mlp(self, i: int, mlp: DraftMLP, y: torch.Tensor) -> torch.Tensor:
+        return mlp(y)
+
+    def layers(self, x: torch.Tensor, ctx: torch.Tensor) -> None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+    def _mask(self, i: int, attn: DraftAttention) -> torch.Tensor | None:
+        key = (attn.causal, attn.sliding_window)
+        if isinstance(self.attn_mask, dict):
+            if attn.sliding_window not in self.attn_mask:
+                raise ValueError(f"attn_mask has no mask for layer {i}'s window {attn.sliding_window}")
+            return self.attn_mask[attn.sliding_window]
+        if self.attn_mask is not None:
+            return self.attn_mask
+        if key not in self.masks:
+            needs = attn.causal or attn.sliding_window is not None or not self.all_valid
+            self.masks[key] = self.table.attention_mask(
+                self.block_positions, causal=attn.causal, sliding_window=attn.sliding_window) if needs else None
+        return self.masks[key]
+
+    def _attend(self, i: int, attn: DraftAttention, q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor,
+                k_blk: torch.Tensor, v_blk: torch.Tensor) -> torch.Tensor:
+        """q [b, h, q, d] over the cached context, k/v_ctx [b, kvh, c, d] (kept) and k/v_blk
+        [b, kvh, q, d] (dropped) -> [b, h, q, d]."""
+        cache = self.cache
+        if cache.keys[i] is not None:
+            k_ctx = torch.cat([cache.keys[i], k_ctx], dim=2)
+            v_ctx = torch.cat([cache.values[i], v_ctx], dim=2)
+        cache.keys[i], cache.values[i] = k_ctx, v_ctx
+        k = torch.cat([k_ctx, k_blk], dim=2)  # [b, kvh, S+c+q, d]
+        v = torch.cat([v_ctx, v_blk], dim=2)
+        groups = attn.num_heads // attn.num_kv_heads
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self._mask(i, attn))
+
 
 class DraftAttention(nn.Module):
     def __init__(self, cfg: DrafterConfig, layer_idx: int) -> None:
@@ -390,12 +524,12 @@ class DraftAttention(nn.Module):
         ctx: torch.Tensor,
         rope_block: tuple[torch.Tensor, torch.Tensor],
         rope_ctx: tuple[torch.Tensor, torch.Tensor],
-        past: tuple[torch.Tensor, torch.Tensor] | None,
-        mask: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """x [b, q, H] normed block input, ctx [b, c, H] fused context features.
+        attend: Callable[..., torch.Tensor],
+    ) -> torch.Tensor:
+        """x [b, q, H] normed block input, ctx [b, c, H] fused context features -> [b, q, H].
 
-        Returns the attention output [b, q, H] and the context K/V to cache ([b, kvh, S+c, d]).
+        `attend(q [b, h, q, d], k_ctx, v_ctx [b, kvh, c, d], k_blk, v_blk [b, kvh, q, d])` is the
+        cache's part (`ConcatPass`): it stores the context K/V and returns [b, h, q, d].
         """
         b, q, _ = x.shape
         qh = self.q_norm(self._heads(self.q_proj(x), self.num_heads)).transpose(1, 2)
@@ -406,18 +540,8 @@ class DraftAttention(nn.Module):
         qh = apply_rope(qh, *rope_block)
         k_ctx = apply_rope(k_ctx, *rope_ctx)
         k_blk = apply_rope(k_blk, *rope_block)
-        if past is not None:
-            k_ctx = torch.cat([past[0], k_ctx], dim=2)
-            v_ctx = torch.cat([past[1], v_ctx], dim=2)
-        k = torch.cat([k_ctx, k_blk], dim=2)  # [b, kvh, S+c+q, d]
-        v = torch.cat([v_ctx, v_blk], dim=2)
-        groups = self.num_heads // self.num_kv_heads
-        if groups > 1:
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask)  # [b, h, q, d]
-        out = out.transpose(1, 2).reshape(b, q, self.num_heads * self.head_dim)
-        return self.o_proj(out), (k_ctx, v_ctx)
+        out = attend(qh, k_ctx, v_ctx, k_blk, v_blk)  # [b, h, q, d]
+        return self.o_proj(out.transpose(1, 2).reshape(b, q, self.num_heads * self.head_dim))
 
 
 class DraftMLP(nn.Module):
@@ -501,7 +625,7 @@ class DFlashDrafter(nn.Module):
         ctx_positions: torch.Tensor,
         block_embeds: torch.Tensor,
         block_positions: torch.Tensor,
-        cache: DraftCache | None = None,
+        cache: DraftContextCache | None = None,
         attn_mask: torch.Tensor | dict[int | None, torch.Tensor] | None = None,
         block_len: int | None = None,
     ) -> torch.Tensor:
@@ -509,7 +633,8 @@ class DFlashDrafter(nn.Module):
 
         ctx_features [b, c, L*H]: target features of tokens not yet in the cache (c may be 0),
         at ctx_positions [b, c] (EMPTY for padding); block_embeds [b, q, H] at block_positions.
-        With a cache, the new context K/V are appended to it; block K/V are dropped.
+        The new context K/V stay in `cache` (None: a `DraftCache` for this pass alone); block K/V
+        are dropped. The cache's pass (`DraftPass`) decides how they are stored and read.
         `attn_mask` [b, 1, q, c+q] (bool) replaces the inference masks: training packs many
         blocks into one pass and says itself who sees whom, with one tensor for every layer or
         one per sliding window (None: full attention layers) of the drafter's layers.
@@ -518,52 +643,30 @@ class DFlashDrafter(nn.Module):
         """
         b, q, _ = block_embeds.shape
         ctx_features, block_embeds = self.own_dtype(ctx_features), self.own_dtype(block_embeds)
-        ctx = self.hidden_norm(self.fc(ctx_features))  # [b, c, H]
-        slots = cache.slots if cache is not None else SlotTable(b, block_embeds.device)
-        slots.append(ctx_positions)
-        key_positions = torch.cat([slots.positions, block_positions], dim=1)  # [b, S+q]
-        table = SlotTable(b, block_embeds.device)
-        table.positions = key_positions
-        masks: dict[tuple[bool, int | None], torch.Tensor | None] = {}
-        all_valid = bool((key_positions != EMPTY).all())
-        rope_block = self.rotary(block_positions, block_embeds.dtype)
-        rope_ctx = self.rotary(ctx_positions, block_embeds.dtype)
-        h = block_embeds
-        block_len = q if block_len is None else block_len
-        for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            key = (attn.causal, attn.sliding_window)
-            if isinstance(attn_mask, dict):
-                if attn.sliding_window not in attn_mask:
-                    raise ValueError(f"attn_mask has no mask for layer {i}'s window {attn.sliding_window}")
-                masks[key] = attn_mask[attn.sliding_window]
-            elif attn_mask is not None:
-                masks[key] = attn_mask
-            elif key not in masks:
-                needs = attn.causal or attn.sliding_window is not None or not all_valid
-                masks[key] = (
-                    table.attention_mask(block_positions, causal=attn.causal, sliding_window=attn.sliding_window)
-                    if needs else None
-                )
-            past = None
-            if cache is not None and cache.keys[i] is not None:
-                past = (cache.keys[i], cache.values[i])
-            x = layer.input_layernorm(h)
-            if layer.attention_conv is not None:
-                x, delta = layer.attention_conv.prepare(x, block_len)
-            out, (k_ctx, v_ctx) = attn(x, ctx, rope_block, rope_ctx, past, masks[key])
-            if cache is not None:
-                cache.keys[i], cache.values[i] = k_ctx, v_ctx
-            if layer.attention_conv is not None:
-                out = layer.attention_conv.finish(out, delta, block_len)
-            h = h + out
-            x = layer.post_attention_layernorm(h)
-            if layer.mlp_conv is not None:
-                x, delta = layer.mlp_conv.prepare(x, block_len)
-                h = h + layer.mlp_conv.finish(layer.mlp(x), delta, block_len)
-            else:
-                h = h + layer.mlp(x)
-        return self.norm(h)
+        cache = self.new_cache(b) if cache is None else cache  # then it holds this pass's K/V only
+        run = cache.open_pass(self, ctx_positions, block_positions, attn_mask)
+        ctx = run.norm(self.hidden_norm, run.linear(self.fc, run.context(ctx_features)))
+        h = run.layers(block_embeds, ctx)
+        if h is None:
+            h = block_embeds
+            block_len = q if block_len is None else block_len
+            for i, layer in enumerate(self.layers):
+                x = run.norm(layer.input_layernorm, h)
+                if layer.attention_conv is not None:  # DFlash 2 (dflash/conv.py): q/k/v read conv(x)
+                    x, delta = layer.attention_conv.prepare(x, block_len)
+                out = run.attention(i, layer.self_attn, ctx, x)
+                if layer.attention_conv is not None:
+                    out = layer.attention_conv.finish(out, delta, block_len)
+                h = h + out
+                x = run.norm(layer.post_attention_layernorm, h)
+                if layer.mlp_conv is not None:
+                    x, delta = layer.mlp_conv.prepare(x, block_len)
+                out = run.mlp(i, layer.mlp, x)
+                if layer.mlp_conv is not None:
+                    out = layer.mlp_conv.finish(out, delta, block_len)
+                h = h + out
+        run.close()
+        return run.norm(self.norm, h)
 
     def own_dtype(self, x: torch.Tensor) -> torch.Tensor:
         """x in this drafter's dtype: the target may run in another one (e.g. fp32 target, bf16

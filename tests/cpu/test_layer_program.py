@@ -13,7 +13,7 @@ from blockspec.config import SamplingParams, SpecConfig
 from blockspec.cpu import kernels
 from blockspec.dflash.drafter import init_drafter_weights, new_drafter_for_target
 from blockspec.targets.native import load_native_target
-from blockspec.dflash.static_drafter import StaticDrafter
+from blockspec.dflash.static_drafter import StaticDrafter, StaticWeights
 from blockspec.targets.native.llama import NativeLlama
 from blockspec.engine.decoder import SpecDecoder
 
@@ -140,7 +140,7 @@ def test_drafter_pass_as_one_call_has_the_python_loops_bits(dtype: torch.dtype, 
     for one_call in (True, False):
         static = StaticDrafter(drafter)
         if not one_call:
-            monkeypatch.setattr(StaticDrafter, "_layer_program", lambda *args: None)
+            monkeypatch.setattr(StaticWeights, "program", lambda *args: None)
         with torch.inference_mode():
             outs, cache = draft_passes(static, dtype)
         # up to 12 context rows and 16 block rows: within the kernel's rows on AVX-512 (an AVX2

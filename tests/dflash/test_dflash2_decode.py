@@ -124,7 +124,7 @@ def test_static_drafter_equals_the_module_forward(dtype: torch.dtype, windows: t
             feats = torch.randn(2, q, width, generator=g).to(dtype)
             ctx_pos = torch.where(keep, block_pos, torch.full_like(block_pos, EMPTY))
             start = start + torch.tensor(keep_n)
-    assert static._layer_program(static._fused_weights()) is None
+    assert static.weights.program(static.weights.fused()) is None
 
 
 # ---- greedy: token-identical to plain decoding ------------------------------------------------

@@ -10,8 +10,8 @@ import pytest
 import torch
 from conftest import make_tiny_target
 
-from blockspec.dflash.drafter import DraftCache, DraftContextCache, new_drafter_for_target
-from blockspec.dflash.static_drafter import StaticDrafter
+from blockspec.dflash.drafter import ConcatPass, DraftCache, DraftContextCache, DraftPass, new_drafter_for_target
+from blockspec.dflash.static_drafter import StaticDraftCache, StaticDrafter, StaticPass
 from blockspec.errors import ConfigError
 from blockspec.targets.base import TargetCache
 from blockspec.targets.hf import HFCache, HFTarget
@@ -27,11 +27,14 @@ def _members(protocol: type) -> set[str]:
 
 def test_protocols_list_the_methods_callers_use() -> None:
     assert _members(TargetCache) == {"lengths", "reserve", "reject", "compact", "select_rows", "spawn", "merge"}
-    assert _members(DraftContextCache) == {"lengths", "reserve", "compact", "select_rows", "spawn", "merge"}
+    assert _members(DraftContextCache) == {"lengths", "reserve", "compact", "select_rows", "spawn", "merge",
+                                           "open_pass"}
+    assert _members(DraftPass) == {"context", "linear", "norm", "attention", "mlp", "layers", "close"}
 
 
 @pytest.mark.parametrize("cls, protocol", [(StaticCache, TargetCache), (HFCache, TargetCache),
-                                           (StaticCache, DraftContextCache), (DraftCache, DraftContextCache)])
+                                           (StaticDraftCache, DraftContextCache), (DraftCache, DraftContextCache),
+                                           (StaticPass, DraftPass), (ConcatPass, DraftPass)])
 def test_every_cache_has_every_protocol_method_with_its_signature(cls: type, protocol: type) -> None:
     for name in _members(protocol):
         method = getattr(cls, name, None)
@@ -103,6 +106,7 @@ def test_draft_caches_of_both_drafters_spawn_and_the_dynamic_one_refuses_to_merg
     drafter = new_drafter_for_target(model.config, mask_token_id=47, num_layers=1, dtype=torch.float32)
     static = StaticDrafter(drafter).new_cache(1)
     joining = static.spawn(2)
+    assert isinstance(joining, StaticDraftCache) and joining.weights is static.weights  # its passes run alike
     static.merge(joining)
     assert static.lengths().tolist() == [0, 0, 0]
     dynamic = drafter.new_cache(1)

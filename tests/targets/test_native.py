@@ -264,7 +264,7 @@ def test_static_drafter_with_a_sliding_window_equals_module_forward(monkeypatch:
     for layer in drafter.layers:
         layer.self_attn.sliding_window = window
     static = StaticDrafter(drafter)
-    assert not static.plain and static.reach == window == static.window
+    assert not static.weights.plain and static.weights.reach == window == static.weights.window
     calls: list[int] = []
     sdpa = F.scaled_dot_product_attention
     monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or sdpa(*a, **k))

@@ -6,11 +6,12 @@
  * one-token SmolLM2-135M forward on 2 cores, which takes 4.9 ms in one call.
  * Here the loop over layers runs in C and calls the same kernels with the same
  * arguments in the same order (cpu/program.py prepares them), so every output has
- * the bits of the Python loops in targets/native/llama.py and dflash/static_drafter.py.
+ * the bits of the Python loops: targets/native/llama.py's, and the drafter's (dflash/drafter.py)
+ * over its static pass (dflash/static_drafter.py).
  *
- * The drafter's pass (dflash/static_drafter.py) is the same loop with a context: the first `ctx`
- * rows of each layer's q/k/v projection are the drafter's projected target features (the same
- * for every layer, and without queries), the block's tokens follow. bf16 models (a bf16 target,
+ * The drafter's pass is the same loop with a context: the first `ctx` rows of each layer's q/k/v
+ * projection are the drafter's projected target features (the same for every layer, and
+ * without queries), the block's tokens follow. bf16 models (a bf16 target,
  * the bf16 drafter beside an fp32 target) round where PyTorch's bf16 tensors round: each
  * product and the attention's output once to bf16, then the residual sum.
  *
