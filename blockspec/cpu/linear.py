@@ -32,7 +32,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from blockspec.cpu import kernels
+from blockspec.cpu.onednn_cache import bound_caches
 from blockspec.cpu.packed_weights import packed_linear
+
+bound_caches()  # before this module's first oneDNN product (onednn_available below): read once
 
 SMALL_ROWS = 64  # small-rows path: measured equal or faster up to 64 rows; beyond, level with F.linear
 MKL_ROWS: frozenset[int] = frozenset({2, 3, 4})  # fp32 only: in bf16, oneDNN wins here too (measured)
