@@ -46,6 +46,38 @@ class Completion:
         return self.stats.tokens_per_s(len(self.token_ids))
 
 
+class TextStream(Iterator[str]):
+    """One streamed generation (`Pipeline.stream`): iterating yields its text deltas (str) as
+    tokens are committed; `completion` is the finished Completion, whose text is the deltas
+    joined."""
+
+    def __init__(self, items: Iterator[str | Completion]) -> None:
+        self._items = items  # the deltas, then the Completion
+        self._completion: Completion | None = None
+
+    def __iter__(self) -> TextStream:
+        return self
+
+    def __next__(self) -> str:
+        if self._completion is not None:
+            raise StopIteration
+        item = next(self._items)
+        if isinstance(item, Completion):
+            self._completion = item
+            raise StopIteration
+        return item
+
+    @property
+    def completion(self) -> Completion:
+        """The finished generation; asked before the last delta, it decodes the rest first (the
+        deltas not yet read are then skipped)."""
+        for _ in self:
+            pass
+        if self._completion is None:  # the generation raised, and iterating re-raised it
+            raise RuntimeError("this stream's generation failed with the error its iteration raised")
+        return self._completion
+
+
 def pick_mask_token(tokenizer: object, vocab_size: int) -> int:
     """A mask token id for a new drafter: an existing `<|MASK|>`-like token, else the last id."""
     vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
@@ -182,10 +214,17 @@ class Pipeline:
         chat: bool | None = None,
         block_size: int | None = None,
         **sampling: object,
-    ) -> Iterator[str]:
-        """Yields text deltas as tokens are committed; the last item is the Completion."""
+    ) -> TextStream:
+        """Text deltas as tokens are committed: iterate the returned `TextStream` for str pieces;
+        its `completion` is the finished Completion (`sampling`: fields of SamplingParams).
+        Nothing is decoded until the first piece is asked for."""
         params = SamplingParams(**sampling)
         ids = encode_prompt(self.tokenizer, prompt, chat=chat)
+        return TextStream(self._stream_items(ids, params, block_size))
+
+    def _stream_items(self, ids: list[int], params: SamplingParams, block_size: int | None
+                      ) -> Iterator[str | Completion]:
+        """The text deltas of one generation, then its Completion."""
         stops = StopStrings(self.tokenizer, params.stop)
         detok = IncrementalDetokenizer(stops)
         events: queue.Queue = queue.Queue()

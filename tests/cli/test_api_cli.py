@@ -70,11 +70,37 @@ def test_stop_string_truncates_text_and_tokens(pipe) -> None:
 
 
 def test_stream_yields_the_same_text(pipe) -> None:
-    pieces = list(pipe.stream(MESSAGES, chat=True, max_new_tokens=20, ignore_eos=True))
-    done = pieces[-1]
+    stream = pipe.stream(MESSAGES, chat=True, max_new_tokens=20, ignore_eos=True)
+    assert isinstance(stream, blockspec.TextStream)
+    pieces = list(stream)
+    assert pieces and all(isinstance(p, str) for p in pieces)  # text only, as typed
+    done = stream.completion
     assert isinstance(done, blockspec.Completion)
-    assert "".join(pieces[:-1]) == done.text
+    assert "".join(pieces) == done.text
     assert done.token_ids == pipe.generate(MESSAGES, max_new_tokens=20, ignore_eos=True).token_ids
+    assert list(stream) == []  # a finished stream stays finished
+
+
+def test_stream_completion_decodes_what_was_not_read(pipe) -> None:
+    """Asked before the stream ends, `completion` finishes the generation: the same result."""
+    stream = pipe.stream(MESSAGES, chat=True, max_new_tokens=20, ignore_eos=True)
+    first = next(stream)
+    done = stream.completion
+    assert done.text.startswith(first)
+    assert done.token_ids == pipe.generate(MESSAGES, max_new_tokens=20, ignore_eos=True).token_ids
+    assert list(stream) == []
+
+
+def test_stream_reraises_a_failed_generation(pipe, monkeypatch) -> None:
+    def fail(*_a, **_k):
+        raise RuntimeError("decoder broke")
+
+    monkeypatch.setattr(pipe, "generate_ids", fail)
+    stream = pipe.stream(MESSAGES, chat=True, max_new_tokens=5)
+    with pytest.raises(RuntimeError, match="decoder broke"):
+        list(stream)
+    with pytest.raises(RuntimeError, match="generation failed"):
+        stream.completion
 
 
 def test_incremental_detokenizer_holds_back_stop_prefix(pipe) -> None:
