@@ -2,7 +2,7 @@
 checking them against a config.
 
 A drafter directory is config.json plus safetensors weights (one file, or shards with an index),
-DFlash and DFlash 2 alike (docs/DESIGN.md sections 2 and 7). Which tensors a checkpoint holds,
+DFlash and DFlash 2 alike (docs/DESIGN.md sections 2 and 3). Which tensors a checkpoint holds,
 and their shapes, follow from the config alone (`expected_tensors`), so the same check serves
 loading a drafter and exporting one without building the model.
 """

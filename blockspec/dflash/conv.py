@@ -1,4 +1,4 @@
-"""DFlash 2's grouped dynamic causal convolution inside a draft block (DESIGN.md section 7.1).
+"""DFlash 2's grouped dynamic causal convolution inside a draft block (docs/DESIGN.md section 3.2).
 
 Each decoder layer of a DFlash 2 drafter wraps its attention and its MLP in one of these: the
 sublayer's normalised input `n` gives a per-token kernel offset `kernel_projection(n)` once; side 0

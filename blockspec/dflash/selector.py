@@ -1,4 +1,4 @@
-"""DFlash 2's candidate selector (DESIGN.md section 7.2): proposals by a walk over the drafter's
+"""DFlash 2's candidate selector (docs/DESIGN.md section 3.3): proposals by a walk over the drafter's
 top-K candidates instead of an independent argmax per block position.
 
 For proposal position t, C_t are the drafter's K most likely tokens and U_t their logits. A

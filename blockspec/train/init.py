@@ -177,7 +177,7 @@ def to_dflash2(drafter: DFlashDrafter, settings: dict | None = None, *, seed: in
     """A DFlash 2 copy of a DFlash drafter whose greedy proposals are the original's.
 
     The backbone (layers, fc, norms) and the draft vocabulary are kept. The block convolutions
-    start as the identity (DESIGN.md section 7), so every hidden state is unchanged. The selector's
+    start as the identity (docs/DESIGN.md section 3.2), so every hidden state is unchanged. The selector's
     codebooks start Normal(0, std) and its hidden projection at zero: every transition score is
     then 0, the walk picks each position's unary argmax, and the first gradient reaches the
     projection at once (its gradient is the codebooks' product, not zero). `settings` overrides
