@@ -1,4 +1,4 @@
-"""blockspec: DFlash block-diffusion speculative decoding (lossless, several times faster)."""
+"""blockspec: DFlash block-diffusion speculative decoding, lossless."""
 
 from __future__ import annotations
 

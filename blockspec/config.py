@@ -29,10 +29,8 @@ class LookupConfig:
     looked for (longer matches win; among equal ones the latest).
 
     The defaults come from held-out prompts (SmolLM2-135M with its shipped drafter, adaptive
-    blocks, batch 1, 24 prompts x 128 tokens, 2 cores). Against
-    min_ngram 3, min_ngram 2 committed +1.6% and +6.0% tokens per second on gsm8k TRAIN questions,
-    +5.8% on stdlib stubs and 0% on gsm8k code stubs. min_ngram 1 lost 5%, max_ngram 6 gained
-    nothing over 4."""
+    blocks, batch 1): min_ngram 2 committed more tokens per second than 3 on maths questions and
+    code stubs, 1 fewer; max_ngram 6 gained nothing over 4 (docs/DESIGN.md section 12)."""
 
     min_ngram: int = 2
     max_ngram: int = 4
@@ -128,8 +126,8 @@ class SpecConfig:
     lookup: LookupConfig | None = None
     # With adaptive: rows of a batch verify lengths of their own, chosen from their drafts'
     # confidences, and rows with lookup continuations may verify them with no draft pass
-    # (AdaptiveBlock(ragged=True); native targets on a CPU). Opt-in: on 2 cores it stayed within
-    # run-to-run spread of the default at concurrency 8 and 16.
+    # (AdaptiveBlock(ragged=True); native targets on a CPU). Opt-in: its gain at concurrency 8 and
+    # 16 stayed within run-to-run spread of the default (docs/DESIGN.md section 12).
     ragged_verify: bool = False
 
     def __post_init__(self) -> None:

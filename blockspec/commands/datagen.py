@@ -72,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
     prompts = load_prompts(args.sources.split(","), data_dir=args.data_dir, limits=limits,
                            holdout=args.holdout, seed=args.seed)
     # "spec" runs on the native Llama-family code where it applies (static KV, no padding work),
-    # which generates 1.5x faster than the HF adapter here; "hf" needs the transformers model.
+    # which generates faster than the HF adapter (docs/DESIGN.md section 12); "hf" needs the
+    # transformers model.
     target, tokenizer = load_target(resolve_target_dir(args.target), backend="hf" if args.backend == "hf" else "auto",
                                     dtype=args.dtype, device=args.device)
     drafter = None

@@ -1,7 +1,7 @@
 """Argmax over logits on a CPU through `cpu/csrc/peak.c`: greedy ids alone, or with the softmax
-probability at them (a draft's confidence). PyTorch's argmax took ~1.3 ns per logit on 2 cores:
-0.25 ms for a draft head's 8 rows x 1 token, about as much for the target's greedy check of a
-batch; the kernel reads each row once."""
+probability at them (a draft's confidence). PyTorch's argmax was a visible share of a draft
+head's and a batch's greedy check's time (docs/DESIGN.md section 12); the kernel reads each row
+once."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
 def argmax_and_peak(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [.., V] (fp32 or bf16) -> (argmax [..], softmax probability of it [..], float32).
 
-    On a CPU through `cpu/csrc/peak.c` (two passes over each row; ~190 us -> ~70 us for 15 rows of
-    a 19K-token draft vocabulary). Elsewhere `max` gives the argmax (the first of tied maxima, as
+    On a CPU through `cpu/csrc/peak.c` (two passes over each row, against PyTorch's several
+    operators). Elsewhere `max` gives the argmax (the first of tied maxima, as
     `argmax`) in one pass, and the peak's probability is exp(peak - logsumexp), in place on an
     fp32 copy.
     """

@@ -2,18 +2,15 @@
 
 A decoding step multiplies a few rows by every weight matrix (one per sequence, or a verified
 block per sequence), and on a CPU its time should be the time to stream the weights from memory
-once. PyTorch's kernels do not manage that for so few rows (measured: the
-projections of SmolLM2-135M for one row took 1.6x the kernel's time through oneDNN). It tiles
-rows and weight rows in registers (from 5 fp32 rows, 3 bf16 ones), which beat oneDNN up to 128
-rows (the projections of SmolLM2-135M: 8 rows 30 ms against 45, 16 rows 37 against 56, 64 rows
-116 against 126), and its prefetches aim at the outer caches (8 fp32 rows of those projections
-and head: 18.2 ms with them, 25.4 without; one row 16.6 against 20.4).
+once. PyTorch's kernels do not manage that for so few rows. This one tiles rows and weight rows
+in registers (from 5 fp32 rows, 3 bf16 ones), which beat oneDNN up to 128 rows, and its
+prefetches aim at the outer caches (figures: docs/DESIGN.md section 12).
 The kernel is also batch invariant: a row gets the same bits alone or beside others.
 bf16 products (a bf16 drafter, or a bf16 target) sum in fp32 and stream half the bytes; with
-AVX512_BF16 they multiply in pairs, and a 16-20 row draft pass's projections took 1.8-2.2 ms
-against oneDNN's 4.0-4.6. fp32 weights that a 4- or 8-bit GGUF left are
-multiplied from a packed copy with the fp32 product's bits (`bs_rows_matmul_q4` / `_q8`,
-cpu/packed_weights.py), and their bf16 roundings with the bf16 product's (`_q4_bf16` / `_q8_bf16`).
+AVX512_BF16 they multiply in pairs, faster than oneDNN's for a draft pass's rows. fp32 weights
+that a 4- or 8-bit GGUF left are multiplied from a packed copy with the fp32 product's bits
+(`bs_rows_matmul_q4` / `_q8`, cpu/packed_weights.py), and their bf16 roundings with the bf16
+product's (`_q4_bf16` / `_q8_bf16`).
 
 The same library holds `cpu/csrc/attention.c`, the target's batch-invariant attention for a few
 query tokens (targets/native/attention.py), `cpu/csrc/norm.c`, RMSNorm in one call instead of

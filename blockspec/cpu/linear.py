@@ -1,22 +1,21 @@
 """The projections of the native models, with faster CPU kernels than `F.linear`'s.
 
 `linear(x, w, b)` equals `F.linear(x, w, b)` up to float rounding. On a CPU, `F.linear` runs
-MKL's GEMM, whose kernels for a handful of rows are poor: on a 2-core machine,
-2 rows cost twice 1 row and a block of 16 cost 2.7 plain decoding steps. Faster paths:
+MKL's GEMM, whose kernels for a handful of rows are poor (figures: docs/DESIGN.md section 12).
+Faster paths:
 
 - "native" (the default; where no C compiler builds the kernel it acts as "onednn"): fp32 and
   bf16 products of 1..`kernels.max_rows(dtype)` rows (fp32: 128 with AVX-512, 8 elsewhere;
   bf16: any number, so bf16 targets stay lossless) run cpu/csrc/rows.c
-  (cpu/kernels.py), which streams the weights once and is batch invariant: a one-token
-  SmolLM2-135M forward 1.7x faster than through oneDNN, with its
-  register tiles forwards of 8-16 tokens 1.3-1.5x faster, and a bf16 drafter's
-  pass of 16-20 rows about 2x faster. A drafter's products (`exact=False`: they
+  (cpu/kernels.py), which streams the weights once and is batch invariant, and is faster than
+  oneDNN for one-token forwards, for forwards of a few verified tokens (its register tiles) and
+  for a bf16 drafter's pass. A drafter's products (`exact=False`: they
   only propose tokens, so they need no batch invariance) go there only up to the row count the
   kernel is faster for (bf16: 96 with AVX512_BF16, 8 without).
   Everything else goes the "onednn" way.
 - "onednn": oneDNN's matmul (`torch.ops.mkldnn._linear_pointwise`, the kernel `torch.compile`
-  emits for CPU linears) on the dense [out, in] weight: measured 2.1x faster than MKL for one row
-  of the LM head, and 2-3x faster for 16-128 rows.
+  emits for CPU linears) on the dense [out, in] weight: faster than MKL for one row of the LM
+  head and for 16-128 rows.
 - "small-rows": for 2..SMALL_ROWS rows, `(w @ x^T)^T`, which makes MKL stream the weight past
   the few columns of x; the fallback where oneDNN is missing.
 
@@ -64,7 +63,7 @@ CPU_MATMUL = "native" if onednn_available() else "small-rows"  # native falls ba
 
 def cpu_bf16_matmul() -> bool:
     """Whether oneDNN runs bf16 products on this CPU (then a bf16 drafter streams half the bytes
-    of an fp32 one: measured 3-4% more tokens/s at batch 1 here)."""
+    of an fp32 one, and decodes faster at batch 1)."""
     try:
         return onednn_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):

@@ -3,12 +3,12 @@
 oneDNN keeps each primitive it builds in an LRU cache keyed by shape (`ONEDNN_PRIMITIVE_CACHE_CAPACITY`,
 1024 entries by default) and PyTorch's ideep layer above it keeps one of its own
 (`LRU_CACHE_CAPACITY`, 1024). A prefill's row count is the number of tokens joining, so nearly
-every join adds new entries, each about 0.3 MB in each cache (measured: ~0.55 MB per new row
-count and weight shape in all, whatever the weight's size). A server's memory then crept up by
-10-30 MB per round of load towards ~0.6 GB per weight shape that its idle release cannot free.
-`CAPACITY` entries keep the few shapes of one forward (a model has 4-8 weight shapes, each
-reused by every layer) and of the last several steps, at most ~35 MB; a miss costs one
-primitive build (~1-4 ms), which a new prompt length pays at any capacity.
+every join adds new entries in both caches for every weight shape, whatever the weight's size. A
+server's memory then crept up round after round of load, towards 1024 entries per weight shape
+that its idle release cannot free (sizes measured: docs/DESIGN.md section 12). `CAPACITY`
+entries keep the few shapes of one forward (a model has 4-8 weight shapes, each reused by every
+layer) and of the last several steps; a miss costs one primitive build, which a new prompt
+length pays at any capacity.
 
 Both are read once, when the process first uses oneDNN, so `bound_caches` must run before that
 (cpu/linear.py calls it on import, before its own first product). A capacity the user set, under

@@ -4,9 +4,9 @@ GNU OpenMP (the runtime PyTorch's Linux wheels ship) gives every thread that run
 region its own team of worker threads, kept for that thread's life. Once all teams together hold
 more threads than there are cores, idle workers stop spinning and sleep, so every later parallel
 region pays a wake-up. The models are loaded on the main thread (one team), then the engine
-decodes on its own thread (a second team): on 2 cores that made the [3072, 576] x [576, 2..4]
-products of a drafting step ~1.6x slower than on the main thread, and a drafting step ~2x as
-expensive. Releasing the team of a thread that hands its torch work
+decodes on its own thread (a second team): on a small machine that made a drafting step's
+products, and the step, markedly slower than on the main thread (docs/DESIGN.md section 12).
+Releasing the team of a thread that hands its torch work
 over to another thread (and of an engine thread that goes idle) keeps one team in the process.
 """
 

@@ -1,7 +1,6 @@
 """Packed weights kept on disk beside a converted model, so that loading a model converted from a
-4- or 8-bit GGUF file does not pack its matrices again: packing fits scales block by block
-(SmolLM2-135M's 121 matrices: about half a minute on 2 cores), reading them back takes a
-fraction of a second (BENCHMARKS.md).
+4- or 8-bit GGUF file does not pack its matrices again: packing fits scales block by block, which
+takes far longer than reading them back (docs/DESIGN.md section 12).
 
 One safetensors file per model and dtype (where: `cache_dir.packed_weights_file`) holds
 `<weight name>.qs` and `<weight name>.sc` of every packed matrix, and in its metadata:

@@ -30,8 +30,7 @@ BLOCK = 32  # inputs per block of scales, as in GGUF's Q4_1 and Q8_0
 _ULPS = (0, -1, 1, -2, 2)  # fp16 neighbours of the estimated d tried, nearest first
 _SAMPLE = 64  # weight rows tried first: a matrix of another form is turned down after these
 # bf16 weights stream 2 bytes each and multiply in pairs (AVX512_BF16), so rebuilding them from 4
-# bits pays only for a few rows: SmolLM2-135M's projections, 2 cores, 1 row 3.6 ms against 4.4,
-# 4 rows 4.6 against 5.3, 6 rows 5.4 against 5.3, 16 rows 9.2 against 7.6.
+# bits pays only for a few rows (SmolLM2-135M's projections: docs/DESIGN.md section 12).
 # More rows take the bf16 weights (the same bits either way).
 BF16_MAX_ROWS = 4
 

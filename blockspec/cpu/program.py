@@ -2,7 +2,8 @@
 
 The Python loops of `NativeLlama.forward` and of the drafter's static pass (`StaticPass`) call about ten
 kernels per layer, and each call pays a few microseconds of argument checks and ctypes
-conversion: ~2 ms of a 6.9 ms one-token SmolLM2-135M forward on 2 cores. A `LayerProgram` keeps
+conversion, a large share of a small model's one-token forward (docs/DESIGN.md section 12).
+A `LayerProgram` keeps
 every layer's weight pointers (packed or not) in one int64 table and runs the loop in C with the
 same kernels, arguments and order, so the outputs have the Python loop's bits (tested); the
 loops stay for everything a program does not take (GPUs, other dtypes, autograd, prefills,

@@ -2,9 +2,9 @@
 
 Every parallel region of the C kernels (and of PyTorch's CPU operators) ends at a barrier where
 each of its threads waits for the others. When a thread shares its core with another busy process,
-the scheduler runs it only every few milliseconds, and every barrier waits that long: SmolLM2-135M
-on 2 cores, beside ONE CPU-bound process, decoded 4 tokens/s with 2 threads against 58 with 1 (107
-with 2 on the quiet machine). So between decoding steps, at most every `INTERVAL` seconds,
+the scheduler runs it only every few milliseconds, and every barrier waits that long: beside ONE
+CPU-bound process on a 2-core machine, 2 threads decoded an order of magnitude slower than 1
+(docs/DESIGN.md section 12). So between decoding steps, at most every `INTERVAL` seconds,
 `follow_free_cores` measures how much CPU time the other processes took on the cores this process
 may run on (/proc/stat, less this process's own time) and sets torch's intra-op thread count to
 the cores they leave free; the C kernels take `torch.get_num_threads()` at every call.
@@ -12,11 +12,11 @@ The output does not depend on it: every kernel computes each element in a fixed 
 the thread split (cpu/csrc), so a greedy run gives the same tokens whatever thread counts it
 passed through (tests/cpu/test_threads.py).
 Why not fewer spins at the barriers instead (GOMP_SPINCOUNT, OMP_WAIT_POLICY, read once when
-OpenMP loads): on the shared 2-core test machine (load average ~15), SmolLM2 plain decoding with
-2 threads ran 0.4-0.6 tokens/s spinning, 7.5-9.5 waiting passively, and 8.5-9.5 on 1 thread. A
-passive wait would also pay a wake-up at every barrier of a quiet machine, where the spinning
-keeps the small kernels fast (not measured: no quiet machine at hand); one thread fewer gains as
-much under load and leaves the quiet case as it was.
+OpenMP loads): on a loaded machine, 2 threads waiting passively decoded about as fast as 1
+thread spinning, both far faster than 2 spinning (docs/DESIGN.md section 12). A passive wait
+would also pay a wake-up at every barrier of a quiet machine, where the spinning keeps the small
+kernels fast (not measured: no quiet machine at hand); one thread fewer gains as much under load
+and leaves the quiet case as it was.
 
 The count only moves down from where it was first found (torch's default: one per core, or the
 caller's own `torch.set_num_threads`; more threads than CPUs are left alone), and never where the
@@ -39,13 +39,13 @@ import torch
 from blockspec.errors import ConfigError
 
 ENV = "BLOCKSPEC_THREADS"
-INTERVAL = 0.5  # seconds between two looks at /proc/stat (~90 us each on a loaded machine; 50 ticks a core a window)
+INTERVAL = 0.5  # seconds between two looks at /proc/stat (each a small fraction of a step; 50 ticks a core a window)
 # Hysteresis: a thread stays while the other processes leave it at least STAY of a core, and one
 # more starts once they leave it ADD of one. Staying is hard because the costs are lopsided: a
-# thread too many on a busy core costs up to ~25x (the barriers above), a thread too few at most
-# the second core's share (~1.8x on 2 cores). And beside a busy process, 2 threads on 2 cores
-# leave it only part of a core (the scheduler shares them between 3 runnable threads), which must
-# still read as a core taken.
+# thread too many on a busy core costs many times a step (the barriers above), a thread too few at
+# most the second core's share (docs/DESIGN.md section 12). And beside a busy process, 2 threads
+# on 2 cores leave it only part of a core (the scheduler shares them between 3 runnable threads),
+# which must still read as a core taken.
 STAY = 0.6
 ADD = 0.75
 

@@ -50,7 +50,7 @@ class BlockConv(nn.Module):
         to end) -> (side 0's output [b, s, H], side 1's offsets [b, s, T, G])."""
         b, s, _ = x.shape
         # the CPU kernels' product where they take it (as the drafter's other products): oneDNN's
-        # bf16 one for a few rows cost several times more inside a draft pass on 2 cores
+        # bf16 one for a few rows cost more inside a draft pass (docs/DESIGN.md section 12)
         delta = project(self.kernel_projection, x, exact=False).view(b, s, 2, self.kernel_size, self.num_groups)
         return self._convolve(x, 0, delta[:, :, 0], block_len), delta[:, :, 1]
 

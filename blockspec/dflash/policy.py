@@ -61,23 +61,20 @@ FIRST_TIMING_CAP = 2.0  # a size's first real timing counts for at most this man
 WIDEN_SHARE = 0.05  # a step drafts past its chosen block while that costs at most this share of it
 # A probe costs what its draft pass and its longer verify add to a plain step, plus the drafter's
 # catch-up on the context the plain steps left behind: every row's prompt and output since the
-# last draft pass, all at once (32 fresh rows of SmolLM2 prompts: ~3,500 context tokens). With
-# probes after 8, 16, 32... plain steps alone, concurrency 32 (32-token requests, 2 cores) ran at
-# 0.90-0.99x plain decoding while drafting almost nothing; 0.95-1.01x with this budget
-# (GSM8K, SmolLM2-135M). The next probe waits until the plain steps since the last one took
-# 1 / PROBE_SHARE times its extra cost.
+# last draft pass, all at once (32 fresh rows of SmolLM2 prompts: ~3,500 context tokens). Probes
+# after a doubling count of plain steps alone cost many short requests more than their drafting
+# gained (measured: docs/DESIGN.md section 12). So the next probe waits until the plain steps since
+# the last one took 1 / PROBE_SHARE times its extra cost.
 PROBE_SHARE = 0.05
 # Widening and trimming run for batches of at most this many rows (trimming also for larger ones
 # with AdaptiveBlock(ragged=True): a length per row). Where a batch verifies one length for all its
-# rows, their confidences average out, and a wider draft costs more per step (held-out GSM8K at
-# concurrency 8, SmolLM2 on 2 cores: 1.23-1.26x plain with them against 1.29-1.38x without; at
-# batch 1 they gained 2-7%).
+# rows, their confidences average out, and a wider draft costs more per step: with them batches
+# of 8 rows ran slower, while a lone row gained (docs/DESIGN.md section 12).
 TRIM_MAX_ROWS = 1
 # A ragged step's padding (the slots past a row's length, up to the longest row) skips the matmuls,
-# rope, the K/V writes and (the CPU kernel) attention; what is left of it (norms, unpacking) cost
-# SmolLM2 on 2 cores, 16 rows at 250 tokens of context, 6 rows verifying 4 tokens beside 10
-# verifying 1: 93-99 ms, where the same 34 tokens as a uniform block cost ~93 and 16 rows of 4
-# ~150 (with attention and rope computed over the padding too, the share measured 0.17).
+# rope, the K/V writes and (the CPU kernel) attention; what is left of it (norms, unpacking) costs
+# little: a ragged step cost about what a uniform block of the same tokens does (measured:
+# docs/DESIGN.md section 12).
 PAD_SHARE = 0.05
 
 
@@ -109,8 +106,8 @@ class CostModel:
     measurement of a block size that drifted (longer contexts, machine load) moves the others'
     averages by a damped share of the drift, since such drift hits every block size alike.
     Measurements belong to the intra-op thread count they ran at (`use_threads`): the count
-    follows the cores other processes leave free (cpu/threads.py), and 1 thread costs up to twice
-    what 2 do, unevenly across sizes, so each count keeps its own over the shared calibration.
+    follows the cores other processes leave free (cpu/threads.py), and 1 thread costs more than 2
+    do, unevenly across sizes, so each count keeps its own over the shared calibration.
     """
 
     max_block: int
@@ -166,9 +163,8 @@ class CostModel:
 
     def table(self, batch: int) -> list[float]:
         """Estimated seconds of a step at block sizes 1..max_block. Not forced non-decreasing: on
-        a CPU a larger block can really cost less (4 rows take MKL's fast path, 3 do not; SmolLM2,
-        2 cores: a 4-token verify ~31 ms, a 3-token one ~36), and raising 4 to 3's cost had
-        priced the best block out (held-out GSM8K, batch 1: 1.65x -> 1.79x plain without it)."""
+        a CPU a larger block can really cost less (4 rows take MKL's fast path, 3 do not), and
+        raising 4 to 3's cost had priced the best block out (docs/DESIGN.md section 12)."""
         base = self.calibrated[bucket(batch)]
         seen = self.measured.get(bucket(batch), {})
         ratios = {n: t / base[n - 1] for n, t in seen.items() if base[n - 1] > 0}
@@ -196,8 +192,7 @@ class CostModel:
             # A first timing far above the estimate is more likely a burst of outside load than
             # the size's cost; believed whole, it would price this size (and, through the
             # interpolation of unmeasured sizes, its neighbours) out until it happened to run
-            # again, which it then would not (seen at concurrency 16: one 471 ms step against
-            # ~90 ms ones).
+            # again, which it then would not (seen at concurrency 16: docs/DESIGN.md section 12).
             seen[block] = min(seconds, FIRST_TIMING_CAP * self.table(batch)[block - 1])
             return
         # A faster step is believed at once: outside load only ever slows steps, and an estimate
@@ -387,9 +382,8 @@ class AdaptiveBlock:
                  ragged: bool = False, thread_count: Callable[[], int] = torch.get_num_threads) -> None:
         self.max_block = max_block
         # Batches of several rows verify a length per row (`trimmer`) where the target packs
-        # padding. Opt-in: on 2 CPU cores (SmolLM2, GSM8K) it was 3-7% ahead at concurrency 8 and
-        # level at 16, within run-to-run noise; padded attention eats much of what the
-        # better-chosen tokens save.
+        # padding. Opt-in: on a CPU its gain stayed within run-to-run noise (docs/DESIGN.md
+        # section 12); padded attention eats much of what the better-chosen tokens save.
         self.ragged = ragged
         self.costs = costs or CostModel(max_block)
         self.global_accepted = [0] * max(0, max_block - 1)
@@ -398,9 +392,9 @@ class AdaptiveBlock:
         self.lookup_tries = [0] * max(0, max_block - 1)
         self.prior = prior
         self.probe_block = min(probe_block, max_block)
-        # A probe of several rows verifies fewer tokens: at 16 rows on 2 cores a 4-token probe
-        # took 205 ms against 57 for a plain step and committed 0.18 tokens per ms against 0.27;
-        # a 2-token step about 110 ms for 26 tokens, 0.24 per ms (held-out prompts).
+        # A probe of several rows verifies fewer tokens: at 16 rows a 4-token probe committed
+        # fewer tokens per second than a 2-token one, which came closer to a plain step's
+        # (docs/DESIGN.md section 12).
         self.batch_probe_block = min(batch_probe_block, max_block)
         self.base_probe_every = probe_every
         self.probe_every = probe_every
@@ -521,10 +515,10 @@ class AdaptiveBlock:
         part of a drafting step of the same mean length (its padding priced as in `trimmer`),
         times what such ragged steps have really cost against that estimate so far
         (`lookup_ratio`). For a lone row, and with `ragged` for batches whose target packs
-        padding: elsewhere the lookup proposals ride in drafting steps. Held-out prompts, 2
-        cores: a lone row 1.61x -> 1.66x plain decoding; at concurrency 8 such steps committed
-        0.154 tokens per ms against 0.177 for plain steps (padded attention and elementwise work
-        cost more per extra token than the estimate), at 16 level with them."""
+        padding: elsewhere the lookup proposals ride in drafting steps. They gained for a lone
+        row; at concurrency 8 such steps committed fewer tokens per second than plain steps
+        (padded attention and elementwise work cost more per extra token than the estimate;
+        docs/DESIGN.md section 12)."""
         rows = batch.rows
         b = len(rows)
         if not any(plan) or (b > 1 and not self._ragged(batch)):
@@ -550,8 +544,8 @@ class AdaptiveBlock:
     def widen(self, batch_size: int, block: int) -> int:
         """How wide a step whose best block is `block` drafts: wider while the extra drafting
         costs at most WIDEN_SHARE of the step, as the drafts' own confidences then choose how
-        many tokens to verify (`trimmer`). Batch 1 on a CPU: a 16-wide draft costs ~1 ms more
-        than a 4-wide one in a ~35 ms step. `step` widens lone rows only (TRIM_MAX_ROWS).
+        many tokens to verify (`trimmer`). At batch 1 on a CPU a 16-wide draft costs little more
+        than a 4-wide one (docs/DESIGN.md section 12). `step` widens lone rows only (TRIM_MAX_ROWS).
         Without timed draft passes, `block` itself."""
         drafts = self.costs.draft_table(batch_size)
         if drafts is None or block < 2:
@@ -658,9 +652,9 @@ class AdaptiveBlock:
             seconds += drafts[size - 1] - drafts[self._drafted - 1]
         if not batch.caught_up:
             # A draft pass that also read joined prompts or a run of plain steps' context costs
-            # more than its size does. Believed, it priced drafting out: at concurrency 8 a fresh
-            # engine then ran 31-155 of ~500 steps plain (held-out GSM8K, SmolLM2, 2 cores), and
-            # the probes, each catching up on the whole run, kept confirming it.
+            # more than its size does. Believed, it priced drafting out: a fresh engine at
+            # concurrency 8 then ran many steps plain (docs/DESIGN.md section 12), and the probes,
+            # each catching up on the whole run, kept confirming it.
             self.costs.observe(b, size, seconds)
         elif self._probing and not self._confirming and used > 1:
             self._confirm = block  # measured on the next step instead (`choose`)

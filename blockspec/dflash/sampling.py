@@ -47,8 +47,9 @@ def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     tokens in descending order until the mass before one reaches top_p (at least the top token),
     renormalised. Only the head of each distribution is sorted (torch.topk): once the mass of
     the first k tokens reaches top_p no later token can be kept, so the result is the full sort's
-    (the same prefix sums, the same tokens, ties aside). A full sort of 49K probabilities took
-    ~15 ms a verified block on 2 cores and made sampled DFlash slower than plain decoding."""
+    (the same prefix sums, the same tokens, ties aside). A full sort of a vocabulary's
+    probabilities at every verified position made sampled DFlash slower than plain decoding
+    (docs/DESIGN.md section 12)."""
     v = probs.shape[-1]
     p = top_p.float()[:, None, None]  # [b, 1, 1]
     k = min(v, NUCLEUS_HEAD)

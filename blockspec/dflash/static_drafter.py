@@ -204,9 +204,8 @@ class StaticPass:
         all of its row's slots below the block's end, the committed context and the whole block
         (from each query's first key on, under a window). None where PyTorch's attention runs
         instead: other devices or dtypes, causal layers, windows that differ by layer or are
-        shorter than a block (kernel False). Why: PyTorch's CPU attention with a mask cost
-        170-280 us per layer at 8 rows (SmolLM2's drafter, 2 cores), most of a batched draft
-        pass's attention."""
+        shorter than a block (kernel False). Why: PyTorch's CPU attention with a mask was most of
+        a batched draft pass's attention time (docs/DESIGN.md section 12)."""
         if not kernel:
             return None
         b, q = block_positions.shape

@@ -118,8 +118,9 @@ def load_native_target(
     dtype: "float32" | "bfloat16" | "float16" | "float64" | a torch dtype | None (keep the
     source's). Raises ConfigError for architectures the native code does not cover.
     single_token_weights: keep transposed copies of the widest matrices for one-token forwards
-    where the CPU kernel is MKL's (~20% faster plain decoding there, ~70% more weight memory;
-    with oneDNN, cpu/linear.py's default, none are made); None = on for CPU devices.
+    where the CPU kernel is MKL's (faster plain decoding there, for more weight memory:
+    docs/DESIGN.md section 12; with oneDNN, cpu/linear.py's default, none are made); None = on
+    for CPU devices.
     pack_weights: keep a packed copy of each projection (and the head) whose weights are exactly
     of a 4- or 8-bit GGUF's form, or for bf16 their roundings (cpu/packed_weights.py: the same outputs,
     bit for bit, from fewer bytes); None = on for fp32 and bf16 on the CPU unless
