@@ -1,7 +1,7 @@
 """The verify step of a hybrid target against its plain step, through the Hugging Face adapter.
 
     python -m blockspec.bench.hybrid_step --hidden 1024 --batch 1,4 --repeats 15
-    python -m blockspec.bench.hybrid_step --hidden 4096 --layers 8 --dtype bfloat16 --device cuda
+    python -m blockspec.bench.hybrid_step --shape qwen3.5 --layers 8 --dtype bfloat16 --device cuda
 
 A random Qwen3.5-shaped model (three Gated DeltaNet layers to one attention layer; head sizes
 as published, other sizes from the flags) and the same model with attention in every layer, each
@@ -27,20 +27,31 @@ from blockspec.targets.base import DTYPES
 from blockspec.targets.hf import HFTarget
 
 
+SHAPES = ("scaled", "qwen3.5")
+
+
 def qwen35_like(hidden: int, layers: int, vocab: int, hybrid: bool, dtype: torch.dtype,
-                device: str = "cpu") -> HFTarget:
-    """A random Qwen3.5 text model (`qwen3_5_text`): 128-wide linear-attention heads (hidden/160
-    key heads, twice as many value heads), 256-wide attention heads, MLP 3.6 x hidden."""
+                device: str = "cpu", shape: str = "scaled") -> HFTarget:
+    """A random Qwen3.5 text model (`qwen3_5_text`) of `layers` layers. shape "scaled": 128-wide
+    linear-attention heads (hidden/160 key heads, twice as many value heads), 256-wide attention
+    heads, MLP 3.6 x hidden, `vocab` tokens; "qwen3.5": transformers' Qwen3_5TextConfig sizes
+    (the published model's: hidden 4096, MLP 12288, 16 + 4 attention heads, 16 + 32 linear-attention
+    heads, 248320 tokens), whatever `hidden` and `vocab` say."""
     import transformers as tf
 
-    heads = max(1, hidden // 160)
+    if shape not in SHAPES:
+        raise ConfigError(f"shape must be one of {', '.join(SHAPES)}, got {shape!r}")
     kinds = (["linear_attention"] * 3 + ["full_attention"]) * (layers // 4) if hybrid else ["full_attention"] * layers
-    cfg = tf.Qwen3_5TextConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=int(3.6 * hidden) // 64 * 64, num_hidden_layers=len(kinds),
-        num_attention_heads=heads, num_key_value_heads=max(1, heads // 4), head_dim=256, layer_types=kinds,
-        linear_num_key_heads=heads, linear_num_value_heads=2 * heads, linear_key_head_dim=128,
-        linear_value_head_dim=128, max_position_embeddings=4096,
-    )
+    if shape == "qwen3.5":
+        cfg = tf.Qwen3_5TextConfig(num_hidden_layers=len(kinds), layer_types=kinds, max_position_embeddings=4096)
+    else:
+        heads = max(1, hidden // 160)
+        cfg = tf.Qwen3_5TextConfig(
+            vocab_size=vocab, hidden_size=hidden, intermediate_size=int(3.6 * hidden) // 64 * 64,
+            num_hidden_layers=len(kinds), num_attention_heads=heads, num_key_value_heads=max(1, heads // 4),
+            head_dim=256, layer_types=kinds, linear_num_key_heads=heads, linear_num_value_heads=2 * heads,
+            linear_key_head_dim=128, linear_value_head_dim=128, max_position_embeddings=4096,
+        )
     torch.manual_seed(0)
     with torch.device(device):  # built where it runs: no CPU copy of a large model first
         model = tf.Qwen3_5ForCausalLM(cfg).to(dtype).eval()
@@ -97,13 +108,13 @@ def measure(target: HFTarget, batch: int, block: int, context: int, repeats: int
 
 
 def run(hidden: int, layers: int, vocab: int, block: int, context: int, batches: list[int], repeats: int,
-        dtype: torch.dtype, device: str = "cpu") -> list[dict]:
+        dtype: torch.dtype, device: str = "cpu", shape: str = "scaled") -> list[dict]:
     """One row per (layer kinds, batch): the hybrid model first, then the attention-only one."""
     if layers < 4 or layers % 4:
         raise ConfigError(f"--layers must be a multiple of 4 (3 linear-attention + 1 attention), got {layers}")
     rows = []
     for hybrid in (True, False):
-        target = qwen35_like(hidden, layers, vocab, hybrid, dtype, device)
+        target = qwen35_like(hidden, layers, vocab, hybrid, dtype, device, shape)
         for b in batches:
             with torch.inference_mode():
                 rows.append({"layers": "3 Gated DeltaNet : 1 attention" if hybrid else "attention only",
@@ -122,6 +133,8 @@ def table(rows: list[dict], block: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="scaled", choices=SHAPES,
+                    help="scaled: sizes from --hidden and --vocab; qwen3.5: the published Qwen3.5 text sizes")
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=4, help="a multiple of 4 (3 linear-attention + 1 attention)")
     ap.add_argument("--vocab", type=int, default=32000)
@@ -139,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError(f"--batch takes comma-separated integers, got {args.batch!r}") from None
     torch.set_num_threads(args.threads)
     rows = run(args.hidden, args.layers, args.vocab, args.block, args.context, batches, args.repeats,
-               DTYPES[args.dtype], args.device)
+               DTYPES[args.dtype], args.device, args.shape)
     print(table(rows, args.block))
     print(json.dumps({"args": vars(args), "rows": rows}))
     return 0

@@ -30,3 +30,14 @@ def test_the_hybrid_model_has_the_named_layers() -> None:
     assert target.model.config.layer_types == (["linear_attention"] * 3 + ["full_attention"]) * 2
     with pytest.raises(ConfigError, match="multiple of 4"):
         hybrid_step.run(160, 6, 64, 4, 8, [1], 1, torch.float32)
+
+
+def test_the_published_qwen35_shape_is_transformers_own() -> None:
+    import torch
+
+    target = hybrid_step.qwen35_like(0, 4, 0, True, torch.bfloat16, "meta", "qwen3.5")  # no memory
+    cfg = target.model.config
+    assert (cfg.hidden_size, cfg.vocab_size, cfg.num_attention_heads, cfg.linear_num_value_heads) == (4096, 248320, 16, 32)
+    assert cfg.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    with pytest.raises(ConfigError, match="shape must be one of"):
+        hybrid_step.qwen35_like(160, 4, 64, True, torch.float32, shape="qwen9")
