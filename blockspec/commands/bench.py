@@ -23,7 +23,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from blockspec.commands.model_args import MODEL, add_runtime_arguments, load_kwargs
+from blockspec.commands.model_args import MODEL, add_runtime_arguments, command_args, load_kwargs
 
 HELP = "benchmark DFlash against autoregressive decoding on standard prompt sets"
 
@@ -227,9 +227,7 @@ def _baseline_runners(args: argparse.Namespace, pipe: object, block_sizes: tuple
 def command_line(args: argparse.Namespace) -> str:
     """The full command with every option spelled out (defaults included), to rerun it exactly."""
     joined = lambda xs: ",".join(f"{x:g}" if isinstance(x, float) else str(x) for x in xs)  # noqa: E731
-    parts = ["blockspec", "bench", "--target", str(args.target)]
-    if args.drafter is not None:  # None: the drafter shipped for the target
-        parts += ["--drafter", str(args.drafter)]
+    parts = ["blockspec", "bench", *command_args(args)]  # no --drafter: the drafter shipped for the target
     if args.drafter == "fresh":
         parts += ["--drafter-layers", str(args.drafter_layers)]
     limit = ",".join(str(n) if k == "*" else f"{k}={n}" for k, n in args.limit.items())
@@ -260,9 +258,7 @@ def command_line(args: argparse.Namespace) -> str:
             parts += ["--pld-tokens", str(args.pld_tokens)]
     if args.threads is not None:
         parts += ["--threads", str(args.threads)]
-    parts += ["--clock", args.clock, "--backend", args.backend, "--dtype", args.dtype,
-              "--drafter-dtype", args.drafter_dtype, "--device", args.device,
-              "--warmup" if args.warmup else "--no-warmup"]
+    parts += ["--clock", args.clock, "--backend", args.backend, "--warmup" if args.warmup else "--no-warmup"]
     if args.out:
         parts += ["--out", str(args.out)]
     return shlex.join(parts)

@@ -7,7 +7,7 @@ the usage line, before anything loads). A new runtime option is one row here, e.
     RuntimeFlag("--tree-nodes", "tree_nodes", "decoding", dict(type=positive_int, default=None, help=...)),
 
 `add_runtime_arguments` declares the rows a verb takes; `load_kwargs` turns the parsed flags
-into `blockspec.load(**kwargs)`. Flags that differ on purpose keep their own declaration in
+into `blockspec.load(**kwargs)`, `command_args` back into a command line. Flags that differ on purpose keep their own declaration in
 their verb: bench's sweeps (`--block-sizes`, `--adaptive`, `--lookup on|off|both`), export's
 output dtype, evaluate's repeatable --drafter, train's device.
 """
@@ -112,3 +112,18 @@ def add_runtime_arguments(parser: argparse.ArgumentParser, names: Iterable[str] 
 def load_kwargs(args: argparse.Namespace) -> dict:
     """The `blockspec.load` keywords of the runtime flags the verb declared, as parsed."""
     return {name: getattr(args, name) for name in getattr(args, _DECLARED)}
+
+
+def command_args(args: argparse.Namespace) -> list[str]:
+    """The runtime flags the verb declared, spelled out with their parsed values (None: left out),
+    so that a report's command line repeats the run exactly."""
+    out: list[str] = []
+    for name in getattr(args, _DECLARED):
+        flag, value = BY_NAME[name], getattr(args, name)
+        if value is None:
+            continue
+        if flag.options.get("action") is argparse.BooleanOptionalAction:
+            out.append(flag.flag if value else f"--no-{flag.flag[2:]}")
+        else:
+            out += [flag.flag, str(value)]
+    return out

@@ -87,3 +87,20 @@ def test_the_flag_table_matches_what_load_takes() -> None:
     assert all(f.kwarg in parameters for f in model_args.FLAGS)
     with pytest.raises(ValueError, match="unknown runtime flags"):
         model_args.add_runtime_arguments(__import__("argparse").ArgumentParser(), ("dtype", "colour"))
+
+
+def test_a_command_line_repeats_the_runtime_flags() -> None:
+    from blockspec.cli import build_parser
+
+    flags = ["--target", "t", "--dtype", "bfloat16", "--device", "cuda:1", "--block-size", "4", "--no-lookup"]
+    args = build_parser("generate").parse_args(["generate", "--prompt", "x", *flags])
+    spelled = model_args.command_args(args)
+    assert spelled == ["--target", "t", "--dtype", "bfloat16", "--drafter-dtype", "auto", "--device", "cuda:1",
+                       "--block-size", "4", "--adaptive-block", "--no-lookup"]  # --drafter None: left out
+    again = build_parser("generate").parse_args(["generate", "--prompt", "x", *spelled])
+    assert model_args.load_kwargs(again) == model_args.load_kwargs(args)
+    bench = build_parser("bench").parse_args(["bench", "--drafter", "fresh", "--dtype", "float16"])
+    from blockspec.commands.bench import command_line
+
+    line = command_line(bench)
+    assert "--drafter fresh --dtype float16 --drafter-dtype auto --device cpu" in line and "--block-size" not in line
