@@ -128,6 +128,7 @@ def step_cost(plan: Plan, device: str) -> dict:
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         stepcost.main(argv)
+    _free(device)
     lines = printed.getvalue().strip().splitlines()
     result = json.loads(lines[-1])  # its machine-readable line
     return {"command": "python -m blockspec.bench.stepcost " + " ".join(argv), "rows": result["rows"],

@@ -104,3 +104,12 @@ def test_a_command_line_repeats_the_runtime_flags() -> None:
 
     line = command_line(bench)
     assert "--drafter fresh --dtype float16 --drafter-dtype auto --device cpu" in line and "--block-size" not in line
+
+
+def test_the_verbs_with_their_own_device_flag_refuse_the_same_strings(recorded: list[dict]) -> None:
+    """train declares its own --device (its default: cuda when there is one); datagen and evaluate
+    take the shared one. The same strings are refused."""
+    for verb, extra in (("train", ["--data", "d"]), ("datagen", ["--out", "o"]), ("evaluate", ["--drafter", "d"])):
+        r = run_cli(verb, *extra, "--device", "gpu")
+        assert r.returncode == 2 and r.stderr.startswith(f"usage: blockspec {verb}"), (verb, r.stderr)
+        assert "argument --device: expected cpu, cuda, cuda:N or mps, got 'gpu'" in r.stderr
