@@ -7,7 +7,7 @@ with a message naming the argument and the accepted range.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from blockspec.errors import ConfigError
 
@@ -146,28 +146,4 @@ class SpecConfig:
         _require(isinstance(self.adaptive, bool), f"adaptive must be True or False, got {self.adaptive!r}")
         _require(
             isinstance(self.ragged_verify, bool), f"ragged_verify must be True or False, got {self.ragged_verify!r}"
-        )
-
-
-@dataclass(frozen=True)
-class RuntimeConfig:
-    """Where and in which precision models run."""
-
-    device: str = "cpu"
-    dtype: str = "float32"
-    threads: int | None = None
-    extra: dict = field(default_factory=dict, compare=False)
-
-    def __post_init__(self) -> None:
-        _require(
-            self.dtype in ("float32", "bfloat16", "float16", "float64", "auto"),
-            f"dtype must be one of float32, bfloat16, float16, float64, auto; got {self.dtype!r}",
-        )
-        _require(
-            self.device == "cpu" or self.device.startswith(("cuda", "mps")),
-            f"device must be 'cpu', 'cuda[:N]' or 'mps', got {self.device!r}",
-        )
-        _require(
-            self.threads is None or (isinstance(self.threads, int) and self.threads >= 1),
-            f"threads must be None or an integer >= 1, got {self.threads!r}",
         )

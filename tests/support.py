@@ -10,11 +10,11 @@ import subprocess
 import pytest
 import torch
 from conftest import make_tiny_target
+from scripted import OracleDrafter  # noqa: F401  (the engine tests' double, beside the others)
 from scipy.stats import chisquare
 
 from blockspec.config import SamplingParams
 from blockspec.engine.decoder import SpecDecoder
-from blockspec.dflash.drafter import DFlashDrafter, DraftCache, new_drafter_for_target
 from blockspec.dflash.sampling import probabilities
 from blockspec.dflash.static_drafter import StaticDrafter
 from blockspec.engine import Engine
@@ -127,75 +127,7 @@ def ragged_prompts(batch: int, seed: int, vocab: int) -> list[list[int]]:
     return [torch.randint(0, vocab - 1, (n,), generator=g).tolist() for n in lengths]
 
 
-# ---- the engine with requests joining: a drafter that knows each request's greedy continuation ----
-
-class _KeyCache(DraftCache):
-    """Remembers which request each batch row is, through leaves (select_rows) and joins (merge)."""
-
-    def __init__(self, num_layers: int, batch: int) -> None:
-        super().__init__(num_layers, batch)
-        self.keys_of_rows: list[int | None] = [None] * batch
-
-    def select_rows(self, rows: torch.Tensor) -> None:
-        super().select_rows(rows)
-        self.keys_of_rows = [self.keys_of_rows[i] for i in rows.tolist()]
-
-    def spawn(self, batch: int) -> _KeyCache:
-        return _KeyCache(len(self.keys), batch)
-
-    def merge(self, other: _KeyCache) -> None:
-        self.slots.positions = torch.cat([self.slots.positions, other.slots.positions])
-        self.keys_of_rows += other.keys_of_rows
-
-
-class OracleDrafter(DFlashDrafter):
-    """Proposes each request's true greedy continuation, wrong at fixed positions.
-
-    A new row is recognised by the target features of its first prompt token (every test
-    prompt starts with a different token), which arrive with the row's first draft pass.
-    """
-
-    def __init__(self, model, target, prompts: list[list[int]], truths: list[list[int]], wrong_every: int = 5) -> None:
-        base = new_drafter_for_target(model.config, mask_token_id=47, num_layers=1, dtype=torch.float64)
-        super().__init__(base.cfg)
-        self.seqs = [p + t for p, t in zip(prompts, truths)]
-        self.starts = [len(p) for p in prompts]
-        self.wrong_every = wrong_every
-        self.vocab = model.config.vocab_size
-        prints = []
-        for p in prompts:
-            _, f = target.forward(torch.tensor([[p[0]]]), torch.zeros(1, 1, dtype=torch.long),
-                                  target.new_cache(1), self.target_layer_ids)
-            prints.append(f[0, 0])
-        self.prints = torch.stack(prints)  # [n, L*H]
-
-    def new_cache(self, batch: int) -> _KeyCache:
-        return _KeyCache(self.cfg.num_hidden_layers, batch)
-
-    def forward(self, ctx_features, ctx_positions, block_embeds, block_positions, cache=None, attn_mask=None):
-        b, q, _ = block_embeds.shape
-        for i in range(b):
-            starts = (ctx_positions[i] == 0).nonzero()
-            if cache.keys_of_rows[i] is None and len(starts) == 0:  # the cost calibration's dummy rows
-                cache.keys_of_rows[i] = 0
-            if cache.keys_of_rows[i] is None:
-                col = int(starts[0, 0])
-                dist = (self.prints - ctx_features[i, col].to(self.prints.dtype)).abs().sum(dim=-1)
-                cache.keys_of_rows[i] = int(dist.argmin())
-        logits = torch.zeros(b, q, self.vocab, dtype=torch.float64)
-        for i in range(b):
-            seq = self.seqs[cache.keys_of_rows[i]]
-            for k in range(q):
-                pos = int(block_positions[i, k])
-                token = seq[pos] if pos < len(seq) else 0
-                if (pos + k) % self.wrong_every == 0:
-                    token = (token + 1) % self.vocab
-                logits[i, k, token] = 10.0
-        return logits
-
-    def logits(self, hidden, head):
-        return hidden
-
+# ---- the engine with requests joining (the drafter that knows each request's continuation: scripted.py) ----
 
 def distinct_prompts(n: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)

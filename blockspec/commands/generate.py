@@ -8,31 +8,9 @@ import json
 import sys
 from dataclasses import dataclass, field
 
-from blockspec.commands import DEFAULT_TARGET, add_drafter_dtype_argument, add_lookup_argument
+from blockspec.commands.model_args import add_runtime_arguments, load_kwargs
 
 HELP = "generate text with DFlash speculative decoding"
-
-
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """Target/drafter/runtime flags shared by generate, demo and bench."""
-    p.add_argument("--target", default=DEFAULT_TARGET,
-                   help=f"zoo name (see `blockspec pull --list`), local HF directory or Hub id "
-                        f"(default {DEFAULT_TARGET})")
-    p.add_argument("--drafter", default=None,
-                   help="DFlash drafter directory; default: the drafter shipped for a zoo target; "
-                        "'fresh' = untrained (lossless, no speedup); 'none' = plain decoding")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
-    add_drafter_dtype_argument(p)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--block-size", type=int, default=None, help="block size (default: the drafter's)")
-
-
-def add_adaptive_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--adaptive-block", action=argparse.BooleanOptionalAction, default=True,
-                   help="choose each step's block size (up to --block-size) from step costs measured on this "
-                        "machine and the acceptance so far, down to plain decoding where drafting does not pay; "
-                        "same output (default: on; --no-adaptive-block verifies the whole block every step, "
-                        "as the published DFlash does)")
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,9 +23,7 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_model_arguments(p)
-    add_adaptive_argument(p)
-    add_lookup_argument(p)
+    add_runtime_arguments(p)
     add_sampling_arguments(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="user message (chat template applied unless --raw)")
@@ -98,8 +74,7 @@ def run(args: argparse.Namespace) -> int:
     if args.compare and args.drafter == "none":
         raise ConfigError("--compare times DFlash against plain decoding, so it needs a drafter: drop "
                           "--drafter none (or pass a drafter directory, or --drafter fresh)")
-    pipe = load(args.target, args.drafter, dtype=args.dtype, device=args.device, block_size=args.block_size,
-                adaptive_block=args.adaptive_block, drafter_dtype=args.drafter_dtype, lookup=not args.no_lookup)
+    pipe = load(**load_kwargs(args))
     kwargs = {"enable_thinking": args.thinking == "on"} if args.thinking else {}
     ids = pipe.encode(prompt_from_args(args), chat=not args.raw, **kwargs)
     params = SamplingParams(**sampling)

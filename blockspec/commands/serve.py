@@ -12,33 +12,19 @@ import os
 import sys
 
 from blockspec.config import SpecConfig
-from blockspec.commands import DEFAULT_TARGET, add_drafter_dtype_argument, add_lookup_argument
+from blockspec.commands.model_args import add_runtime_arguments, load_kwargs
 
 HELP = "OpenAI-compatible HTTP server with continuous batching"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default=DEFAULT_TARGET,
-                        help=f"target model: zoo name (see `blockspec pull --list`), local HF directory or Hub id "
-                             f"(default {DEFAULT_TARGET})")
-    parser.add_argument("--drafter", default=None,
-                        help="DFlash drafter directory; 'fresh' = untrained (lossless, no speedup); "
-                             "'none' = plain decoding; default: the drafter shipped for a zoo target")
+    add_runtime_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=30000, help="port (default 30000; 0 = any free port)")
     parser.add_argument("--served-model-name", default=None, help="model name clients send (default: the target name)")
     parser.add_argument("--api-key", default=os.environ.get("BLOCKSPEC_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on every route but /health "
                              "(default: $BLOCKSPEC_API_KEY; unset = no key)")
-    parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
-    add_drafter_dtype_argument(parser)
-    add_lookup_argument(parser)
-    parser.add_argument("--device", default="cpu", help="cpu | cuda[:N] | mps (default cpu)")
-    parser.add_argument("--block-size", type=int, default=None, help="speculation block size (default: the drafter's)")
-    parser.add_argument("--adaptive-block", action=argparse.BooleanOptionalAction, default=True,
-                        help="choose each step's block size (up to --block-size) from measured step costs and "
-                             "acceptance, so drafting never costs more than it buys under load (same output; "
-                             "default: on; --no-adaptive-block verifies the whole block every step)")
     parser.add_argument("--max-batch", type=int, default=16, help="requests decoded together per step (default 16)")
     parser.add_argument("--max-queue", type=int, default=64,
                         help="waiting requests beyond the batch; more get HTTP 429 (default 64)")
@@ -65,16 +51,15 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--drain-timeout must be a number of seconds >= 0, got {drain_s}")
     sock = bind(args.host, args.port)  # before loading: a busy port fails in a second, not a minute
     try:
-        pipeline = load(args.target, args.drafter, dtype=args.dtype, device=args.device,
-                        block_size=args.block_size, drafter_dtype=args.drafter_dtype, lookup=not args.no_lookup)
-        spec = SpecConfig(block_size=pipeline.block_size, adaptive=args.adaptive_block, lookup=pipeline.lookup)
+        pipeline = load(**load_kwargs(args))
+        spec = SpecConfig(block_size=pipeline.block_size, adaptive=pipeline.adaptive_block, lookup=pipeline.lookup)
         config = EngineConfig(spec, max_batch=args.max_batch, max_queue=args.max_queue)
         app = create_app(pipeline, engine_config=config, served_model_name=args.served_model_name,
                          api_key=args.api_key, max_request_bytes=max_bytes)
         state = app.state.blockspec
         drafter = pipeline.drafter_source or ("none" if pipeline.drafter is None else "fresh")
         print(f"serving {state.served_model_name!r} (drafter: {drafter}, block size "
-              f"{'adaptive, up to ' if args.adaptive_block else ''}{pipeline.block_size}) "
+              f"{'adaptive, up to ' if pipeline.adaptive_block else ''}{pipeline.block_size}) "
               f"at {url_of(sock)}/v1", flush=True)
         if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
             print("warning: listening beyond loopback without --api-key", file=sys.stderr, flush=True)

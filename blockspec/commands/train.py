@@ -12,6 +12,7 @@ import argparse
 import json
 
 from blockspec.commands import DEFAULT_TARGET
+from blockspec.commands.model_args import device_name
 
 HELP = "train a DFlash (or DFlash 2) drafter for a target model"
 
@@ -84,7 +85,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a folder holding gsm8k_train.jsonl, for the --eval-prompts held-out gsm8k prompts; "
                         "default $BLOCKSPEC_DATA, else the Hugging Face Hub (needs `datasets` and a network)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="target dtype")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--device", default=None, type=device_name, metavar="{cpu,cuda[:N]}",
+                   help="cpu or cuda (default: cuda when available; under torchrun each rank's own GPU)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
 

@@ -24,7 +24,7 @@ import torch
 from blockspec.config import SamplingParams
 from blockspec.errors import ConfigError
 from blockspec.dflash.drafter import DFlashDrafter, DraftContextCache
-from blockspec.dflash.static_drafter import StaticDrafter, has_standard_forward
+from blockspec.dflash.static_drafter import StaticDrafter
 from blockspec.targets.slots import EMPTY
 from blockspec.targets.base import Target, TargetCache, greedy_forward
 from blockspec.dflash.lookup import LookupConfig, TokenIndex
@@ -189,8 +189,7 @@ class DecodeBatch:
         self.compact_ratio = compact_ratio
         self.draft = None
         if self.drafter is not None:
-            use_static = static_draft and has_standard_forward(self.drafter)
-            self.draft = StaticDrafter(self.drafter) if use_static else self.drafter
+            self.draft = StaticDrafter(self.drafter) if static_draft else self.drafter
         self.layer_ids = self.drafter.target_layer_ids if self.drafter is not None else tuple(capture_layer_ids)
         if capture_layer_ids and tuple(capture_layer_ids) != tuple(self.layer_ids):
             raise ConfigError(f"capture_layer_ids {tuple(capture_layer_ids)} differ from the drafter's "

@@ -172,7 +172,7 @@ def test_cli_demo_adaptive_by_default(tiny_model_dir: Path, tiny_drafter_dir: Pa
     assert "block size adaptive, up to 4" in r.stderr and "steps per block size" in r.stderr
     assert "output identical to plain decoding: True" in r.stderr
     r = run_cli("demo", "--target", str(tiny_model_dir), "--drafter", str(tiny_drafter_dir), "--max-new-tokens", "12",
-             "--block-size", "3")
+             "--block-size", "3", "--no-adaptive-block")  # the flags of every verb that decodes
     assert r.returncode == 0, r.stderr
     assert "block size 3" in r.stderr and "block 3)" in r.stderr
 
@@ -331,9 +331,8 @@ def test_every_verb_defaults_to_the_demo_model_adaptive_with_lookup(capsys) -> N
     for verb, extra in (("generate", ["--prompt", "x"]), ("serve", []), ("bench", []), ("demo", [])):
         args = build_parser(verb).parse_args([verb, *extra])
         assert args.target == DEFAULT_TARGET, verb
-        assert not getattr(args, "no_lookup", False) and getattr(args, "lookup", "on") == "on", verb
-        adaptive = getattr(args, "adaptive_block", getattr(args, "adaptive", None))
-        assert adaptive if verb != "demo" else args.block_size is None, verb  # demo: adaptive unless --block-size
+        assert args.lookup in (True, "on"), verb  # bench: on|off|both
+        assert getattr(args, "adaptive_block", getattr(args, "adaptive", None)) is True, verb
         with pytest.raises(SystemExit):
             main([verb, "--help"])
         assert f"(default {DEFAULT_TARGET})" in " ".join(capsys.readouterr().out.split()), verb

@@ -205,7 +205,7 @@ def test_greedy_output_does_not_depend_on_thread_changes_mid_generation(flipping
     threads._governor = None  # the reference: no governor, 1 thread throughout
     truth = [r.token_ids for r in fixed.generate(prompts, params)]
     threads._governor = saved_governor
-    scripted = ScriptedDrafter(model.config, prompts, truth, error_rate=0.3, seed=1)
+    scripted = ScriptedDrafter(model, prompts, truth, error_rate=0.3, seed=1)
     trained_like = new_drafter_for_target(model.config, mask_token_id=299, num_layers=1, dtype=torch.float32)
     for drafter, block, adaptive in ((None, 1, False), (scripted, 6, False), (trained_like, 6, True)):
         flipping.clear()

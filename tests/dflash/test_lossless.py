@@ -38,7 +38,7 @@ def test_scripted_drafter_greedy_equals_plain(seed: int, block_size: int) -> Non
     prompts = ragged_prompts(batch, seed=seed + 100 * block_size, vocab=48)
     max_new = 9 + 5 * seed + block_size  # ends mid-block for most block sizes
     truth = [reference_greedy(model, p, max_new) for p in prompts]
-    drafter = ScriptedDrafter(model.config, prompts, truth, error_rate=0.15, seed=seed)
+    drafter = ScriptedDrafter(model, prompts, truth, error_rate=0.15, seed=seed)
     dec = SpecDecoder(HFTarget(model), drafter, SpecConfig(block_size=block_size))
     results = dec.generate(prompts, SamplingParams(max_new_tokens=max_new))
     for t, r in zip(truth, results):
@@ -58,7 +58,7 @@ def test_stop_token_inside_block(block_size: int) -> None:
     # Stop on a token each row produces somewhere after its start: it falls inside a block.
     stop = {long[0][5], long[1][9]}
     truth = [reference_greedy(model, p, 40, stop) for p in prompts]
-    drafter = ScriptedDrafter(model.config, prompts, long, error_rate=0.0)
+    drafter = ScriptedDrafter(model, prompts, long, error_rate=0.0)
     dec = SpecDecoder(HFTarget(model), drafter, SpecConfig(block_size=block_size))
     results = dec.generate(prompts, SamplingParams(max_new_tokens=40, stop_token_ids=tuple(stop)))
     for t, r in zip(truth, results):
@@ -75,11 +75,11 @@ def test_eos_from_target_info_stops_unless_ignored() -> None:
     cont = reference_greedy(model, prompt, 20)
     eos = cont[6]
     target = HFTarget(model, eos_token_ids=(eos,))
-    dec = SpecDecoder(target, ScriptedDrafter(model.config, [prompt], [cont], error_rate=0.0),
+    dec = SpecDecoder(target, ScriptedDrafter(model, [prompt], [cont], error_rate=0.0),
                       SpecConfig(block_size=8))
     stopped = dec.generate([prompt], SamplingParams(max_new_tokens=20))[0]
     assert stopped.token_ids == cont[: cont.index(eos) + 1]
-    dec = SpecDecoder(target, ScriptedDrafter(model.config, [prompt], [cont], error_rate=0.0),
+    dec = SpecDecoder(target, ScriptedDrafter(model, [prompt], [cont], error_rate=0.0),
                       SpecConfig(block_size=8))
     ignored = dec.generate([prompt], SamplingParams(max_new_tokens=20, ignore_eos=True))[0]
     assert ignored.token_ids == cont
@@ -98,7 +98,7 @@ def test_runtime_block_size_smaller_than_drafter_block() -> None:
     model = make_tiny_target("llama", seed=6)
     prompts = ragged_prompts(2, seed=12, vocab=48)
     truth = [reference_greedy(model, p, 30) for p in prompts]
-    drafter = ScriptedDrafter(model.config, prompts, truth, error_rate=0.0, block_size=16)
+    drafter = ScriptedDrafter(model, prompts, truth, error_rate=0.0, block_size=16)
     dec = SpecDecoder(HFTarget(model), drafter, SpecConfig(block_size=16))
     results = dec.generate(prompts, SamplingParams(max_new_tokens=30), block_size=8)
     assert [r.token_ids for r in results] == truth

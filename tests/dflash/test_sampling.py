@@ -35,7 +35,7 @@ def test_sampled_tokens_follow_target_distribution(shape: dict, drafter_kind: st
         drafter.set_draft_vocab(list(range(0, VOCAB, 2)), VOCAB)
     elif drafter_kind == "scripted":  # proposes the most likely continuation: many acceptances, and rejections
         greedy = [[int(joint.sum((1, 2)).argmax()), 0, 0]]
-        drafter = ScriptedDrafter(model.config, [PROMPT] * 400, greedy * 400, error_rate=0.3)
+        drafter = ScriptedDrafter(model, [PROMPT] * 400, greedy * 400, error_rate=0.3)
     lookup = None
     if drafter_kind == "lookup":  # x1 in PROMPT: the deterministic lookup proposals (one-hot q) replace drafted ones
         drafter = new_drafter_for_target(model.config, mask_token_id=VOCAB - 1, num_layers=1, dtype=torch.float64)
@@ -156,7 +156,7 @@ def test_chi_square_detects_a_lossy_verifier(monkeypatch: pytest.MonkeyPatch) ->
     model = make_tiny_target("llama", vocab_size=VOCAB, seed=1)
     sp = SamplingParams(max_new_tokens=3, ignore_eos=True, temperature=1.0)
     joint = exact_joint(model, sp)
-    drafter = ScriptedDrafter(model.config, [PROMPT] * 400, [[0, 0, 0]] * 400, error_rate=0.3)
+    drafter = ScriptedDrafter(model, [PROMPT] * 400, [[0, 0, 0]] * 400, error_rate=0.3)
     dec = SpecDecoder(HFTarget(model), drafter, SpecConfig(block_size=4))
     counts = sample_many(dec, sp, n=2000, batch=400)
     assert chi2_pvalue(counts.sum(0), joint.sum(0)) < 1e-6
@@ -179,7 +179,7 @@ def test_sampled_tokens_follow_a_hybrid_targets_distribution(rollback: str, monk
         sp = SamplingParams(max_new_tokens=3, ignore_eos=True, temperature=1.0)
         joint = exact_joint(model, sp)
         greedy = [[int(joint.sum((1, 2)).argmax()), 0, 0]]
-        drafter = ScriptedDrafter(model.config, [PROMPT] * 500, greedy * 500, error_rate=0.3)
+        drafter = ScriptedDrafter(model, [PROMPT] * 500, greedy * 500, error_rate=0.3)
         dec = SpecDecoder(HFTarget(model), drafter, SpecConfig(block_size=4))
         counts = sample_many(dec, sp, n=4000 if rollback == "exact" else 2000, batch=500)
     finally:

@@ -48,10 +48,10 @@ def test_speculative_steps_commit_the_targets_own_draws(model, reference, block,
     every position) commits exactly the reference, alone and between batch mates of any kind."""
     prompts = [MATES[0], PROMPT, MATES[1], MATES[2]]
     params = [SAMPLED.with_(seed=1), SAMPLED, SAMPLED.with_(temperature=0.0), SAMPLED.with_(seed=7, top_p=0.5)]
-    drafter = ScriptedDrafter(model.config, [PROMPT], [reference], error_rate=0.3, block_size=16)
+    drafter = ScriptedDrafter(model, [PROMPT], [reference], error_rate=0.3, block_size=16)
     dec = SpecDecoder(HFTarget(model), drafter, SpecConfig(block_size=block, lookup=lookup))
     alone = dec.generate([PROMPT], SAMPLED)[0]
-    drafter = ScriptedDrafter(model.config, prompts, [reference] * 4, error_rate=0.3, block_size=16, seed=5)
+    drafter = ScriptedDrafter(model, prompts, [reference] * 4, error_rate=0.3, block_size=16, seed=5)
     dec = SpecDecoder(HFTarget(model), drafter, SpecConfig(block_size=block, lookup=lookup))
     batched = dec.generate(prompts, params)
     assert alone.token_ids == reference

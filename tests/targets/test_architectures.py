@@ -70,7 +70,7 @@ def test_greedy_output_equals_generate_alone_and_ragged(family: str) -> None:
     lengths = [NEW, NEW - 19, NEW - 6]  # the second row finishes early and leaves the batch
     for rows, block in (([0], 6), ([0, 1, 2], 8)):
         ps, want = [prompts[i] for i in rows], [truths[i][: lengths[i]] for i in rows]
-        drafter = PrefixDrafter(model.config, ps, want, seed=block)
+        drafter = PrefixDrafter(model, ps, want, seed=block)
         results = SpecDecoder(target, drafter, SpecConfig(block_size=block)).generate(
             ps, [SamplingParams(max_new_tokens=lengths[i]) for i in rows])
         assert [r.token_ids for r in results] == want
@@ -107,7 +107,7 @@ def test_a_rollback_that_keeps_rejected_tokens_is_caught(monkeypatch: pytest.Mon
     target = HFTarget(model)
     with pytest.raises(ConfigError, match="cannot be decoded exactly"):
         check_exact(target)
-    drafter = PrefixDrafter(model.config, prompts[:1], truths[:1], seed=1)
+    drafter = PrefixDrafter(model, prompts[:1], truths[:1], seed=1)
     got = SpecDecoder(target, drafter, SpecConfig(block_size=6)).generate(
         prompts[:1], SamplingParams(max_new_tokens=NEW))[0].token_ids
     assert got != truths[0]

@@ -298,12 +298,12 @@ def test_ragged_batch_equals_single_rows(family: str) -> None:
     target = native(model)
     prompts = ragged_prompts(4, seed=21, vocab=48)
     truth = [reference_greedy(model, p, 24) for p in prompts]
-    drafter = ScriptedDrafter(model.config, prompts, truth, error_rate=0.25, seed=1)
+    drafter = ScriptedDrafter(model, prompts, truth, error_rate=0.25, seed=1)
     batched = SpecDecoder(target, drafter, SpecConfig(block_size=7)).generate(prompts, SamplingParams(max_new_tokens=24))
     assert [r.token_ids for r in batched] == truth
     assert len({tuple(r.stats.acceptance_lengths) for r in batched}) > 1  # really ragged
     for p, t in zip(prompts, truth):
-        single_drafter = ScriptedDrafter(model.config, [p], [t], error_rate=0.25, seed=2)
+        single_drafter = ScriptedDrafter(model, [p], [t], error_rate=0.25, seed=2)
         one = SpecDecoder(target, single_drafter, SpecConfig(block_size=7)).generate([p], SamplingParams(max_new_tokens=24))
         assert one[0].token_ids == t
 
