@@ -21,7 +21,7 @@ LAYERS: list[set[str]] = [
     {"targets"},
     {"dflash"},
     {"engine", "zoo"},
-    {"api"},
+    {"api", "export"},
     {"__init__"},
     {"server", "bench"},
     {"train"},

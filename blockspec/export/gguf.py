@@ -18,7 +18,8 @@ import torch
 
 from blockspec.dflash.drafter import DFLASH2_DEFAULTS, check_compatible
 from blockspec.errors import CheckpointError, ConfigError
-from blockspec.zoo.export import DTYPES, DrafterCheckpoint
+from blockspec.export.checkpoint import DTYPES, DrafterCheckpoint, check_dtype
+from blockspec.zoo import registry
 
 ARCH = "dflash"
 # Published tensor name -> GGUF name ("{i}": layer index). The conv base kernels have no ".weight".
@@ -65,8 +66,6 @@ def resolve_target_gguf(target: str | Path) -> Path:
     path = Path(target).expanduser()
     if path.is_file():
         return path
-    from blockspec.zoo import registry
-
     if str(target).lower() not in registry.KNOWN_MODELS:
         raise CheckpointError(f"--target {target} is neither a GGUF file nor a zoo name "
                               f"({', '.join(registry.KNOWN_MODELS)}); llama.cpp export needs the target's GGUF")
@@ -141,8 +140,7 @@ def write_dflash_gguf(ckpt: DrafterCheckpoint, target_gguf: Path, out: Path, *, 
     _check_llama_cpp(ckpt)
     tokenizer, n_vocab, hidden, layers = _tokenizer_fields(target_gguf)
     check_compatible(cfg, hidden_size=hidden, vocab_size=n_vocab, num_layers=layers)
-    if dtype != "auto" and dtype not in DTYPES:
-        raise ConfigError(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
+    check_dtype(dtype)
     store = DTYPES[dtype] if dtype != "auto" else next(iter(ckpt.tensors.values())).dtype
     store = store if store in _FILE_TYPE else torch.float32
 
