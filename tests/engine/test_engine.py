@@ -11,8 +11,8 @@ from conftest import make_tiny_target
 from support import OracleDrafter, distinct_prompts, reference_greedy, run_with_joins
 
 from blockspec.config import SamplingParams, SpecConfig
-from blockspec.engine import AdaptiveBlock, CostModel, Engine, EngineConfig, QueueFullError
-from blockspec.dflash.policy import buckets_up_to, calibration_sizes, expected_tokens
+from blockspec.engine import Engine, EngineConfig, QueueFullError
+from blockspec.dflash.policy import AdaptiveBlock, CostModel, buckets_up_to, calibration_sizes, expected_tokens
 from blockspec.errors import ConfigError, ContextLengthError
 from blockspec.dflash.drafter import new_drafter_for_target
 from blockspec.targets.native import load_native_target
