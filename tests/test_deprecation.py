@@ -17,6 +17,11 @@ MOVED = [
     *[("blockspec.zoo.export_gguf", name, "blockspec.export.gguf")
       for name in ("ARCH", "GLOBAL_TENSORS", "LAYER_TENSORS", "gguf_name", "resolve_target_gguf",
                    "write_dflash_gguf")],
+    *[("blockspec.bench.datasets", name, "blockspec.datasets")
+      for name in ("BUNDLED_DIR", "CONTEXT_INTRO", "CONTEXT_OUTRO", "DATASETS", "ENV_VAR", "HUMANEVAL_TEMPLATE",
+                   "MATH_TEMPLATE", "DatasetSpec", "HubSource", "Row", "Sample", "SplitSpec", "bundled_path",
+                   "data_dir", "find_file", "is_held_out", "load_dataset", "search_dirs", "sharegpt_messages",
+                   "split_rows", "token_counter", "training_prompts", "where_to_put", "with_context")],
 ]
 
 
@@ -46,7 +51,8 @@ def test_new_places_import_without_a_warning(recwarn: pytest.WarningsRecorder) -
 
 
 @pytest.mark.parametrize(("old", "other"), [("blockspec.engine", "calibrate"), ("blockspec.zoo.export", "check_dtype"),
-                                            ("blockspec.zoo.export_gguf", "ConfigError")])
+                                            ("blockspec.zoo.export_gguf", "ConfigError"),
+                                            ("blockspec.bench.datasets", "prompt_sets")])
 def test_an_old_module_lends_only_the_names_that_moved(old: str, other: str) -> None:
     """`other` is in the new module but never was in the old one: it stays missing there."""
     module = importlib.import_module(old)
