@@ -55,13 +55,13 @@ ALLOWED: dict[str, set[str]] = {
     "bench": {"errors", "deprecation", "config", "text", "datasets", "cpu", "targets", "dflash", "engine", "zoo",
               "api"},
     "train": {"errors", "config", "text", "datasets", "targets", "dflash", "engine"},
-    "commands": {"errors", "config", "text", "cache_dir", "datasets", "cpu", "targets", "dflash", "engine", "zoo", "api",
-                 "export", "server", "bench", "train"},
+    "commands": {"errors", "config", "text", "cache_dir", "datasets", "cpu", "targets", "dflash", "engine", "zoo",
+                 "api", "export", "server", "bench", "train"},
     "cli": {"errors", "__init__", "commands"},
     "__main__": {"cli"},
 }
 
-# Edges the layers would allow that must never be added, and why.
+# Edges that must never be added to ALLOWED, whatever the layers would let through, and why.
 NEVER: dict[tuple[str, str], str] = {
     ("train", "server"): "training runs offline: it needs no HTTP stack",
     ("train", "bench"): "the prompt sets both use live below both (datasets/)",
