@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from blockspec.dflash.checkpoint import check_tensors, read_tensors
-from blockspec.dflash.drafter import DrafterConfig, read_drafter_config
+from blockspec.dflash.checkpoint import check_tensors, read_drafter_config, read_tensors
+from blockspec.dflash.drafter_config import DrafterConfig
 from blockspec.errors import ConfigError
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from blockspec.dflash.drafter import DFLASH2_DEFAULTS, check_compatible
+from blockspec.dflash.drafter_config import DFLASH2_DEFAULTS, check_compatible
 from blockspec.errors import CheckpointError, ConfigError
 from blockspec.export.checkpoint import DTYPES, DrafterCheckpoint, check_dtype
 from blockspec.zoo import registry

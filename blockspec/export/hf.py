@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 from blockspec.dflash.checkpoint import CONFIG_NAME, write_tensors
-from blockspec.dflash.drafter import check_compatible
+from blockspec.dflash.drafter_config import check_compatible
 from blockspec.errors import CheckpointError, CompatibilityError
 from blockspec.export.checkpoint import DrafterCheckpoint, cast_tensors
 
