@@ -1,5 +1,6 @@
-"""Lower layers never import higher ones (docs/DESIGN.md section 8, "Map of the code", lists the
-same layers and why each unit sits where it does).
+"""Lower layers never import higher ones, and a unit imports only the units ALLOWED lists for it
+(docs/DESIGN.md section 8, "Map of the code", lists the same layers and why each unit sits where
+it does).
 
 Every import in the package counts, the ones inside functions too (they are real dependencies,
 only deferred), and so does `import blockspec` (the package facade, the top layer).
@@ -15,13 +16,13 @@ PACKAGE = Path(__file__).resolve().parents[1] / "blockspec"
 # Low -> high. A module may import its own unit and the layers below its own; units that share
 # a layer do not import each other.
 LAYERS: list[set[str]] = [
-    {"errors"},
-    {"config", "text", "cache_dir"},
+    {"errors", "deprecation"},
+    {"config", "text", "cache_dir", "datasets"},
     {"cpu"},
     {"targets"},
     {"dflash"},
     {"engine", "zoo"},
-    {"api"},
+    {"api", "export"},
     {"__init__"},
     {"server", "bench"},
     {"train"},
@@ -30,6 +31,52 @@ LAYERS: list[set[str]] = [
     {"__main__"},
 ]
 RANK = {unit: i for i, units in enumerate(LAYERS) for unit in units}
+
+# The units each unit imports, besides itself: every one of these edges goes down LAYERS, and an
+# import along an edge not listed fails even where the layers would allow it. A new dependency
+# between units is a design decision: make it here, where review sees it. An edge no import uses
+# any more fails too, so the table stays the map of what is.
+ALLOWED: dict[str, set[str]] = {
+    "errors": set(),
+    "deprecation": set(),
+    "config": {"errors"},
+    "text": {"errors"},
+    "cache_dir": set(),
+    "datasets": {"errors"},
+    "cpu": {"errors", "cache_dir"},
+    "targets": {"errors", "cache_dir", "cpu"},
+    "dflash": {"errors", "config", "cpu", "targets"},
+    "engine": {"errors", "deprecation", "config", "text", "cpu", "targets", "dflash"},
+    "zoo": {"errors", "deprecation", "cache_dir"},
+    "api": {"errors", "config", "text", "cpu", "targets", "dflash", "engine", "zoo"},
+    "export": {"errors", "dflash", "zoo"},
+    "__init__": {"config", "api"},
+    "server": {"errors", "config", "text", "dflash", "engine", "api", "__init__"},
+    "bench": {"errors", "deprecation", "config", "text", "datasets", "cpu", "targets", "dflash", "engine", "zoo",
+              "api"},
+    "train": {"errors", "config", "text", "datasets", "targets", "dflash", "engine"},
+    "commands": {"errors", "config", "text", "cache_dir", "datasets", "cpu", "targets", "dflash", "engine", "zoo",
+                 "api", "export", "server", "bench", "train"},
+    "cli": {"errors", "__init__", "commands"},
+    "__main__": {"cli"},
+}
+
+# Edges that must never be added to ALLOWED, whatever the layers would let through, and why.
+NEVER: dict[tuple[str, str], str] = {
+    ("train", "server"): "training runs offline: it needs no HTTP stack",
+    ("train", "bench"): "the prompt sets both use live below both (datasets/)",
+    ("bench", "train"): "measuring a drafter never needs the training stack",
+    ("server", "train"): "the server ships without the training stack",
+    ("server", "bench"): "the server ships without the measurement tools",
+    ("export", "api"): "export reads checkpoint files, never a loaded pipeline",
+}
+
+# Old modules that re-export moved names for one release (blockspec/deprecation.py): each may
+# import its new home, upward if it must. Delete the shim and its line here together.
+SHIMS: dict[str, str] = {
+    "blockspec.zoo.export": "blockspec.export",
+    "blockspec.zoo.export_gguf": "blockspec.export",
+}
 
 
 def unit_of(module: str) -> str:
@@ -64,16 +111,29 @@ def imported(source: str, name: str, is_package: bool) -> set[str]:
     return {m for m in found if m == "blockspec" or m.startswith("blockspec.")}
 
 
-def upward_imports(modules: list[tuple[str, str, bool]]) -> list[str]:
-    """(name, source, is_package) of each module -> one line per import of a layer not below."""
-    bad = []
+def cross_unit_imports(modules: list[tuple[str, str, bool]]) -> list[tuple[str, str, str, str]]:
+    """(name, source, is_package) of each module -> (module, its unit, imported module, its unit)
+    for each import of another unit, less a shim's import of its new home."""
+    found = []
     for name, source, is_package in modules:
         mine = unit_of(name)
         for target in sorted(imported(source, name, is_package)):
             theirs = unit_of(target)
-            if theirs != mine and RANK[theirs] >= RANK[mine]:
-                bad.append(f"{name} ({mine}) imports {target} ({theirs})")
-    return bad
+            if theirs != mine and SHIMS.get(name) != target:
+                found.append((name, mine, target, theirs))
+    return found
+
+
+def upward_imports(modules: list[tuple[str, str, bool]]) -> list[str]:
+    """One line per import of a layer not below the importer's."""
+    return [f"{name} ({mine}) imports {target} ({theirs})"
+            for name, mine, target, theirs in cross_unit_imports(modules) if RANK[theirs] >= RANK[mine]]
+
+
+def unlisted_imports(modules: list[tuple[str, str, bool]]) -> list[str]:
+    """One line per import along an edge ALLOWED does not list."""
+    return [f"{name} ({mine}) imports {target} ({theirs}): {mine} -> {theirs} is not in ALLOWED"
+            for name, mine, target, theirs in cross_unit_imports(modules) if theirs not in ALLOWED.get(mine, ())]
 
 
 def package_modules() -> list[tuple[str, str, bool]]:
@@ -99,3 +159,39 @@ def test_the_check_sees_upward_and_lazy_imports() -> None:
         "blockspec.cpu.probe (cpu) imports blockspec.dflash.batch (dflash)",
         "blockspec.cpu.probe (cpu) imports blockspec.targets (targets)",
     ]
+
+
+def test_every_import_between_units_is_an_allowed_edge() -> None:
+    assert unlisted_imports(package_modules()) == []
+
+
+def test_the_allowed_edges_go_down_the_layers_and_each_is_used() -> None:
+    assert set(ALLOWED) == set(RANK), "ALLOWED needs one entry per unit of LAYERS"
+    upward = [(a, b) for a, targets in ALLOWED.items() for b in targets if RANK[b] >= RANK[a]]
+    assert upward == [], "ALLOWED may only list edges down LAYERS"
+    used = {(mine, theirs) for _, mine, _, theirs in cross_unit_imports(package_modules())}
+    unused = sorted((a, b) for a, targets in ALLOWED.items() for b in targets if (a, b) not in used)
+    assert unused == [], f"no module imports along these edges any more: remove them from ALLOWED: {unused}"
+
+
+def test_edges_that_must_never_exist_are_not_allowed() -> None:
+    assert [edge for edge in NEVER if edge[1] in ALLOWED[edge[0]]] == []
+
+
+def test_each_shim_is_a_module_that_imports_its_new_home() -> None:
+    modules = {name: (source, is_package) for name, source, is_package in package_modules()}
+    for shim, home in SHIMS.items():
+        assert shim in modules, f"{shim} is gone: remove it from SHIMS"
+        assert home in imported(modules[shim][0], shim, modules[shim][1]), f"{shim} no longer imports {home}"
+
+
+def test_the_check_refuses_a_downward_edge_not_in_the_table() -> None:
+    probe = "from blockspec.config import SpecConfig\nfrom blockspec.errors import ConfigError\n"
+    assert unlisted_imports([("blockspec.cpu.probe", probe, False)]) == [
+        "blockspec.cpu.probe (cpu) imports blockspec.config (config): cpu -> config is not in ALLOWED",
+    ]
+    assert upward_imports([("blockspec.cpu.probe", probe, False)]) == []  # the layers alone would let it pass
+    shim = "import blockspec.export as export\n"
+    assert upward_imports([("blockspec.zoo.export", shim, False)]) == []
+    assert upward_imports([("blockspec.zoo.registry", shim, False)]) == [
+        "blockspec.zoo.registry (zoo) imports blockspec.export (export)"]  # only the shim may

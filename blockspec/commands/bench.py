@@ -72,7 +72,7 @@ def _names(text: str) -> tuple[str, ...]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from blockspec.bench.datasets import DATASETS
+    from blockspec.datasets import DATASETS
 
     # the model flags of every verb that decodes; the decoding ones are sweeps here (--block-sizes,
     # --adaptive, --lookup on|off|both), declared below
@@ -154,7 +154,7 @@ def _thinking_modes(mode: str, tokenizer: object, notes: list[str]) -> tuple[boo
 
 def _load_datasets(names: tuple[str, ...], limits: dict[str, int], shuffle: bool, seed: int,
                    data_dir: str | None = None) -> dict[str, list]:
-    from blockspec.bench.datasets import load_dataset
+    from blockspec.datasets import load_dataset
     from blockspec.errors import ConfigError
 
     stray = sorted(set(limits) - set(names) - {"*"})
@@ -170,7 +170,7 @@ def _load_datasets(names: tuple[str, ...], limits: dict[str, int], shuffle: bool
 def _with_context(datasets: dict[str, list], tokens: int, tokenizer: object,
                   data_dir: str | None = None) -> dict[str, list]:
     """Each set's prompts with other problems of the whole set in front (`datasets.with_context`)."""
-    from blockspec.bench.datasets import load_dataset, token_counter, with_context
+    from blockspec.datasets import load_dataset, token_counter, with_context
 
     count = token_counter(tokenizer)
     return {name: with_context(samples, load_dataset(name, data_dir=data_dir), tokens, count)

@@ -83,8 +83,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _with_context(held: list, tokens: int, pipe: object) -> list[list[dict]]:
     """Each held-out prompt's messages, its last user turn behind the other held-out prompts'
-    (`bench.datasets.with_context`) when tokens > 0."""
-    from blockspec.bench.datasets import Sample, token_counter, with_context
+    (`datasets.with_context`) when tokens > 0."""
+    from blockspec.datasets import Sample, token_counter, with_context
 
     messages = [[dict(m) for m in p.messages] for p in held]
     if not tokens:

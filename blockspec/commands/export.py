@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from blockspec.zoo.export import FORMATS
+from blockspec.export import FORMATS
 
 HELP = "write a drafter in the files vLLM, SGLang, Transformers (hf) or llama.cpp load"
 
@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from blockspec.api import default_drafter_for
-    from blockspec.zoo.export import export_drafter
+    from blockspec.export import export_drafter
 
     drafter = Path(args.drafter)
     if not drafter.is_dir() and (shipped := default_drafter_for(args.drafter)) is not None:

@@ -11,14 +11,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
+from blockspec.dflash.drafter_config import DrafterConfig
 from blockspec.errors import CheckpointError
-
-if TYPE_CHECKING:  # the config class lives with the model; this module only reads its fields
-    from blockspec.dflash.drafter import DrafterConfig
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -41,6 +38,11 @@ def read_config_json(path: str | Path) -> dict:
         return json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{cfg_file} is not valid JSON ({e}); re-download the drafter") from e
+
+
+def read_drafter_config(path: str | Path) -> DrafterConfig:
+    """The config.json of a drafter directory in the published format."""
+    return DrafterConfig.from_dict(read_config_json(path))
 
 
 def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:

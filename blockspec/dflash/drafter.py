@@ -3,264 +3,51 @@
 Checkpoint-compatible with the published DFlash drafters (docs/DESIGN.md section 2): a Qwen3-style
 layer stack with KV injection of the target's context features in every layer, `fc` +
 `hidden_norm` to fuse the chosen target layers, and no embedding table or LM head of its own.
+This file holds the modules and the ways to build one (new, load, save); its config is
+dflash/drafter_config.py, its files dflash/checkpoint.py.
 
-The model is stateless: context K/V live in a cache owned by the caller (`DraftContextCache`).
-`DFlashDrafter.forward` is the drafter's one layer sequence; the cache's `DraftPass` decides where
-K/V are stored, which keys each query sees and which kernels run the products: `DraftCache`'s
-(`ConcatPass`: the modules' own calls, for training and as the reference) or the static drafter's
-slot cache on the CPU kernels (dflash/static_drafter.py), which parity tests hold equal.
+The model is stateless: context K/V live in a cache owned by the caller (`DraftContextCache`,
+dflash/draft_cache.py). `DFlashDrafter.forward` is the drafter's one layer sequence; the cache's
+`DraftPass` decides where K/V are stored, which keys each query sees and which kernels run the
+products: `DraftCache`'s (`ConcatPass`: the modules' own calls, for training and as the
+reference) or the static drafter's slot cache on the CPU kernels (dflash/static_drafter.py),
+which parity tests hold equal.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from blockspec.errors import CheckpointError, CompatibilityError, ConfigError
+from blockspec.errors import CheckpointError, ConfigError
 from blockspec.cpu.argmax import argmax_and_peak, greedy_ids
 from blockspec.cpu.linear import linear, project
 from blockspec.dflash.checkpoint import (
     CONFIG_NAME,
     DRAFT_VOCAB_NAME,
     check_tensors,
-    read_config_json,
+    read_drafter_config,
     read_tensors,
     write_tensors,
 )
 from blockspec.dflash.conv import BlockConv
+from blockspec.dflash.draft_cache import ConcatPass, DraftCache, DraftContextCache, DraftPass
+from blockspec.dflash.drafter_config import (
+    DFLASH,
+    DFLASH2,
+    DFLASH2_DEFAULTS,
+    DrafterConfig,
+    check_compatible,
+    default_target_layer_ids,
+)
 from blockspec.dflash.selector import CandidateSelector, Pick, pick_best
 from blockspec.targets.rope import Rotary, apply_rope, rope_inv_freq
-from blockspec.targets.slots import EMPTY, SlotTable, gather_slots
-
-
-DFLASH = "DFlashDraftModel"
-DFLASH2 = "DFlash2DraftModel"
-# What the published DFlash 2 drafters use where their config.json leaves a key out.
-DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
-
-
-def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
-    """Evenly spread target layers, as the published drafters choose them."""
-    if num_draft_layers == 1:
-        return (num_target_layers // 2,)
-    span = num_target_layers - 4
-    return tuple(round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers))
-
-
-@dataclass(frozen=True)
-class DrafterConfig:
-    """The drafter's config.json: a Qwen3 config plus the DFlash keys."""
-
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int
-    num_target_layers: int
-    mask_token_id: int
-    target_layer_ids: tuple[int, ...]
-    block_size: int = 16
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
-    rope_scaling: dict | None = None
-    max_position_embeddings: int = 40960
-    layer_types: tuple[str, ...] = ()
-    sliding_window: int | None = None
-    attention_bias: bool = False
-    is_causal: bool | None = None
-    input_embedding_scale: float = 1.0
-    output_multiplier: float = 1.0
-    final_logit_softcapping: float | None = None
-    # DFlash 2 (architecture DFLASH2): convolutions inside the block and the candidate selector;
-    # None for a DFlash drafter.
-    architecture: str = DFLASH
-    conv_kernel_size: int | None = None
-    conv_group_size: int | None = None
-    selector_rank: int | None = None
-    selector_top_k: int | None = None
-    # Keys of the original config.json we do not interpret, written back unchanged on save.
-    extra: dict = field(default_factory=dict, compare=False, repr=False)
-
-    def __post_init__(self) -> None:
-        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "vocab_size", "num_target_layers"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"drafter config: {name} must be a positive integer, got {value!r}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigError(
-                f"drafter config: num_attention_heads ({self.num_attention_heads}) must be a "
-                f"multiple of num_key_value_heads ({self.num_key_value_heads})"
-            )
-        object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
-        if not self.target_layer_ids:
-            raise ConfigError("drafter config: target_layer_ids must name at least one layer")
-        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
-        if bad:
-            raise ConfigError(
-                f"drafter config: target_layer_ids {list(bad)} outside the target's "
-                f"{self.num_target_layers} layers (valid: 0..{self.num_target_layers - 1})"
-            )
-        if not 0 <= self.mask_token_id < self.vocab_size:
-            raise ConfigError(
-                f"drafter config: mask_token_id {self.mask_token_id} is outside the vocabulary "
-                f"(0..{self.vocab_size - 1}); pick a token id the target's tokenizer has"
-            )
-        if not isinstance(self.block_size, int) or self.block_size < 2:
-            raise ConfigError(f"drafter config: block_size must be an integer >= 2, got {self.block_size!r}")
-        types = tuple(self.layer_types) or ("full_attention",) * self.num_hidden_layers
-        if len(types) != self.num_hidden_layers:
-            raise ConfigError(
-                f"drafter config: layer_types has {len(types)} entries for {self.num_hidden_layers} layers"
-            )
-        object.__setattr__(self, "layer_types", types)
-        if "sliding_attention" in types and not self.sliding_window:
-            raise ConfigError("drafter config: sliding_attention layers need a sliding_window")
-        if self.architecture not in (DFLASH, DFLASH2):
-            raise ConfigError(f"drafter config: architecture must be {DFLASH} or {DFLASH2}, got {self.architecture!r}")
-        if self.architecture == DFLASH2:
-            self._check_dflash2()
-
-    def _check_dflash2(self) -> None:
-        for name in DFLASH2_DEFAULTS:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"DFlash 2 drafter config: {name} must be a positive integer, got {value!r}")
-        if self.hidden_size % self.conv_group_size:
-            raise ConfigError(f"DFlash 2 drafter config: conv_group_size {self.conv_group_size} must divide "
-                              f"hidden_size {self.hidden_size}")
-        if self.conv_kernel_size > self.block_size:
-            raise ConfigError(f"DFlash 2 drafter config: conv_kernel_size {self.conv_kernel_size} exceeds "
-                              f"block_size {self.block_size}")
-        if self.selector_top_k > self.vocab_size:
-            raise ConfigError(f"DFlash 2 drafter config: selector_top_k {self.selector_top_k} exceeds "
-                              f"vocab_size {self.vocab_size}")
-
-    @property
-    def dflash2(self) -> bool:
-        """Whether this is a DFlash 2 drafter (block convolutions and a candidate selector)."""
-        return self.architecture == DFLASH2
-
-    @property
-    def block_causal(self) -> bool:
-        """Whether a block attends to itself causally, in every layer alike. Bidirectionally unless
-        `is_causal: true`, sliding layers included: so the serving engines run DFlash drafters and
-        so the published ones were trained (Z Lab's Qwen3.6 drafters mix sliding and full layers
-        and have no is_causal key)."""
-        return bool(self.is_causal)
-
-    @classmethod
-    def from_dict(cls, raw: dict) -> DrafterConfig:
-        """Parses a published DFlash config.json (keys may sit at top level or in dflash_config)."""
-        dflash = raw.get("dflash_config") or {}
-
-        def get(name: str, default: object = None) -> object:
-            return dflash.get(name, raw.get(name, default))
-
-        try:
-            num_layers = int(raw["num_hidden_layers"])
-            hidden = int(raw["hidden_size"])
-            heads = int(raw["num_attention_heads"])
-            num_target_layers = int(get("num_target_layers"))
-        except (KeyError, TypeError) as e:
-            raise CheckpointError(
-                f"drafter config.json lacks a required key ({e}); is this a DFlash drafter directory?"
-            ) from e
-        layer_ids = get("target_layer_ids") or default_target_layer_ids(num_target_layers, num_layers)
-        mask = get("mask_token_id")
-        if mask is None:
-            raise CheckpointError("drafter config.json has no dflash_config.mask_token_id")
-        rope_theta = raw.get("rope_theta")
-        rope_scaling = raw.get("rope_scaling")
-        params = raw.get("rope_parameters")  # transformers >= 5 writes this instead
-        if rope_theta is None and isinstance(params, dict):
-            rope_theta = params.get("rope_theta")
-            if params.get("rope_type", "default") != "default":
-                rope_scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-        known = {
-            "hidden_size": hidden,
-            "intermediate_size": int(raw["intermediate_size"]),
-            "num_hidden_layers": num_layers,
-            "num_attention_heads": heads,
-            "num_key_value_heads": int(raw.get("num_key_value_heads") or heads),
-            "head_dim": int(raw.get("head_dim") or hidden // heads),
-            "vocab_size": int(raw["vocab_size"]),
-            "num_target_layers": num_target_layers,
-            "mask_token_id": int(mask),
-            "target_layer_ids": tuple(layer_ids),
-            "block_size": int(get("block_size", 16)),
-            "rms_norm_eps": float(raw.get("rms_norm_eps", 1e-6)),
-            "rope_theta": float(rope_theta if rope_theta is not None else 1_000_000.0),
-            "rope_scaling": rope_scaling,
-            "max_position_embeddings": int(raw.get("max_position_embeddings", 40960)),
-            "layer_types": tuple(raw.get("layer_types") or ()),
-            "sliding_window": raw.get("sliding_window"),
-            "attention_bias": bool(raw.get("attention_bias", False)),
-            "is_causal": raw.get("is_causal"),
-            "input_embedding_scale": float(get("input_embedding_scale", 1.0) or 1.0),
-            "output_multiplier": float(get("output_multiplier", 1.0) or 1.0),
-            "final_logit_softcapping": get("final_logit_softcapping"),
-        }
-        if DFLASH2 in (raw.get("architectures") or ()):
-            known["architecture"] = DFLASH2
-            known.update({name: get(name, default) for name, default in DFLASH2_DEFAULTS.items()})
-        return cls(**known, extra=dict(raw))
-
-    def to_dict(self) -> dict:
-        """The config.json content, in the published layout."""
-        out = dict(self.extra)
-        mine = asdict(self)
-        mine.pop("extra")
-        architecture = mine.pop("architecture")
-        dflash = dict(out.get("dflash_config") or {})
-        dflash["mask_token_id"] = mine.pop("mask_token_id")
-        dflash["target_layer_ids"] = list(mine.pop("target_layer_ids"))
-        for name in DFLASH2_DEFAULTS:  # DFlash 2 keys live in dflash_config
-            value = mine.pop(name)
-            out.pop(name, None)
-            dflash.pop(name, None)
-            if architecture == DFLASH2:
-                dflash[name] = value
-        for optional in ("input_embedding_scale", "output_multiplier"):
-            if mine[optional] == 1.0 and optional not in out and optional not in dflash:
-                mine.pop(optional)
-        if mine["final_logit_softcapping"] is None and "final_logit_softcapping" not in out:
-            mine.pop("final_logit_softcapping")
-        if mine["is_causal"] is None and "is_causal" not in out:
-            mine.pop("is_causal")
-        for key in list(mine):  # keys that live in dflash_config in the source stay there
-            if key in dflash:
-                dflash[key] = mine.pop(key)
-        out.pop("rope_parameters", None)
-        out.update(mine)
-        out["layer_types"] = list(self.layer_types)
-        out["dflash_config"] = dflash
-        out["architectures"] = [architecture]
-        out.setdefault("model_type", "qwen3")
-        out.setdefault("tie_word_embeddings", False)
-        out.setdefault("hidden_act", "silu")
-        out.setdefault("attention_dropout", 0.0)
-        out.setdefault("initializer_range", 0.02)
-        # transformers' Qwen3Config (which the reference package reads) drops the window unless this is set
-        out.setdefault("use_sliding_window", self.sliding_window is not None and "sliding_attention" in self.layer_types)
-        return out
-
-    def hf_rope_config(self) -> object:
-        """A transformers Qwen3Config, only needed for scaled RoPE variants."""
-        from transformers import Qwen3Config
-
-        raw = {k: v for k, v in self.to_dict().items() if k not in ("dflash_config", "architectures")}
-        return Qwen3Config(**raw)
 
 
 @dataclass(frozen=True)
@@ -290,211 +77,6 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
-
-
-class DraftPass(Protocol):
-    """What one draft pass asks of its context cache (`DraftContextCache.open_pass`).
-
-    `DFlashDrafter.forward` is the drafter's one layer sequence; it runs against this. The pass
-    owns what depends on where K/V live: the layout of the new context tokens, each layer's
-    attention over context + block (which keys each query sees, where the context K/V are
-    stored) and the kernels of the products and norms around it. `DraftCache`'s pass calls the
-    modules (the reference: autograd, FSDP, any device); the static cache's
-    (dflash/static_drafter.py) runs the CPU kernels, and may run the whole layer stack as one
-    call of the C layer program (`layers`)."""
-
-    def context(self, features: torch.Tensor) -> torch.Tensor:
-        """The new context's features [b, c, F] laid out as this pass's `attention` reads them."""
-        ...
-
-    def linear(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        """`module(x)`."""
-        ...
-
-    def norm(self, module: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-        """`module(x)`."""
-        ...
-
-    def attention(self, i: int, attn: DraftAttention, ctx: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Layer i's attention block: y [b, q, H] (its normed input) attends to the cached context,
-        the new context ctx (from `context`, fused by fc + hidden_norm) and the block; the new
-        context K/V stay in the cache. Returns o_proj's output [b, q, H]."""
-        ...
-
-    def mlp(self, i: int, mlp: DraftMLP, y: torch.Tensor) -> torch.Tensor:
-        """Layer i's MLP on y [b, q, H]."""
-        ...
-
-    def layers(self, x: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor | None:
-        """The whole layer stack on the block x [b, q, H] in one call (before the final norm),
-        or None: the caller runs the layer loop (the same numbers)."""
-        ...
-
-    def close(self) -> None:
-        """The pass is over (its K/V are the cache's now)."""
-        ...
-
-
-class DraftContextCache(Protocol):
-    """The drafter's cache of context K/V for a batch: `DraftCache` (K/V concatenated, the
-    module's reference pass) or the static drafter's slot cache (dflash/static_drafter.py). Block
-    K/V never stay in it, so it has no `reject`. Every implementation has every method, so
-    callers never ask a cache what it can do."""
-
-    def lengths(self) -> torch.Tensor:
-        """Valid context slots per row [b]."""
-        ...
-
-    def reserve(self, n: int, capacity: int = 0) -> None:
-        """The next pass reads slots < n and writes positions below max(n, capacity)
-        (preallocated caches grow; growing ones do nothing)."""
-        ...
-
-    def compact(self, ratio: float) -> None:
-        """Reclaims empty slots once they exceed `ratio` of the cache (may do nothing)."""
-        ...
-
-    def select_rows(self, rows: torch.Tensor) -> None:
-        """Keeps only these rows, in this order (an empty index keeps the storage for later)."""
-        ...
-
-    def spawn(self, batch: int) -> DraftContextCache:
-        """An empty cache of the same kind for `batch` new rows, which `merge` takes."""
-        ...
-
-    def merge(self, other: DraftContextCache) -> None:
-        """Appends other's rows; raises ConfigError where a cache cannot take joining rows."""
-        ...
-
-    def open_pass(self, drafter: DFlashDrafter, ctx_positions: torch.Tensor, block_positions: torch.Tensor,
-                  attn_mask: torch.Tensor | dict[int | None, torch.Tensor] | None = None) -> DraftPass:
-        """A pass of `drafter` writing the context at ctx_positions [b, c] (EMPTY: padding) and
-        reading the block at block_positions [b, q]; `attn_mask` as `DFlashDrafter.forward` takes it."""
-        ...
-
-
-class DraftCache:
-    """Context K/V of every draft layer, per row; block K/V are never stored.
-
-    Invariant: each layer's keys/values have `slots.num_slots` slots, and valid slots hold the
-    context features of committed tokens at their absolute positions.
-    """
-
-    def __init__(self, num_layers: int, batch: int, device: torch.device | str = "cpu") -> None:
-        self.slots = SlotTable(batch, device)
-        self.keys: list[torch.Tensor | None] = [None] * num_layers
-        self.values: list[torch.Tensor | None] = [None] * num_layers
-
-    def lengths(self) -> torch.Tensor:
-        return self.slots.lengths()
-
-    def reserve(self, n: int, capacity: int = 0) -> None:
-        """Nothing to do: the keys and values grow as passes append context to them."""
-
-    def compact(self, ratio: float) -> None:
-        index = self.slots.compaction_plan(ratio)
-        if index is None:
-            return
-        self.slots.apply(index)
-        for i, k in enumerate(self.keys):
-            if k is not None:
-                self.keys[i] = gather_slots(k, index)
-                self.values[i] = gather_slots(self.values[i], index)
-
-    def select_rows(self, rows: torch.Tensor) -> None:
-        """Keeps only the given batch rows (finished requests leave the batch)."""
-        self.slots.select_rows(rows)
-        self.keys = [k[rows] if k is not None else None for k in self.keys]
-        self.values = [v[rows] if v is not None else None for v in self.values]
-
-    def spawn(self, batch: int) -> DraftCache:
-        """A new, empty cache for `batch` rows (the same as the drafter's `new_cache`)."""
-        return DraftCache(len(self.keys), batch, self.slots.positions.device)
-
-    def merge(self, other: DraftCache) -> None:
-        """Refused: rows joining a running batch need the static drafter's cache."""
-        raise ConfigError(
-            f"{type(self).__name__} cannot take rows joining a running batch; use the native "
-            "target / standard drafter, or decode such requests in separate batches"
-        )
-
-    def open_pass(self, drafter: DFlashDrafter, ctx_positions: torch.Tensor, block_positions: torch.Tensor,
-                  attn_mask: torch.Tensor | dict[int | None, torch.Tensor] | None = None) -> ConcatPass:
-        return ConcatPass(self, drafter, ctx_positions, block_positions, attn_mask)
-
-
-class ConcatPass:
-    """`DraftCache`'s pass (see `DraftPass`): the modules' own forwards, context K/V appended to
-    the cache's and concatenated with the block's for attention under a mask from the slots'
-    positions. What autograd and FSDP see: every product is a module call."""
-
-    def __init__(self, cache: DraftCache, drafter: DFlashDrafter, ctx_positions: torch.Tensor,
-                 block_positions: torch.Tensor, attn_mask: torch.Tensor | dict[int | None, torch.Tensor] | None
-                 ) -> None:
-        b = block_positions.shape[0]
-        self.cache = cache
-        cache.slots.append(ctx_positions)
-        self.table = SlotTable(b, block_positions.device)
-        self.table.positions = torch.cat([cache.slots.positions, block_positions], dim=1)  # [b, S+q]
-        self.block_positions = block_positions
-        self.all_valid = bool((self.table.positions != EMPTY).all())
-        self.attn_mask = attn_mask
-        self.masks: dict[tuple[bool, int | None], torch.Tensor | None] = {}
-        dtype = drafter.fc.weight.dtype
-        self.rope_block = drafter.rotary(block_positions, dtype)
-        self.rope_ctx = drafter.rotary(ctx_positions, dtype)
-
-    def context(self, features: torch.Tensor) -> torch.Tensor:
-        return features
-
-    def linear(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        return module(x)
-
-    def norm(self, module: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-        return module(x)
-
-    def attention(self, i: int, attn: DraftAttention, ctx: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return attn(y, ctx, self.rope_block, self.rope_ctx, functools.partial(self._attend, i, attn))
-
-    def mlp(self, i: int, mlp: DraftMLP, y: torch.Tensor) -> torch.Tensor:
-        return mlp(y)
-
-    def layers(self, x: torch.Tensor, ctx: torch.Tensor) -> None:
-        return None
-
-    def close(self) -> None:
-        pass
-
-    def _mask(self, i: int, attn: DraftAttention) -> torch.Tensor | None:
-        key = (attn.causal, attn.sliding_window)
-        if isinstance(self.attn_mask, dict):
-            if attn.sliding_window not in self.attn_mask:
-                raise ValueError(f"attn_mask has no mask for layer {i}'s window {attn.sliding_window}")
-            return self.attn_mask[attn.sliding_window]
-        if self.attn_mask is not None:
-            return self.attn_mask
-        if key not in self.masks:
-            needs = attn.causal or attn.sliding_window is not None or not self.all_valid
-            self.masks[key] = self.table.attention_mask(
-                self.block_positions, causal=attn.causal, sliding_window=attn.sliding_window) if needs else None
-        return self.masks[key]
-
-    def _attend(self, i: int, attn: DraftAttention, q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor,
-                k_blk: torch.Tensor, v_blk: torch.Tensor) -> torch.Tensor:
-        """q [b, h, q, d] over the cached context, k/v_ctx [b, kvh, c, d] (kept) and k/v_blk
-        [b, kvh, q, d] (dropped) -> [b, h, q, d]."""
-        cache = self.cache
-        if cache.keys[i] is not None:
-            k_ctx = torch.cat([cache.keys[i], k_ctx], dim=2)
-            v_ctx = torch.cat([cache.values[i], v_ctx], dim=2)
-        cache.keys[i], cache.values[i] = k_ctx, v_ctx
-        k = torch.cat([k_ctx, k_blk], dim=2)  # [b, kvh, S+c+q, d]
-        v = torch.cat([v_ctx, v_blk], dim=2)
-        groups = attn.num_heads // attn.num_kv_heads
-        if groups > 1:
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=self._mask(i, attn))
 
 
 class DraftAttention(nn.Module):
@@ -915,11 +497,6 @@ def save_drafter(model: DFlashDrafter, path: str | Path, *, max_shard_bytes: int
     return path
 
 
-def read_drafter_config(path: str | Path) -> DrafterConfig:
-    """The config.json of a drafter directory in the published format."""
-    return DrafterConfig.from_dict(read_config_json(path))
-
-
 def load_drafter(
     path: str | Path, *, dtype: torch.dtype | None = None, device: str = "cpu", draft_vocab: bool = True
 ) -> DFlashDrafter:
@@ -944,25 +521,30 @@ def load_drafter(
     return model.to(device=device, dtype=dtype or stored).eval()
 
 
-def check_compatible(cfg: DrafterConfig, *, hidden_size: int, vocab_size: int, num_layers: int) -> None:
-    """Raises CompatibilityError when a drafter cannot serve a target of these dimensions."""
-    if cfg.hidden_size != hidden_size:
-        raise CompatibilityError(
-            f"drafter hidden_size {cfg.hidden_size} != target hidden_size {hidden_size}: this "
-            "drafter was trained for another target; use a drafter made for this target"
-        )
-    if cfg.vocab_size != vocab_size:
-        raise CompatibilityError(
-            f"drafter vocab_size {cfg.vocab_size} != target vocab_size {vocab_size}: the drafter "
-            "uses the target's embeddings and head, so both must share one vocabulary"
-        )
-    bad = [i for i in cfg.target_layer_ids if not 0 <= i < num_layers]
-    if bad:
-        raise CompatibilityError(
-            f"drafter target_layer_ids {bad} are out of range for a target with {num_layers} "
-            "layers; use a drafter made for this target"
-        )
-    if not 0 <= cfg.mask_token_id < vocab_size:
-        raise CompatibilityError(
-            f"mask_token_id {cfg.mask_token_id} is outside the target vocabulary (size {vocab_size})"
-        )
+# The drafter's public names, with those of its config, cache and files, which the package and
+# its users import from here.
+__all__ = [
+    "DFLASH",
+    "DFLASH2",
+    "DFLASH2_DEFAULTS",
+    "Candidates",
+    "ConcatPass",
+    "DFlashDrafter",
+    "DraftAttention",
+    "DraftCache",
+    "DraftContextCache",
+    "DraftLayer",
+    "DraftMLP",
+    "DraftPass",
+    "DrafterConfig",
+    "RMSNorm",
+    "check_compatible",
+    "default_target_layer_ids",
+    "init_drafter_weights",
+    "keep_scores",
+    "load_drafter",
+    "new_drafter",
+    "new_drafter_for_target",
+    "read_drafter_config",
+    "save_drafter",
+]

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from blockspec.bench.datasets import find_file, sharegpt_messages, split_rows, where_to_put
+from blockspec.datasets import find_file, sharegpt_messages, split_rows, where_to_put
 from blockspec.errors import CheckpointError, ConfigError
 
 MATH_TEMPLATE = "{question}\nPlease reason step by step, and put your final answer within \\boxed{{}}."

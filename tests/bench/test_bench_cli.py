@@ -19,7 +19,7 @@ def _bench(tmp_path: Path, model: Path, drafter: Path, *extra: str) -> tuple[int
 
 
 def test_bench_command_writes_report(tmp_path, tiny_model_dir, tiny_drafter_dir, capsys):
-    pytest.importorskip("blockspec.bench.datasets")
+    pytest.importorskip("blockspec.datasets")
     from blockspec.bench.baselines import reference_available
 
     baselines = "hf,reference" if reference_available() else "hf"

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 import blockspec
-from blockspec.bench import datasets as ds
-from blockspec.bench.datasets import DATASETS, HubSource, Sample, SplitSpec, load_dataset, training_prompts
+from blockspec.datasets import prompt_sets as ds
+from blockspec.datasets import DATASETS, HubSource, Sample, SplitSpec, load_dataset, training_prompts
 from blockspec.errors import CheckpointError, ConfigError
 
 SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
@@ -62,7 +62,7 @@ def test_bundled_files_are_package_data_with_a_notice():
     patterns = re.findall(r'"([^"]+)"', table.split("blockspec = ", 1)[1].split("]", 1)[0])
     for file in [*bundled, "README.md"]:
         assert ds.bundled_path(file).is_file(), file
-        assert any(fnmatch.fnmatch(f"bench/{ds.BUNDLED_DIR}/{file}", p) for p in patterns), (file, patterns)
+        assert any(fnmatch.fnmatch(f"datasets/{ds.BUNDLED_DIR}/{file}", p) for p in patterns), (file, patterns)
     notice = ds.bundled_path("README.md").read_text(encoding="utf-8")
     for file, licence in [("gsm8k_test", "MIT"), ("math500_test", "MIT"), ("humaneval_test", "MIT"),
                           ("mbpp_sanitized_test", "CC-BY-4.0"), ("mtbench_questions", "Apache-2.0"),

@@ -1,9 +1,9 @@
-"""The continuous-batching engine: joins, leaves, cancel, queue bound, errors, adaptive blocks."""
+"""The continuous-batching engine: joins, leaves, cancel, queue bound, errors, decoding with the
+adaptive block size (whose own tests are in tests/dflash/test_policy.py)."""
 
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,8 +11,8 @@ from conftest import make_tiny_target
 from support import OracleDrafter, distinct_prompts, reference_greedy, run_with_joins
 
 from blockspec.config import SamplingParams, SpecConfig
-from blockspec.engine import AdaptiveBlock, CostModel, Engine, EngineConfig, QueueFullError
-from blockspec.dflash.policy import buckets_up_to, calibration_sizes, expected_tokens
+from blockspec.engine import Engine, EngineConfig, QueueFullError
+from blockspec.dflash.policy import AdaptiveBlock, CostModel
 from blockspec.errors import ConfigError, ContextLengthError
 from blockspec.dflash.drafter import new_drafter_for_target
 from blockspec.targets.native import load_native_target
@@ -240,174 +240,6 @@ def test_verify_lengths_per_row_never_change_the_output(setup, backend) -> None:
     assert any(min(lengths) == 1 and max(lengths) > 4 for lengths, _ in verified)
 
 
-def _confident_row(lookup_rate: float = 0.5) -> SimpleNamespace:
-    return SimpleNamespace(remaining=100, acceptance_rates=lambda prior, lookup=False: [lookup_rate] * 7)
-
-
-def test_adaptive_policy_widens_cheap_drafts_and_trims_by_confidence() -> None:
-    costs = CostModel(max_block=8)
-    for rows in (1, 2):
-        costs.set(rows, [1.0 + 0.05 * (n - 1) for n in range(1, 9)], [0.0] + [0.02] * 7)
-    costs.set(16, [1.0 + 0.5 * (n - 1) for n in range(1, 9)], [0.0] + [0.2 * n for n in range(2, 9)])
-    policy = AdaptiveBlock(8, costs=costs)
-    assert policy.widen(1, 3) == 8  # drafting 8 wide costs what drafting 3 does
-    assert policy.widen(16, 3) == 3  # at 16 rows every extra drafted token costs 4% of the step
-    assert policy.widen(1, 1) == 1 and AdaptiveBlock(8, costs=_FixedCosts(max_block=8)).widen(1, 3) == 3
-    trim = policy.trimmer(SimpleNamespace(rows=[_confident_row()]))
-    assert trim([[0.97] * 7], [0]) == 8  # confident drafts: verify them all
-    assert trim([[0.9, 0.9, 0.02, 0.9, 0.9, 0.9, 0.9]], [0]) == 3  # up to the unlikely one
-    assert trim([[0.0] * 7], [0]) == 1  # hopeless drafts: a plain step (the draft is paid anyway)
-    looked = policy.trimmer(SimpleNamespace(rows=[_confident_row(lookup_rate=0.8)]))
-    assert looked([[0.0] * 7], [7]) == 8  # lookup proposals: lookup's rates (0.8), not the drafter's
-    assert trim([[0.97] * 3], [0]) == 4  # a draft clipped by the rows' limits
-    two = policy.trimmer(SimpleNamespace(rows=[_confident_row(), _confident_row()], skips_padding=True))
-    assert two([[0.97] * 7, [0.0] * 7], [0, 0]) == 8  # one length for the batch: the sum decides
-    # ragged: a length per row where the target skips padding; a step of T tokens costs what a
-    # uniform block of T / rows does
-    ragged = AdaptiveBlock(8, costs=costs, ragged=True)
-    per_row = ragged.trimmer(SimpleNamespace(rows=[_confident_row(), _confident_row()], skips_padding=True))
-    assert per_row([[0.97] * 7, [0.0] * 7], [0, 0]) == [8, 1]
-    assert per_row([[0.97] * 7, [0.9, 0.9, 0.02, 0.9, 0.9, 0.9, 0.9]], [0, 0]) == [8, 3]
-    assert per_row([[0.0] * 7, [0.0] * 7], [0, 0]) == [1, 1]
-    unpacked = ragged.trimmer(SimpleNamespace(rows=[_confident_row(), _confident_row()], skips_padding=False))
-    assert unpacked([[0.97] * 7, [0.0] * 7], [0, 0]) == 8  # padding would cost full rows: one length
-
-
-def test_calibration_times_the_draft_pass_apart(setup) -> None:
-    from blockspec.dflash.policy import calibrate
-    from blockspec.dflash.batch import DecodeBatch
-
-    model, target, _, _ = setup
-    drafter = new_drafter_for_target(model.config, mask_token_id=47, num_layers=1, dtype=torch.float64)
-    totals, drafting = calibrate(DecodeBatch(target, drafter, max_block=4), 2, 4)
-    assert len(totals) == len(drafting) == 4 and drafting[0] == 0.0
-    assert all(0 < d < t for d, t in zip(drafting[1:], totals[1:]))
-
-
-def test_adaptive_choice_follows_acceptance_and_cost() -> None:
-    costs = CostModel(max_block=16)
-    costs.set(1, [1.0 + 0.07 * (n - 1) for n in range(1, 17)])  # 16 tokens cost ~2x one
-    assert expected_tokens([0.0] * 15, 16, 100) == 1.0
-    assert expected_tokens([1.0] * 15, 16, 5) == 5.0  # capped by the remaining tokens
-    rates = {n: (1.0 + sum(0.9 ** k for k in range(1, n))) / costs.cost(1, n) for n in range(1, 17)}
-    assert max(rates, key=rates.get) > 8  # with a good drafter large blocks win...
-    poor = {n: expected_tokens([0.05] * 15, n, 100) / costs.cost(1, n) for n in range(1, 17)}
-    assert max(poor, key=poor.get) == 1  # ...with a poor one plain decoding does
-    costs.observe(1, 1, 2.0)
-    assert costs.cost(1, 1) > 1.0 and costs.cost(1, 16) > 2.05  # measurements move all sizes
-
-
-def test_cost_model_learns_real_step_costs_without_leaking_them() -> None:
-    costs = CostModel(max_block=8)
-    costs.set(1, [1.0, 1.05, 1.1, 1.15, 1.2, 1.3, 1.4, 1.5])  # calibrated on a short context
-    for _ in range(3):
-        costs.observe(1, 2, 1.6)  # at serving time block 2 really costs 1.6
-    assert costs.cost(1, 2) == pytest.approx(1.6)
-    assert costs.cost(1, 1) == pytest.approx(1.6 / 1.05)  # not yet run: calibration x nearest ratio
-    costs.observe(1, 1, 1.0)
-    assert costs.cost(1, 1) == pytest.approx(1.0) and costs.cost(1, 2) == pytest.approx(1.6)
-    costs.observe(1, 8, 3.0)
-    ratio_4 = (1.6 / 1.05) + (4 - 2) / (8 - 2) * (3.0 / 1.5 - 1.6 / 1.05)
-    assert costs.cost(1, 4) == pytest.approx(1.15 * ratio_4)  # between measured sizes: interpolated
-    assert costs.table(1) == sorted(costs.table(1))
-    for _ in range(20):
-        costs.observe(1, 2, 3.2)  # the machine got twice as slow: everything moves, block 2 most
-    assert costs.cost(1, 2) == pytest.approx(3.2, rel=0.05) and costs.cost(1, 1) > 1.15  # damped share
-    costs.set(1, [1.0] * 8)  # a new calibration drops what was measured against the old one
-    assert costs.table(1) == [1.0] * 8
-    with pytest.raises(ValueError, match="max_block"):
-        CostModel(max_block=0)
-
-
-def test_calibration_covers_every_bucket_and_block_end() -> None:
-    assert buckets_up_to(1) == [1] and buckets_up_to(5) == [1, 2, 4, 8] and buckets_up_to(32)[-1] == 32
-    assert calibration_sizes(16) == [1, 2, 3, 4, 6, 8, 12, 16] and calibration_sizes(10) == [1, 2, 3, 4, 6, 8, 10]
-
-
-def test_adaptive_policy_probes_while_plain_decoding_wins() -> None:
-    class Batch:
-        drafter = object()
-        rows = []
-
-        @staticmethod
-        def lookup_plan() -> list[list[int]]:
-            return []
-
-    costs = CostModel(max_block=8)
-    costs.set(1, [1.0] + [10.0] * 7)  # drafting never pays
-    policy = AdaptiveBlock(8, costs=costs, probe_block=3, probe_every=4)
-    choices = [policy.choose(Batch) for _ in range(12)]
-    assert choices == [1, 1, 1, 3, 1, 1, 1, 1, 1, 1, 1, 3]  # probes back off: after 4, then 8
-    rows = [SimpleNamespace(remaining=100, acceptance_rates=lambda prior, lookup=False: [0.0] * 7)] * 16
-    batch = SimpleNamespace(drafter=object(), rows=rows, lookup_plan=lambda: [[]] * 16)
-    costs.set(16, [1.0] + [10.0] * 7)
-    policy = AdaptiveBlock(8, costs=costs, probe_block=3, probe_every=4)
-    assert [policy.choose(batch) for _ in range(4)] == [1, 1, 1, 2]  # a batch probes with 2 tokens a row
-
-
-def test_adaptive_probes_cost_at_most_their_share_of_plain_decoding(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A probe that costs much more than a plain step (the drafter catching up on a large batch's
-    context) waits until the plain steps since the last probe took 1 / PROBE_SHARE times its extra
-    cost; a cheap one keeps the step back-off alone. Steps run on a fake clock: plain 1 s, probes
-    1.2 s or 5 s."""
-    from blockspec.dflash import policy as adaptive
-
-    clock = SimpleNamespace(t=0.0)
-    monkeypatch.setattr(adaptive, "time", SimpleNamespace(perf_counter=lambda: clock.t))
-    rows = [SimpleNamespace(remaining=100, acceptance_rates=lambda prior, lookup=False: [0.0] * 7,
-                            stats=SimpleNamespace(accepted_by_position=[0] * 7, lookup_accepted_by_position=[0] * 7),
-                            tries=[0] * 7, lookup_tries=[0] * 7) for _ in range(16)]
-
-    def probes(probe_seconds: float) -> list[int]:
-        def step(block: int, trim: object = None) -> int:
-            clock.t += 1.0 if block == 1 else probe_seconds
-            batch.verified = 16 * block
-            return block
-
-        batch = SimpleNamespace(drafter=object(), rows=rows, skips_padding=True, verified=0, caught_up=False,
-                                lookup_plan=lambda: [[]] * 16, step=step)
-        costs = CostModel(max_block=8)
-        costs.set(16, [1.0] + [10.0] * 7)  # drafting never pays
-        policy = AdaptiveBlock(8, costs=costs, probe_every=4)
-        return [i for i in range(1, 201) if policy.step(batch) > 1]
-
-    assert probes(1.2) == [4, 12, 28, 60, 124]  # 0.2 s extra: the back-off of 4, 8, 16, 32... steps
-    # 4 s extra: the next probe waits for 4 / PROBE_SHARE = 80 s of plain steps
-    assert adaptive.PROBE_SHARE == 0.05 and probes(5.0) == [4, 85, 166]
-
-
-def test_adaptive_cost_model_leaves_out_draft_passes_that_catch_up(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A step whose draft pass also read joined prompts or a run of plain steps' context
-    (`DecodeBatch.caught_up`) costs more than its block size does: its time stays out of the cost
-    model (believed, it had priced drafting out for the rest of a run). Fake clock: a step costs
-    1 + 0.1 block seconds, 50 when it catches up."""
-    from blockspec.dflash import policy as adaptive
-
-    clock = SimpleNamespace(t=0.0)
-    monkeypatch.setattr(adaptive, "time", SimpleNamespace(perf_counter=lambda: clock.t))
-    rows = [SimpleNamespace(remaining=100, acceptance_rates=lambda prior, lookup=False: [0.9] * 3,
-                            stats=SimpleNamespace(accepted_by_position=[0] * 3, lookup_accepted_by_position=[0] * 3),
-                            tries=[0] * 3, lookup_tries=[0] * 3) for _ in range(2)]
-
-    def step(block: int, trim: object = None) -> int:
-        batch.caught_up = block > 1 and len(drafted) % 2 == 0  # every other draft pass catches up
-        drafted.extend([block] * (block > 1))
-        clock.t += 50.0 if batch.caught_up else 1.0 + 0.1 * block
-        batch.verified = 2 * block
-        return block
-
-    drafted: list[int] = []
-    batch = SimpleNamespace(drafter=object(), rows=rows, skips_padding=False, verified=0,
-                            lookup_plan=lambda: [[]] * 2, step=step, caught_up=False)
-    costs = CostModel(max_block=4)
-    costs.set(2, [1.0, 1.1, 1.2, 1.3])
-    policy = AdaptiveBlock(4, costs=costs, plain_every=1000, challenge_every=1000)
-    for _ in range(12):
-        policy.step(batch)
-    assert len(drafted) >= 8  # drafting kept winning
-    assert costs.measured[2] and all(t < 2.0 for t in costs.measured[2].values())
-
-
 def test_decode_batch_reports_draft_passes_that_catch_up(setup) -> None:
     """`caught_up` after a step: its draft pass read rows that joined since the last one, or the
     context of more than one plain step; not after a plain step or a steady drafting step."""
@@ -428,114 +260,6 @@ def test_decode_batch_reports_draft_passes_that_catch_up(setup) -> None:
     assert not batch.caught_up
     batch.step(2)
     assert batch.caught_up
-
-
-def _lookup_row(rate: float, drafted: float = 0.0) -> SimpleNamespace:
-    """A row whose lookup proposals are accepted at `rate` and its drafts at `drafted`."""
-    return SimpleNamespace(remaining=100,
-                           acceptance_rates=lambda prior, lookup=False: [rate if lookup else drafted] * 7)
-
-
-def test_adaptive_policy_verifies_lookup_continuations_without_drafting() -> None:
-    """A row with a lookup continuation can verify it with no draft pass (DecodeBatch.step_lookup):
-    chosen when it beats every drafting size, priced as the verify part of a drafting step."""
-    costs = CostModel(max_block=8)
-    for rows in (1, 2):  # a draft pass costs 0.3 of a 1.0 step; each verified token 0.05 more
-        costs.set(rows, [1.0] + [1.3 + 0.05 * (n - 1) for n in range(2, 9)], [0.0] + [0.3] * 7)
-    policy = AdaptiveBlock(8, costs=costs, plain_every=1000, challenge_every=1000)
-    lone = SimpleNamespace(drafter=object(), rows=[_lookup_row(0.9)], lookup_plan=lambda: [[5, 6, 7, 8]])
-    assert policy.choose(lone) == 1 and policy.lookup_step == [5]  # the whole continuation, no draft
-    bad = SimpleNamespace(drafter=object(), rows=[_lookup_row(0.02, drafted=0.9)], lookup_plan=lambda: [[5, 6]])
-    assert policy.choose(bad) == 1 and policy.lookup_step is None  # a hopeless continuation: a plain step
-    none = SimpleNamespace(drafter=object(), rows=[_lookup_row(0.9)], lookup_plan=lambda: [[]])
-    policy.choose(none)
-    assert policy.lookup_step is None
-    pair = dict(drafter=object(), rows=[_lookup_row(0.9), _lookup_row(0.9)], lookup_plan=lambda: [[5, 6, 7], []])
-    assert policy.choose(SimpleNamespace(**pair, skips_padding=True)) == 1 and policy.lookup_step is None  # batch: opt-in
-    ragged = AdaptiveBlock(8, costs=costs, plain_every=1000, challenge_every=1000, ragged=True)
-    assert ragged.choose(SimpleNamespace(**pair, skips_padding=True)) == 1 and ragged.lookup_step == [4, 1]
-    ragged.choose(SimpleNamespace(**pair, skips_padding=False))  # padding would cost full rows
-    assert ragged.lookup_step is None
-
-
-def _one_row_batch(rate: float) -> object:
-    """What AdaptiveBlock.choose reads of a batch: one row whose drafts are accepted at `rate`."""
-    row = SimpleNamespace(remaining=100, acceptance_rates=lambda prior: [rate] * 7)
-    return SimpleNamespace(drafter=object(), rows=[row], lookup_plan=lambda: [[]])  # no lookup proposals
-
-
-def test_adaptive_policy_measures_plain_decoding_while_drafting_wins() -> None:
-    Batch = _one_row_batch(0.9)
-    costs = CostModel(max_block=8)
-    costs.set(1, [1.0] + [1.1] * 7)  # drafting pays on the calibration's word
-    policy = AdaptiveBlock(8, costs=costs, plain_every=3)
-    choices = [policy.choose(Batch) for _ in range(12)]
-    # a plain step first, then after 2 and 5 drafting steps: the check backs off
-    assert choices == [1, 8, 8, 1, 8, 8, 8, 8, 8, 1, 8, 8]
-    costs.observe(1, 8, 8.0)  # a first timing this far above the estimate counts as at most 2x it
-    assert costs.cost(1, 8) == pytest.approx(2.2)
-    for _ in range(9):  # repeated, it is believed: long contexts make wide blocks cost far more...
-        costs.observe(1, 8, 8.0)
-    assert costs.cost(1, 8) > 7.0
-    assert policy.choose(Batch) > 1  # ...but unmeasured plain decoding is assumed to scale alike
-    costs.observe(1, 1, 1.0)  # what the plain check measures: plain decoding did not get dearer
-    assert policy.choose(Batch) == 1
-
-
-def test_a_larger_block_that_costs_less_keeps_its_own_cost() -> None:
-    # SmolLM2 on 2 cores: a 3-token verify misses the fast kernel that 2 and 4 tokens take.
-    true = [1.0, 1.0, 1.6, 1.05, 1.7, 1.75, 1.8, 1.85]
-    costs = CostModel(max_block=8)
-    costs.set(1, true)
-    assert costs.table(1) == true  # block 4 is not raised to block 3's cost
-    costs.observe(1, 3, 1.65)
-    assert costs.cost(1, 4) == pytest.approx(1.05 * 1.65 / 1.6)  # moved alike, still below block 3
-    policy = AdaptiveBlock(8, costs=CostModel(max_block=8), plain_every=1000, challenge_every=1000)
-    policy.costs.set(1, true)
-    choices = [policy.choose(_one_row_batch(0.6)) for _ in range(3)]
-    # the first plain check, then block 4 at its own cost (raised to block 3's, block 2 would win)
-    assert choices == [1, 4, 4]
-
-
-def test_adaptive_policy_remeasures_the_sizes_next_to_its_choice() -> None:
-    Batch = _one_row_batch(0.6)
-    true = [1.0, 1.05, 1.1, 1.15, 2.0, 2.1, 2.2, 2.3]  # block 4 is the best buy
-    costs = CostModel(max_block=8)
-    costs.set(1, true)
-    policy = AdaptiveBlock(8, costs=costs, plain_every=1000, challenge_every=3)
-    for n, t in ((1, 1.0), (2, 1.05), (4, 2.0)):  # block 4's first step ran while the machine was busy
-        costs.observe(1, n, t)
-    choices = []
-    for _ in range(60):
-        n = policy.choose(Batch)
-        choices.append(n)
-        if n > 1:
-            costs.observe(1, n, true[n - 1])  # what the runs measure
-    assert choices[0] == 1 and choices[1] == 2  # the plain check, then block 2 on the costs as known
-    assert 3 in choices[:5]  # its neighbour gets measured, wins, and in turn its neighbour 4...
-    assert choices.index(4) < 15, choices  # ...which wins once its cost is known...
-    tail = choices[-20:]
-    assert tail.count(4) >= 18 and set(tail) <= {3, 4, 5}, choices  # ...save the backed-off re-checks
-
-
-def test_cost_model_caps_an_outlying_first_timing() -> None:
-    costs = CostModel(max_block=4)
-    costs.set(16, [0.07, 0.09, 0.11, 0.12])
-    costs.observe(16, 2, 0.47)  # one step slowed 5x by outside load
-    assert costs.cost(16, 2) == pytest.approx(0.18)  # at most twice the estimate
-    assert costs.cost(16, 4) < 0.47
-    costs.observe(16, 3, 0.15)  # within twice the estimate: believed
-    assert costs.cost(16, 3) == pytest.approx(0.15)  # a larger block may cost less (CPU kernels)
-
-
-def test_cost_model_trusts_faster_measurements_more() -> None:
-    costs = CostModel(max_block=2, smoothing=0.2)
-    costs.set(1, [1.0, 1.0])
-    costs.observe(1, 2, 2.0)
-    costs.observe(1, 2, 1.0)
-    assert costs.cost(1, 2) == pytest.approx(1.0)  # faster: believed at once
-    costs.observe(1, 2, 2.0)
-    assert costs.cost(1, 2) == pytest.approx(1.2)  # slower: averaged in with weight 0.2
 
 
 def test_cancel_frees_the_slot(setup) -> None:

@@ -48,7 +48,7 @@ def test_bf16_target_dflash_equals_its_own_plain_decoding(smollm2_dir) -> None:
     compute each token exactly as plain decoding does (before the batch-invariant attention,
     7 of 8 held-out outputs of 128 tokens drifted here). The reference is the same bf16 target."""
     from blockspec.api import default_drafter_for
-    from blockspec.bench.datasets import load_dataset
+    from blockspec.datasets import load_dataset
 
     params = blockspec.SamplingParams(max_new_tokens=64)
     drafter = str(default_drafter_for("smollm2-135m-instruct"))

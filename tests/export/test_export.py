@@ -22,8 +22,8 @@ from blockspec.dflash.drafter import DFLASH2, DFLASH2_DEFAULTS, DrafterConfig, l
 from blockspec.errors import CheckpointError, CompatibilityError, ConfigError
 from blockspec.targets.hf import HFTarget
 from blockspec.dflash.checkpoint import expected_tensors
-from blockspec.zoo.export import DrafterCheckpoint, engine_config, export_drafter, read_checkpoint
-from blockspec.zoo.export_gguf import gguf_name
+from blockspec.export import DrafterCheckpoint, engine_config, export_drafter, read_checkpoint
+from blockspec.export.gguf import gguf_name
 
 gguf = pytest.importorskip("gguf")
 
@@ -437,7 +437,7 @@ def test_shipped_drafter_gguf_matches_llama_cpp_converter(tmp_path) -> None:
     """The shipped SmolLM2 drafter exported for llama.cpp next to the zoo target's GGUF: the
     metadata the converter wrote for it, its tensor layout, and the target's tokenizer."""
     from blockspec.api import default_drafter_for
-    from blockspec.zoo.export_gguf import resolve_target_gguf
+    from blockspec.export.gguf import resolve_target_gguf
 
     drafter = default_drafter_for("smollm2-135m-instruct")
     target = resolve_target_gguf("smollm2-135m-instruct")
