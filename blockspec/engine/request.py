@@ -25,8 +25,8 @@ OnTokens = Callable[[list[int]], None]
 
 def check_prompt(info: TargetInfo, prompt: list[int], params: SamplingParams) -> list[int]:
     """The prompt as Python ints; raises ConfigError for a prompt that is not token ids of the
-    target's vocabulary (or a logit_bias outside it), and ContextLengthError when prompt + max_new_tokens exceeds the target's
-    context."""
+    target's vocabulary (or a logit_bias outside it), and ContextLengthError when prompt +
+    max_new_tokens exceeds the target's context."""
     if len(prompt) < 1:
         raise ConfigError("the prompt is empty; give at least one token")
     ids = []

@@ -542,7 +542,8 @@ def _admit(state: ServerState, req: GenerationRequest, prompts: list[list[int]],
         for i, (ids, sp) in enumerate(zip(prompts, params)):
             for j in range(req.n):
                 index = i * req.n + j
-                handle = state.engine.submit(ids, sp.with_(seed=choice_seed(seed, j)), request_id=f"{shapes.id}-{index}",
+                handle = state.engine.submit(ids, sp.with_(seed=choice_seed(seed, j)),
+                                             request_id=f"{shapes.id}-{index}",
                                              stop_check=stops.watch() if sp.stop else None)
                 handle.deliver_to(inbox, key=index)
                 handles.append(handle)

@@ -228,7 +228,7 @@ def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
     if value is None:
         return ()
     if not isinstance(value, dict):
-        raise bad_request(f"'logit_bias' must be an object mapping token ids to numbers, e.g. {{\"50256\": -100}}; "
+        raise bad_request("'logit_bias' must be an object mapping token ids to numbers, e.g. {\"50256\": -100}; "
                           f"got {_type_name(value)}", "logit_bias", "invalid_type")
     out = {}
     for key, bias in value.items():

@@ -8,27 +8,13 @@ import pytest
 import torch
 from conftest import make_tiny_target
 from scripted import ScriptedDrafter
-from support import native, ragged_prompts, reference_greedy
+from support import native, ragged_prompts, reference_biased_greedy, reference_greedy
 
 from blockspec.config import SamplingParams, SpecConfig
 from blockspec.dflash.logit_bias import apply_logit_bias
 from blockspec.engine.decoder import SpecDecoder
 from blockspec.errors import ConfigError
 from blockspec.targets.hf import HFTarget
-
-
-def biased_greedy(model, prompt: list[int], max_new: int, bias: dict[int, float]) -> list[int]:
-    """Plain greedy decoding of the Hugging Face model alone with `bias` added to its logits."""
-    ids, out = list(prompt), []
-    add = torch.zeros(model.config.vocab_size, dtype=torch.float64)
-    for t, v in bias.items():
-        add[t] = v
-    with torch.no_grad():
-        for _ in range(max_new):
-            t = int((model(torch.tensor([ids])).logits[0, -1].double() + add).argmax())
-            out.append(t)
-            ids.append(t)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +30,7 @@ def test_greedy_with_a_bias_equals_plain_biased_decoding(model, block_size, kind
     plain = [reference_greedy(model, p, max_new) for p in prompts]
     # ban each row's most frequent unbiased token and push another one up: the output changes
     bias = {max(set(plain[0]), key=plain[0].count): -100.0, 7: 4.0}
-    biased = [biased_greedy(model, p, max_new, bias) for p in prompts]
+    biased = [reference_biased_greedy(model, p, max_new, bias) for p in prompts]
     assert all(b != u for b, u in zip(biased, plain)), "the bias must change every row's output"
     # the drafter proposes the unbiased text (which the bias breaks) with errors
     drafter = ScriptedDrafter(model.config, prompts + prompts, plain + plain, error_rate=0.1, block_size=16)

@@ -76,8 +76,8 @@ def test_engine_scores_alone_with_zero_new_tokens_and_unchanged_generation_other
     want = reference(model, PROMPT)
     lps = events[0].prompt_logprobs
     assert lps[0] is None and len(lps) == len(PROMPT)
-    assert [e.logprob for e in lps[1:]] == pytest.approx([float(want[t, PROMPT[t + 1]]) for t in range(len(PROMPT) - 1)],
-                                                        abs=1e-5)
+    expected = [float(want[t, PROMPT[t + 1]]) for t in range(len(PROMPT) - 1)]
+    assert [e.logprob for e in lps[1:]] == pytest.approx(expected, abs=1e-5)
     first, *rest = list(both.events(timeout=5))
     assert first.token_ids == [] and len(first.prompt_logprobs) == len(PROMPT)
     assert [t for e in rest for t in e.token_ids] == plain.result(timeout=5).token_ids

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from server_support import HELLO, MODEL, client, pipe, server  # noqa: F401 (fixtures)
+from support import reference_biased_greedy
 
 SAMPLED = dict(temperature=1.0, top_p=0.95)
 PROMPTS = ["Janet has 16 ducks", "def add(a, b):"]
@@ -24,19 +25,6 @@ def full_logprobs(model, ids: list[int]) -> torch.Tensor:
     """[n - 1, V]: log-softmax of one plain forward, position t predicting token t + 1."""
     with torch.no_grad():
         return torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].double(), dim=-1)
-
-
-def biased_greedy(model, ids: list[int], max_new: int, bias: dict[int, float]) -> list[int]:
-    ids, out = list(ids), []
-    add = torch.zeros(model.config.vocab_size, dtype=torch.float64)
-    for t, v in bias.items():
-        add[t] = v
-    with torch.no_grad():
-        for _ in range(max_new):
-            t = int((model(torch.tensor([ids])).logits[0, -1].double() + add).argmax())
-            out.append(t)
-            ids.append(t)
-    return out
 
 
 def streamed(stream) -> tuple[dict[int, str], dict[int, list], dict[int, str]]:
@@ -147,9 +135,9 @@ def test_echo_without_logprobs(client):
 
 def test_logit_bias_changes_greedy_output_as_plain_biased_decoding(client, pipe, reference):
     ids = pipe.encode(PROMPTS[0])
-    plain = biased_greedy(reference, ids, 10, {})
+    plain = reference_biased_greedy(reference, ids, 10, {})
     bias = {plain[0]: -100.0, plain[1]: -100.0}
-    want = biased_greedy(reference, ids, 10, bias)
+    want = reference_biased_greedy(reference, ids, 10, bias)
     assert want != plain
     out = client.completions.create(model=MODEL, prompt=ids, max_tokens=10, temperature=0.0,
                                     logit_bias={str(t): v for t, v in bias.items()}, extra_body={"ignore_eos": True})
@@ -158,9 +146,9 @@ def test_logit_bias_changes_greedy_output_as_plain_biased_decoding(client, pipe,
 
 def test_logit_bias_on_chat(client, pipe, reference):
     ids = pipe.encode(HELLO)
-    plain = biased_greedy(reference, ids, 8, {})
+    plain = reference_biased_greedy(reference, ids, 8, {})
     bias = {plain[0]: -100.0, 7: 30.0}
-    want = biased_greedy(reference, ids, 8, bias)
+    want = reference_biased_greedy(reference, ids, 8, bias)
     assert want != plain
     reply = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=8, temperature=0.0,
                                            logit_bias={str(t): v for t, v in bias.items()},
