@@ -73,6 +73,7 @@ def by_doc(results: dict, task: str, kept: str) -> list[dict]:
     return sorted((s for s in results["samples"][task] if s["filter"] == kept), key=lambda s: s["doc_id"])
 
 
+@pytest.mark.slow
 def test_lm_eval_local_completions_equals_its_hf_backend(served, smollm2_dir, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
