@@ -20,6 +20,7 @@ def _require(ok: bool, message: str) -> None:
 
 
 MAX_TOP_LOGPROBS = 20  # alternatives per token a request may ask for
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on one logit_bias value (-100 bans a token, 100 forces it)
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,10 @@ class SamplingParams:
     sampling reproducible per request (None: drawn from the global generator): the same seed
     gives the same tokens whatever the batch, block size, policy or lookup. `logprobs` k: also
     return each generated token's log-probability under the target's unshaped distribution and
-    its k most likely alternatives (None: off).
+    its k most likely alternatives (None: off). `prompt_logprobs` k: the same for every prompt
+    token but the first (which nothing predicts); with it, max_new_tokens may be 0 (scoring only).
+    `logit_bias`: (token id, value) pairs added to the target's logits before sampling, at every
+    position (a dict is accepted too); logprobs stay those of the unbiased distribution.
     """
 
     max_new_tokens: int = 128
@@ -63,12 +67,23 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         _require(
-            isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
-            f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}",
+            self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
+                                             and not isinstance(self.prompt_logprobs, bool)
+                                             and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS),
+            f"prompt_logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs!r}",
         )
+        least = 0 if self.prompt_logprobs is not None else 1  # 0 new tokens: the prompt's scores alone
+        _require(
+            isinstance(self.max_new_tokens, int) and self.max_new_tokens >= least,
+            f"max_new_tokens must be an integer >= {least}"
+            f"{'' if least == 0 else ' (0 only with prompt_logprobs)'}, got {self.max_new_tokens!r}",
+        )
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         _require(
             isinstance(self.temperature, (int, float))
             and math.isfinite(self.temperature)
@@ -105,9 +120,33 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def plain_argmax(self) -> bool:
+        """Greedy on the target's own logits, nothing else asked: the argmax alone decides."""
+        return self.greedy and self.logprobs is None and not self.logit_bias
+
     def with_(self, **changes: object) -> SamplingParams:
         """A copy with some fields changed (validated again)."""
         return replace(self, **changes)
+
+
+def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    """logit_bias as sorted (token id, value) pairs; a dict or pairs in, ConfigError for bad ones.
+    Token ids are checked against the vocabulary where the target is known (the server, the engine)."""
+    items = value.items() if isinstance(value, dict) else value
+    try:
+        pairs = [(t, v) for t, v in items]
+    except (TypeError, ValueError):
+        raise ConfigError(f"logit_bias must map token ids to numbers, got {value!r:.60}") from None
+    out = {}
+    for t, v in pairs:
+        _require(isinstance(t, int) and not isinstance(t, bool) and t >= 0,
+                 f"logit_bias keys must be token ids (integers >= 0), got {t!r:.40}")
+        _require(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                 and -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS,
+                 f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {v!r:.40}")
+        out[int(t)] = float(v)
+    return tuple(sorted(out.items()))
 
 
 @dataclass(frozen=True)

@@ -121,6 +121,20 @@ def reference_greedy(model, prompt: list[int], max_new: int, stop_ids: set[int] 
     return out
 
 
+def reference_biased_greedy(model, prompt: list[int], max_new: int, bias: dict[int, float]) -> list[int]:
+    """Plain greedy decoding with the Hugging Face model alone, `bias` added to its logits (logit_bias)."""
+    ids, out = list(prompt), []
+    add = torch.zeros(model.config.vocab_size, dtype=torch.float64)
+    for t, v in bias.items():
+        add[t] = v
+    with torch.no_grad():
+        for _ in range(max_new):
+            t = int((model(torch.tensor([ids])).logits[0, -1].double() + add).argmax())
+            out.append(t)
+            ids.append(t)
+    return out
+
+
 def ragged_prompts(batch: int, seed: int, vocab: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lengths = [int(x) for x in torch.randint(1, 14, (batch,), generator=g)]

@@ -33,6 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-timeout", type=float, default=None,
                         help="on SIGTERM/SIGINT: seconds running requests may still take while new ones get 503; "
                              "then open answers end (finish_reason 'length') and the server exits (default 25)")
+    parser.add_argument("--keep-alive", type=float, default=None,
+                        help="seconds an idle HTTP keep-alive connection stays open; keep it above the idle time "
+                             "of your clients' connection pools, or a reused connection fails with 'Server "
+                             "disconnected' (default 120)")
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
 
 
@@ -41,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from blockspec.engine import EngineConfig
     from blockspec.errors import ConfigError
     from blockspec.server.app import DEFAULT_DRAIN_S, DEFAULT_MAX_REQUEST_BYTES, create_app
-    from blockspec.server.launch import bind, serve_forever, url_of
+    from blockspec.server.launch import KEEP_ALIVE_S, bind, serve_forever, url_of
 
     max_bytes = DEFAULT_MAX_REQUEST_BYTES if args.max_request_bytes is None else args.max_request_bytes
     drain_s = DEFAULT_DRAIN_S if args.drain_timeout is None else args.drain_timeout
@@ -49,6 +53,9 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--max-request-bytes must be at least 1024, got {max_bytes}")
     if not drain_s >= 0:
         raise ConfigError(f"--drain-timeout must be a number of seconds >= 0, got {drain_s}")
+    keep_alive_s = KEEP_ALIVE_S if args.keep_alive is None else args.keep_alive
+    if not keep_alive_s > 0:
+        raise ConfigError(f"--keep-alive must be a number of seconds > 0, got {keep_alive_s}")
     sock = bind(args.host, args.port)  # before loading: a busy port fails in a second, not a minute
     try:
         pipeline = load(**load_kwargs(args))
@@ -63,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
               f"at {url_of(sock)}/v1", flush=True)
         if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
             print("warning: listening beyond loopback without --api-key", file=sys.stderr, flush=True)
-        serve_forever(app, sock, log_level=args.log_level, drain_s=drain_s)
+        serve_forever(app, sock, log_level=args.log_level, drain_s=drain_s, keep_alive_s=keep_alive_s)
     finally:
         sock.close()
     return 0

@@ -27,6 +27,7 @@ from blockspec.dflash.drafter import DFlashDrafter, DraftContextCache
 from blockspec.dflash.static_drafter import StaticDrafter
 from blockspec.targets.slots import EMPTY
 from blockspec.targets.base import Target, TargetCache, greedy_forward
+from blockspec.dflash.logit_bias import apply_logit_bias
 from blockspec.dflash.lookup import LookupConfig, TokenIndex
 from blockspec.dflash.sampling import RowRandom, probabilities
 from blockspec.dflash.verify import accept_greedy
@@ -263,8 +264,9 @@ class DecodeBatch:
 
     @property
     def argmax_only(self) -> bool:
-        """Whether a target pass may return argmax ids alone: every row greedy, none asking for logprobs."""
-        return all(r.params.greedy and r.params.logprobs is None for r in self.rows)
+        """Whether a target pass may return argmax ids alone: every row greedy on the target's own
+        logits (no logit_bias), none asking for logprobs."""
+        return all(r.params.plain_argmax for r in self.rows)
 
     def _starts(self) -> list[int]:
         """Per row, the output position of the token its next target position predicts: what
@@ -299,14 +301,15 @@ class DecodeBatch:
         top_k = torch.tensor([sp.top_k for sp in params], dtype=torch.long, device=d)
         top_p = torch.tensor([sp.top_p for sp in params], dtype=torch.float32, device=d)
         first_lp: list[list[TokenLogprob]] | None = None
-        if all(sp.greedy and sp.logprobs is None for sp in params):
+        if all(sp.plain_argmax for sp in params):
             best, feats = greedy_forward(self.target, ids, positions, tcache, self.layer_ids, last_logits_only=True)
             first = best[:, -1]  # [k]
         else:
             logits, feats = self.target.forward(ids, positions, tcache, self.layer_ids, last_logits_only=True)
-            probs = probabilities(logits[:, -1:], temperature, top_k, top_p)  # [k, 1, V]
+            biased = apply_logit_bias(logits[:, -1:], [sp.logit_bias for sp in params])
+            probs = probabilities(biased, temperature, top_k, top_p)  # [k, 1, V]
             first = random.sample(probs, [0] * k)[:, 0]  # output position 0
-            first_lp = _logprobs(logits[:, -1:], first[:, None], [sp.logprobs for sp in params])
+            first_lp = token_logprobs(logits[:, -1:], first[:, None], [sp.logprobs for sp in params])
         dcache = None
         if self.draft is not None:
             dcache = self.draft.new_cache(k) if self.dcache is None else self.dcache.spawn(k)
@@ -496,12 +499,13 @@ class DecodeBatch:
             best, feats = greedy_forward(self.target, block_ids, positions, self.tcache, self.layer_ids)
         else:
             logits, feats = self.target.forward(block_ids, positions, self.tcache, self.layer_ids)
-            best = self.random.sample(self._probs(logits), self._starts())  # [b, q]: the target's own tokens
+            biased = apply_logit_bias(logits, [r.params.logit_bias for r in rows])  # what plain decoding samples from
+            best = self.random.sample(self._probs(biased), self._starts())  # [b, q]: the target's own tokens
         accepted, bonus = accept_greedy(proposals, best, limit)
         # [b, q]: proposals[:accepted] then the bonus; row r commits its first accepted+1.
         committed = torch.cat([proposals, bonus[:, None]], dim=1).scatter(1, accepted[:, None], bonus[:, None])
         if not self.argmax_only:
-            token_lp = _logprobs(logits, committed, [r.params.logprobs for r in rows])
+            token_lp = token_logprobs(logits, committed, [r.params.logprobs for r in rows])
         host = torch.cat([committed, accepted[:, None]], dim=1).tolist()  # the one sync
         n_host = [min(h[-1] + 1, rem) for h, rem in zip(host, remaining)]
         n_new = torch.tensor(n_host, device=d)
@@ -652,7 +656,7 @@ class DecodeBatch:
         return gone
 
 
-def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, wanted: list[int | None]
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, wanted: list[int | None]
               ) -> list[list[TokenLogprob] | None] | None:
     """Per row, the TokenLogprob of tokens [b, n] under logits [b, n, V] with the `wanted[r]`
     most likely alternatives (None: that row did not ask; None overall when no row did)."""

@@ -32,12 +32,13 @@ import torch
 from blockspec.config import SamplingParams, SpecConfig
 from blockspec.cpu.openmp import release_thread_pool
 from blockspec.cpu.threads import follow_free_cores
-from blockspec.dflash.batch import DecodeBatch, GenerationResult, Row, captured_features, make_row
+from blockspec.dflash.batch import DecodeBatch, GenerationResult, RequestStats, Row, captured_features, make_row
 from blockspec.dflash.drafter import DFlashDrafter, check_compatible
 from blockspec.dflash.policy import AdaptiveBlock
 from blockspec.engine.memory import trim_heap
 from blockspec.engine.metrics import EngineMetrics, MetricsRecorder
 from blockspec.engine.request import OnTokens, Request, RequestHandle, StopCheck, TokenEvent, check_prompt
+from blockspec.engine.scoring import prompt_logprobs
 from blockspec.engine.scheduler import Scheduler
 from blockspec.errors import ConfigError
 from blockspec.targets.base import Target
@@ -271,7 +272,8 @@ class Engine:
         return True
 
     def _admit(self) -> None:
-        joining = [r for r in self.scheduler.admit(len(self.batch.rows)) if not self._skip_cancelled(r)]
+        joining = [r for r in self.scheduler.admit(len(self.batch.rows))
+                   if not self._skip_cancelled(r) and not self._score(r)]
         if not joining:
             self.scheduler.set_running(len(self.batch.rows))
             return
@@ -297,6 +299,28 @@ class Engine:
         for row in rows:
             row.stats.prefill_s = prefill_s
         self._report()
+
+    def _score(self, request: Request) -> bool:
+        """Sends the prompt's logprobs of a request that asked for them (engine/scoring.py);
+        True when that ended the request (scoring only, max_new_tokens 0, or a failure)."""
+        k = request.params.prompt_logprobs
+        if k is None:
+            return False
+        t0 = time.perf_counter()
+        try:
+            scores = prompt_logprobs(self.target, request.prompt_ids, k, device=self.batch.device)
+        except Exception as e:
+            self._note_error(e)
+            self._finish_unstarted(request, "error", f"{type(e).__name__}: {e}")
+            return True
+        if request.params.max_new_tokens > 0:
+            request.emit(TokenEvent(request.request_id, [], False, None, None, prompt_logprobs=scores))
+            return False
+        stats = RequestStats(prompt_tokens=len(request.prompt_ids), block_size=self.block,
+                             prefill_s=time.perf_counter() - t0)
+        request.emit(TokenEvent(request.request_id, [], True, "length", stats, prompt_logprobs=scores))
+        self.recorder.finished("length")
+        return True
 
     def _skip_cancelled(self, request: Request) -> bool:
         if request.cancelled.is_set():

@@ -25,8 +25,8 @@ OnTokens = Callable[[list[int]], None]
 
 def check_prompt(info: TargetInfo, prompt: list[int], params: SamplingParams) -> list[int]:
     """The prompt as Python ints; raises ConfigError for a prompt that is not token ids of the
-    target's vocabulary, and ContextLengthError when prompt + max_new_tokens exceeds the target's
-    context."""
+    target's vocabulary (or a logit_bias outside it), and ContextLengthError when prompt +
+    max_new_tokens exceeds the target's context."""
     if len(prompt) < 1:
         raise ConfigError("the prompt is empty; give at least one token")
     ids = []
@@ -48,13 +48,18 @@ def check_prompt(info: TargetInfo, prompt: list[int], params: SamplingParams) ->
         )
     if any(not 0 <= t < info.vocab_size for t in prompt):
         raise ConfigError(f"prompt token ids must be in [0, {info.vocab_size}); got one outside")
+    outside = [t for t, _ in params.logit_bias if t >= info.vocab_size]
+    if outside:
+        raise ConfigError(f"logit_bias token ids must be in [0, {info.vocab_size}); got {outside[0]}")
     return prompt
 
 
 @dataclass(frozen=True)
 class TokenEvent:
     """Newly committed ids of one request; the last event of a request has finished=True.
-    With SamplingParams.logprobs set, `logprobs` holds one entry per id of `token_ids`."""
+    With SamplingParams.logprobs set, `logprobs` holds one entry per id of `token_ids`. With
+    SamplingParams.prompt_logprobs set, the first event (token_ids empty) carries
+    `prompt_logprobs`: one entry per prompt token, the first None (engine/scoring.py)."""
 
     request_id: str
     token_ids: list[int]
@@ -65,6 +70,7 @@ class TokenEvent:
     # The final event of a request decoded with capture_layer_ids: target features [n, L*H].
     features: torch.Tensor | None = None
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass

@@ -45,6 +45,8 @@ from blockspec.config import SamplingParams, SpecConfig
 from blockspec.engine import Engine, EngineConfig, QueueFullError, RequestHandle, TokenEvent
 from blockspec.errors import BlockspecError, ContextLengthError
 from blockspec.server import errors
+from blockspec.server.completions_prompt import check_ids
+from blockspec.server.echo import echo_logprobs, echo_text, joined
 from blockspec.server.errors import APIError
 from blockspec.server.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from blockspec.server.metrics import ServerMetrics
@@ -300,34 +302,36 @@ async def _read_json(state: ServerState, request: Request) -> dict:
     return await state.offload(parse_json, raw)
 
 
-def _prompt_ids(state: ServerState, req: GenerationRequest) -> list[int]:
-    """Template rendering and tokenising (on the prep pool); a 400 for what cannot be a prompt."""
-    param = "messages" if req.kind == "chat" else "prompt"
-    if req.kind == "completion" and not isinstance(req.prompt, str):
-        ids = list(req.prompt)
-        if any(not 0 <= t < state.vocab_size for t in ids):
-            raise errors.bad_request(f"prompt token ids must be in [0, {state.vocab_size})", "prompt", "invalid_value")
-        return ids
-    _refuse_hopeless(state, req, param)
+def _prompt_ids(state: ServerState, req: GenerationRequest) -> list[list[int]]:
+    """Template rendering and tokenising (on the prep pool): the token ids of each prompt (one for
+    chat); a 400 for what cannot be a prompt."""
+    if req.kind == "completion":
+        check_ids(req.prompts, state.vocab_size)
+        return [_text_ids(state, p, "prompt" if len(req.prompts) == 1 else f"prompt[{i}]") if isinstance(p, str)
+                else list(p) for i, p in enumerate(req.prompts)]
+    _refuse_hopeless(state, sum(len(m["content"].encode("utf-8")) for m in req.messages), "messages")
     try:
-        if req.kind == "chat":
-            return encode_prompt(state.tokenizer, req.messages, chat=True,
-                                 chat_template_kwargs=req.chat_template_kwargs or None)
-        return encode_prompt(state.tokenizer, req.prompt, chat=False)
+        return [encode_prompt(state.tokenizer, req.messages, chat=True,
+                              chat_template_kwargs=req.chat_template_kwargs or None)]
+    except BlockspecError as e:
+        raise errors.bad_request(str(e), "messages") from None
+    except TemplateError as e:  # a chat template may reject messages (e.g. roles must alternate)
+        raise errors.bad_request(f"the chat template rejected the messages: {e}", "messages") from None
+
+
+def _text_ids(state: ServerState, text: str, param: str) -> list[int]:
+    _refuse_hopeless(state, len(text.encode("utf-8")), param)
+    try:
+        return encode_prompt(state.tokenizer, text, chat=False)
     except BlockspecError as e:
         raise errors.bad_request(str(e), param) from None
-    except TemplateError as e:  # a chat template may reject messages (e.g. roles must alternate)
-        raise errors.bad_request(f"the chat template rejected the messages: {e}", param) from None
 
 
-def _refuse_hopeless(state: ServerState, req: GenerationRequest, param: str) -> None:
-    """A prompt whose text alone needs more tokens than the context holds (see longest_token_bytes)."""
+def _refuse_hopeless(state: ServerState, size: int, param: str) -> None:
+    """A prompt whose text alone (`size` UTF-8 bytes) needs more tokens than the context holds
+    (see longest_token_bytes)."""
     if state.max_token_bytes is None:
         return
-    if req.kind == "chat":
-        size = sum(len(m["content"].encode("utf-8")) for m in req.messages)
-    else:
-        size = len(req.prompt.encode("utf-8"))
     at_least = size // state.max_token_bytes
     if at_least >= state.context_length:
         raise errors.bad_request(
@@ -338,7 +342,7 @@ def _refuse_hopeless(state: ServerState, req: GenerationRequest, param: str) -> 
 def _sampling(state: ServerState, req: GenerationRequest, prompt_len: int, seed: int) -> SamplingParams:
     room = state.context_length - prompt_len
     prompt_param = "messages" if req.kind == "chat" else "prompt"
-    if room < 1:
+    if room < 1 and req.max_tokens != 0:
         raise errors.bad_request(
             f"the prompt has {prompt_len} tokens but the model's context is {state.context_length} tokens "
             "(one more is needed for the answer); shorten the prompt", prompt_param, "context_length_exceeded")
@@ -348,12 +352,22 @@ def _sampling(state: ServerState, req: GenerationRequest, prompt_len: int, seed:
             f"the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds the model's context of "
             f"{state.context_length} tokens; lower max_tokens to at most {room} or shorten the prompt",
             "max_tokens", "context_length_exceeded")
+    # echo: the prompt's scores with logprobs; max_tokens 0 asks for nothing else (scoring alone)
+    scored = req.echo and (req.logprobs or max_tokens == 0)
     try:
         return SamplingParams(max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                               top_k=req.top_k, seed=seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
-                              ignore_eos=req.ignore_eos, logprobs=req.top_logprobs if req.logprobs else None)
+                              ignore_eos=req.ignore_eos, logprobs=req.top_logprobs if req.logprobs else None,
+                              prompt_logprobs=req.top_logprobs if scored else None, logit_bias=req.logit_bias)
     except BlockspecError as e:
         raise errors.from_blockspec(e) from None
+
+
+def _check_bias(state: ServerState, req: GenerationRequest) -> None:
+    outside = [t for t, _ in req.logit_bias if t >= state.vocab_size]
+    if outside:
+        raise errors.bad_request(f"logit_bias token id {outside[0]} is outside the vocabulary [0, {state.vocab_size})",
+                                 "logit_bias", "invalid_value")
 
 
 def choice_seed(seed: int, index: int) -> int:
@@ -371,11 +385,15 @@ def choice_seed(seed: int, index: int) -> int:
 
 @dataclass
 class _Choice:
-    """One of the n completions of a request: an engine handle and what its tokens became."""
+    """One of the completions of a request (prompt i, sample j is `index` i * n + j): an engine
+    handle and what its tokens became."""
 
     index: int
     handle: RequestHandle
     detok: IncrementalDetokenizer
+    prompt: int = 0  # which of the request's prompts
+    prompt_logprobs: list | None = None  # echo with logprobs: the prompt's scores (first None)
+    echoed: bool = False  # the echoed prompt has been streamed
     ids: list[int] = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     text_sent: int = 0  # characters streamed so far (completion logprobs' text offsets)
@@ -388,7 +406,7 @@ class _Job:
 
     state: ServerState
     req: GenerationRequest
-    prompt_ids: list[int]
+    prompts: list[list[int]]  # token ids of each prompt
     params: SamplingParams
     stops: StopStrings
     shapes: Shapes
@@ -428,6 +446,8 @@ class _Job:
             return None
         choice_index, ev = item
         choice = self.choices[choice_index]
+        if ev.prompt_logprobs is not None:
+            choice.prompt_logprobs = ev.prompt_logprobs
         if ev.token_ids:
             if self.first_token_at is None:
                 self.first_token_at = time.perf_counter()
@@ -438,11 +458,16 @@ class _Job:
             choice.final = ev
         return choice, ev
 
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
     def completion_tokens(self) -> int:
-        return sum(len(c.ids) for c in self.choices)
+        """Generated tokens; with echo also each choice's echoed prompt, as OpenAI bills it."""
+        echoed = sum(len(self.prompts[c.prompt]) for c in self.choices) if self.req.echo else 0
+        return sum(len(c.ids) for c in self.choices) + echoed
 
     def usage(self) -> dict:
-        return usage(len(self.prompt_ids), self.completion_tokens(),
+        return usage(self.prompt_tokens(), self.completion_tokens(),
                      [c.final.stats for c in self.choices if c.final is not None])
 
     def record(self) -> dict:
@@ -450,7 +475,7 @@ class _Job:
         stats = [c.final.stats for c in self.choices if c.final is not None and c.final.stats is not None]
         lengths = [n for s in stats for n in s.acceptance_lengths]
         ttft = None if self.first_token_at is None else self.first_token_at - self.arrived
-        self.state.metrics.generation_done(reasons[0] or "unknown", len(self.prompt_ids), self.completion_tokens(),
+        self.state.metrics.generation_done(reasons[0] or "unknown", self.prompt_tokens(), self.completion_tokens(),
                                            time.perf_counter() - self.arrived, ttft, lengths)
         return self.usage()
 
@@ -460,6 +485,15 @@ class _Job:
         if self.req.kind == "chat":
             return chat_logprobs(self.state.texts, ids, entries, self.req.top_logprobs)
         return completion_logprobs(self.state.texts, ids, entries, self.req.top_logprobs, offset)
+
+    def echo(self, choice: _Choice) -> tuple[str, dict | None]:
+        """The echoed prompt of a choice: its text and, with logprobs, its part of the logprobs."""
+        text = echo_text(self.state.tokenizer, self.req.prompts[choice.prompt])
+        if not self.req.logprobs:
+            return text, None
+        ids = self.prompts[choice.prompt]
+        scores = choice.prompt_logprobs or [None] * len(ids)
+        return text, echo_logprobs(self.state.texts, ids, scores, self.req.top_logprobs)
 
 
 class _EngineStream(StreamingResponse):
@@ -483,31 +517,36 @@ async def _generate(state: ServerState, request: Request, req: GenerationRequest
     if state.draining:
         raise errors.shutting_down()
     arrived = time.perf_counter()
-    prompt_ids = await state.offload(_prompt_ids, state, req)
+    _check_bias(state, req)
+    prompts = await state.offload(_prompt_ids, state, req)
     seed = req.seed if req.seed is not None else secrets.randbits(63)
-    params = _sampling(state, req, len(prompt_ids), seed)
+    params = [_sampling(state, req, len(ids), seed) for ids in prompts]
     if state.draining:  # the drain began while the prompt was being tokenised
         raise errors.shutting_down()
-    job = _admit(state, req, prompt_ids, params, seed, arrived)
+    job = _admit(state, req, prompts, params, seed, arrived)
     if req.stream:
         return _EngineStream(job, _stream(job))
     return await _collect(request, job)
 
 
-def _admit(state: ServerState, req: GenerationRequest, prompt_ids: list[int], params: SamplingParams, seed: int,
-           arrived: float) -> _Job:
-    """Submits the request's n choices; raises APIError with nothing left queued on failure."""
-    stops = StopStrings(state.tokenizer, params.stop)
+def _admit(state: ServerState, req: GenerationRequest, prompts: list[list[int]], params: list[SamplingParams],
+           seed: int, arrived: float) -> _Job:
+    """Submits the request's choices, n per prompt (prompt i, sample j is choice i * n + j, with
+    the seed of sample j: a prompt sent in a batch gets the answer it gets alone); raises
+    APIError with nothing left queued on failure."""
+    stops = StopStrings(state.tokenizer, req.stop)
     shapes = Shapes(req.kind, state.served_model_name, fingerprint=state.fingerprint, seed=seed)
     inbox: asyncio.Queue = asyncio.Queue()
     handles: list[RequestHandle] = []
     try:
-        for i in range(req.n):
-            handle = state.engine.submit(prompt_ids, params.with_(seed=choice_seed(seed, i)),
-                                         request_id=f"{shapes.id}-{i}",
-                                         stop_check=stops.watch() if params.stop else None)
-            handle.deliver_to(inbox, key=i)
-            handles.append(handle)
+        for i, (ids, sp) in enumerate(zip(prompts, params)):
+            for j in range(req.n):
+                index = i * req.n + j
+                handle = state.engine.submit(ids, sp.with_(seed=choice_seed(seed, j)),
+                                             request_id=f"{shapes.id}-{index}",
+                                             stop_check=stops.watch() if sp.stop else None)
+                handle.deliver_to(inbox, key=index)
+                handles.append(handle)
     except BaseException as e:
         for h in handles:
             h.cancel()
@@ -518,8 +557,8 @@ def _admit(state: ServerState, req: GenerationRequest, prompt_ids: list[int], pa
         if isinstance(e, BlockspecError):
             raise errors.from_blockspec(e) from None
         raise
-    choices = [_Choice(i, h, IncrementalDetokenizer(stops)) for i, h in enumerate(handles)]
-    job = _Job(state, req, prompt_ids, params, stops, shapes, arrived, choices, inbox)
+    choices = [_Choice(i, h, IncrementalDetokenizer(stops), prompt=i // req.n) for i, h in enumerate(handles)]
+    job = _Job(state, req, prompts, params[0], stops, shapes, arrived, choices, inbox)
     if state.cut:  # admitted in the instant the deadline passed: cut it at once
         inbox.put_nowait(_CUT)
     return job
@@ -572,8 +611,13 @@ async def _collect(request: Request, job: _Job) -> Response:
     choices = []
     for c in job.choices:
         text = c.detok.push(c.ids, final=True)
-        choices.append(job.shapes.choice(c.index, text, c.final.finish_reason if c.final else CUT_REASON,
-                                         job.logprobs_of(c, c.ids, c.logprobs)))
+        if job.req.echo:
+            prefix, prefix_lp = job.echo(c)
+            lp = job.logprobs_of(c, c.ids, c.logprobs, len(prefix))
+            text, lp = prefix + text, None if prefix_lp is None else joined(prefix_lp, lp)
+        else:
+            lp = job.logprobs_of(c, c.ids, c.logprobs)
+        choices.append(job.shapes.choice(c.index, text, c.final.finish_reason if c.final else CUT_REASON, lp))
     return JSONResponse(job.shapes.full(choices, usage_obj))
 
 
@@ -603,6 +647,11 @@ async def _stream(job: _Job) -> AsyncIterator[bytes]:
                 yield event(_failure(job).body())
                 yield DONE
                 return
+            if job.req.echo and not c.echoed:  # the prompt (and its scores: the first event's) come first
+                c.echoed = True
+                prefix, prefix_lp = job.echo(c)
+                yield event(shapes.chunk(prefix, index=c.index, logprobs=prefix_lp))
+                c.text_sent = len(prefix)
             if ev.token_ids:
                 delta = c.detok.push(ev.token_ids)
                 lp = job.logprobs_of(c, ev.token_ids, ev.logprobs or [], c.text_sent)

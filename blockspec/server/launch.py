@@ -37,6 +37,11 @@ def url_of(sock: socket.socket) -> str:
 
 
 CLOSE_S = 5.0  # after the drain, how long idle keep-alive connections get to close
+# How long an idle keep-alive connection stays open. It must outlast the idle time of the
+# clients' connection pools (aiohttp 15 s, httpx 5 s, Go 90 s, load balancers 60 s): a server
+# that closes first races the client's next request on that connection, which then fails with
+# "Server disconnected" (aiohttp does not retry a POST). uvicorn's own default is 5 s.
+KEEP_ALIVE_S = 120.0
 
 
 class DrainingServer(uvicorn.Server):
@@ -77,9 +82,11 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve_forever(app: object, sock: socket.socket, *, log_level: str = "info",
-                  drain_s: float = 25.0) -> None:
-    """Serves until SIGTERM/SIGINT, then drains for up to `drain_s` seconds (see DrainingServer)."""
-    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=CLOSE_S, lifespan="on")
+                  drain_s: float = 25.0, keep_alive_s: float = KEEP_ALIVE_S) -> None:
+    """Serves until SIGTERM/SIGINT, then drains for up to `drain_s` seconds (see DrainingServer);
+    idle keep-alive connections are closed after `keep_alive_s` seconds (see KEEP_ALIVE_S)."""
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=CLOSE_S, lifespan="on",
+                            timeout_keep_alive=keep_alive_s)
     DrainingServer(config, drain_s).run(sockets=[sock])
 
 
@@ -91,10 +98,11 @@ class BackgroundServer:
     """
 
     def __init__(self, app: object, host: str = "127.0.0.1", port: int = 0, *, log_level: str = "warning",
-                 drain_s: float = 5.0) -> None:
+                 drain_s: float = 5.0, keep_alive_s: float = KEEP_ALIVE_S) -> None:
         self.sock = bind(host, port)
         self.url = url_of(self.sock)
-        config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=CLOSE_S, lifespan="on")
+        config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=CLOSE_S, lifespan="on",
+                                timeout_keep_alive=keep_alive_s)
         self.server = DrainingServer(config, drain_s)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
                                        name="blockspec-http")

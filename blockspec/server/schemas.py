@@ -14,6 +14,8 @@ import json
 import math
 from dataclasses import dataclass, field
 
+from blockspec.config import MAX_LOGIT_BIAS
+from blockspec.server.completions_prompt import Prompt, parse_prompts
 from blockspec.server.errors import bad_request, model_not_found, unknown_field
 
 MAX_INT = 2**31 - 1  # larger max_tokens values are nonsense, not a context question
@@ -57,7 +59,8 @@ COMMON_TEMPLATE_SWITCHES = frozenset({"enable_thinking", "thinking", "reasoning_
 @dataclass(frozen=True)
 class GenerationRequest:
     """One validated request. Exactly one of `messages` (chat) and `prompt` (completion) is set;
-    `prompt` is text or token ids. `max_tokens` None means "up to the end of the context"."""
+    `prompt` is text or token ids, the first of `prompts` (a completion's batch of prompts).
+    `max_tokens` None means "up to the end of the context"; 0 only with `echo`."""
 
     kind: str  # "chat" | "completion"
     model: str
@@ -77,6 +80,9 @@ class GenerationRequest:
     n: int = 1
     logprobs: bool = False  # return each chosen token's log-probability
     top_logprobs: int = 0  # ... and this many most likely alternatives per position
+    prompts: tuple[Prompt, ...] = ()  # completion: every prompt (choice i * n + j: prompt i, sample j)
+    echo: bool = False  # completion: the prompt (and with logprobs its scores) before each choice's text
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), sorted by id
 
 
 def parse_json(raw: bytes) -> dict:
@@ -215,18 +221,39 @@ def _known(body: dict, fields: frozenset[str]) -> None:
             raise unknown_field(name)
 
 
-def _common(body: dict) -> dict:
-    """Fields shared by both endpoints."""
+def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+    """{"token id": bias} -> sorted (id, bias) pairs; ids are checked against the vocabulary
+    where the model is known (app.py)."""
+    value = body.get("logit_bias")
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise bad_request("'logit_bias' must be an object mapping token ids to numbers, e.g. {\"50256\": -100}; "
+                          f"got {_type_name(value)}", "logit_bias", "invalid_type")
+    out = {}
+    for key, bias in value.items():
+        if not (key.isascii() and key.isdigit()):
+            raise bad_request(f"logit_bias keys must be token ids (non-negative integers), got {key!r:.40}",
+                              "logit_bias", "invalid_value")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias) \
+                or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise bad_request(f"logit_bias[{key!r}] must be a number in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                              f"got {bias!r:.40}", "logit_bias", "invalid_value")
+        out[int(key)] = float(bias)
+    return tuple(sorted(out.items()))
+
+
+def _common(body: dict, *, least_tokens: int = 1) -> dict:
+    """Fields shared by both endpoints; `least_tokens`: the smallest max_tokens accepted."""
     _unsupported(body, "presence_penalty", (0, 0.0), "")
     _unsupported(body, "frequency_penalty", (0, 0.0), "")
     _unsupported(body, "repetition_penalty", (1, 1.0), "")
     _unsupported(body, "min_p", (0, 0.0), "")
-    _unsupported(body, "logit_bias", ({},), "")
     _string(body, "user")
     if "max_completion_tokens" in body and body["max_completion_tokens"] is not None:
-        max_tokens = _int(body, "max_completion_tokens", None, 1, MAX_INT)
+        max_tokens = _int(body, "max_completion_tokens", None, least_tokens, MAX_INT)
     else:
-        max_tokens = _int(body, "max_tokens", None, 1, MAX_INT)
+        max_tokens = _int(body, "max_tokens", None, least_tokens, MAX_INT)
     top_k = _int(body, "top_k", 0, -1)
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
@@ -245,6 +272,7 @@ def _common(body: dict) -> dict:
         stream=_bool(body, "stream", False),
         include_usage=_bool(options or {}, "include_usage", False),
         n=_int(body, "n", 1, 1, MAX_N),
+        logit_bias=_logit_bias(body),
     )
 
 
@@ -378,14 +406,10 @@ def parse_chat(body: dict, switches: frozenset[str] = frozenset()) -> Generation
                              chat_template_kwargs=_template_kwargs(body, switches), **common, **_chat_logprobs(body))
 
 
-def _is_ids(value: object) -> bool:
-    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
-
-
 def parse_completion(body: dict) -> GenerationRequest:
     _known(body, COMPLETION_FIELDS)
-    common = _common(body)
-    _unsupported(body, "echo", (False,), "")
+    echo = _bool(body, "echo", False)
+    common = _common(body, least_tokens=0 if echo else 1)  # max_tokens 0 with echo: score the prompt alone
     _unsupported(body, "suffix", ("",), "")
     best_of = _int(body, "best_of", None, 1, MAX_N)
     if best_of is not None and best_of != common["n"]:
@@ -395,18 +419,12 @@ def parse_completion(body: dict) -> GenerationRequest:
     top = _int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
     prompt = body.get("prompt", _MISSING)
     if prompt is _MISSING or prompt is None:
-        raise bad_request("'prompt' is required: a string or an array of token ids", "prompt",
-                          "missing_required_parameter")
-    # A batch of one prompt is unwrapped; real batches are refused (one request per prompt).
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise bad_request("several prompts in one request are not supported; send one request per prompt",
-                          "prompt", "unsupported_parameter")
-    if not isinstance(prompt, str) and not (_is_ids(prompt) and prompt):
-        raise bad_request("'prompt' must be a string or a non-empty array of token ids", "prompt", "invalid_type")
-    return GenerationRequest(kind="completion", prompt=prompt, logprobs=top is not None, top_logprobs=top or 0,
-                             **common)
+        raise bad_request("'prompt' is required: a string, an array of strings, an array of token ids or an "
+                          "array of token-id arrays", "prompt", "missing_required_parameter")
+    prompts = parse_prompts(prompt)
+    first = prompts[0] if isinstance(prompts[0], str) else list(prompts[0])
+    return GenerationRequest(kind="completion", prompt=first, prompts=prompts, echo=echo, logprobs=top is not None,
+                             top_logprobs=top or 0, **common)
 
 
 def check_model(request: GenerationRequest, served: str) -> None:

@@ -263,6 +263,8 @@ def test_queue_full_gives_429_and_shutdown_503(pipe):
     ({"model": MODEL, "messages": [{"role": "user", "content": "x", "colour": "red"}]}, 400, "messages[0].colour",
      "unknown_parameter"),
     ({"model": MODEL, "messages": HELLO, "chat_template_kwargs": "no"}, 400, "chat_template_kwargs", "invalid_type"),
+    ({"model": MODEL, "messages": HELLO, "logit_bias": {"320": -100}}, 400, "logit_bias", "invalid_value"),
+    ({"model": MODEL, "messages": HELLO, "logit_bias": {"3": -100.5}}, 400, "logit_bias", "invalid_value"),
 ])
 def test_chat_errors_have_openai_shape_and_status(server, body, status, param, code):
     assert_error(post(server, "/v1/chat/completions", body), status, param=param, code=code)
@@ -271,10 +273,21 @@ def test_chat_errors_have_openai_shape_and_status(server, body, status, param, c
 @pytest.mark.parametrize("body,param,code", [
     ({"model": MODEL}, "prompt", "missing_required_parameter"),
     ({"model": MODEL, "prompt": 7}, "prompt", "invalid_type"),
-    ({"model": MODEL, "prompt": ["a", "b"]}, "prompt", "unsupported_parameter"),
+    ({"model": MODEL, "prompt": ["a", [1, 2]]}, "prompt", "invalid_type"),
+    ({"model": MODEL, "prompt": []}, "prompt", "invalid_type"),
+    ({"model": MODEL, "prompt": [[1, 2], []]}, "prompt[1]", "invalid_type"),
+    ({"model": MODEL, "prompt": ["a"] * 65}, "prompt", "invalid_value"),
     ({"model": MODEL, "prompt": [1] * 5000, "max_tokens": 1}, "prompt", "context_length_exceeded"),
     ({"model": MODEL, "prompt": [10**6]}, "prompt", "invalid_value"),
-    ({"model": MODEL, "prompt": "x", "echo": True}, "echo", "unsupported_parameter"),
+    ({"model": MODEL, "prompt": [[1, 2], [10**6]]}, "prompt[1]", "invalid_value"),
+    ({"model": MODEL, "prompt": "x", "echo": "yes"}, "echo", "invalid_type"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 0}, "max_tokens", "invalid_value"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"5": 101}}, "logit_bias", "invalid_value"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"5": "up"}}, "logit_bias", "invalid_value"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"five": 1}}, "logit_bias", "invalid_value"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"-1": 1}}, "logit_bias", "invalid_value"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"320": 1}}, "logit_bias", "invalid_value"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": [5, 1]}, "logit_bias", "invalid_type"),
 ])
 def test_completion_errors(server, body, param, code):
     assert_error(post(server, "/v1/completions", body), 400, param=param, code=code)
