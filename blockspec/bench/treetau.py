@@ -101,13 +101,14 @@ def greedy_continuation(target: object, layer_ids: tuple[int, ...], prompt: list
     fed to it, as plain decoding computes them."""
     cache = target.new_cache(1)
     p = len(prompt)
-    cache.reserve(p + n)
+    cache.reserve(p, p + n)
     logits, feats = target.forward(torch.tensor([prompt]), torch.arange(p)[None], cache, layer_ids,
                                    last_logits_only=True)
     out, parts = [int(logits[0, -1].argmax())], [feats[0]]
     stops = set(target.info.eos_token_ids)
     while len(out) < n and out[-1] not in stops:
         pos = p + len(out) - 1
+        cache.reserve(pos + 1, p + n)
         logits, feats = target.forward(torch.tensor([[out[-1]]]), torch.tensor([[pos]]), cache, layer_ids)
         out.append(int(logits[0, -1].argmax()))
         parts.append(feats[0])
@@ -116,20 +117,17 @@ def greedy_continuation(target: object, layer_ids: tuple[int, ...], prompt: list
 
 class AnchorDrafts:
     """The drafter's distributions at anchors of one sequence, computed in increasing anchor
-    order on one draft cache (the context grows as a decode's would)."""
+    order, each once, on one draft cache (the context grows as a decode's would)."""
 
     def __init__(self, target: object, drafter: object, features: torch.Tensor, tokens: list[int], top_k: int) -> None:
         self.target, self.drafter, self.features, self.tokens, self.top_k = target, drafter, features, tokens, top_k
         self.cache = drafter.new_cache(1)
         self.fed = 0  # context features already in the draft cache: positions < fed
         self.scale = drafter.cfg.input_embedding_scale
-        self.memo: dict[int, Distributions] = {}
 
     @torch.inference_mode()
     def at(self, anchor: int) -> Distributions:
         """Distributions for depths 1..block-1 after the token at position `anchor`."""
-        if anchor in self.memo:
-            return self.memo[anchor]
         if anchor < self.fed:
             raise ConfigError("anchors must be asked for in increasing order")
         q = self.drafter.block_size
@@ -149,7 +147,6 @@ class AnchorDrafts:
                                                          cands.ids[0], cands.logits[0])
         else:
             dists = PositionDistributions.from_logits(self.drafter.logits(hidden[0, 1:], head), self.top_k)
-        self.memo = {anchor: dists}  # every decode asks in increasing order: older anchors are done
         return dists
 
 

@@ -136,8 +136,8 @@ class TokenTree:
 
     def merge(self, branch: Sequence[int]) -> TokenTree:
         """This tree with one more root-to-node path (e.g. an n-gram lookup continuation), sharing
-        whatever prefix of it is already in the tree. The new nodes go after the existing ones of
-        their depth; the existing ones keep their order where it is canonical (at each depth,
-        children grouped by parent, parents in order), as `from_paths` and the builders make it."""
+        whatever prefix of it is already in the tree. A new node comes after its siblings; the
+        existing nodes keep their order where it is canonical (at each depth, children grouped
+        by parent, parents in order), as `from_paths` and the proposers make it."""
         every = [self.path_tokens(i) for i in range(1, len(self))]
         return TokenTree.from_paths(self.tokens[0], [*every, list(branch)])
