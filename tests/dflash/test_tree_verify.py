@@ -180,3 +180,59 @@ def test_bad_inputs_are_refused() -> None:
         walk(TREE, [1, 2])
     with pytest.raises(ConfigError, match="nodes=10"):
         node_draws(TREE, torch.ones(3, V), 0, 0)
+
+
+# ---- chi-square: unseeded requests (a fresh seed each) follow the target's distribution ----------
+
+SMALL_V = 5
+SMALL = TokenTree((0, 1, 2, 3, 4, 2, 0), (-1, 0, 0, 0, 1, 1, 2))  # 3 children, then 2 and 1 grandchildren
+
+
+def toy_probs(prefix: tuple[int, ...]) -> torch.Tensor:
+    """A toy target's p(. | prefix) [SMALL_V]: a fixed function of the prefix."""
+    g = torch.Generator().manual_seed(hash(prefix) % 2**31)
+    return torch.softmax(torch.randn(SMALL_V, generator=g) * 1.5, dim=-1)
+
+
+def node_probs(tree: TokenTree) -> torch.Tensor:
+    """[n, SMALL_V]: the toy target at each node, given the tokens from the root to it."""
+    return torch.stack([toy_probs(tuple(tree.tokens[i] for i in tree.path(node))) for node in range(len(tree))])
+
+
+def first_two_counts(sampled: SampledWalk, draws: int) -> torch.Tensor:
+    """Counts [V, V] of the first two output tokens: the tree step's, and where it committed only
+    one, the next plain step's draw (what decoding would do next)."""
+    probs = node_probs(SMALL)
+    counts = torch.zeros(SMALL_V, SMALL_V)
+    for seed in range(draws):
+        out = sampled(SMALL, probs, seed, 0).committed(SMALL)
+        if len(out) < 2:
+            nxt = toy_probs((SMALL.tokens[0], out[0]))
+            out.append(int(RowRandom([seed]).sample(nxt[None, None], [1])[0, 0]))
+        counts[out[0], out[1]] += 1
+    return counts
+
+
+def toy_joint() -> torch.Tensor:
+    first = toy_probs((SMALL.tokens[0],))
+    return torch.stack([first[a] * toy_probs((SMALL.tokens[0], a)) for a in range(SMALL_V)]).double()
+
+
+def test_sampled_tree_follows_the_target_distribution() -> None:
+    from support import chi2_pvalue
+
+    assert chi2_pvalue(first_two_counts(walk_sampled, 3000), toy_joint()) > 1e-3
+
+
+def test_chi_square_catches_a_lossy_tree_rule() -> None:
+    from support import chi2_pvalue
+
+    def greedy_for_children(tree: TokenTree, probs: torch.Tensor, seed: int, start: int) -> TreeAcceptance:
+        got = walk_sampled(tree, probs, seed, start)
+        if got.accepted == 0:  # the draw missed every child: take the target's likeliest child anyway
+            kids = tree.children(0)
+            best = max(kids, key=lambda t: float(probs[0, t]))
+            return TreeAcceptance((0, kids[best]), int(node_draws(tree, probs, seed, start)[kids[best]]))
+        return got
+
+    assert chi2_pvalue(first_two_counts(greedy_for_children, 3000), toy_joint()) < 1e-3
