@@ -236,9 +236,11 @@ def run(target: str, drafter: str | None, datasets: Sequence[str], limit: int, c
     out: dict[str, TreeTauResult] = {}
     for name in datasets:
         total = TreeTauResult()
-        for sample in load_dataset(name, limit=limit, data_dir=data_dir):
+        samples = load_dataset(name, limit=limit, data_dir=data_dir)
+        for i, sample in enumerate(samples, 1):
             prompt = encode_prompt(pipe.tokenizer, sample.prompt, chat=True)
             total.add(measure_prompt(pipe.target, pipe.drafter, prompt, cfg))
+            print(f"{name}: {i}/{len(samples)} prompts", file=sys.stderr, flush=True)
         out[name] = total
     return out
 
