@@ -13,6 +13,7 @@ from blockspec.errors import CheckpointError, ConfigError
 from blockspec.targets.base import DTYPES, Target, TargetCache, TargetInfo, greedy_forward
 from blockspec.targets.gated_delta import DeltaState, delta_forward, is_gated_delta
 from blockspec.targets.slots import EMPTY, SlotTable, gather_slots
+from blockspec.targets.tree_mask import tree_visibility
 
 # Layer kinds the adapter decodes exactly: attention through per-slot masks, Gated DeltaNet
 # linear attention through states it rolls back (targets/gated_delta.py).
@@ -206,16 +207,22 @@ class HFTarget:
         head = getattr(self.model, "lm_head", None)
         return head if head is not None else self.model.get_output_embeddings()
 
-    def _masks(self, cache: HFCache, positions: torch.Tensor) -> torch.Tensor | dict:
+    def _masks(self, cache: HFCache, positions: torch.Tensor, ancestors: torch.Tensor | None = None
+               ) -> torch.Tensor | dict:
         """The attention mask in the form the attention implementation takes; with several layer
-        kinds, one per kind (linear-attention layers take none: padding comes from positions)."""
-        full = self._form(cache.slots.attention_mask(positions, causal=True))
+        kinds, one per kind (linear-attention layers take none: padding comes from positions).
+        With `ancestors`, the last tokens are a token tree's nodes (targets/tree_mask.py)."""
+        def visible(window: int | None) -> torch.Tensor:
+            if ancestors is not None:
+                return tree_visibility(cache.slots, positions, ancestors, sliding_window=window)
+            return cache.slots.attention_mask(positions, causal=True, sliding_window=window)
+
+        full = self._form(visible(None))
         if set(self._kinds) == {"full_attention"}:
             return full
         masks: dict = {"full_attention": full, LINEAR_KIND: None}
         if self._sliding:
-            window = cache.slots.attention_mask(positions, causal=True, sliding_window=self._window)
-            masks["sliding_attention"] = self._form(window)
+            masks["sliding_attention"] = self._form(visible(self._window))
         return masks
 
     def _form(self, visible: torch.Tensor) -> torch.Tensor:
@@ -226,6 +233,36 @@ class HFTarget:
         return torch.where(visible, zero, torch.finfo(self.dtype).min)
 
     @torch.no_grad()
+    def forward_tree(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        ancestors: torch.Tensor,
+        cache: HFCache,
+        layer_ids: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One verify pass over a token tree per row: ids, positions [b, n] in node order (root
+        first; a node's position is the root's plus its depth; EMPTY for padding nodes),
+        ancestors [b, n, n] or [n, n] (`TokenTree.ancestor_mask`). Each node takes one slot and
+        attends to the committed context and its ancestors only, so its logits and features are
+        those of its root-to-node chain. Returns what `forward` does; afterwards `cache.reject`
+        with the accepted path's nodes leaves exactly that chain in the cache.
+
+        Attention-only targets: a recurrent layer's state after a node depends on the branch
+        (one state per branch, and the walk picks which to keep), which the rolled-back states
+        of Gated DeltaNet layers do not hold."""
+        if self._linear:
+            raise ConfigError(
+                f"{self.info.model_type} has recurrent (Gated DeltaNet) layers, whose state after each node depends "
+                "on its branch; token trees need one state per branch, so this target verifies chains only"
+            )
+        b, n = positions.shape
+        if ids.shape != (b, n) or ancestors.shape not in ((n, n), (b, n, n)):
+            raise ConfigError(f"a tree pass takes ids and positions [b, n] and ancestors [n, n] or [b, n, n]; got "
+                              f"{tuple(ids.shape)}, {tuple(positions.shape)}, {tuple(ancestors.shape)}")
+        return self.forward(ids, positions, cache, layer_ids, ancestors=ancestors)
+
+    @torch.no_grad()
     def forward(
         self,
         ids: torch.Tensor,
@@ -233,14 +270,17 @@ class HFTarget:
         cache: HFCache,
         layer_ids: tuple[int, ...] = (),
         last_logits_only: bool = False,
+        *,
+        ancestors: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """ids, positions [b, q] (positions EMPTY for padding) -> logits [b, q|1, V], features.
 
         Features [b, q, len(layer_ids) * H] are the outputs of those decoder layers (HF's
         `hidden_states[i + 1]`; the last layer's is taken after the final norm, as HF returns it).
+        `ancestors`: the q tokens are a token tree's nodes (see `forward_tree`).
         """
         cache.slots.append(positions)
-        mask = self._masks(cache, positions)
+        mask = self._masks(cache, positions, ancestors)
         self._wanted = tuple(layer_ids)
         self._captured = {}
         valid = positions != EMPTY

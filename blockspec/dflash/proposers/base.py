@@ -1,0 +1,83 @@
+"""The proposer interface: a step's draft for one row in, a token tree out.
+
+A drafter's output is seen through `Distributions`: for a depth and the token before it, the
+candidate tokens there with their log-probabilities, best first. A DFlash drafter's positions are
+independent of the token before (`PositionDistributions`); a DFlash 2 selector's are conditional
+on it (proposers/dflash2.py). Proposers only read these, so one tree builder serves both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from blockspec.dflash.token_tree import TokenTree
+from blockspec.errors import ConfigError
+
+
+class Distributions(Protocol):
+    """Per depth 1..max_depth the drafter's candidates after a given token."""
+
+    @property
+    def max_depth(self) -> int: ...
+
+    def children(self, depth: int, prev: int) -> tuple[list[int], list[float]]:
+        """(candidate ids, their log-probabilities), in descending probability, for the token at
+        `depth` (1: the first proposal) when the token before it is `prev`."""
+        ...
+
+
+@dataclass(frozen=True)
+class PositionDistributions:
+    """A DFlash drafter's per-position top-K: ids [D, K] and log-probabilities [D, K] (descending
+    along K), row d - 1 for depth d; the token before does not matter."""
+
+    ids: torch.Tensor
+    logprobs: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.ids.dim() != 2 or self.ids.shape != self.logprobs.shape:
+            raise ConfigError(f"top-k ids {tuple(self.ids.shape)} and log-probabilities {tuple(self.logprobs.shape)} "
+                              "must both be [depth, k]")
+        object.__setattr__(self, "_ids", self.ids.tolist())
+        object.__setattr__(self, "_lp", self.logprobs.float().tolist())
+
+    @classmethod
+    def from_logits(cls, logits: torch.Tensor, k: int) -> PositionDistributions:
+        """The top-k of the softmax of draft logits [D, V] at each depth."""
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        top, ids = logp.topk(min(k, logp.shape[-1]), dim=-1)  # [D, k], descending
+        return cls(ids, top)
+
+    @property
+    def max_depth(self) -> int:
+        return self.ids.shape[0]
+
+    def children(self, depth: int, prev: int) -> tuple[list[int], list[float]]:
+        return self._ids[depth - 1], self._lp[depth - 1]  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
+class Draft:
+    """What a step knows about one row when it proposes: the root (the last committed token),
+    the drafter's distributions (None: no draft pass this step) and the row's n-gram lookup
+    continuation (empty: none)."""
+
+    root: int
+    distributions: Distributions | None = None
+    lookup: Sequence[int] = ()
+
+
+class Proposer(Protocol):
+    """Turns a row's draft into the token tree its step verifies (a chain is a tree)."""
+
+    def propose(self, draft: Draft) -> TokenTree: ...
+
+
+def need_distributions(draft: Draft, who: str) -> Distributions:
+    if draft.distributions is None:
+        raise ConfigError(f"the {who} proposer needs the drafter's distributions (this step has no draft pass)")
+    return draft.distributions
