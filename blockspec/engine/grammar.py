@@ -32,6 +32,9 @@ class OutputFormat:
 
     kind: str
     value: object = None
+    # json_schema only: literal text around the JSON value (a forced tool call's markers)
+    prefix: str = ""
+    suffix: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -46,9 +49,11 @@ class OutputFormat:
                               + {"json_object": "no value", "json_schema": "a JSON schema object",
                                  "regex": "a non-empty pattern", "choice": "non-empty strings to choose from",
                                  "grammar": "a non-empty grammar"}[self.kind])
+        if (self.prefix or self.suffix) and self.kind != "json_schema":
+            raise ConfigError("only a json_schema output format takes a prefix or suffix")
 
     def key(self) -> str:
-        return json.dumps([self.kind, self.value], sort_keys=True, ensure_ascii=False)
+        return json.dumps([self.kind, self.value, self.prefix, self.suffix], sort_keys=True, ensure_ascii=False)
 
 
 class XGrammarConstraint:
@@ -133,12 +138,27 @@ class Grammars:
         return XGrammarConstraint(xgr.GrammarMatcher(self.compile(fmt)))
 
 
+# xgrammar writes the characters of a string with a length bound (maxLength, minLength) as any
+# character but a quote, a backslash or a line break: control characters too, which JSON forbids
+# unescaped (json.loads refuses them). They are excluded here, as its unbounded strings do.
+_BOUNDED_CHAR = r'[^\"\\\r\n]'
+_JSON_CHAR = r'[^\0-\x1f\"\\]'
+
+
+def _json_grammar(xgr: object, schema: dict) -> object:
+    ebnf = str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True))
+    return xgr.Grammar.from_ebnf(ebnf.replace(_BOUNDED_CHAR, _JSON_CHAR))
+
+
 def _compile(compiler: object, fmt: OutputFormat) -> object:
-    compact = dict(any_whitespace=False, strict_mode=True)
-    if fmt.kind == "json_object":
-        return compiler.compile_json_schema(json.dumps({"type": "object"}), **compact)
-    if fmt.kind == "json_schema":
-        return compiler.compile_json_schema(json.dumps(fmt.value), **compact)
+    xgr = _xgrammar()
+    if fmt.kind in ("json_object", "json_schema"):
+        parts = [_json_grammar(xgr, fmt.value if fmt.kind == "json_schema" else {"type": "object"})]
+        if fmt.prefix:
+            parts.insert(0, xgr.Grammar.from_ebnf(f"root ::= {json.dumps(fmt.prefix)}"))
+        if fmt.suffix:
+            parts.append(xgr.Grammar.from_ebnf(f"root ::= {json.dumps(fmt.suffix)}"))
+        return compiler.compile_grammar(parts[0] if len(parts) == 1 else xgr.Grammar.concat(*parts))
     if fmt.kind == "regex":
         return compiler.compile_regex(fmt.value)
     if fmt.kind == "choice":

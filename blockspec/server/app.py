@@ -43,7 +43,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from blockspec.api import Pipeline
 from blockspec.config import SamplingParams, SpecConfig
 from blockspec.engine import Engine, EngineConfig, QueueFullError, RequestHandle, TokenEvent
-from blockspec.errors import BlockspecError, ContextLengthError
+from blockspec.engine.grammar import Grammars, OutputFormat
+from blockspec.errors import BlockspecError, ConfigError, ContextLengthError
 from blockspec.server import errors
 from blockspec.server.errors import APIError
 from blockspec.server.logprobs import TokenTexts, chat_logprobs, completion_logprobs
@@ -57,6 +58,8 @@ from blockspec.server.schemas import (
     template_switches,
 )
 from blockspec.server.sse import DONE, Shapes, event, usage
+from blockspec.server.structured import compile_error
+from blockspec.server.tools import ToolStream, detect_family, forced_format, parse_calls, render_prompt
 from blockspec.text import IncrementalDetokenizer, StopStrings, encode_prompt
 
 log = logging.getLogger("blockspec.server")
@@ -93,6 +96,8 @@ class ServerState:
     jobs: set = field(default_factory=set)  # open generation requests (_Job)
     drain_deadline: float | None = None  # time.monotonic() at which open answers are cut
     cut: bool = False  # the drain deadline has passed
+    grammars: Grammars | None = None  # structured outputs and forced tool calls (engine/grammar.py)
+    tool_family: str = "generic"  # how the chat template shows tools and writes calls (server/tools/)
 
     def begin_drain(self, grace_s: float) -> None:
         """Stops admitting; open requests may run for `grace_s` more seconds (any thread)."""
@@ -153,6 +158,8 @@ def create_app(
         switches=template_switches(getattr(pipeline.tokenizer, "chat_template", None)),
         max_token_bytes=longest_token_bytes(pipeline.tokenizer),
         texts=TokenTexts(pipeline.tokenizer),
+        grammars=Grammars(pipeline.tokenizer, int(info.vocab_size), tuple(info.eos_token_ids)),
+        tool_family=detect_family(getattr(pipeline.tokenizer, "chat_template", None)),
     )
 
     @asynccontextmanager
@@ -310,6 +317,10 @@ def _prompt_ids(state: ServerState, req: GenerationRequest) -> list[int]:
         return ids
     _refuse_hopeless(state, req, param)
     try:
+        if req.kind == "chat" and (req.tools is not None or any(m.get("tool_calls") or m["role"] == "tool"
+                                                                for m in req.messages)):
+            return render_prompt(state.tokenizer, req.messages, req.tools, state.tool_family,
+                                 req.chat_template_kwargs)
         if req.kind == "chat":
             return encode_prompt(state.tokenizer, req.messages, chat=True,
                                  chat_template_kwargs=req.chat_template_kwargs or None)
@@ -380,6 +391,7 @@ class _Choice:
     logprobs: list = field(default_factory=list)
     text_sent: int = 0  # characters streamed so far (completion logprobs' text offsets)
     final: TokenEvent | None = None
+    tools: ToolStream | None = None  # splits tool calls from the content (a request with tools)
 
 
 @dataclass
@@ -486,26 +498,48 @@ async def _generate(state: ServerState, request: Request, req: GenerationRequest
     prompt_ids = await state.offload(_prompt_ids, state, req)
     seed = req.seed if req.seed is not None else secrets.randbits(63)
     params = _sampling(state, req, len(prompt_ids), seed)
+    fmt = _output_format(state, req)
+    if fmt is not None:  # compiled once per schema (cached), on the prep pool
+        await state.offload(_compile, state, fmt)
     if state.draining:  # the drain began while the prompt was being tokenised
         raise errors.shutting_down()
-    job = _admit(state, req, prompt_ids, params, seed, arrived)
+    job = _admit(state, req, prompt_ids, params, seed, arrived, fmt)
     if req.stream:
         return _EngineStream(job, _stream(job))
     return await _collect(request, job)
 
 
+def _output_format(state: ServerState, req: GenerationRequest) -> OutputFormat | None:
+    """What the answer is constrained to: a forced tool call's grammar, the structured output
+    asked for, or None."""
+    if req.tools is not None and req.tools.active and req.tools.forced:
+        return forced_format(req.tools, state.tool_family)
+    return req.output_format
+
+
+def _compile(state: ServerState, fmt: OutputFormat) -> None:
+    try:
+        state.grammars.compile(fmt)
+    except ConfigError as e:
+        raise compile_error(e, fmt) from None
+
+
 def _admit(state: ServerState, req: GenerationRequest, prompt_ids: list[int], params: SamplingParams, seed: int,
-           arrived: float) -> _Job:
-    """Submits the request's n choices; raises APIError with nothing left queued on failure."""
+           arrived: float, fmt: OutputFormat | None = None) -> _Job:
+    """Submits the request's n choices (each with a matcher of `fmt`, when given); raises
+    APIError with nothing left queued on failure."""
     stops = StopStrings(state.tokenizer, params.stop)
-    shapes = Shapes(req.kind, state.served_model_name, fingerprint=state.fingerprint, seed=seed)
+    tools = req.tools is not None and req.tools.active
+    shapes = Shapes(req.kind, state.served_model_name, fingerprint=state.fingerprint, seed=seed,
+                    extra={"tool_call_format": state.tool_family} if tools else None)
     inbox: asyncio.Queue = asyncio.Queue()
     handles: list[RequestHandle] = []
     try:
         for i in range(req.n):
             handle = state.engine.submit(prompt_ids, params.with_(seed=choice_seed(seed, i)),
                                          request_id=f"{shapes.id}-{i}",
-                                         stop_check=stops.watch() if params.stop else None)
+                                         stop_check=stops.watch() if params.stop else None,
+                                         constraint=state.grammars.matcher(fmt) if fmt is not None else None)
             handle.deliver_to(inbox, key=i)
             handles.append(handle)
     except BaseException as e:
@@ -518,7 +552,8 @@ def _admit(state: ServerState, req: GenerationRequest, prompt_ids: list[int], pa
         if isinstance(e, BlockspecError):
             raise errors.from_blockspec(e) from None
         raise
-    choices = [_Choice(i, h, IncrementalDetokenizer(stops)) for i, h in enumerate(handles)]
+    choices = [_Choice(i, h, IncrementalDetokenizer(stops), tools=ToolStream(state.tool_family) if tools else None)
+               for i, h in enumerate(handles)]
     job = _Job(state, req, prompt_ids, params, stops, shapes, arrived, choices, inbox)
     if state.cut:  # admitted in the instant the deadline passed: cut it at once
         inbox.put_nowait(_CUT)
@@ -572,8 +607,15 @@ async def _collect(request: Request, job: _Job) -> Response:
     choices = []
     for c in job.choices:
         text = c.detok.push(c.ids, final=True)
-        choices.append(job.shapes.choice(c.index, text, c.final.finish_reason if c.final else CUT_REASON,
-                                         job.logprobs_of(c, c.ids, c.logprobs)))
+        reason = c.final.finish_reason if c.final else CUT_REASON
+        calls = []
+        if c.tools is not None:
+            text, calls = parse_calls(c.tools.family, text)
+            reason = "tool_calls" if calls and reason == "stop" else reason
+        choice = job.shapes.choice(c.index, text, reason, job.logprobs_of(c, c.ids, c.logprobs))
+        if calls:
+            choice["message"]["tool_calls"] = [call.as_openai() for call in calls]
+        choices.append(choice)
     return JSONResponse(job.shapes.full(choices, usage_obj))
 
 
@@ -606,9 +648,14 @@ async def _stream(job: _Job) -> AsyncIterator[bytes]:
             if ev.token_ids:
                 delta = c.detok.push(ev.token_ids)
                 lp = job.logprobs_of(c, ev.token_ids, ev.logprobs or [], c.text_sent)
+                calls = []
+                if c.tools is not None:
+                    delta, calls = c.tools.push(delta)
                 if delta or lp is not None:
                     yield event(shapes.chunk(delta, index=c.index, logprobs=lp))
                     c.text_sent += len(delta)
+                for piece in _call_chunks(job, c, calls):
+                    yield piece
             if ev.finished:
                 for piece in _closing(job, c, ev.finish_reason):
                     yield piece
@@ -629,10 +676,28 @@ def _closing(job: _Job, c: _Choice, reason: str | None) -> list[bytes]:
     """The held-back text of a choice and its chunk with the finish reason."""
     out = []
     tail = c.detok.push([], final=True)
+    calls = []
+    if c.tools is not None:
+        tail, calls = c.tools.push(tail, final=True)
     if tail:
         out.append(event(job.shapes.chunk(tail, index=c.index)))
         c.text_sent += len(tail)
+    out.extend(_call_chunks(job, c, calls))
+    if c.tools is not None and c.tools.calls and reason == "stop":
+        reason = "tool_calls"
     out.append(event(job.shapes.chunk(None if job.req.kind == "chat" else "", reason or CUT_REASON, index=c.index)))
+    return out
+
+
+def _call_chunks(job: _Job, c: _Choice, calls: list) -> list[bytes]:
+    """A `tool_calls` delta per completed call: its index among the choice's calls, id, name and
+    whole arguments."""
+    out = []
+    first = len(c.tools.calls) - len(calls) if c.tools is not None else 0
+    for k, call in enumerate(calls):
+        chunk = job.shapes.chunk(None, index=c.index)
+        chunk["choices"][0]["delta"]["tool_calls"] = [call.as_openai(first + k)]
+        out.append(event(chunk))
     return out
 
 
