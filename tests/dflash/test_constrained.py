@@ -164,3 +164,20 @@ def test_bad_formats_are_config_errors(setup) -> None:
         OutputFormat("json_schema", "not a dict")
     with pytest.raises(ConfigError):
         OutputFormat("xml")
+
+
+def test_bounded_strings_hold_no_raw_control_characters(setup) -> None:
+    """xgrammar's rule for a string with maxLength admits raw control characters (JSON forbids
+    them: json.loads refuses the text); engine/grammar.py excludes them."""
+    tok, _, target, grammars, prompts = setup
+    schema = {"type": "object", "properties": {"s": {"type": "string", "minLength": 3, "maxLength": 10}},
+              "required": ["s"], "additionalProperties": False}
+    params = [SamplingParams(max_new_tokens=40, temperature=1.5, seed=s) for s in range(3)]
+    done = 0
+    for r in _generate(target, None, 1, prompts, params, grammars, OutputFormat("json_schema", schema)):
+        text = tok.decode(r.token_ids, skip_special_tokens=True)
+        assert not any(ord(ch) < 32 for ch in text), repr(text)
+        if r.finish_reason == "stop":
+            jsonschema.validate(json.loads(text), schema)
+            done += 1
+    assert done

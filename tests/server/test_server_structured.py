@@ -162,6 +162,13 @@ def test_auto_and_none_and_results_fed_back(client):
     ]
     fed = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], max_tokens=10, temperature=0)
     assert fed.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    # the client's own response message, sent back as it came
+    forced = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required",
+                                            max_tokens=120, temperature=0).choices[0].message
+    (call,) = forced.tool_calls
+    again = ASK + [forced, {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    assert client.chat.completions.create(model=MODEL, messages=again, tools=[WEATHER], max_tokens=5,
+                                          temperature=0).choices[0].finish_reason
 
 
 def test_generic_prompt_shows_tools_calls_and_results(pipe):
@@ -204,7 +211,8 @@ def test_parsers_whole_and_streamed():
         pieces.append(piece)
         got.extend(new)
     piece, new = stream.push("", final=True)
-    assert "".join(pieces + [piece]).strip() == "Let me check." and [c.name for c in got + new] == ["a", "b"]
+    # the content streamed is what came before the calls, not the newlines between them
+    assert "".join(pieces + [piece]) == "Let me check.\n" and [c.name for c in got + new] == ["a", "b"]
     assert parse_calls("hermes", "<tool_call>{broken</tool_call>") == ("<tool_call>{broken</tool_call>", [])
     assert parse_calls("generic", "no calls < here") == ("no calls < here", [])
     content, calls = parse_calls("llama3_json", '<|python_tag|>{"name": "f", "parameters": {"q": 2}}; '

@@ -83,6 +83,7 @@ class ToolStream:
         self.in_call = False
         self.mode: str | None = None  # llama3_json: "json" (a call is being written) or "text"
         self.calls: list[ToolCall] = []
+        self.after_call = False  # whitespace right after a call is the calls' separator, not content
 
     def push(self, delta: str, final: bool = False) -> tuple[str, list[ToolCall]]:
         self.buf += delta
@@ -117,6 +118,11 @@ class ToolStream:
     def _tagged(self, final: bool, new: list[ToolCall]) -> str:
         out = []
         while True:
+            if not self.in_call and self.after_call:
+                self.buf = self.buf.lstrip()
+                if not self.buf:
+                    break
+                self.after_call = False
             if not self.in_call:
                 i = self.buf.find(CALL_OPEN)
                 if i >= 0:
@@ -138,7 +144,7 @@ class ToolStream:
                 out.append(CALL_OPEN + body + ("" if j < 0 else CALL_CLOSE))
             else:
                 new.append(call)
-                self.buf = self.buf.lstrip()
+                self.after_call = True
             if j < 0:
                 break
         return "".join(out)
