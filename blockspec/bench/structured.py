@@ -21,7 +21,7 @@ from blockspec.engine.grammar import Grammars, OutputFormat
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string"}, "age": {"type": "integer"}, "city": {"type": "string"},
-    "hobbies": {"type": "array", "items": {"type": "string"}}},
+    "hobbies": {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 3}},
     "required": ["name", "age", "city", "hobbies"], "additionalProperties": False}
 QUESTIONS = [
     "Describe a fictional person as JSON with name, age, city and hobbies.",
@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     rates: dict[tuple[str, str], list[float]] = {}
     outputs: dict[tuple[str, str], list[list[int]]] = {}
+    taus: dict[tuple[str, str], list[float]] = {}
     for _ in range(args.rounds):
         for constrained in ("free", "json_schema"):
             for mode, block in (("dflash", None), ("plain", 1)):
@@ -58,10 +59,12 @@ def main(argv: list[str] | None = None) -> None:
                     seconds += time.perf_counter() - t0
                     tokens += len(r.token_ids)
                     outs.append(r.token_ids)
+                    taus.setdefault((constrained, mode), []).append(r.stats.mean_tau)
                 rates.setdefault((constrained, mode), []).append(tokens / seconds)
                 outputs[(constrained, mode)] = outs
     for key, values in rates.items():
-        print(f"{key[0]:12s} {key[1]:7s} {max(values):7.1f} tok/s (best of {len(values)})")
+        tau = sum(taus[key]) / len(taus[key])
+        print(f"{key[0]:12s} {key[1]:7s} {max(values):7.1f} tok/s (best of {len(values)}), mean tau {tau:.2f}")
     for constrained in ("free", "json_schema"):
         speedup = max(rates[(constrained, "dflash")]) / max(rates[(constrained, "plain")])
         print(f"speedup {constrained}: {speedup:.2f}x")
