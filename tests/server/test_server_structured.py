@@ -249,3 +249,41 @@ def test_smollm2_json_schema_and_forced_call_with_the_openai_client(smollm2_dir)
         assert call.function.name in ("get_weather", "get_time")
         with pytest.raises(BadRequestError):
             c.chat.completions.create(model="smol", messages=ASK, max_tokens=5, extra_body={"guided_regex": "("})
+
+
+@pytest.mark.parametrize("family,template", [("hermes", QWEN_LIKE), ("llama3_json", None)])
+def test_each_family_renders_tools_and_forces_a_parsable_call(pipe, family, template):
+    """Per family: the template (given the tools and a call fed back) renders them, and a forced
+    call generated on the tiny model under the family's grammar parses back into a call whose
+    arguments match the schema, whole and streamed."""
+    import copy
+
+    from blockspec.config import SamplingParams
+    from blockspec.engine.grammar import Grammars
+    from blockspec.server.tools import forced_format
+
+    tools = parse_tools({"tools": [WEATHER, TIME], "tool_choice": "required"})
+    if template is not None:
+        tok = copy.deepcopy(pipe.tokenizer)
+        tok.chat_template = template
+        history = ASK + [{"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function", "function": {
+            "name": "get_time", "arguments": '{"city": "Rome"}'}}]}]
+        text = tok.decode(render_prompt(tok, history, tools, family))
+        assert '"name": "get_weather"' in text and '{"name": "get_time", "arguments": {"city": "Rome"}}' in text
+    info = pipe.target.info
+    grammars = Grammars(pipe.tokenizer, info.vocab_size, info.eos_token_ids)
+    fmt = forced_format(tools, family)
+    prompt = pipe.encode(ASK)
+    for seed in (0, 1):
+        r = pipe.decoder.generate([prompt], SamplingParams(max_new_tokens=120, temperature=1.0, seed=seed),
+                                  constraints=[grammars.matcher(fmt)])[0]
+        assert r.finish_reason == "stop"
+        out = pipe.tokenizer.decode(r.token_ids, skip_special_tokens=True)
+        content, calls = parse_calls(family, out)
+        assert content is None and len(calls) == 1, out
+        schema = {t.name: t.parameters for t in tools.tools}[calls[0].name]
+        jsonschema.validate(json.loads(calls[0].arguments), schema)
+        stream = ToolStream(family)
+        streamed = [c for i in range(0, len(out), 5) for c in stream.push(out[i:i + 5])[1]]
+        streamed += stream.push("", final=True)[1]
+        assert [(c.name, c.arguments) for c in streamed] == [(calls[0].name, calls[0].arguments)]
