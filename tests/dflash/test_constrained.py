@@ -181,3 +181,24 @@ def test_bounded_strings_hold_no_raw_control_characters(setup) -> None:
             jsonschema.validate(json.loads(text), schema)
             done += 1
     assert done
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_adaptive_block_with_lookup_equals_constrained_plain(setup, temperature: float, adaptive: bool) -> None:
+    """The adaptive policy's trimmed and ragged steps and n-gram lookup proposals (which the walk
+    cuts like drafted ones) keep the constrained output."""
+    from blockspec.config import LookupConfig
+
+    tok, model, target, grammars, prompts = setup
+    params = [SamplingParams(max_new_tokens=60, temperature=temperature, seed=s) for s in (4, 5, 6)]
+    plain = _generate(target, None, 1, prompts, params, grammars)
+    # a real drafter: the policy calibrates on batches of its own, which a scripted one cannot serve
+    drafter = new_drafter_for_target(model.config, mask_token_id=3, num_layers=1, block_size=8,
+                                     dtype=torch.float64, seed=2)
+    spec = SpecConfig(block_size=8, adaptive=adaptive, lookup=LookupConfig())
+    dec = SpecDecoder(target, drafter, spec)
+    got = dec.generate(prompts, params, constraints=[grammars.matcher(FMT) for _ in prompts])
+    assert [g.token_ids for g in got] == [p.token_ids for p in plain]
+    if not adaptive:  # (the policy may find drafting this random drafter's blocks not worth it)
+        assert sum(g.stats.lookup_steps for g in got) > 0  # lookup proposals were verified
