@@ -202,3 +202,19 @@ def test_adaptive_block_with_lookup_equals_constrained_plain(setup, temperature:
     assert [g.token_ids for g in got] == [p.token_ids for p in plain]
     if not adaptive:  # (the policy may find drafting this random drafter's blocks not worth it)
         assert sum(g.stats.lookup_steps for g in got) > 0  # lookup proposals were verified
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_dflash2_drafter_equals_constrained_plain(setup, temperature: float) -> None:
+    """A DFlash 2 drafter's selector walk proposes (greedy or sampled) tokens the grammar may
+    reject: they are cut, and the output stays constrained plain decoding's."""
+    from blockspec.dflash.drafter import DFLASH2
+
+    tok, model, target, grammars, prompts = setup
+    params = [SamplingParams(max_new_tokens=50, temperature=temperature, seed=s) for s in (7, 8, 9)]
+    plain = _generate(target, None, 1, prompts, params, grammars)
+    drafter = new_drafter_for_target(model.config, mask_token_id=3, num_layers=1, block_size=8, architecture=DFLASH2,
+                                     seed=3, dtype=torch.float64,
+                                     dflash2=dict(conv_group_size=8, selector_rank=8, selector_top_k=6)).eval()
+    got = _generate(target, drafter, 8, prompts, params, grammars)
+    assert [g.token_ids for g in got] == [p.token_ids for p in plain]
