@@ -31,7 +31,8 @@ from blockspec.targets.base import Target, TargetCache, greedy_forward
 from blockspec.dflash.lookup import LookupConfig, TokenIndex
 from blockspec.dflash.sampling import RowRandom, probabilities
 from blockspec.dflash.verify import accept_greedy
-from blockspec.dflash.constraint import RowMasks, TokenConstraint, cut_block, first_masks, follow, masked, sample_masked
+from blockspec.dflash.constraint import (RowMasks, TokenConstraint, argmax_masked, cut_block, first_masks, follow, masked,
+                                         sample_masked)
 from blockspec.cpu.argmax import greedy_ids
 from blockspec.cpu.linear import project
 
@@ -428,6 +429,8 @@ class DecodeBatch:
             elif greedy:
                 block_ids[:, 1:] = self.drafter.greedy_tokens(hidden[:, 1:q], self.target.head(), self.last,
                                                               forced)  # [b, q-1]
+            if greedy and not selector:
+                self._mask_greedy_drafts(hidden[:, 1:q], block_ids)
             elif selector:
                 block_ids[:, 1:], conf = self._sample_walk(hidden[:, 1:q], forced, trim is not None)
             else:
@@ -475,6 +478,18 @@ class DecodeBatch:
         random = RowRandom([self.random.seeds[i] for i in rows])
         ids = sample_masked(draft_probs, rows, [r.constraint for r in self.rows], starts, random.sample)
         block_ids[torch.tensor(rows, device=block_ids.device), 1:] = ids.to(block_ids.device)
+
+    def _mask_greedy_drafts(self, hidden: torch.Tensor, block_ids: torch.Tensor) -> None:
+        """Replaces constrained rows' greedy proposals by the best tokens their grammar allows
+        (their draft logits from hidden [b, q-1, H]), so fewer blocks are cut at a proposal the
+        target could never accept."""
+        rows = [i for i, r in enumerate(self.rows) if r.constraint is not None]
+        if not rows:
+            return
+        index = torch.tensor(rows, device=hidden.device)
+        logits = self.drafter.logits(hidden[index], self.target.head())  # [m, q-1, V]
+        ids = argmax_masked(logits, rows, [r.constraint for r in self.rows])
+        block_ids[index, 1:] = ids.to(block_ids.device)
 
     def _argmax_pass(self, ids: torch.Tensor, positions: torch.Tensor, cache: TargetCache, masks: RowMasks | None,
                      last_logits_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:

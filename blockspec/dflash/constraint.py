@@ -14,7 +14,8 @@ it in three places, and the output stays exactly what constrained plain decoding
 
 A sampled row's drafts are drawn from the draft distribution masked the same way
 (`sample_masked`), so no proposal breaks the grammar: a rejection rule that compares the draft
-and target distributions then sees the distribution that was really sampled.
+and target distributions then sees the distribution that was really sampled. A greedy row's
+drafts are the best tokens the grammar allows (`argmax_masked`): the cut then rarely fires.
 
 Masks are bitmasks: int32 words [.., W], W = ceil(V / 32), bit t % 32 of word t // 32 set where
 token t is allowed (the layout xgrammar fills).
@@ -176,4 +177,27 @@ def sample_masked(probs: torch.Tensor, rows: list[int], constraints: list[TokenC
                 accepted[j] += 1
     for j, i in enumerate(rows):  # back to the committed prefix: these were proposals
         constraints[i].rollback(accepted[j])
+    return ids
+
+
+def argmax_masked(logits: torch.Tensor, rows: list[int], constraints: list[TokenConstraint | None]) -> torch.Tensor:
+    """Greedy proposals [m, n] for constrained batch rows `rows` from their draft logits [m, n, V]:
+    position by position the best token the grammar allows after the earlier proposals (each
+    matcher is rolled back after). Where the draft gives no allowed token a finite logit, the
+    plain argmax stands (the walk before verification cuts it)."""
+    m, n, v = logits.shape
+    bits = torch.empty(mask_width(v), dtype=torch.int32)
+    ids = torch.empty(m, n, dtype=torch.long)
+    accepted = [0] * m
+    for j, i in enumerate(rows):
+        c = constraints[i]
+        for t in range(n):
+            _fill(c, bits)
+            row = logits[j, t].masked_fill(~unpack(bits, v).to(logits.device), float("-inf"))
+            ids[j, t] = int(row.argmax())
+            if c.is_terminated() or not c.accept(int(ids[j, t])):
+                ids[j, t + 1:] = ids[j, t]  # past a stop token or a refused one: cut there anyway
+                break
+            accepted[j] += 1
+        c.rollback(accepted[j])
     return ids
