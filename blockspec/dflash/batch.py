@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from blockspec.config import SamplingParams
 from blockspec.errors import ConfigError
@@ -31,6 +32,10 @@ from blockspec.dflash.logit_bias import apply_logit_bias
 from blockspec.dflash.lookup import LookupConfig, TokenIndex
 from blockspec.dflash.sampling import RowRandom, probabilities
 from blockspec.dflash.verify import accept_greedy
+from blockspec.dflash.constraint import (RowMasks, TokenConstraint, argmax_masked, cut_block, first_masks, follow, masked,
+                                         sample_masked)
+from blockspec.cpu.argmax import greedy_ids
+from blockspec.cpu.linear import project
 
 @dataclass
 class RequestStats:
@@ -130,6 +135,8 @@ class Row:
     # With params.logprobs: one entry per generated token, and those of `new_tokens`.
     logprobs: list[TokenLogprob] | None = None
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # The grammar the output must match (dflash/constraint.py), at the committed tokens.
+    constraint: TokenConstraint | None = None
 
     @property
     def remaining(self) -> int:
@@ -154,13 +161,15 @@ def _stop_ids(params: SamplingParams, eos: tuple[int, ...]) -> frozenset[int]:
 
 
 def make_row(key: object, prompt_len: int, params: SamplingParams, eos: tuple[int, ...], max_block: int,
-             stop_check: RowStopCheck | None = None) -> Row:
-    """A Row with fresh statistics for a request of `prompt_len` tokens."""
+             stop_check: RowStopCheck | None = None, constraint: TokenConstraint | None = None) -> Row:
+    """A Row with fresh statistics for a request of `prompt_len` tokens (`constraint`: a fresh
+    grammar matcher its output must match)."""
     positions = max(0, max_block - 1)
     stats = RequestStats(prompt_tokens=prompt_len, block_size=max_block, accepted_by_position=[0] * positions,
                          lookup_accepted_by_position=[0] * positions)
     return Row(key, params, _stop_ids(params, eos), stats, stop_check, tries=[0] * positions,
-               lookup_tries=[0] * positions, logprobs=[] if params.logprobs is not None else None)
+               lookup_tries=[0] * positions, logprobs=[] if params.logprobs is not None else None,
+               constraint=constraint)
 
 
 class DecodeBatch:
@@ -301,13 +310,14 @@ class DecodeBatch:
         top_k = torch.tensor([sp.top_k for sp in params], dtype=torch.long, device=d)
         top_p = torch.tensor([sp.top_p for sp in params], dtype=torch.float32, device=d)
         first_lp: list[list[TokenLogprob]] | None = None
+        masks = first_masks([r.constraint for r in rows], self.target.info.vocab_size)
         if all(sp.plain_argmax for sp in params):
-            best, feats = greedy_forward(self.target, ids, positions, tcache, self.layer_ids, last_logits_only=True)
+            best, feats = self._argmax_pass(ids, positions, tcache, masks, last_logits_only=True)
             first = best[:, -1]  # [k]
         else:
             logits, feats = self.target.forward(ids, positions, tcache, self.layer_ids, last_logits_only=True)
             biased = apply_logit_bias(logits[:, -1:], [sp.logit_bias for sp in params])
-            probs = probabilities(biased, temperature, top_k, top_p)  # [k, 1, V]
+            probs = probabilities(_constrained(biased, masks), temperature, top_k, top_p)  # [k, 1, V]
             first = random.sample(probs, [0] * k)[:, 0]  # output position 0
             first_lp = token_logprobs(logits[:, -1:], first[:, None], [sp.logprobs for sp in params])
         dcache = None
@@ -421,6 +431,8 @@ class DecodeBatch:
             elif greedy:
                 block_ids[:, 1:] = self.drafter.greedy_tokens(hidden[:, 1:q], self.target.head(), self.last,
                                                               forced)  # [b, q-1]
+            if greedy and not selector:
+                self._mask_greedy_drafts(hidden[:, 1:q], block_ids)
             elif selector:
                 block_ids[:, 1:], conf = self._sample_walk(hidden[:, 1:q], forced, trim is not None)
             else:
@@ -430,22 +442,79 @@ class DecodeBatch:
                 block_ids[:, 1:] = self.random.sample(draft_probs, starts)
                 if trim is not None:
                     conf = draft_confidence(draft_probs)  # [b, q-1]
+                self._mask_drafts(draft_probs, block_ids, starts)
             self.pending_feats = None
             if self.lookup is not None:
                 from_lookup = self._lookup_proposals(block_ids)
             if trim is not None:
-                drafted, chosen = q, trim(conf.tolist(), from_lookup)
+                chosen = trim(conf.tolist(), from_lookup)
                 lengths = [max(1, min(q, int(n))) for n in (chosen if isinstance(chosen, list) else [chosen] * b)]
                 if len(lengths) != b:
                     raise ValueError(f"a trim returned {len(lengths)} verify lengths for {b} rows")
-                q = max(lengths)
-                if q < drafted:  # verify only the first q tokens of the drafted block
-                    block_ids, positions, offsets = block_ids[:, :q].contiguous(), positions[:, :q].contiguous(), offsets[:q]
-                limit, padding, positions = _ragged(lengths, offsets, positions)
-                from_lookup = [min(m, n - 1) for m, n in zip(from_lookup, lengths)]
         else:
             self._plain_since_draft += 1
-        return self._verify_and_commit(block_ids, positions, offsets, top, from_lookup, lengths, limit, padding)
+        lengths, masks = self._cut(block_ids, lengths)
+        q = max(lengths)
+        if q < block_ids.shape[1]:  # verify only the first q tokens of the drafted block
+            block_ids, positions, offsets = block_ids[:, :q].contiguous(), positions[:, :q].contiguous(), offsets[:q]
+        limit, padding, positions = _ragged(lengths, offsets, positions)
+        from_lookup = [min(m, n - 1) for m, n in zip(from_lookup, lengths)]
+        return self._verify_and_commit(block_ids, positions, offsets, top, from_lookup, lengths, limit, padding,
+                                       masks)
+
+    def _cut(self, block_ids: torch.Tensor, lengths: list[int]) -> tuple[list[int], RowMasks | None]:
+        """The verify lengths after cutting constrained rows' blocks [b, q] at the first proposal
+        their grammar rejects, and those rows' masks (dflash/constraint.py); unchanged and None
+        without constrained rows."""
+        constraints = [r.constraint for r in self.rows]
+        if all(c is None for c in constraints):
+            return lengths, None
+        return cut_block(constraints, block_ids.tolist(), lengths, self.target.info.vocab_size)
+
+    def _mask_drafts(self, draft_probs: torch.Tensor, block_ids: torch.Tensor, starts: list[int]) -> None:
+        """Redraws the proposals of sampled constrained rows from their draft distributions
+        draft_probs [b, q-1, V] masked by their grammar (in place), so none breaks it."""
+        rows = [i for i, r in enumerate(self.rows) if r.constraint is not None and not r.params.greedy]
+        if not rows:
+            return
+        random = RowRandom([self.random.seeds[i] for i in rows])
+        ids = sample_masked(draft_probs, rows, [r.constraint for r in self.rows], starts, random.sample)
+        block_ids[torch.tensor(rows, device=block_ids.device), 1:] = ids.to(block_ids.device)
+
+    def _mask_greedy_drafts(self, hidden: torch.Tensor, block_ids: torch.Tensor) -> None:
+        """Replaces constrained rows' greedy proposals by the best tokens their grammar allows
+        (their draft logits from hidden [b, q-1, H]), so fewer blocks are cut at a proposal the
+        target could never accept."""
+        rows = [i for i, r in enumerate(self.rows) if r.constraint is not None]
+        if not rows:
+            return
+        index = torch.tensor(rows, device=hidden.device)
+        logits = self.drafter.logits(hidden[index], self.target.head())  # [m, q-1, V]
+        ids = argmax_masked(logits, rows, [r.constraint for r in self.rows])
+        block_ids[index, 1:] = ids.to(block_ids.device)
+
+    def _argmax_pass(self, ids: torch.Tensor, positions: torch.Tensor, cache: TargetCache, masks: RowMasks | None,
+                     last_logits_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`greedy_forward` for an all-greedy batch: the target's argmax ids [b, q|1] and
+        features. Constrained rows (masks) need the argmax of their masked logits: the pass also
+        captures the final hidden states and only those rows' logits are computed from them, so
+        the other rows keep the argmax-only head."""
+        if masks is None:
+            return greedy_forward(self.target, ids, positions, cache, self.layer_ids, last_logits_only)
+        h, last = self.target.info.hidden_size, self.target.info.num_layers - 1
+        layer_ids = self.layer_ids if last in self.layer_ids else (*self.layer_ids, last)
+        best, feats = greedy_forward(self.target, ids, positions, cache, layer_ids, last_logits_only)
+        at = layer_ids.index(last) * h
+        rows = masks.rows.to(best.device)
+        hidden = feats[rows, :, at: at + h]  # [m, q, H]: what the LM head reads (after the final norm)
+        if last_logits_only:
+            hidden = hidden[:, -1:]
+        head = self.target.head()
+        logits = project(head, hidden.to(head.weight.dtype)) if isinstance(head, nn.Linear) else head(hidden)
+        best[rows] = greedy_ids(masked(logits, masks.bits.to(logits.device)))
+        if not self.layer_ids:
+            return best, None
+        return best, feats[..., : len(self.layer_ids) * h]
 
     @torch.inference_mode()
     def step_lookup(self, lengths: list[int]) -> int:
@@ -470,15 +539,19 @@ class DecodeBatch:
         top = max(self.cur_host) + q
         block_ids = self.last[:, None].repeat(1, q)  # [b, q]
         self._lookup_proposals(block_ids)  # each row's continuation; past its length it is padding
+        lengths, masks = self._cut(block_ids, lengths)
+        q = max(lengths)
+        block_ids, positions, offsets = block_ids[:, :q].contiguous(), positions[:, :q].contiguous(), offsets[:q]
         limit, padding, positions = _ragged(lengths, offsets, positions)
         return self._verify_and_commit(block_ids, positions, offsets, top, [n - 1 for n in lengths], lengths,
-                                       limit, padding)
+                                       limit, padding, masks)
 
     def _verify_and_commit(self, block_ids: torch.Tensor, positions: torch.Tensor, offsets: torch.Tensor, top: int,
                            from_lookup: list[int], lengths: list[int], limit: torch.Tensor | None,
-                           padding: torch.Tensor | None) -> int:
+                           padding: torch.Tensor | None, masks: RowMasks | None = None) -> int:
         """The target's pass over block_ids [b, q] (positions EMPTY at `padding`), acceptance, and
-        the commit of every row's accepted tokens and bonus.
+        the commit of every row's accepted tokens and bonus. `masks`: constrained rows' grammar
+        masks at each position, applied to the target's logits before its argmax or sample.
 
         Sampled rows take the target's own sample at each position (drawn with the draws of the
         request's seed and that output position, dflash/sampling.py) and accept a proposal while
@@ -496,11 +569,12 @@ class DecodeBatch:
         proposals = block_ids[:, 1:]
         token_lp = None
         if self.argmax_only:  # the target's argmax only: a native target skips most of its head
-            best, feats = greedy_forward(self.target, block_ids, positions, self.tcache, self.layer_ids)
+            best, feats = self._argmax_pass(block_ids, positions, self.tcache, masks)
         else:
             logits, feats = self.target.forward(block_ids, positions, self.tcache, self.layer_ids)
             biased = apply_logit_bias(logits, [r.params.logit_bias for r in rows])  # what plain decoding samples from
-            best = self.random.sample(self._probs(biased), self._starts())  # [b, q]: the target's own tokens
+            # [b, q]: the target's own tokens
+            best = self.random.sample(self._probs(_constrained(biased, masks)), self._starts())
         accepted, bonus = accept_greedy(proposals, best, limit)
         # [b, q]: proposals[:accepted] then the bonus; row r commits its first accepted+1.
         committed = torch.cat([proposals, bonus[:, None]], dim=1).scatter(1, accepted[:, None], bonus[:, None])
@@ -622,6 +696,8 @@ class DecodeBatch:
             r.new_logprobs = r.logprobs[start:]
         if r.index is not None and r.finish_reason is None:
             r.index.extend(r.new_tokens)
+        if r.constraint is not None and r.finish_reason is None and follow(r.constraint, r.new_tokens):
+            r.finish_reason = "stop"  # the grammar is complete: nothing may follow
 
     # ---- leaving -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -674,6 +750,17 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, wanted: list[int 
         n_top = wanted[i]
         out[i] = [TokenLogprob(chosen[j][t], tuple(zip(top_i[j][t][:n_top], top_v[j][t][:n_top])))
                   for t in range(len(chosen[j]))]
+    return out
+
+
+def _constrained(logits: torch.Tensor, masks: RowMasks | None) -> torch.Tensor:
+    """logits [b, n, V] with each constrained row's disallowed tokens at -inf (a copy), or
+    logits itself without masks."""
+    if masks is None:
+        return logits
+    out = logits.clone()
+    rows = masks.rows.to(logits.device)
+    out[rows] = masked(logits[rows], masks.bits[:, : logits.shape[1]].to(logits.device))
     return out
 
 

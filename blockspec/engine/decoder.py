@@ -16,6 +16,7 @@ import torch
 
 from blockspec.config import SamplingParams, SpecConfig
 from blockspec.dflash.batch import GenerationResult
+from blockspec.dflash.constraint import TokenConstraint
 from blockspec.dflash.drafter import DFlashDrafter
 from blockspec.dflash.policy import AdaptiveBlock
 from blockspec.engine.engine import Engine, EngineConfig
@@ -81,6 +82,7 @@ class SpecDecoder:
         on_tokens: OnTokens | None = None,
         stop_check: StopCheck | None = None,
         capture_layer_ids: tuple[int, ...] = (),
+        constraints: list[TokenConstraint | None] | None = None,
     ) -> list[GenerationResult]:
         """Generates for every prompt; returns results in prompt order.
 
@@ -88,12 +90,15 @@ class SpecDecoder:
         when `spec.adaptive`: each step's block size up to spec.block_size is chosen by cost).
         capture_layer_ids: also return the target features of these layers for every position
         (what drafter training needs), for free from the passes decoding makes anyway.
+        constraints: per prompt, a fresh grammar matcher its output must match, or None.
         An error inside a step is raised here, as it was raised.
         """
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ConfigError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        if constraints is not None and len(constraints) != len(prompts):
+            raise ConfigError(f"got {len(prompts)} prompts but {len(constraints)} constraints")
         if not prompts:
             return []
         spec = self.spec
@@ -108,7 +113,8 @@ class SpecDecoder:
             for i, (p, sp) in enumerate(zip(prompts, params)):
                 check = (lambda ids, i=i: stop_check(i, ids)) if stop_check is not None else None
                 hear = (lambda ids, i=i: on_tokens(i, ids)) if on_tokens is not None else None
-                handles.append(engine.submit(p, sp, stop_check=check, on_tokens=hear))
+                handles.append(engine.submit(p, sp, stop_check=check, on_tokens=hear,
+                                             constraint=constraints[i] if constraints is not None else None))
             engine.run_until_idle()
         except BaseException:  # a refused prompt or an interrupt: nothing of this call runs on in the next
             engine.stop()

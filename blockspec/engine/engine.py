@@ -33,6 +33,7 @@ from blockspec.config import SamplingParams, SpecConfig
 from blockspec.cpu.openmp import release_thread_pool
 from blockspec.cpu.threads import follow_free_cores
 from blockspec.dflash.batch import DecodeBatch, GenerationResult, RequestStats, Row, captured_features, make_row
+from blockspec.dflash.constraint import TokenConstraint
 from blockspec.dflash.drafter import DFlashDrafter, check_compatible
 from blockspec.dflash.policy import AdaptiveBlock
 from blockspec.engine.memory import trim_heap
@@ -181,11 +182,13 @@ class Engine:
         return self._thread is not None and self._thread.is_alive()
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-               stop_check: StopCheck | None = None, on_tokens: OnTokens | None = None) -> RequestHandle:
+               stop_check: StopCheck | None = None, on_tokens: OnTokens | None = None,
+               constraint: TokenConstraint | None = None) -> RequestHandle:
         """Queues a request; validates it now (ContextLengthError, ConfigError) and raises
         QueueFullError when the queue is full. Never waits for the decode loop (own_thread=False:
         nothing decodes until the owner calls run_until_idle()). on_tokens(ids) hears each
-        commit on the decoding thread, before the event is queued."""
+        commit on the decoding thread, before the event is queued. `constraint`: a fresh matcher
+        (engine/grammar.py) the output must match; it masks every token the request commits."""
         if not isinstance(params, SamplingParams):
             raise ConfigError(f"params must be a SamplingParams, got {type(params).__name__}")
         prompt_ids = check_prompt(self.target.info, prompt_ids, params)
@@ -194,7 +197,7 @@ class Engine:
 
             stop_check = StopStrings(self.tokenizer, params.stop).watch()
         rid = request_id or f"req-{uuid.uuid4().hex[:12]}-{next(self._ids)}"
-        request = Request(rid, prompt_ids, params, stop_check, on_tokens=on_tokens)
+        request = Request(rid, prompt_ids, params, stop_check, on_tokens=on_tokens, constraint=constraint)
         self.scheduler.submit(request)
         self.recorder.submitted()
         if self.config.own_thread:
@@ -278,7 +281,8 @@ class Engine:
             self.scheduler.set_running(len(self.batch.rows))
             return
         eos = self.target.info.eos_token_ids
-        rows = [make_row(r.request_id, len(r.prompt_ids), r.params, eos, self.block, r.stop_check) for r in joining]
+        rows = [make_row(r.request_id, len(r.prompt_ids), r.params, eos, self.block, r.stop_check, r.constraint)
+                for r in joining]
         for r in joining:
             self._requests[r.request_id] = r
         before = len(self.batch.rows)

@@ -14,6 +14,7 @@ import torch
 
 from blockspec.config import SamplingParams
 from blockspec.dflash.batch import GenerationResult, RequestStats, TokenLogprob
+from blockspec.dflash.constraint import TokenConstraint
 from blockspec.errors import ConfigError, ContextLengthError
 from blockspec.targets.base import TargetInfo
 
@@ -89,6 +90,7 @@ class Request:
     cancelled: threading.Event = field(default_factory=threading.Event)
     events: queue.Queue = field(default_factory=queue.Queue)
     on_tokens: OnTokens | None = None
+    constraint: TokenConstraint | None = None  # the grammar its output must match (engine/grammar.py)
     _listener: tuple[asyncio.AbstractEventLoop, asyncio.Queue, object] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 

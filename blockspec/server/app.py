@@ -43,7 +43,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from blockspec.api import Pipeline
 from blockspec.config import SamplingParams, SpecConfig
 from blockspec.engine import Engine, EngineConfig, QueueFullError, RequestHandle, TokenEvent
-from blockspec.errors import BlockspecError, ContextLengthError
+from blockspec.engine.grammar import Grammars, OutputFormat
+from blockspec.errors import BlockspecError, ConfigError, ContextLengthError
 from blockspec.server import errors
 from blockspec.server.completions_prompt import check_ids
 from blockspec.server.echo import echo_logprobs, echo_text, joined
@@ -59,6 +60,8 @@ from blockspec.server.schemas import (
     template_switches,
 )
 from blockspec.server.sse import DONE, Shapes, event, usage
+from blockspec.server.structured import compile_error
+from blockspec.server.tools import ToolStream, detect_family, forced_format, parse_calls, render_prompt
 from blockspec.text import IncrementalDetokenizer, StopStrings, encode_prompt
 
 log = logging.getLogger("blockspec.server")
@@ -95,6 +98,8 @@ class ServerState:
     jobs: set = field(default_factory=set)  # open generation requests (_Job)
     drain_deadline: float | None = None  # time.monotonic() at which open answers are cut
     cut: bool = False  # the drain deadline has passed
+    grammars: Grammars | None = None  # structured outputs and forced tool calls (engine/grammar.py)
+    tool_family: str = "generic"  # how the chat template shows tools and writes calls (server/tools/)
 
     def begin_drain(self, grace_s: float) -> None:
         """Stops admitting; open requests may run for `grace_s` more seconds (any thread)."""
@@ -155,6 +160,8 @@ def create_app(
         switches=template_switches(getattr(pipeline.tokenizer, "chat_template", None)),
         max_token_bytes=longest_token_bytes(pipeline.tokenizer),
         texts=TokenTexts(pipeline.tokenizer),
+        grammars=Grammars(pipeline.tokenizer, int(info.vocab_size), tuple(info.eos_token_ids)),
+        tool_family=detect_family(getattr(pipeline.tokenizer, "chat_template", None)),
     )
 
     @asynccontextmanager
@@ -309,8 +316,11 @@ def _prompt_ids(state: ServerState, req: GenerationRequest) -> list[list[int]]:
         check_ids(req.prompts, state.vocab_size)
         return [_text_ids(state, p, "prompt" if len(req.prompts) == 1 else f"prompt[{i}]") if isinstance(p, str)
                 else list(p) for i, p in enumerate(req.prompts)]
-    _refuse_hopeless(state, sum(len(m["content"].encode("utf-8")) for m in req.messages), "messages")
+    _refuse_hopeless(state, sum(len((m.get("content") or "").encode("utf-8")) for m in req.messages), "messages")
     try:
+        if req.tools is not None or any(m.get("tool_calls") or m["role"] == "tool" for m in req.messages):
+            return [render_prompt(state.tokenizer, req.messages, req.tools, state.tool_family,
+                                  req.chat_template_kwargs)]
         return [encode_prompt(state.tokenizer, req.messages, chat=True,
                               chat_template_kwargs=req.chat_template_kwargs or None)]
     except BlockspecError as e:
@@ -398,6 +408,7 @@ class _Choice:
     logprobs: list = field(default_factory=list)
     text_sent: int = 0  # characters streamed so far (completion logprobs' text offsets)
     final: TokenEvent | None = None
+    tools: ToolStream | None = None  # splits tool calls from the content (a request with tools)
 
 
 @dataclass
@@ -521,21 +532,41 @@ async def _generate(state: ServerState, request: Request, req: GenerationRequest
     prompts = await state.offload(_prompt_ids, state, req)
     seed = req.seed if req.seed is not None else secrets.randbits(63)
     params = [_sampling(state, req, len(ids), seed) for ids in prompts]
+    fmt = _output_format(state, req)
+    if fmt is not None:  # compiled once per schema (cached), on the prep pool
+        await state.offload(_compile, state, fmt)
     if state.draining:  # the drain began while the prompt was being tokenised
         raise errors.shutting_down()
-    job = _admit(state, req, prompts, params, seed, arrived)
+    job = _admit(state, req, prompts, params, seed, arrived, fmt)
     if req.stream:
         return _EngineStream(job, _stream(job))
     return await _collect(request, job)
 
 
+def _output_format(state: ServerState, req: GenerationRequest) -> OutputFormat | None:
+    """What the answer is constrained to: a forced tool call's grammar, the structured output
+    asked for, or None."""
+    if req.tools is not None and req.tools.active and req.tools.forced:
+        return forced_format(req.tools, state.tool_family)
+    return req.output_format
+
+
+def _compile(state: ServerState, fmt: OutputFormat) -> None:
+    try:
+        state.grammars.compile(fmt)
+    except ConfigError as e:
+        raise compile_error(e, fmt) from None
+
+
 def _admit(state: ServerState, req: GenerationRequest, prompts: list[list[int]], params: list[SamplingParams],
-           seed: int, arrived: float) -> _Job:
+           seed: int, arrived: float, fmt: OutputFormat | None = None) -> _Job:
     """Submits the request's choices, n per prompt (prompt i, sample j is choice i * n + j, with
-    the seed of sample j: a prompt sent in a batch gets the answer it gets alone); raises
-    APIError with nothing left queued on failure."""
+    the seed of sample j: a prompt sent in a batch gets the answer it gets alone), each with a
+    matcher of `fmt` when given; raises APIError with nothing left queued on failure."""
     stops = StopStrings(state.tokenizer, req.stop)
-    shapes = Shapes(req.kind, state.served_model_name, fingerprint=state.fingerprint, seed=seed)
+    tools = req.tools is not None and req.tools.active
+    shapes = Shapes(req.kind, state.served_model_name, fingerprint=state.fingerprint, seed=seed,
+                    extra={"tool_call_format": state.tool_family} if tools else None)
     inbox: asyncio.Queue = asyncio.Queue()
     handles: list[RequestHandle] = []
     try:
@@ -544,7 +575,8 @@ def _admit(state: ServerState, req: GenerationRequest, prompts: list[list[int]],
                 index = i * req.n + j
                 handle = state.engine.submit(ids, sp.with_(seed=choice_seed(seed, j)),
                                              request_id=f"{shapes.id}-{index}",
-                                             stop_check=stops.watch() if sp.stop else None)
+                                             stop_check=stops.watch() if sp.stop else None,
+                                             constraint=state.grammars.matcher(fmt) if fmt is not None else None)
                 handle.deliver_to(inbox, key=index)
                 handles.append(handle)
     except BaseException as e:
@@ -557,7 +589,8 @@ def _admit(state: ServerState, req: GenerationRequest, prompts: list[list[int]],
         if isinstance(e, BlockspecError):
             raise errors.from_blockspec(e) from None
         raise
-    choices = [_Choice(i, h, IncrementalDetokenizer(stops), prompt=i // req.n) for i, h in enumerate(handles)]
+    choices = [_Choice(i, h, IncrementalDetokenizer(stops), prompt=i // req.n,
+                       tools=ToolStream(state.tool_family) if tools else None) for i, h in enumerate(handles)]
     job = _Job(state, req, prompts, params[0], stops, shapes, arrived, choices, inbox)
     if state.cut:  # admitted in the instant the deadline passed: cut it at once
         inbox.put_nowait(_CUT)
@@ -611,13 +644,21 @@ async def _collect(request: Request, job: _Job) -> Response:
     choices = []
     for c in job.choices:
         text = c.detok.push(c.ids, final=True)
+        reason = c.final.finish_reason if c.final else CUT_REASON
+        calls = []
+        if c.tools is not None:
+            text, calls = parse_calls(c.tools.family, text)
+            reason = "tool_calls" if calls and reason == "stop" else reason
         if job.req.echo:
             prefix, prefix_lp = job.echo(c)
             lp = job.logprobs_of(c, c.ids, c.logprobs, len(prefix))
             text, lp = prefix + text, None if prefix_lp is None else joined(prefix_lp, lp)
         else:
             lp = job.logprobs_of(c, c.ids, c.logprobs)
-        choices.append(job.shapes.choice(c.index, text, c.final.finish_reason if c.final else CUT_REASON, lp))
+        choice = job.shapes.choice(c.index, text, reason, lp)
+        if calls:
+            choice["message"]["tool_calls"] = [call.as_openai() for call in calls]
+        choices.append(choice)
     return JSONResponse(job.shapes.full(choices, usage_obj))
 
 
@@ -655,9 +696,14 @@ async def _stream(job: _Job) -> AsyncIterator[bytes]:
             if ev.token_ids:
                 delta = c.detok.push(ev.token_ids)
                 lp = job.logprobs_of(c, ev.token_ids, ev.logprobs or [], c.text_sent)
+                calls = []
+                if c.tools is not None:
+                    delta, calls = c.tools.push(delta)
                 if delta or lp is not None:
                     yield event(shapes.chunk(delta, index=c.index, logprobs=lp))
                     c.text_sent += len(delta)
+                for piece in _call_chunks(job, c, calls):
+                    yield piece
             if ev.finished:
                 for piece in _closing(job, c, ev.finish_reason):
                     yield piece
@@ -678,10 +724,28 @@ def _closing(job: _Job, c: _Choice, reason: str | None) -> list[bytes]:
     """The held-back text of a choice and its chunk with the finish reason."""
     out = []
     tail = c.detok.push([], final=True)
+    calls = []
+    if c.tools is not None:
+        tail, calls = c.tools.push(tail, final=True)
     if tail:
         out.append(event(job.shapes.chunk(tail, index=c.index)))
         c.text_sent += len(tail)
+    out.extend(_call_chunks(job, c, calls))
+    if c.tools is not None and c.tools.calls and reason == "stop":
+        reason = "tool_calls"
     out.append(event(job.shapes.chunk(None if job.req.kind == "chat" else "", reason or CUT_REASON, index=c.index)))
+    return out
+
+
+def _call_chunks(job: _Job, c: _Choice, calls: list) -> list[bytes]:
+    """A `tool_calls` delta per completed call: its index among the choice's calls, id, name and
+    whole arguments."""
+    out = []
+    first = len(c.tools.calls) - len(calls) if c.tools is not None else 0
+    for k, call in enumerate(calls):
+        chunk = job.shapes.chunk(None, index=c.index)
+        chunk["choices"][0]["delta"]["tool_calls"] = [call.as_openai(first + k)]
+        out.append(event(chunk))
     return out
 
 

@@ -2,7 +2,8 @@
 
 Validation is explicit rather than generated so every rejection names the offending field in
 `param` and says what is accepted, and so fields this server cannot honour (penalties, tools,
-JSON-schema output) are refused instead of silently ignored. A field neither OpenAI nor this
+...) are refused instead of silently ignored. Structured outputs are read by structured.py, tools by
+tools/request.py. A field neither OpenAI nor this
 server knows gets OpenAI's own answer (400 "Unrecognized request argument supplied").
 Bodies are checked as a whole first (`parse_json`): JSON, nesting depth, and text that UTF-8
 can carry (a lone surrogate escaped as "\\ud800" is valid JSON but no tokenizer takes it).
@@ -15,8 +16,11 @@ import math
 from dataclasses import dataclass, field
 
 from blockspec.config import MAX_LOGIT_BIAS
+from blockspec.engine.grammar import OutputFormat
+from blockspec.server import structured
 from blockspec.server.completions_prompt import Prompt, parse_prompts
 from blockspec.server.errors import bad_request, model_not_found, unknown_field
+from blockspec.server.tools.request import ToolRequest, parse_tools
 
 MAX_INT = 2**31 - 1  # larger max_tokens values are nonsense, not a context question
 MAX_STOPS = 16
@@ -38,8 +42,8 @@ CHAT_FIELDS = _COMMON_FIELDS | {
     "function_call", "parallel_tool_calls", "store", "metadata", "service_tier", "modalities", "prediction", "audio",
     "reasoning_effort", "prompt_cache_key", "safety_identifier", "verbosity", "web_search_options",
     "chat_template_kwargs",
-}
-COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "best_of", "echo", "suffix"}
+} | structured.FIELDS
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "best_of", "echo", "suffix", "response_format"} | structured.FIELDS
 MESSAGE_FIELDS = frozenset({"role", "content", "name", "refusal", "tool_calls", "tool_call_id", "function_call",
                             "audio"})
 
@@ -83,6 +87,8 @@ class GenerationRequest:
     prompts: tuple[Prompt, ...] = ()  # completion: every prompt (choice i * n + j: prompt i, sample j)
     echo: bool = False  # completion: the prompt (and with logprobs its scores) before each choice's text
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), sorted by id
+    output_format: OutputFormat | None = None  # structured output (server/structured.py)
+    tools: ToolRequest | None = None  # chat only (server/tools/)
 
 
 def parse_json(raw: bytes) -> dict:
@@ -283,17 +289,11 @@ def _string(body: dict, name: str) -> str | None:
     return value
 
 
-def _no_tools(body: dict) -> None:
-    """Tool calling and structured output are refused with a 400 saying so."""
-    _unsupported(body, "tools", ([],), " (no tool calling)")
-    _unsupported(body, "functions", ([],), " (no function calling)")
-    for name in ("tool_choice", "function_call"):
-        _unsupported(body, name, ("none", "auto"), " (no tool calling)")
-    _bool(body, "parallel_tool_calls", True)
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise bad_request("'response_format' other than {'type': 'text'} (JSON mode, JSON schema) is not "
-                          "supported by this server", "response_format", "unsupported_parameter")
+def _no_legacy(body: dict) -> None:
+    """The deprecated `functions` / `function_call` (use `tools`) and non-text modalities are
+    refused with a 400 saying so."""
+    _unsupported(body, "functions", ([],), " (send 'tools' instead)")
+    _unsupported(body, "function_call", ("none", "auto"), " (send 'tool_choice' instead)")
     _unsupported(body, "modalities", (["text"],), " (text only)")
     _unsupported(body, "audio", (), " (text only)")
     _unsupported(body, "prediction", (), "")
@@ -338,15 +338,38 @@ def _messages(body: dict) -> list[dict]:
             if key not in MESSAGE_FIELDS:
                 raise bad_request(f"messages[{i}]: unrecognized field {key!r}", f"messages[{i}].{key}",
                                   "unknown_parameter")
-        if m.get("tool_calls"):
-            raise bad_request(f"messages[{i}].tool_calls: tool calling is not supported by this server",
-                              f"messages[{i}].tool_calls", "unsupported_parameter")
         role = m.get("role")
         if role not in ROLES:
             raise bad_request(f"messages[{i}].role must be one of {', '.join(ROLES)}; got {role!r}",
                               f"messages[{i}].role", "invalid_value")
-        out.append({"role": role, "content": _content(i, m)})
+        message = {"role": role, "content": _content(i, m)}
+        if m.get("tool_calls"):
+            if role != "assistant":
+                raise bad_request(f"messages[{i}].tool_calls: only assistant messages carry tool calls",
+                                  f"messages[{i}].tool_calls", "invalid_value")
+            message["tool_calls"] = _tool_calls(i, m["tool_calls"])
+        for key in ("tool_call_id", "name"):
+            if m.get(key) is not None:
+                if not isinstance(m[key], str):
+                    raise bad_request(f"messages[{i}].{key} must be a string", f"messages[{i}].{key}", "invalid_type")
+                message[key] = m[key]
+        out.append(message)
     return out
+
+
+def _tool_calls(i: int, calls: object) -> list[dict]:
+    """An assistant message's tool calls, as OpenAI sends them back: [{'id', 'type': 'function',
+    'function': {'name', 'arguments' (JSON text)}}]."""
+    param = f"messages[{i}].tool_calls"
+    ok = isinstance(calls, list) and all(
+        isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+        and isinstance(c["function"].get("arguments", "{}"), (str, dict)) for c in calls)
+    if not ok:
+        raise bad_request(f"{param} must be an array of {{'id': ..., 'type': 'function', 'function': "
+                          "{'name': ..., 'arguments': '<JSON text>'}}", param, "invalid_type")
+    return [{"id": c.get("id"), "type": "function", "function": {"name": c["function"]["name"],
+                                                               "arguments": c["function"].get("arguments", "{}")}}
+            for c in calls]
 
 
 def _template_kwargs(body: dict, switches: frozenset[str]) -> dict:
@@ -400,10 +423,17 @@ def _chat_logprobs(body: dict) -> dict:
 def parse_chat(body: dict, switches: frozenset[str] = frozenset()) -> GenerationRequest:
     """A chat request; `switches`: the chat template's own variables (`template_switches`)."""
     _known(body, CHAT_FIELDS)
-    _no_tools(body)
+    _no_legacy(body)
     common = _common(body)
+    output_format = structured.output_format(body)
+    tools = parse_tools(body)
+    if tools is not None and tools.active and output_format is not None:
+        raise bad_request("a request with tools (tool_choice other than 'none') takes no response_format or "
+                          "guided_* constraint: a forced tool call is itself constrained", "response_format",
+                          "invalid_value")
     return GenerationRequest(kind="chat", messages=_messages(body),
-                             chat_template_kwargs=_template_kwargs(body, switches), **common, **_chat_logprobs(body))
+                             chat_template_kwargs=_template_kwargs(body, switches), **common, **_chat_logprobs(body),
+                             output_format=output_format, tools=tools)
 
 
 def parse_completion(body: dict) -> GenerationRequest:
@@ -424,7 +454,7 @@ def parse_completion(body: dict) -> GenerationRequest:
     prompts = parse_prompts(prompt)
     first = prompts[0] if isinstance(prompts[0], str) else list(prompts[0])
     return GenerationRequest(kind="completion", prompt=first, prompts=prompts, echo=echo, logprobs=top is not None,
-                             top_logprobs=top or 0, **common)
+                             top_logprobs=top or 0, output_format=structured.output_format(body), **common)
 
 
 def check_model(request: GenerationRequest, served: str) -> None:

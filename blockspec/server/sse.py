@@ -47,8 +47,11 @@ def usage(prompt_tokens: int, completion_tokens: int, stats: Sequence[object]) -
 class Shapes:
     """Builds the objects of one answer; `kind` is "chat" or "completion"."""
 
-    def __init__(self, kind: str, model: str, *, fingerprint: str | None = None, seed: int | None = None) -> None:
+    def __init__(self, kind: str, model: str, *, fingerprint: str | None = None, seed: int | None = None,
+                 extra: dict | None = None) -> None:
+        """extra: fields added to every object of the answer (e.g. `tool_call_format`)."""
         self.kind = kind
+        self.extra = dict(extra or {})
         self.model = model
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
@@ -64,6 +67,7 @@ class Shapes:
                "system_fingerprint": self.fingerprint}
         if self.seed is not None:
             out["seed"] = self.seed
+        out.update(self.extra)
         return out
 
     def choice(self, index: int, text: str, finish_reason: str, logprobs: dict | None = None) -> dict:

@@ -33,7 +33,7 @@ def test_greedy_with_a_bias_equals_plain_biased_decoding(model, block_size, kind
     biased = [reference_biased_greedy(model, p, max_new, bias) for p in prompts]
     assert all(b != u for b, u in zip(biased, plain)), "the bias must change every row's output"
     # the drafter proposes the unbiased text (which the bias breaks) with errors
-    drafter = ScriptedDrafter(model.config, prompts + prompts, plain + plain, error_rate=0.1, block_size=16)
+    drafter = ScriptedDrafter(model, prompts + prompts, plain + plain, error_rate=0.1, block_size=16)
     target = HFTarget(model) if kind == "hf" else native(model)
     dec = SpecDecoder(target, drafter, SpecConfig(block_size=block_size))
     params = SamplingParams(max_new_tokens=max_new, logit_bias=bias)
@@ -53,7 +53,7 @@ def test_sampled_with_a_bias_follows_its_seed_whatever_the_block(model):
     unbiased = SpecDecoder(target, None, SpecConfig(block_size=1)).generate(prompts, params.with_(logit_bias=()))
     assert [r.token_ids for r in plain] != [r.token_ids for r in unbiased]
     truth = [r.token_ids for r in plain]
-    drafter = ScriptedDrafter(model.config, prompts, truth, error_rate=0.25, block_size=16)
+    drafter = ScriptedDrafter(model, prompts, truth, error_rate=0.25, block_size=16)
     spec = SpecDecoder(target, drafter, SpecConfig(block_size=8)).generate(prompts, params)
     assert [r.token_ids for r in spec] == truth
     assert max(r.stats.mean_tau for r in spec) > 1.5, "the scripted drafter should get blocks accepted"

@@ -1,0 +1,15 @@
+"""Tool calling for the chat endpoint: the request's `tools` and `tool_choice` (request.py), the
+way each chat-template family renders tools and writes calls (formats.py), and the parsers that
+turn the generated text back into OpenAI `tool_calls`, whole or streamed (parsers.py).
+
+A forced call (`tool_choice` "required" or a named function) is generated under a grammar built
+from the tools' JSON-schema parameters (engine/grammar.py), so its arguments always parse and
+match the schema. docs/SERVING.md documents the formats, the generic one included.
+"""
+
+from blockspec.server.tools.formats import FAMILIES, detect_family, forced_format, render_prompt
+from blockspec.server.tools.parsers import ToolCall, ToolStream, parse_calls
+from blockspec.server.tools.request import Tool, ToolRequest, parse_tools
+
+__all__ = ["FAMILIES", "Tool", "ToolCall", "ToolRequest", "ToolStream", "detect_family", "forced_format",
+           "parse_calls", "parse_tools", "render_prompt"]
