@@ -17,6 +17,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 	# Independent oracles for the tests (their own pins are not needed): Z Lab's DFlash reference,
 	# and speculators' DFlash 2 modules.
 	$(BIN)/python -m pip install -q --no-deps dflash==0.1.0 speculators==0.9.0
+	# The grammar engine for structured outputs, without the ~1 GB of GPU-only triton its wheel declares.
+	$(BIN)/python -m pip install -q --no-deps xgrammar==0.2.8
 	touch $@
 
 demo: setup

@@ -80,8 +80,8 @@ def _xgrammar():
     try:
         import xgrammar
     except ImportError:
-        raise ConfigError("structured outputs need xgrammar: pip install 'blockspec[server]' "
-                          "(or pip install xgrammar)") from None
+        raise ConfigError("structured outputs need xgrammar: pip install 'blockspec[server]' && "
+                          "pip install --no-deps xgrammar (--no-deps skips triton, which a CPU never uses)") from None
     return xgrammar
 
 
