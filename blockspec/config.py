@@ -20,6 +20,7 @@ def _require(ok: bool, message: str) -> None:
 
 
 MAX_TOP_LOGPROBS = 20  # alternatives per token a request may ask for
+SAMPLING_RULES = ("auto", "keyed", "standard")  # SamplingParams.sampling_rule
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,12 @@ class SamplingParams:
     gives the same tokens whatever the batch, block size, policy or lookup. `logprobs` k: also
     return each generated token's log-probability under the target's unshaped distribution and
     its k most likely alternatives (None: off).
+
+    `sampling_rule` says how a sampled request's proposals are verified (`rule`; both are
+    lossless, dflash/verify.py): "keyed" keeps a proposal when it equals the target's own keyed
+    draw, so a seed fixes the text whatever the block size; "standard" keeps it with probability
+    min(1, p/q), which accepts more, but its text depends on what was proposed; "auto" (default):
+    keyed with a seed, standard without one.
     """
 
     max_new_tokens: int = 128
@@ -65,8 +72,13 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    sampling_rule: str = "auto"
 
     def __post_init__(self) -> None:
+        _require(
+            self.sampling_rule in SAMPLING_RULES,
+            f"sampling_rule must be one of {', '.join(SAMPLING_RULES)}, got {self.sampling_rule!r}",
+        )
         _require(
             isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
             f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}",
@@ -106,6 +118,15 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def rule(self) -> str:
+        """The verification rule this request gets: "greedy", "keyed" or "standard"."""
+        if self.greedy:
+            return "greedy"
+        if self.sampling_rule == "auto":
+            return "keyed" if self.seed is not None else "standard"
+        return self.sampling_rule
 
     def with_(self, **changes: object) -> SamplingParams:
         """A copy with some fields changed (validated again)."""

@@ -79,6 +79,9 @@ def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 
 MASK64 = 2**64 - 1
 RACE_HEAD = 32  # tokens per position that race with their own clocks in `RowRandom.sample`
+# `RowRandom.uniforms` slots of the standard rule (dflash/verify.py): negative, so no token id
+# (the race's clocks) nor the tail's slots (V, V + 1) share them.
+ACCEPT_SLOT, BONUS_SLOT = -1, -2
 
 
 def keyed(seed: int, position: int) -> int:
@@ -168,6 +171,19 @@ class RowRandom:
         keys = self.keys(positions, 1).to(probs.device)[:, 0]  # [b]
         arrival = -torch.log(slot_uniforms(keys, ids)) / probs.double()  # [b, k]; p = 0: never (inf)
         return arrival.argmin(dim=-1)
+
+    def uniforms(self, starts: list[int], n: int, slots: tuple[int, ...]) -> torch.Tensor:
+        """[b, n, len(slots)] float64 uniforms in (0, 1) of row r's output positions starts[r] ..
+        starts[r] + n - 1, one per use `slot` (ACCEPT_SLOT, BONUS_SLOT): keyed like the race's
+        clocks, on slots no token id takes, so independent of the tokens any race draws there."""
+        keys = self.keys(starts, n)  # [b, n]
+        return slot_uniforms(keys, torch.tensor(slots, dtype=torch.int64))
+
+    def subset(self, rows: list[int]) -> RowRandom:
+        """The draws of some rows (in that order)."""
+        out = RowRandom([])
+        out.seeds = [self.seeds[i] for i in rows]
+        return out
 
     def select_rows(self, rows: list[int]) -> None:
         self.seeds = [self.seeds[i] for i in rows]
