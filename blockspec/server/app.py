@@ -26,7 +26,6 @@ import functools
 import hashlib
 import hmac
 import logging
-import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -335,7 +334,7 @@ def _refuse_hopeless(state: ServerState, req: GenerationRequest, param: str) -> 
             "tokens; shorten the prompt", param, "context_length_exceeded")
 
 
-def _sampling(state: ServerState, req: GenerationRequest, prompt_len: int, seed: int) -> SamplingParams:
+def _sampling(state: ServerState, req: GenerationRequest, prompt_len: int, seed: int | None) -> SamplingParams:
     room = state.context_length - prompt_len
     prompt_param = "messages" if req.kind == "chat" else "prompt"
     if room < 1:
@@ -484,7 +483,9 @@ async def _generate(state: ServerState, request: Request, req: GenerationRequest
         raise errors.shutting_down()
     arrived = time.perf_counter()
     prompt_ids = await state.offload(_prompt_ids, state, req)
-    seed = req.seed if req.seed is not None else secrets.randbits(63)
+    # No seed: the standard rule (dflash/verify.py), which accepts more proposals but whose text
+    # no seed reproduces; a client that wants to replay an answer sends a seed.
+    seed = req.seed
     params = _sampling(state, req, len(prompt_ids), seed)
     if state.draining:  # the drain began while the prompt was being tokenised
         raise errors.shutting_down()
@@ -494,16 +495,17 @@ async def _generate(state: ServerState, request: Request, req: GenerationRequest
     return await _collect(request, job)
 
 
-def _admit(state: ServerState, req: GenerationRequest, prompt_ids: list[int], params: SamplingParams, seed: int,
+def _admit(state: ServerState, req: GenerationRequest, prompt_ids: list[int], params: SamplingParams, seed: int | None,
            arrived: float) -> _Job:
     """Submits the request's n choices; raises APIError with nothing left queued on failure."""
     stops = StopStrings(state.tokenizer, params.stop)
-    shapes = Shapes(req.kind, state.served_model_name, fingerprint=state.fingerprint, seed=seed)
+    shapes = Shapes(req.kind, state.served_model_name, fingerprint=state.fingerprint, seed=seed,
+                    sampling_rule=params.rule)
     inbox: asyncio.Queue = asyncio.Queue()
     handles: list[RequestHandle] = []
     try:
         for i in range(req.n):
-            handle = state.engine.submit(prompt_ids, params.with_(seed=choice_seed(seed, i)),
+            handle = state.engine.submit(prompt_ids, params.with_(seed=None if seed is None else choice_seed(seed, i)),
                                          request_id=f"{shapes.id}-{i}",
                                          stop_check=stops.watch() if params.stop else None)
             handle.deliver_to(inbox, key=i)

@@ -2,8 +2,9 @@
 
 One `Shapes` per request builds every object of its answer, so the id, creation time, model
 name, `system_fingerprint` and `seed` are the same on all chunks, as OpenAI clients expect.
-`seed` (an extension) is the seed the request was sampled with: the client's, or the one the
-server drew for it; sending it back reproduces the answer (see `system_fingerprint`).
+`seed` (an extension) is the client's seed, which reproduces the answer (see
+`system_fingerprint`). `sampling_rule` (an extension) says how the answer's proposals were
+verified: "greedy", "keyed" (a seed) or "standard" (no seed; dflash/verify.py).
 """
 
 from __future__ import annotations
@@ -47,13 +48,15 @@ def usage(prompt_tokens: int, completion_tokens: int, stats: Sequence[object]) -
 class Shapes:
     """Builds the objects of one answer; `kind` is "chat" or "completion"."""
 
-    def __init__(self, kind: str, model: str, *, fingerprint: str | None = None, seed: int | None = None) -> None:
+    def __init__(self, kind: str, model: str, *, fingerprint: str | None = None, seed: int | None = None,
+                 sampling_rule: str | None = None) -> None:
         self.kind = kind
         self.model = model
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.fingerprint = fingerprint
         self.seed = seed
+        self.sampling_rule = sampling_rule
 
     def _base(self, chunk: bool) -> dict:
         if self.kind == "chat":
@@ -64,6 +67,8 @@ class Shapes:
                "system_fingerprint": self.fingerprint}
         if self.seed is not None:
             out["seed"] = self.seed
+        if self.sampling_rule is not None:
+            out["sampling_rule"] = self.sampling_rule
         return out
 
     def choice(self, index: int, text: str, finish_reason: str, logprobs: dict | None = None) -> dict:
