@@ -16,7 +16,7 @@ verification, `compact(ratio)`, `select_rows(rows)`; to take joining rows `merge
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -137,9 +137,12 @@ class Row:
     def remaining(self) -> int:
         return self.params.max_new_tokens - len(self.generated)
 
-    def acceptance_rates(self, prior: list[float], weight: float = 4.0, *, lookup: bool = False) -> list[float]:
+    def acceptance_rates(self, priors: Mapping[str, list[float]], weight: float = 4.0, *, lookup: bool = False
+                         ) -> list[float]:
         """Per-position conditional acceptance estimates of the drafter's proposals (or with
-        lookup=True of lookup proposals), shrunk towards `prior`."""
+        lookup=True of lookup proposals), shrunk towards the prior of this row's verification
+        rule (`priors[rule]`: rows of different rules accept sampled proposals unalike)."""
+        prior = priors[self.params.rule]
         acc = self.stats.lookup_accepted_by_position if lookup else self.stats.accepted_by_position
         tries = self.lookup_tries if lookup else self.tries
         return [
