@@ -47,20 +47,34 @@ def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     tokens in descending order until the mass before one reaches top_p (at least the top token),
     renormalised. Only the head of each distribution is sorted (torch.topk): once the mass of
     the first k tokens reaches top_p no later token can be kept, so the result is the full sort's
-    (the same prefix sums, the same tokens, ties aside). A full sort of 49K probabilities took
-    ~15 ms a verified block on 2 cores and made sampled DFlash slower than plain decoding."""
-    v = probs.shape[-1]
-    p = top_p.float()[:, None, None]  # [b, 1, 1]
+    (the same prefix sums, the same tokens, ties aside). A position whose head falls short looks
+    further (x8) alone, so one flat distribution does not sort every position's wider head. A
+    full sort of 49K probabilities took ~15 ms a verified block and made sampled DFlash slower
+    than plain decoding."""
+    b, n, v = probs.shape
+    flat = probs.reshape(b * n, v)
+    want = top_p.float()[:, None].expand(b, n).reshape(b * n)  # [b*n]
+    out = torch.zeros_like(flat)
+    todo = torch.arange(b * n, device=probs.device)
     k = min(v, NUCLEUS_HEAD)
-    while True:
-        head, order = probs.topk(k, dim=-1)  # [b, n, k], descending
+    while todo.numel():
+        whole = todo.numel() == b * n
+        rows, p = (flat, want) if whole else (flat[todo], want[todo])
+        head, order = rows.topk(k, dim=-1)  # [r, k], descending
         mass = head.cumsum(dim=-1)
-        if k == v or bool((mass[..., -1:] >= p).all()):
+        done = (mass[:, -1] >= p) | (k == v)  # the head holds the whole nucleus
+        keep = mass - head < p[:, None]  # the mass before each token
+        filtered = torch.zeros_like(rows).scatter_(-1, order, head * keep)
+        if bool(done.all()):
+            if whole:
+                out = filtered
+            else:
+                out[todo] = filtered
             break
+        out[todo[done]] = filtered[done]
+        todo = todo[~done]
         k = min(v, k * 8)  # a flat distribution (high temperature): look further
-    keep = mass - head < p  # the mass before each token
-    out = torch.zeros_like(probs).scatter_(-1, order, head * keep)
-    return out.div_(out.sum(dim=-1, keepdim=True))
+    return out.div_(out.sum(dim=-1, keepdim=True)).reshape(b, n, v)
 
 
 def _one_hot(index: torch.Tensor, v: int) -> torch.Tensor:
@@ -151,7 +165,7 @@ class RowRandom:
         arrival = -torch.log(slot_uniforms(keys, idx)) / head.double()  # [b, n, k]; p = 0: never (inf)
         first = arrival.argmin(dim=-1)  # [b, n]
         ids = idx.gather(-1, first[..., None])[..., 0]
-        if k == v:
+        if k == v or not bool((head[..., -1] > 0).any()):  # the head holds every token of mass > 0
             return ids
         tail = probs.scatter(-1, idx, 0.0)  # [b, n, V]
         mass = tail.sum(dim=-1, dtype=torch.float64)  # [b, n]
