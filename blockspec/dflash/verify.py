@@ -74,9 +74,10 @@ def verify_standard(
     if m == 0:
         return torch.zeros(b, dtype=torch.long, device=proposals.device), sample_from(target_probs[:, 0], bonus_u[:, 0])
     index = proposals[..., None]
-    p_x = target_probs[:, :m].gather(-1, index)[..., 0]  # [b, m]
-    q_x = draft_probs.gather(-1, index)[..., 0].to(p_x.dtype)
-    keep = (accept_u.to(p_x.dtype) * q_x < p_x).to(torch.long)
+    # in float64, as the uniforms come: rounded to float32 a uniform could reach 1
+    p_x = target_probs[:, :m].gather(-1, index)[..., 0].double()  # [b, m]
+    q_x = draft_probs.gather(-1, index)[..., 0].double()
+    keep = (accept_u.double() * q_x < p_x).to(torch.long)
     last = torch.full((b,), m, dtype=torch.long, device=proposals.device) if limit is None else limit
     if limit is not None:
         keep = keep * _within(limit, m)
