@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import make_tiny_target
 from scripted import ScriptedDrafter
-from support import PROMPT, VOCAB, chi2_pvalue, exact_joint
+from support import PROMPT, VOCAB, chi2_pvalue, exact_joint, lookup_only_steps
 from test_dflash2_decode import random_dflash2
 
 import blockspec.dflash.batch as decode
@@ -181,19 +181,7 @@ def test_unseeded_lookup_proposals_follow_the_target(lossy: bool, monkeypatch: p
 
 def test_unseeded_lookup_steps_without_a_draft_pass_follow_the_target(monkeypatch: pytest.MonkeyPatch) -> None:
     """`step_lookup` (no draft pass, a length per row, the rest padding) under the standard rule."""
-    plain = decode.DecodeBatch.step
-    turn = itertools.count()
-    seen: list[int] = []
-
-    def step(self, block, _=None):
-        plan = self.lookup_plan()
-        if not any(plan):
-            return plain(self, 1)
-        lengths = [1 + next(turn) % 3 for _ in plan]  # chosen without looking at the target
-        seen.extend(min(n, 1 + len(cont)) for n, cont in zip(lengths, plan) if cont)
-        return self.step_lookup(lengths)
-
-    monkeypatch.setattr(decode.DecodeBatch, "step", step)
+    seen = lookup_only_steps(monkeypatch)
     model = make_tiny_target("llama", vocab_size=VOCAB, seed=1)
     joint = exact_joint(model, UNSEEDED)
     drafter = new_drafter_for_target(model.config, mask_token_id=VOCAB - 1, num_layers=1, dtype=torch.float64)
