@@ -21,6 +21,7 @@ def _require(ok: bool, message: str) -> None:
 
 MAX_TOP_LOGPROBS = 20  # alternatives per token a request may ask for
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on one logit_bias value (-100 bans a token, 100 forces it)
+SAMPLING_RULES = ("auto", "keyed", "standard")  # SamplingParams.sampling_rule
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,12 @@ class SamplingParams:
     token but the first (which nothing predicts); with it, max_new_tokens may be 0 (scoring only).
     `logit_bias`: (token id, value) pairs added to the target's logits before sampling, at every
     position (a dict is accepted too); logprobs stay those of the unbiased distribution.
+
+    `sampling_rule` says how a sampled request's proposals are verified (`rule`; both are
+    lossless, dflash/verify.py): "keyed" keeps a proposal when it equals the target's own keyed
+    draw, so a seed fixes the text whatever the block size; "standard" keeps it with probability
+    min(1, p/q), which accepts more, but its text depends on what was proposed; "auto" (default):
+    keyed with a seed, standard without one.
     """
 
     max_new_tokens: int = 128
@@ -69,8 +76,13 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
+    sampling_rule: str = "auto"
 
     def __post_init__(self) -> None:
+        _require(
+            self.sampling_rule in SAMPLING_RULES,
+            f"sampling_rule must be one of {', '.join(SAMPLING_RULES)}, got {self.sampling_rule!r}",
+        )
         _require(
             self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
                                              and not isinstance(self.prompt_logprobs, bool)
@@ -124,6 +136,24 @@ class SamplingParams:
     def plain_argmax(self) -> bool:
         """Greedy on the target's own logits, nothing else asked: the argmax alone decides."""
         return self.greedy and self.logprobs is None and not self.logit_bias
+
+    @property
+    def rule(self) -> str:
+        """The verification rule this request gets: "greedy", "keyed" or "standard"."""
+        return self.rule_for(constrained=False)
+
+    def rule_for(self, constrained: bool) -> str:
+        """`rule` for a row whose output a grammar constrains (`constrained`) or not. A grammar
+        cut ends a block at a proposal the target could never accept; the keyed rule stays exact
+        under such a cut, the standard rule would owe that position a residual draw, so a
+        constrained row takes the keyed one."""
+        if self.greedy:
+            return "greedy"
+        if self.sampling_rule == "auto":
+            rule = "keyed" if self.seed is not None else "standard"
+        else:
+            rule = self.sampling_rule
+        return "keyed" if constrained else rule
 
     def with_(self, **changes: object) -> SamplingParams:
         """A copy with some fields changed (validated again)."""

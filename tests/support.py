@@ -214,3 +214,25 @@ def sample_many(dec: SpecDecoder, sp: SamplingParams, n: int, batch: int) -> tor
             a, b, c = r.token_ids
             counts[a, b, c] += 1
     return counts
+
+
+def lookup_only_steps(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Makes every DecodeBatch step verify n-gram lookup continuations alone (`step_lookup`: no
+    draft pass) where a row has one, each row 1..3 tokens in turn (never looking at the target),
+    else a plain step. Returns the list the verified lengths of rows with a continuation go to."""
+    import blockspec.dflash.batch as decode
+
+    plain = decode.DecodeBatch.step
+    turn = itertools.count()
+    seen: list[int] = []
+
+    def step(self, block, _=None):
+        plan = self.lookup_plan()
+        if not any(plan):
+            return plain(self, 1)
+        lengths = [1 + next(turn) % 3 for _ in plan]
+        seen.extend(min(n, 1 + len(cont)) for n, cont in zip(lengths, plan) if cont)
+        return self.step_lookup(lengths)
+
+    monkeypatch.setattr(decode.DecodeBatch, "step", step)
+    return seen

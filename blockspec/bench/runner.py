@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from types import SimpleNamespace
 from typing import Protocol
 
-from blockspec.config import SamplingParams, SpecConfig
+from blockspec.config import SAMPLING_RULES, SamplingParams, SpecConfig
 from blockspec.errors import ConfigError
 from blockspec.text import encode_prompt
 
@@ -46,6 +46,7 @@ class Output:
     steps: int | None = None
     acceptance_lengths: list[int] | None = None
     accepted_by_position: list[int] | None = None
+    sampling_rule: str | None = None  # how the engine verified it: "greedy", "keyed" or "standard"
 
 
 class Runner(Protocol):
@@ -74,7 +75,7 @@ class EngineRunner:
     max_concurrency = None
 
     def __init__(self, target: object, drafter: object | None, block_size: int, *, adaptive: bool = False,
-                 lookup: object | None = None, ragged: bool = False) -> None:
+                 lookup: object | None = None, ragged: bool = False, sampling_rule: str | None = None) -> None:
         if block_size > 1 and drafter is None:
             raise ConfigError("a DFlash runner needs a drafter; load one or use block_size=1")
         if adaptive and block_size < 2:
@@ -92,6 +93,13 @@ class EngineRunner:
         self.name = "ar" if block_size == 1 else (f"{kind} auto<=b{block_size}" if adaptive else f"{kind} b{block_size}")
         if ragged:
             self.name += " ragged"
+        if sampling_rule is not None and sampling_rule not in SAMPLING_RULES:
+            raise ConfigError(f"sampling_rule must be one of {', '.join(SAMPLING_RULES)}, got {sampling_rule!r}")
+        # Every sampled request verified by this rule (SamplingParams.sampling_rule) instead of
+        # its own; the name says which where forced (e.g. 'dflash auto<=b16 keyed').
+        self.sampling_rule = sampling_rule if block_size > 1 else None
+        if self.sampling_rule is not None and self.sampling_rule != "auto":
+            self.name += f" {self.sampling_rule}"
         self._engines: dict[int, object] = {}
         self.last_block_sizes: dict[int, int] = {}  # steps per block size of the last `run`
 
@@ -119,7 +127,9 @@ class EngineRunner:
     def run(self, requests: Sequence[Request], concurrency: int, progress: Progress | None = None) -> list[Output]:
         engine = self._engine(concurrency)
         before = engine.metrics.block_sizes
-        handles = [engine.submit(list(r.prompt_ids), r.params) for r in requests]
+        rule = self.sampling_rule
+        handles = [engine.submit(list(r.prompt_ids), r.params if rule is None else r.params.with_(sampling_rule=rule))
+                   for r in requests]
         engine.run_until_idle(progress)
         after = engine.metrics.block_sizes
         self.last_block_sizes = {n: c - before.get(n, 0) for n, c in sorted(after.items()) if c > before.get(n, 0)}
@@ -138,6 +148,7 @@ class EngineRunner:
                 # proposal k accepted, drafted or looked up: the report's share of steps per position
                 accepted_by_position=[a + b for a, b in zip(st.accepted_by_position, st.lookup_accepted_by_position)]
                 if speculative else None,
+                sampling_rule=st.sampling_rule if speculative else None,
             ))
         return outputs
 
@@ -172,7 +183,9 @@ class SuitePlan:
     settings: tuple[Setting, ...] = (Setting(0.0, None),)
     max_new_tokens: int = 128
     top_p: float = 1.0  # the nucleus of every sampled request (temperature > 0); 1: off
-    seed: int = 0
+    # Sampled requests carry a seed derived from this one (reproducible, the keyed rule); None:
+    # no seed, as chat clients send them (the standard rule, dflash/verify.py).
+    seed: int | None = None
     warmup: bool = True
     warmup_tokens: int = 32
     # Every runner takes its turn on each round of prompts (round_batches x concurrency) before
@@ -223,6 +236,7 @@ class RequestRecord:
     accepted_by_position: list[int] | None
     token_ids: list[int]
     text: str
+    sampling_rule: str | None = None  # DFlash runners: how the request was verified (Output)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -278,8 +292,11 @@ def _visible(tokenizer: object, ids: Sequence[int]) -> str:
     return tokenizer.decode(list(ids), skip_special_tokens=True)
 
 
-def _request_seed(seed: int, sample_id: str, turn: int) -> int:
-    """Per-request sampling seed: the same for every runner and independent of batching."""
+def _request_seed(seed: int | None, sample_id: str, turn: int) -> int | None:
+    """Per-request sampling seed: the same for every runner and independent of batching (None
+    without a suite seed)."""
+    if seed is None:
+        return None
     return (seed * 1_000_003 + zlib.crc32(sample_id.encode()) * 16 + turn) % 2**63
 
 
@@ -339,7 +356,7 @@ def run_task(
                 tokens_per_s=round(n / out.latency_s, 3) if out.latency_s > 0 else 0.0,
                 steps=out.steps, mean_tau=None if tau is None else round(tau, 4),
                 acceptance_lengths=out.acceptance_lengths, accepted_by_position=out.accepted_by_position,
-                token_ids=list(out.token_ids), text=text,
+                token_ids=list(out.token_ids), text=text, sampling_rule=out.sampling_rule,
             ))
             run.requests += 1
             run.generated_tokens += n

@@ -86,7 +86,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-dir", default=None, metavar="DIR",
                         help="a folder of data files (gsm8k_test.jsonl, ...) read before $BLOCKSPEC_DATA and the "
                              "copies of the benchmark sets shipped in the package (default: those copies)")
-    parser.add_argument("--seed", type=int, default=0, help="seed for --shuffle and for sampling (default 0)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seed of the sampled requests (each its own, derived from N): reproducible text, "
+                             "verified by the keyed rule. Default: no seed, as chat clients send them (the standard "
+                             "rule). Also seeds --shuffle and a fresh drafter (default 0)")
+    parser.add_argument("--sampling-rule", choices=("auto", "keyed", "standard", "both"), default="auto",
+                        help="how the DFlash runners verify sampled requests: auto (default) = keyed with a seed, "
+                             "standard without; keyed or standard = every request so; both = each DFlash runner "
+                             "twice, '... keyed' and '... standard', interleaved (dflash/verify.py)")
     parser.add_argument("--block-sizes", type=_ints, default=None,
                         help="comma-separated fixed DFlash block sizes to measure as well, each verifying its whole "
                              "block every step as the published DFlash does, e.g. 16 (default: none; the adaptive "
@@ -236,7 +243,10 @@ def command_line(args: argparse.Namespace) -> str:
         parts.append("--shuffle")
     if args.data_dir is not None:
         parts += ["--data-dir", str(args.data_dir)]
-    parts += ["--seed", str(args.seed)]
+    if args.seed is not None:
+        parts += ["--seed", str(args.seed)]
+    if args.sampling_rule != "auto":
+        parts += ["--sampling-rule", args.sampling_rule]
     if args.block_sizes:
         parts += ["--block-sizes", joined(args.block_sizes)]
     parts += ["--concurrency", joined(args.concurrency), "--temperature", joined(args.temperature)]
@@ -292,7 +302,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--context counts tokens with the target's tokenizer, which --endpoint does not load; "
                           "run in-process (drop --endpoint) or leave --context at 0")
     notes: list[str] = []
-    datasets = _load_datasets(args.datasets, args.limit, args.shuffle, args.seed, args.data_dir)
+    seed = 0 if args.seed is None else args.seed  # of --shuffle and a fresh drafter
+    datasets = _load_datasets(args.datasets, args.limit, args.shuffle, seed, args.data_dir)
     if args.endpoint:
         from blockspec.bench.endpoint import run_endpoint
 
@@ -302,7 +313,7 @@ def run(args: argparse.Namespace) -> int:
         print(table)
         print(f"wrote {out / 'report.md'} and {out / 'results.json'}", file=sys.stderr)
         return 0
-    pipe = load(**load_kwargs(args), drafter_layers=args.drafter_layers, seed=args.seed, backend=args.backend)
+    pipe = load(**load_kwargs(args), drafter_layers=args.drafter_layers, seed=seed, backend=args.backend)
     if args.context:
         datasets = _with_context(datasets, args.context, pipe.tokenizer, args.data_dir)
     block_sizes = args.block_sizes or (pipe.drafter.block_size,)
@@ -312,17 +323,24 @@ def run(args: argparse.Namespace) -> int:
     fixed = () if args.adaptive_only or (args.adaptive and not args.block_sizes) else block_sizes
     runners = [EngineRunner(pipe.target, None, 1)]
     lookups = {"off": (None,), "on": (LookupConfig(),), "both": (None, LookupConfig())}[args.lookup]
+    rules = ("keyed", "standard") if args.sampling_rule == "both" else (args.sampling_rule,)
+    if args.sampling_rule != "auto" and all(t == 0 for t in args.temperature):
+        notes.append(f"--sampling-rule {args.sampling_rule} has no effect on greedy requests (--temperature 0)")
     for lookup in lookups:
-        runners += [EngineRunner(pipe.target, pipe.drafter, b, lookup=lookup) for b in fixed]
-        if args.adaptive:
-            raggeds = {"off": (False,), "on": (True,), "both": (False, True)}[args.ragged_verify]
-            runners += [EngineRunner(pipe.target, pipe.drafter, max(block_sizes), adaptive=True, lookup=lookup,
-                                     ragged=ragged) for ragged in raggeds]
+        for rule in rules:
+            runners += [EngineRunner(pipe.target, pipe.drafter, b, lookup=lookup, sampling_rule=rule) for b in fixed]
+            if args.adaptive:
+                raggeds = {"off": (False,), "on": (True,), "both": (False, True)}[args.ragged_verify]
+                runners += [EngineRunner(pipe.target, pipe.drafter, max(block_sizes), adaptive=True, lookup=lookup,
+                                         ragged=ragged, sampling_rule=rule) for ragged in raggeds]
     runners += _baseline_runners(args, pipe, block_sizes, notes)
     thinking = _thinking_modes(args.thinking, pipe.tokenizer, notes)
     settings = tuple(Setting(t, th) for t in args.temperature for th in thinking)
     plan = SuitePlan(concurrency=tuple(args.concurrency), settings=settings, max_new_tokens=args.max_new_tokens,
                      top_p=args.top_p, seed=args.seed, warmup=args.warmup, clock=args.clock)
+    if args.seed is None and any(t > 0 for t in args.temperature):
+        notes.append("sampled requests carry no seed (as chat clients send them): their text varies from run to "
+                      "run; --seed N makes it reproducible")
     if args.drafter == "fresh":
         notes.append("the drafter is freshly initialised (untrained): expect tau ~ 1 and DFlash slower than AR")
     for n in notes:
@@ -341,7 +359,7 @@ def run(args: argparse.Namespace) -> int:
     meta = {
         "command": command_line(args),
         "target": str(args.target),
-        "drafter": (f"fresh (untrained, {pipe.drafter.cfg.num_hidden_layers} layer(s), seed {args.seed})"
+        "drafter": (f"fresh (untrained, {pipe.drafter.cfg.num_hidden_layers} layer(s), seed {seed})"
                     if args.drafter == "fresh" else pipe.drafter_source),
         "drafter_block_size": pipe.drafter.block_size,
         "backend": f"{args.backend} ({type(pipe.target).__name__})",
@@ -356,11 +374,13 @@ def run(args: argparse.Namespace) -> int:
         "concurrency": list(args.concurrency),
         "temperatures": list(args.temperature),
         "top_p": args.top_p,
+        "seed": args.seed,
+        "sampling_rule": args.sampling_rule,
         "thinking": args.thinking,
         "baselines": list(args.baselines),
         "prompts": ", ".join(f"{k} {len(v)}" for k, v in datasets.items())
                    + f" ({count_requests(datasets)} requests per pass"
-                   + (f", shuffled with seed {args.seed})" if args.shuffle else ", first N)"),
+                   + (f", shuffled with seed {seed})" if args.shuffle else ", first N)"),
         "notes": notes,
         "load_average_at_start": load_at_start,
     }

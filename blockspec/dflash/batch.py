@@ -16,7 +16,7 @@ verification, `compact(ratio)`, `select_rows(rows)`; to take joining rows `merge
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -30,8 +30,8 @@ from blockspec.targets.slots import EMPTY
 from blockspec.targets.base import Target, TargetCache, greedy_forward
 from blockspec.dflash.logit_bias import apply_logit_bias
 from blockspec.dflash.lookup import LookupConfig, TokenIndex
-from blockspec.dflash.sampling import RowRandom, probabilities
-from blockspec.dflash.verify import accept_greedy
+from blockspec.dflash.sampling import ACCEPT_SLOT, BONUS_SLOT, RowRandom, probabilities
+from blockspec.dflash.verify import accept_greedy, verify_standard
 from blockspec.dflash.constraint import (RowMasks, TokenConstraint, argmax_masked, cut_block, first_masks, follow, masked,
                                          sample_masked)
 from blockspec.cpu.argmax import greedy_ids
@@ -51,6 +51,8 @@ class RequestStats:
     # accepted; accepted_by_position counts the drafter's proposals only.
     lookup_steps: int = 0
     lookup_accepted_by_position: list[int] = field(default_factory=list)
+    # How proposals were verified (SamplingParams.rule): "greedy", "keyed" or "standard".
+    sampling_rule: str = "greedy"
 
     @property
     def steps(self) -> int:
@@ -69,6 +71,7 @@ class RequestStats:
             "prompt_tokens": self.prompt_tokens,
             "generated_tokens": generated,
             "block_size": self.block_size,
+            "sampling_rule": self.sampling_rule,
             "steps": self.steps,
             "mean_tau": round(self.mean_tau, 4),
             "acceptance_lengths": list(self.acceptance_lengths),
@@ -142,9 +145,12 @@ class Row:
     def remaining(self) -> int:
         return self.params.max_new_tokens - len(self.generated)
 
-    def acceptance_rates(self, prior: list[float], weight: float = 4.0, *, lookup: bool = False) -> list[float]:
+    def acceptance_rates(self, priors: Mapping[str, list[float]], weight: float = 4.0, *, lookup: bool = False
+                         ) -> list[float]:
         """Per-position conditional acceptance estimates of the drafter's proposals (or with
-        lookup=True of lookup proposals), shrunk towards `prior`."""
+        lookup=True of lookup proposals), shrunk towards the prior of this row's verification
+        rule (`priors[rule]`: rows of different rules accept sampled proposals unalike)."""
+        prior = priors[self.params.rule]
         acc = self.stats.lookup_accepted_by_position if lookup else self.stats.accepted_by_position
         tries = self.lookup_tries if lookup else self.tries
         return [
@@ -164,9 +170,11 @@ def make_row(key: object, prompt_len: int, params: SamplingParams, eos: tuple[in
              stop_check: RowStopCheck | None = None, constraint: TokenConstraint | None = None) -> Row:
     """A Row with fresh statistics for a request of `prompt_len` tokens (`constraint`: a fresh
     grammar matcher its output must match)."""
+    if params.rule_for(constraint is not None) != params.rule:  # a constrained row stays keyed
+        params = params.with_(sampling_rule=params.rule_for(True))
     positions = max(0, max_block - 1)
     stats = RequestStats(prompt_tokens=prompt_len, block_size=max_block, accepted_by_position=[0] * positions,
-                         lookup_accepted_by_position=[0] * positions)
+                         lookup_accepted_by_position=[0] * positions, sampling_rule=params.rule)
     return Row(key, params, _stop_ids(params, eos), stats, stop_check, tries=[0] * positions,
                lookup_tries=[0] * positions, logprobs=[] if params.logprobs is not None else None,
                constraint=constraint)
@@ -234,6 +242,9 @@ class DecodeBatch:
         self.top_k = torch.zeros(0, dtype=torch.long, device=d)
         self.top_p = torch.zeros(0, dtype=torch.float32, device=d)
         self._plan: list[list[int]] | None = None
+        # [b, q-1, V]: the distribution each proposal of the step being verified was drawn from,
+        # for rows verified by the standard rule (None when no row is)
+        self._draft_q: torch.Tensor | None = None
         self.verified = 0  # tokens the last step verified, over all rows (a ragged step's padding not counted)
         # Context the drafter has not read yet beyond the last step's: rows that joined (whole
         # prompts) and plain steps run since its last pass. `caught_up`: the last step's draft
@@ -270,6 +281,19 @@ class DecodeBatch:
     @property
     def all_greedy(self) -> bool:
         return all(r.params.greedy for r in self.rows)
+
+    @property
+    def rules(self) -> list[str]:
+        """Each row's verification rule (SamplingParams.rule)."""
+        return [r.params.rule for r in self.rows]
+
+    def _vocab(self) -> int:
+        """The target's output vocabulary (the rows of its head: what its logits span)."""
+        return int(self.target.head().weight.shape[0])
+
+    def _wants_q(self) -> bool:
+        """Whether the step being built must keep its proposals' draft distributions."""
+        return any(r.params.rule == "standard" for r in self.rows)
 
     @property
     def argmax_only(self) -> bool:
@@ -396,6 +420,7 @@ class DecodeBatch:
         """
         rows = self.rows
         b = len(rows)
+        self._draft_q = None
         remaining = [r.remaining for r in rows]
         q = max(1, min(block, self.max_block, max(remaining)))
         d = self.device
@@ -434,18 +459,23 @@ class DecodeBatch:
             if greedy and not selector:
                 self._mask_greedy_drafts(hidden[:, 1:q], block_ids)
             elif selector:
-                block_ids[:, 1:], conf = self._sample_walk(hidden[:, 1:q], forced, trim is not None)
+                block_ids[:, 1:], conf, self._draft_q = self._sample_walk(hidden[:, 1:q], forced, trim is not None,
+                                                                          self._wants_q())
             else:
                 draft_logits = self.drafter.logits(hidden[:, 1:q], self.target.head())  # [b, q-1, V]
                 draft_probs = self._probs(draft_logits)
                 # drawn with the draws the target's own sample at each position takes (dflash/sampling.py)
                 block_ids[:, 1:] = self.random.sample(draft_probs, starts)
+                if self._wants_q():
+                    self._draft_q = draft_probs
                 if trim is not None:
                     conf = draft_confidence(draft_probs)  # [b, q-1]
                 self._mask_drafts(draft_probs, block_ids, starts)
             self.pending_feats = None
             if self.lookup is not None:
                 from_lookup = self._lookup_proposals(block_ids)
+                if self._draft_q is not None and any(from_lookup):
+                    self._draft_q = _one_hot_where(self._draft_q, block_ids[:, 1:], from_lookup)
             if trim is not None:
                 chosen = trim(conf.tolist(), from_lookup)
                 lengths = [max(1, min(q, int(n))) for n in (chosen if isinstance(chosen, list) else [chosen] * b)]
@@ -457,6 +487,8 @@ class DecodeBatch:
         q = max(lengths)
         if q < block_ids.shape[1]:  # verify only the first q tokens of the drafted block
             block_ids, positions, offsets = block_ids[:, :q].contiguous(), positions[:, :q].contiguous(), offsets[:q]
+            if self._draft_q is not None:
+                self._draft_q = self._draft_q[:, :q - 1]
         limit, padding, positions = _ragged(lengths, offsets, positions)
         from_lookup = [min(m, n - 1) for m, n in zip(from_lookup, lengths)]
         return self._verify_and_commit(block_ids, positions, offsets, top, from_lookup, lengths, limit, padding,
@@ -538,10 +570,14 @@ class DecodeBatch:
         positions = self.cur[:, None] + offsets  # [b, q]
         top = max(self.cur_host) + q
         block_ids = self.last[:, None].repeat(1, q)  # [b, q]
-        self._lookup_proposals(block_ids)  # each row's continuation; past its length it is padding
+        looked = self._lookup_proposals(block_ids)  # each row's continuation; past its length it is padding
+        if self._wants_q():  # lookup proposals are deterministic: one-hot drafts
+            self._draft_q = _one_hot_where(None, block_ids[:, 1:], looked, self._vocab())
         lengths, masks = self._cut(block_ids, lengths)
         q = max(lengths)
         block_ids, positions, offsets = block_ids[:, :q].contiguous(), positions[:, :q].contiguous(), offsets[:q]
+        if self._draft_q is not None:
+            self._draft_q = self._draft_q[:, :q - 1]
         limit, padding, positions = _ragged(lengths, offsets, positions)
         return self._verify_and_commit(block_ids, positions, offsets, top, [n - 1 for n in lengths], lengths,
                                        limit, padding, masks)
@@ -553,11 +589,14 @@ class DecodeBatch:
         the commit of every row's accepted tokens and bonus. `masks`: constrained rows' grammar
         masks at each position, applied to the target's logits before its argmax or sample.
 
-        Sampled rows take the target's own sample at each position (drawn with the draws of the
-        request's seed and that output position, dflash/sampling.py) and accept a proposal while
-        it equals that sample: each committed token is the one the target alone would have
-        sampled there, so the output follows the target's distribution exactly and does not depend
-        on what was proposed, by whom, or how many positions a step verified."""
+        Sampled rows of the keyed rule take the target's own sample at each position (drawn with
+        the draws of the request's seed and that output position, dflash/sampling.py) and accept
+        a proposal while it equals that sample: each committed token is the one the target alone
+        would have sampled there, so the output follows the target's distribution exactly and does
+        not depend on what was proposed, by whom, or how many positions a step verified. Rows of
+        the standard rule accept by min(1, p/q) against the distributions their proposals were
+        drawn from (`_draft_q`; dflash/verify.py), which accepts more but ties the text to the
+        proposals. Rows of both rules share a step."""
         rows = self.rows
         b, q = block_ids.shape
         d = self.device
@@ -573,9 +612,10 @@ class DecodeBatch:
         else:
             logits, feats = self.target.forward(block_ids, positions, self.tcache, self.layer_ids)
             biased = apply_logit_bias(logits, [r.params.logit_bias for r in rows])  # what plain decoding samples from
-            # [b, q]: the target's own tokens
-            best = self.random.sample(self._probs(_constrained(biased, masks)), self._starts())
-        accepted, bonus = accept_greedy(proposals, best, limit)
+            probs = self._probs(_constrained(biased, masks))  # [b, q, V]
+        accepted, bonus = (accept_greedy(proposals, best, limit) if self.argmax_only
+                           else self._accept_sampled(proposals, probs, limit))
+        self._draft_q = None
         # [b, q]: proposals[:accepted] then the bonus; row r commits its first accepted+1.
         committed = torch.cat([proposals, bonus[:, None]], dim=1).scatter(1, accepted[:, None], bonus[:, None])
         if not self.argmax_only:
@@ -613,6 +653,36 @@ class DecodeBatch:
             self._commit(r, h[:n], token_lp[i][:n] if token_lp is not None and token_lp[i] is not None else None)
         return q
 
+    def _accept_sampled(self, proposals: torch.Tensor, probs: torch.Tensor, limit: torch.Tensor | None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """accepted [b], bonus [b] of a step whose target gave probs [b, q, V]: each row by its rule."""
+        b, m = proposals.shape
+        starts = self._starts()
+        standard = [i for i, rule in enumerate(self.rules) if rule == "standard"] if m and self._draft_q is not None else []
+        if not standard:
+            return accept_greedy(proposals, self.random.sample(probs, starts), limit)  # best [b, q]: the target's own
+        keyed = [i for i in range(b) if i not in set(standard)]
+        accepted = torch.empty(b, dtype=torch.long, device=proposals.device)
+        bonus = torch.empty_like(accepted)
+        for rows, rule in ((keyed, "keyed"), (standard, "standard")):
+            if not rows:
+                continue
+            whole = len(rows) == b
+            index = None if whole else torch.tensor(rows, device=proposals.device)
+            pick = (lambda t: t) if whole else (lambda t: t if t is None else t[index])  # noqa: E731
+            random = self.random if whole else self.random.subset(rows)
+            row_starts = [starts[i] for i in rows]
+            if rule == "keyed":
+                a, bo = accept_greedy(pick(proposals), random.sample(pick(probs), row_starts), pick(limit))
+            else:
+                u = random.uniforms(row_starts, m + 1, (ACCEPT_SLOT, BONUS_SLOT)).to(probs.device)  # [n, q, 2]
+                a, bo = verify_standard(pick(proposals), pick(probs), pick(self._draft_q), u[:, :m, 0], u[..., 1],
+                                        pick(limit))
+            if whole:
+                return a, bo
+            accepted[index], bonus[index] = a, bo
+        return accepted, bonus
+
     def lookup_plan(self) -> list[list[int]]:
         """Per row, the n-gram lookup continuation (up to max_block - 1 ids) the next step will
         propose in place of drafted ones; [] for rows without one, or when lookup is off."""
@@ -631,15 +701,16 @@ class DecodeBatch:
         rows = [cont + [-1] * (q - 1 - len(cont)) for cont in plan]
         return torch.tensor(rows, dtype=torch.long, device=self.device)
 
-    def _sample_walk(self, hidden: torch.Tensor, forced: torch.Tensor | None, confidence: bool
-                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _sample_walk(self, hidden: torch.Tensor, forced: torch.Tensor | None, confidence: bool, keep_q: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """A DFlash 2 drafter's sampled proposals for hidden [b, n, H]: the selector's walk from
         each row's last token, drawing position t's proposal from q_t = the row's shaping
         (temperature, top-k, top-p, as the target's p gets it) of its scores S_t(prev, .) over
         the candidates, zero elsewhere. Returns (ids [b, n], with `confidence` the
         peaks [b, n] of the unary candidates' shaped distributions times their unary mass: the
         confidences an adaptive step trims by, which, unlike q_t, do not depend on the earlier
-        samples; else None)."""
+        samples, else None; with `keep_q` the q_t each proposal was drawn from, spread over the
+        vocabulary [b, n, V] (the standard rule's q), else None)."""
         head = self.target.head()
         cands = self.drafter.candidates(hidden, head, normaliser=confidence)
         starts = self._starts()
@@ -650,11 +721,14 @@ class DecodeBatch:
             # there races with the same clocks, so the walk's choice is what it will mostly accept
             return self.random.race(probs, cands.ids[:, t], [s + t for s in starts]), probs
 
-        ids, _ = self.drafter.walk(hidden, cands, self.last, pick, forced)
+        ids, kept = self.drafter.walk(hidden, cands, self.last, pick, forced)  # kept [b, n, K]
+        q = None
+        if keep_q:
+            q = kept.new_zeros(*kept.shape[:2], self._vocab()).scatter_(-1, cands.ids, kept)
         if not confidence:
-            return ids, None
+            return ids, None, q
         mass = torch.exp(cands.logits.logsumexp(-1) - cands.logsumexp)  # [b, n]
-        return ids, self._probs(cands.logits).max(dim=-1).values * mass
+        return ids, self._probs(cands.logits).max(dim=-1).values * mass, q
 
     def _lookup_proposals(self, block_ids: torch.Tensor) -> list[int]:
         """Writes each row's lookup continuation over its drafted proposals (dflash/lookup.py);
@@ -774,6 +848,20 @@ def _ragged(lengths: list[int], offsets: torch.Tensor, positions: torch.Tensor
     limit = torch.tensor(lengths, device=positions.device) - 1
     padding = offsets[None] > limit[:, None]  # [b, q]
     return limit, padding, positions.masked_fill(padding, EMPTY)
+
+
+def _one_hot_where(q: torch.Tensor | None, proposals: torch.Tensor, looked: list[int], vocab: int | None = None
+                   ) -> torch.Tensor:
+    """q [b, n, V] with each row's first looked[r] positions replaced by one-hots on its
+    proposals [b, n] (deterministic proposals: drawn from a point mass); q None: zero elsewhere."""
+    b, n = proposals.shape
+    v = q.shape[-1] if q is not None else vocab
+    onehot = torch.zeros(b, n, v, dtype=torch.float32 if q is None else q.dtype, device=proposals.device)
+    onehot.scatter_(-1, proposals[..., None], 1.0)
+    if q is None:
+        return onehot
+    mask = torch.arange(n, device=proposals.device)[None] < torch.tensor(looked, device=proposals.device)[:, None]
+    return torch.where(mask[..., None], onehot, q)
 
 
 def draft_confidence(draft_probs: torch.Tensor) -> torch.Tensor:

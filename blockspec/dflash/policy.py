@@ -53,7 +53,8 @@ import torch
 
 from blockspec.targets.base import greedy_forward
 from blockspec.targets.slots import EMPTY
-from blockspec.dflash.batch import DecodeBatch, Row, Trim
+from blockspec.dflash.batch import DecodeBatch, Row, Trim, draft_confidence
+from blockspec.dflash.sampling import RowRandom, probabilities
 
 
 MAX_INTERVAL = 256  # steps: the longest back-off of both checks (a probe, a plain step)
@@ -76,6 +77,27 @@ TRIM_MAX_ROWS = 1
 # little: a ragged step cost about what a uniform block of the same tokens does (measured:
 # docs/DESIGN.md section 12).
 PAD_SHARE = 0.05
+
+
+RULES = ("greedy", "keyed", "standard")  # SamplingParams.rule
+# The nucleus sampled steps are calibrated with: chat clients' usual top-p. Steps of other
+# shapings correct the calibration as they run (CostModel.observe).
+CALIBRATION_TOP_P = 0.9
+
+
+@dataclass
+class Acceptance:
+    """Batch-wide acceptance counts of one verification rule: how often proposal k (drafted, or
+    looked up) was accepted, of the times it was verified with proposals 0..k-1 accepted."""
+
+    accepted: list[int]
+    tries: list[int]
+    lookup_accepted: list[int]
+    lookup_tries: list[int]
+
+    @classmethod
+    def empty(cls, positions: int) -> Acceptance:
+        return cls(*([0] * positions for _ in range(4)))
 
 
 def _counts(rows: list[Row]) -> list[tuple[list[int], ...]]:
@@ -325,7 +347,7 @@ def time_sizes(run: Callable[[int], tuple[float, float]], sizes: list[int],
 
 @torch.inference_mode()
 def calibrate(batch: DecodeBatch, size: int, max_block: int, context: int = 8,
-              rounds: int = 3, confidence: bool | None = None) -> tuple[list[float], list[float]]:
+              rounds: int = 3, confidence: bool | None = None, sampled: bool = False) -> tuple[list[float], list[float]]:
     """Times one step's model work (target forward of n tokens, plus a draft pass for n > 1) at
     batch size `size` for the block sizes of `calibration_sizes` (`time_sizes`: interleaved
     rounds, the fastest of each), interpolating the rest.
@@ -334,6 +356,10 @@ def calibrate(batch: DecodeBatch, size: int, max_block: int, context: int = 8,
     short: the prefill of size x context tokens is pure overhead); returns seconds: whole steps,
     and their draft passes alone (0 for block 1). confidence: time drafts that also read back
     their confidences, as trimmed steps do (default: for batches of at most TRIM_MAX_ROWS rows).
+    sampled: time what a sampled step runs instead of a greedy one: the target's whole logits
+    (a greedy step may skip most of its head) shaped (temperature 1, top-p CALIBRATION_TOP_P)
+    and drawn from, and a DFlash drafter's shaped draft distributions drawn from (a DFlash 2
+    walk is timed greedy).
     """
     if confidence is None:
         confidence = size <= TRIM_MAX_ROWS
@@ -345,6 +371,10 @@ def calibrate(batch: DecodeBatch, size: int, max_block: int, context: int = 8,
     tcache.reserve(context)
     _, feats = target.forward(ids, positions, tcache, layer_ids, last_logits_only=True)
     dcache = batch.draft.new_cache(size) if batch.draft is not None else None
+    shaping = (torch.ones(size, device=d), torch.zeros(size, dtype=torch.long, device=d),
+               torch.full((size,), CALIBRATION_TOP_P, device=d))
+    random = RowRandom(list(range(size)))
+    starts = [0] * size
 
     def run(n: int) -> tuple[float, float]:
         block_ids = torch.zeros(size, n, dtype=torch.long, device=d)  # drafted and verified alike
@@ -355,13 +385,22 @@ def calibrate(batch: DecodeBatch, size: int, max_block: int, context: int = 8,
             ctx_pos = torch.full_like(positions[:, :1], EMPTY)
             hidden = batch.draft(feats[:, :1], ctx_pos, target.embed(block_ids), block_pos, dcache)
             anchor = block_ids[:, 0]  # a DFlash 2 drafter walks from it
-            if confidence:  # what trimmed steps compute: proposals and their confidences
+            if sampled and batch.drafter.candidate_selector is None:  # what sampled drafting steps compute
+                draft_probs = probabilities(batch.drafter.logits(hidden[:, 1:n], target.head()), *shaping)
+                random.sample(draft_probs, starts).tolist()
+                if confidence:
+                    draft_confidence(draft_probs).tolist()
+            elif confidence:  # what trimmed steps compute: proposals and their confidences
                 batch.drafter.greedy_with_confidence(hidden[:, 1:n], target.head(), anchor)[1].tolist()
             else:
                 batch.drafter.greedy_tokens(hidden[:, 1:n], target.head(), anchor).tolist()
         t1 = time.perf_counter()
         tcache.reserve(context + n)
-        greedy_forward(target, block_ids, block_pos, tcache, layer_ids)[0].tolist()  # as a greedy step does
+        if sampled:  # as a sampled step does
+            logits, _ = target.forward(block_ids, block_pos, tcache, layer_ids)
+            random.sample(probabilities(logits, *shaping), starts).tolist()
+        else:
+            greedy_forward(target, block_ids, block_pos, tcache, layer_ids)[0].tolist()  # as a greedy step does
         elapsed = time.perf_counter() - t0
         tcache.reject(torch.zeros(size, n, dtype=torch.bool, device=d))
         tcache.compact(1.0)
@@ -379,17 +418,21 @@ class AdaptiveBlock:
     def __init__(self, max_block: int, *, prior: float = 0.5, probe_block: int = 4, batch_probe_block: int = 2,
                  probe_every: int = 8,
                  plain_every: int = 16, challenge_every: int = 16, costs: CostModel | None = None,
-                 ragged: bool = False, thread_count: Callable[[], int] = torch.get_num_threads) -> None:
+                 ragged: bool = False, thread_count: Callable[[], int] = torch.get_num_threads,
+                 sampled_costs: CostModel | None = None) -> None:
         self.max_block = max_block
         # Batches of several rows verify a length per row (`trimmer`) where the target packs
         # padding. Opt-in: on a CPU its gain stayed within run-to-run noise (docs/DESIGN.md
         # section 12); padded attention eats much of what the better-chosen tokens save.
         self.ragged = ragged
+        # Steps of greedy batches (`costs`) and of batches with a sampled row (`sampled_costs`)
+        # are priced apart: a sampled step computes the target's whole logits, shapes and draws.
         self.costs = costs or CostModel(max_block)
-        self.global_accepted = [0] * max(0, max_block - 1)
-        self.global_tries = [0] * max(0, max_block - 1)
-        self.lookup_accepted = [0] * max(0, max_block - 1)  # the same for n-gram lookup proposals
-        self.lookup_tries = [0] * max(0, max_block - 1)
+        self.sampled_costs = sampled_costs or CostModel(max_block)
+        self._model = self.costs  # the one the batch being stepped uses (`choose`)
+        # Acceptance per verification rule (SamplingParams.rule): rows of different rules share
+        # a batch, and the standard rule accepts more sampled proposals than the keyed one.
+        self.acceptance: dict[str, Acceptance] = {}
         self.prior = prior
         self.probe_block = min(probe_block, max_block)
         # A probe of several rows verifies fewer tokens: at 16 rows a 4-token probe committed
@@ -421,44 +464,62 @@ class AdaptiveBlock:
         self.lookup_steps = 0  # steps run that way
         self._lookup_estimate = 0.0
 
-    def global_rates(self, *, lookup: bool = False) -> list[float]:
+    def _acceptance(self, rule: str) -> Acceptance:
+        if rule not in self.acceptance:
+            self.acceptance[rule] = Acceptance.empty(max(0, self.max_block - 1))
+        return self.acceptance[rule]
+
+    def global_rates(self, *, lookup: bool = False, rule: str = "greedy") -> list[float]:
+        """Batch-wide per-position acceptance rates of `rule`'s rows, shrunk towards the prior."""
         weight = 8.0
-        accepted, tries = (self.lookup_accepted, self.lookup_tries) if lookup else (self.global_accepted, self.global_tries)
+        counts = self._acceptance(rule)
+        accepted, tries = (counts.lookup_accepted, counts.lookup_tries) if lookup else (counts.accepted, counts.tries)
         return [(a + weight * self.prior) / (t + weight) for a, t in zip(accepted, tries)]
 
+    def priors(self, *, lookup: bool = False) -> dict[str, list[float]]:
+        """`global_rates` of every verification rule, what each row's own rates shrink towards."""
+        return {rule: self.global_rates(lookup=lookup, rule=rule) for rule in RULES}
+
     def record(self, rows: list[Row], before: list[tuple[list[int], ...]]) -> None:
-        """Adds the acceptance counted in the last step to the batch-wide rates."""
+        """Adds the acceptance counted in the last step to the batch-wide rates of each row's rule."""
         for r, (acc0, tries0, lacc0, ltries0) in zip(rows, before):
-            for k in range(len(self.global_tries)):
-                self.global_accepted[k] += r.stats.accepted_by_position[k] - acc0[k]
-                self.global_tries[k] += r.tries[k] - tries0[k]
-                self.lookup_accepted[k] += r.stats.lookup_accepted_by_position[k] - lacc0[k]
-                self.lookup_tries[k] += r.lookup_tries[k] - ltries0[k]
+            counts = self._acceptance(r.params.rule)
+            for k in range(len(counts.tries)):
+                counts.accepted[k] += r.stats.accepted_by_position[k] - acc0[k]
+                counts.tries[k] += r.tries[k] - tries0[k]
+                counts.lookup_accepted[k] += r.stats.lookup_accepted_by_position[k] - lacc0[k]
+                counts.lookup_tries[k] += r.lookup_tries[k] - ltries0[k]
 
     def expected(self, rows: list[Row], plan: list[list[int]] | None = None) -> list[float]:
         """Expected committed tokens of the whole batch for block sizes 1..max_block. A row with
         a lookup continuation of m ids (`plan`) expects from lookup's rates up to m proposals and
         nothing after them (drafted proposals behind a lookup prefix rarely fit it)."""
-        prior = self.global_rates()
-        lookup_prior = self.global_rates(lookup=True)
+        priors, lookup_priors = self.priors(), self.priors(lookup=True)
         totals = [0.0] * self.max_block
         for i, r in enumerate(rows):
             m = len(plan[i]) if plan else 0
             if m:
-                rates = r.acceptance_rates(lookup_prior, lookup=True)[:m]
+                rates = r.acceptance_rates(lookup_priors, lookup=True)[:m]
             else:
-                rates = r.acceptance_rates(prior)
+                rates = r.acceptance_rates(priors)
             for j, e in enumerate(expected_by_block(rates, self.max_block, r.remaining)):
                 totals[j] += e
         return totals
 
-    def calibrate_all(self, batch: DecodeBatch, max_batch: int) -> None:
-        """Calibrates every batch-size bucket up to `max_batch` that is not known yet."""
+    def costs_for(self, batch: DecodeBatch) -> CostModel:
+        """The step costs of `batch`: greedy ones, or sampled ones where a row samples."""
+        return self.costs if batch.argmax_only else self.sampled_costs
+
+    def calibrate_all(self, batch: DecodeBatch, max_batch: int, *, sampled: bool = True) -> None:
+        """Calibrates every batch-size bucket up to `max_batch` that is not known yet, greedy
+        steps and (with `sampled`) sampled ones."""
         if self.max_block <= 1 or batch.drafter is None:
             return
-        for size in buckets_up_to(max_batch):
-            if not self.costs.known(size):
-                self.costs.set(size, *calibrate(batch, size, self.max_block, confidence=self._trims(batch, size)))
+        for model in (self.costs, self.sampled_costs) if sampled else (self.costs,):
+            for size in buckets_up_to(max_batch):
+                if not model.known(size):
+                    model.set(size, *calibrate(batch, size, self.max_block, confidence=self._trims(batch, size),
+                                               sampled=model is self.sampled_costs))
 
     def choose(self, batch: DecodeBatch) -> int:
         """The block size for the next step of `batch` (calibrating its batch size if new); 1
@@ -467,11 +528,14 @@ class AdaptiveBlock:
         if self.max_block <= 1 or batch.drafter is None:
             return 1
         b = len(batch.rows)
-        if self.costs.use_threads(self._thread_count()):
+        threads = self._thread_count()
+        if any([m.use_threads(threads) for m in (self.costs, self.sampled_costs)]):
             self._recheck()
-        if not self.costs.known(b):
-            self.costs.set(b, *calibrate(batch, bucket(b), self.max_block, confidence=self._trims(batch, bucket(b))))
-        costs = self.costs.table(b)
+        model = self._model = self.costs_for(batch)
+        if not model.known(b):
+            model.set(b, *calibrate(batch, bucket(b), self.max_block, confidence=self._trims(batch, bucket(b)),
+                                    sampled=model is self.sampled_costs))
+        costs = model.table(b)
         plan = batch.lookup_plan()
         expected = self.expected(batch.rows, plan)
         rates = [tokens / cost for tokens, cost in zip(expected, costs)]
@@ -523,10 +587,10 @@ class AdaptiveBlock:
         b = len(rows)
         if not any(plan) or (b > 1 and not self._ragged(batch)):
             return None
-        drafts = self.costs.draft_table(b) or [0.0] * self.max_block
-        verify = [t - dr for t, dr in zip(self.costs.table(b), drafts)]
-        prior = self.global_rates(lookup=True)
-        expected = [expected_by_block(r.acceptance_rates(prior, lookup=True)[:len(cont)], 1 + len(cont), r.remaining)
+        drafts = self._model.draft_table(b) or [0.0] * self.max_block
+        verify = [t - dr for t, dr in zip(self._model.table(b), drafts)]
+        priors = self.priors(lookup=True)
+        expected = [expected_by_block(r.acceptance_rates(priors, lookup=True)[:len(cont)], 1 + len(cont), r.remaining)
                     if cont else [1.0] for r, cont in zip(rows, plan)]
         lengths, rate = split_lengths(expected, 0.0, verify, PAD_SHARE)
         if max(lengths) == 1:
@@ -547,10 +611,10 @@ class AdaptiveBlock:
         many tokens to verify (`trimmer`). At batch 1 on a CPU a 16-wide draft costs little more
         than a 4-wide one (docs/DESIGN.md section 12). `step` widens lone rows only (TRIM_MAX_ROWS).
         Without timed draft passes, `block` itself."""
-        drafts = self.costs.draft_table(batch_size)
+        drafts = self._model.draft_table(batch_size)
         if drafts is None or block < 2:
             return block
-        budget = WIDEN_SHARE * self.costs.cost(batch_size, block)
+        budget = WIDEN_SHARE * self._model.cost(batch_size, block)
         return max(w for w in range(block, self.max_block + 1) if drafts[w - 1] - drafts[block - 1] <= budget)
 
     def trimmer(self, batch: DecodeBatch) -> Trim:
@@ -568,17 +632,17 @@ class AdaptiveBlock:
         length the sum of their expectations makes best."""
         rows = list(batch.rows)
         b = len(rows)
-        table = self.costs.table(b)
-        drafts = self.costs.draft_table(b) or [0.0] * self.max_block
+        table = self._model.table(b)
+        drafts = self._model.draft_table(b) or [0.0] * self.max_block
         verify = [t - dr for t, dr in zip(table, drafts)]  # the verify part of each uniform size
-        lookup_prior = self.global_rates(lookup=True)
+        lookup_priors = self.priors(lookup=True)
         ragged = b > 1 and self._ragged(batch)
 
         def trim(confidence: list[list[float]], looked: list[int]) -> int | list[int]:
             width = len(confidence[0]) + 1 if confidence else 1
             self._drafted = width
             sunk = drafts[width - 1]
-            expected = [expected_by_block(r.acceptance_rates(lookup_prior, lookup=True)[:m] if m else conf, width,
+            expected = [expected_by_block(r.acceptance_rates(lookup_priors, lookup=True)[:m] if m else conf, width,
                                           r.remaining) for r, conf, m in zip(rows, confidence, looked)]
             if not ragged:
                 totals = [sum(e[j] for e in expected) for j in range(width)]
@@ -647,7 +711,7 @@ class AdaptiveBlock:
         seconds = time.perf_counter() - t0
         # A ragged step costs what a uniform one of its mean length does (the matmuls cost by rows).
         size = used if trim is None else max(1, min(self.max_block, round(batch.verified / b)))
-        drafts = self.costs.draft_table(b)
+        drafts = self._model.draft_table(b)
         if drafts is not None and self._drafted not in (None, size):  # priced as if it had drafted only `size`
             seconds += drafts[size - 1] - drafts[self._drafted - 1]
         if not batch.caught_up:
@@ -655,7 +719,7 @@ class AdaptiveBlock:
             # more than its size does. Believed, it priced drafting out: a fresh engine at
             # concurrency 8 then ran many steps plain (docs/DESIGN.md section 12), and the probes,
             # each catching up on the whole run, kept confirming it.
-            self.costs.observe(b, size, seconds)
+            self._model.observe(b, size, seconds)
         elif self._probing and not self._confirming and used > 1:
             self._confirm = block  # measured on the next step instead (`choose`)
         self._note_time(b, used, seconds)
@@ -667,7 +731,7 @@ class AdaptiveBlock:
     def _note_time(self, batch_size: int, used: int, seconds: float) -> None:
         """Books a step's time against the probe budget (PROBE_SHARE)."""
         if self._probing:  # a probe, or its repeat: together they are what probing costs
-            extra = max(0.0, seconds - self.costs.cost(batch_size, 1))
+            extra = max(0.0, seconds - self._model.cost(batch_size, 1))
             self.probe_extra = self.probe_extra + extra if self._confirming else extra
             self._probing = self._confirming = False
         elif used == 1 or self.lookup_step is not None:
@@ -684,11 +748,11 @@ class AdaptiveBlock:
         self.lookup_steps += 1
         self._note_time(b, used, seconds)
         if batch.verified == b * used:  # uniform: what a drafting step of this size costs, less its draft
-            drafts = self.costs.draft_table(b)
-            self.costs.observe(b, used, seconds + (drafts[used - 1] if drafts is not None else 0.0))
+            drafts = self._model.draft_table(b)
+            self._model.observe(b, used, seconds + (drafts[used - 1] if drafts is not None else 0.0))
         elif estimate > 0:
             ratio = min(4.0, max(0.25, seconds / estimate))
-            s = self.costs.smoothing
+            s = self._model.smoothing
             self.lookup_ratio = ratio if ratio < self.lookup_ratio else (1 - s) * self.lookup_ratio + s * ratio
         self.used[used] += 1
         self.record(batch.rows, before)

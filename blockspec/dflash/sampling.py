@@ -47,21 +47,34 @@ def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     tokens in descending order until the mass before one reaches top_p (at least the top token),
     renormalised. Only the head of each distribution is sorted (torch.topk): once the mass of
     the first k tokens reaches top_p no later token can be kept, so the result is the full sort's
-    (the same prefix sums, the same tokens, ties aside). A full sort of a vocabulary's
-    probabilities at every verified position made sampled DFlash slower than plain decoding
-    (docs/DESIGN.md section 12)."""
-    v = probs.shape[-1]
-    p = top_p.float()[:, None, None]  # [b, 1, 1]
+    (the same prefix sums, the same tokens, ties aside). A position whose head falls short looks
+    further (x8) alone, so one flat distribution does not sort every position's wider head. A
+    full sort of a vocabulary's probabilities at every verified position made sampled DFlash
+    slower than plain decoding (docs/DESIGN.md section 12)."""
+    b, n, v = probs.shape
+    flat = probs.reshape(b * n, v)
+    want = top_p.float()[:, None].expand(b, n).reshape(b * n)  # [b*n]
+    out = torch.zeros_like(flat)
+    todo = torch.arange(b * n, device=probs.device)
     k = min(v, NUCLEUS_HEAD)
-    while True:
-        head, order = probs.topk(k, dim=-1)  # [b, n, k], descending
+    while todo.numel():
+        whole = todo.numel() == b * n
+        rows, p = (flat, want) if whole else (flat[todo], want[todo])
+        head, order = rows.topk(k, dim=-1)  # [r, k], descending
         mass = head.cumsum(dim=-1)
-        if k == v or bool((mass[..., -1:] >= p).all()):
+        done = (mass[:, -1] >= p) | (k == v)  # the head holds the whole nucleus
+        keep = mass - head < p[:, None]  # the mass before each token
+        filtered = torch.zeros_like(rows).scatter_(-1, order, head * keep)
+        if bool(done.all()):
+            if whole:
+                out = filtered
+            else:
+                out[todo] = filtered
             break
+        out[todo[done]] = filtered[done]
+        todo = todo[~done]
         k = min(v, k * 8)  # a flat distribution (high temperature): look further
-    keep = mass - head < p  # the mass before each token
-    out = torch.zeros_like(probs).scatter_(-1, order, head * keep)
-    return out.div_(out.sum(dim=-1, keepdim=True))
+    return out.div_(out.sum(dim=-1, keepdim=True)).reshape(b, n, v)
 
 
 def _one_hot(index: torch.Tensor, v: int) -> torch.Tensor:
@@ -80,6 +93,9 @@ def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 
 MASK64 = 2**64 - 1
 RACE_HEAD = 32  # tokens per position that race with their own clocks in `RowRandom.sample`
+# `RowRandom.uniforms` slots of the standard rule (dflash/verify.py): negative, so no token id
+# (the race's clocks) nor the tail's slots (V, V + 1) share them.
+ACCEPT_SLOT, BONUS_SLOT = -1, -2
 
 
 def keyed(seed: int, position: int) -> int:
@@ -149,7 +165,7 @@ class RowRandom:
         arrival = -torch.log(slot_uniforms(keys, idx)) / head.double()  # [b, n, k]; p = 0: never (inf)
         first = arrival.argmin(dim=-1)  # [b, n]
         ids = idx.gather(-1, first[..., None])[..., 0]
-        if k == v:
+        if k == v or not bool((head[..., -1] > 0).any()):  # the head holds every token of mass > 0
             return ids
         tail = probs.scatter(-1, idx, 0.0)  # [b, n, V]
         mass = tail.sum(dim=-1, dtype=torch.float64)  # [b, n]
@@ -169,6 +185,19 @@ class RowRandom:
         keys = self.keys(positions, 1).to(probs.device)[:, 0]  # [b]
         arrival = -torch.log(slot_uniforms(keys, ids)) / probs.double()  # [b, k]; p = 0: never (inf)
         return arrival.argmin(dim=-1)
+
+    def uniforms(self, starts: list[int], n: int, slots: tuple[int, ...]) -> torch.Tensor:
+        """[b, n, len(slots)] float64 uniforms in (0, 1) of row r's output positions starts[r] ..
+        starts[r] + n - 1, one per use `slot` (ACCEPT_SLOT, BONUS_SLOT): keyed like the race's
+        clocks, on slots no token id takes, so independent of the tokens any race draws there."""
+        keys = self.keys(starts, n)  # [b, n]
+        return slot_uniforms(keys, torch.tensor(slots, dtype=torch.int64))
+
+    def subset(self, rows: list[int]) -> RowRandom:
+        """The draws of some rows (in that order)."""
+        out = RowRandom([])
+        out.seeds = [self.seeds[i] for i in rows]
+        return out
 
     def select_rows(self, rows: list[int]) -> None:
         self.seeds = [self.seeds[i] for i in rows]

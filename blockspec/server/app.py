@@ -26,7 +26,6 @@ import functools
 import hashlib
 import hmac
 import logging
-import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -349,7 +348,7 @@ def _refuse_hopeless(state: ServerState, size: int, param: str) -> None:
             "tokens; shorten the prompt", param, "context_length_exceeded")
 
 
-def _sampling(state: ServerState, req: GenerationRequest, prompt_len: int, seed: int) -> SamplingParams:
+def _sampling(state: ServerState, req: GenerationRequest, prompt_len: int, seed: int | None) -> SamplingParams:
     room = state.context_length - prompt_len
     prompt_param = "messages" if req.kind == "chat" else "prompt"
     if room < 1 and req.max_tokens != 0:
@@ -530,7 +529,9 @@ async def _generate(state: ServerState, request: Request, req: GenerationRequest
     arrived = time.perf_counter()
     _check_bias(state, req)
     prompts = await state.offload(_prompt_ids, state, req)
-    seed = req.seed if req.seed is not None else secrets.randbits(63)
+    # No seed: the standard rule (dflash/verify.py), which accepts more proposals but whose text
+    # no seed reproduces; a client that wants to replay an answer sends a seed.
+    seed = req.seed
     params = [_sampling(state, req, len(ids), seed) for ids in prompts]
     fmt = _output_format(state, req)
     if fmt is not None:  # compiled once per schema (cached), on the prep pool
@@ -559,21 +560,23 @@ def _compile(state: ServerState, fmt: OutputFormat) -> None:
 
 
 def _admit(state: ServerState, req: GenerationRequest, prompts: list[list[int]], params: list[SamplingParams],
-           seed: int, arrived: float, fmt: OutputFormat | None = None) -> _Job:
+           seed: int | None, arrived: float, fmt: OutputFormat | None = None) -> _Job:
     """Submits the request's choices, n per prompt (prompt i, sample j is choice i * n + j, with
     the seed of sample j: a prompt sent in a batch gets the answer it gets alone), each with a
     matcher of `fmt` when given; raises APIError with nothing left queued on failure."""
     stops = StopStrings(state.tokenizer, req.stop)
     tools = req.tools is not None and req.tools.active
-    shapes = Shapes(req.kind, state.served_model_name, fingerprint=state.fingerprint, seed=seed,
-                    extra={"tool_call_format": state.tool_family} if tools else None)
+    extra = {"sampling_rule": params[0].rule_for(constrained=fmt is not None)}
+    if tools:
+        extra["tool_call_format"] = state.tool_family
+    shapes = Shapes(req.kind, state.served_model_name, fingerprint=state.fingerprint, seed=seed, extra=extra)
     inbox: asyncio.Queue = asyncio.Queue()
     handles: list[RequestHandle] = []
     try:
         for i, (ids, sp) in enumerate(zip(prompts, params)):
             for j in range(req.n):
                 index = i * req.n + j
-                handle = state.engine.submit(ids, sp.with_(seed=choice_seed(seed, j)),
+                handle = state.engine.submit(ids, sp.with_(seed=None if seed is None else choice_seed(seed, j)),
                                              request_id=f"{shapes.id}-{index}",
                                              stop_check=stops.watch() if sp.stop else None,
                                              constraint=state.grammars.matcher(fmt) if fmt is not None else None)

@@ -2,8 +2,9 @@
 
 One `Shapes` per request builds every object of its answer, so the id, creation time, model
 name, `system_fingerprint` and `seed` are the same on all chunks, as OpenAI clients expect.
-`seed` (an extension) is the seed the request was sampled with: the client's, or the one the
-server drew for it; sending it back reproduces the answer (see `system_fingerprint`).
+`seed` (an extension) is the client's seed, which reproduces the answer (see
+`system_fingerprint`). `sampling_rule` (an extension) says how the answer's proposals were
+verified: "greedy", "keyed" (a seed) or "standard" (no seed; dflash/verify.py).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class Shapes:
 
     def __init__(self, kind: str, model: str, *, fingerprint: str | None = None, seed: int | None = None,
                  extra: dict | None = None) -> None:
-        """extra: fields added to every object of the answer (e.g. `tool_call_format`)."""
+        """extra: fields added to every object of the answer (`sampling_rule`, `tool_call_format`)."""
         self.kind = kind
         self.extra = dict(extra or {})
         self.model = model

@@ -109,6 +109,32 @@ def test_bench_top_p_is_recorded_and_rerunnable(tmp_path, tiny_model_dir, tiny_d
     assert "- top-p of the sampled settings: 0.5" in (out / "report.md").read_text()
 
 
+def test_bench_samples_without_seeds_and_compares_both_rules(tmp_path, tiny_model_dir, tiny_drafter_dir, capsys):
+    """Sampled requests carry no seed by default (the standard rule, as chat clients get);
+    --sampling-rule both runs each DFlash runner with either rule; --seed N makes them keyed."""
+    rc, out = _bench(tmp_path, tiny_model_dir, tiny_drafter_dir, "--datasets", "gsm8k", "--limit", "2",
+                     "--temperature", "0.8", "--sampling-rule", "both")
+    assert rc == 0, capsys.readouterr().err
+    data = json.loads((out / "results.json").read_text())
+    runners = sorted({s["runner"] for s in data["summaries"]})
+    assert runners == ["ar", "dflash+lookup auto<=b4 keyed", "dflash+lookup auto<=b4 standard"]
+    rules = {(r["runner"], r["sampling_rule"]) for r in data["requests"]}
+    assert rules == {("ar", None), ("dflash+lookup auto<=b4 keyed", "keyed"),
+                     ("dflash+lookup auto<=b4 standard", "standard")}
+    assert "--sampling-rule both" in data["meta"]["command"] and "--seed" not in data["meta"]["command"]
+    assert data["meta"]["seed"] is None
+    rc, out = _bench(tmp_path, tiny_model_dir, tiny_drafter_dir, "--datasets", "gsm8k", "--limit", "2",
+                     "--temperature", "0.8", "--seed", "3")
+    assert rc == 0, capsys.readouterr().err
+    data = json.loads((out / "results.json").read_text())
+    assert {r["sampling_rule"] for r in data["requests"] if r["runner"] != "ar"} == {"keyed"}
+    assert "--seed 3" in data["meta"]["command"]
+    first = [r["token_ids"] for r in data["requests"]]
+    rc, out = _bench(tmp_path, tiny_model_dir, tiny_drafter_dir, "--datasets", "gsm8k", "--limit", "2",
+                     "--temperature", "0.8", "--seed", "3")
+    assert [r["token_ids"] for r in json.loads((out / "results.json").read_text())["requests"]] == first
+
+
 def test_bench_needs_a_drafter(tmp_path, tiny_model_dir, capsys):
     rc = main(["bench", "--target", str(tiny_model_dir), "--drafter", "none", "--out", str(tmp_path)])
     assert rc == 2

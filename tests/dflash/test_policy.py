@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import make_tiny_target
 
+from blockspec.config import SamplingParams
 from blockspec.dflash.drafter import new_drafter_for_target
 from blockspec.dflash.policy import AdaptiveBlock, CostModel, buckets_up_to, calibration_sizes, expected_tokens
 from blockspec.targets.native import load_native_target
@@ -105,6 +106,7 @@ def test_calibration_covers_every_bucket_and_block_end() -> None:
 def test_adaptive_policy_probes_while_plain_decoding_wins() -> None:
     class Batch:
         drafter = object()
+        argmax_only = True
         rows = []
 
         @staticmethod
@@ -117,7 +119,7 @@ def test_adaptive_policy_probes_while_plain_decoding_wins() -> None:
     choices = [policy.choose(Batch) for _ in range(12)]
     assert choices == [1, 1, 1, 3, 1, 1, 1, 1, 1, 1, 1, 3]  # probes back off: after 4, then 8
     rows = [SimpleNamespace(remaining=100, acceptance_rates=lambda prior, lookup=False: [0.0] * 7)] * 16
-    batch = SimpleNamespace(drafter=object(), rows=rows, lookup_plan=lambda: [[]] * 16)
+    batch = SimpleNamespace(drafter=object(), argmax_only=True, rows=rows, lookup_plan=lambda: [[]] * 16)
     costs.set(16, [1.0] + [10.0] * 7)
     policy = AdaptiveBlock(8, costs=costs, probe_block=3, probe_every=4)
     assert [policy.choose(batch) for _ in range(4)] == [1, 1, 1, 2]  # a batch probes with 2 tokens a row
@@ -133,6 +135,7 @@ def test_adaptive_probes_cost_at_most_their_share_of_plain_decoding(monkeypatch:
     clock = SimpleNamespace(t=0.0)
     monkeypatch.setattr(adaptive, "time", SimpleNamespace(perf_counter=lambda: clock.t))
     rows = [SimpleNamespace(remaining=100, acceptance_rates=lambda prior, lookup=False: [0.0] * 7,
+                            params=SamplingParams(),
                             stats=SimpleNamespace(accepted_by_position=[0] * 7, lookup_accepted_by_position=[0] * 7),
                             tries=[0] * 7, lookup_tries=[0] * 7) for _ in range(16)]
 
@@ -142,7 +145,8 @@ def test_adaptive_probes_cost_at_most_their_share_of_plain_decoding(monkeypatch:
             batch.verified = 16 * block
             return block
 
-        batch = SimpleNamespace(drafter=object(), rows=rows, skips_padding=True, verified=0, caught_up=False,
+        batch = SimpleNamespace(drafter=object(), argmax_only=True, rows=rows, skips_padding=True, verified=0,
+                                caught_up=False,
                                 lookup_plan=lambda: [[]] * 16, step=step)
         costs = CostModel(max_block=8)
         costs.set(16, [1.0] + [10.0] * 7)  # drafting never pays
@@ -164,6 +168,7 @@ def test_adaptive_cost_model_leaves_out_draft_passes_that_catch_up(monkeypatch: 
     clock = SimpleNamespace(t=0.0)
     monkeypatch.setattr(adaptive, "time", SimpleNamespace(perf_counter=lambda: clock.t))
     rows = [SimpleNamespace(remaining=100, acceptance_rates=lambda prior, lookup=False: [0.9] * 3,
+                            params=SamplingParams(),
                             stats=SimpleNamespace(accepted_by_position=[0] * 3, lookup_accepted_by_position=[0] * 3),
                             tries=[0] * 3, lookup_tries=[0] * 3) for _ in range(2)]
 
@@ -175,7 +180,7 @@ def test_adaptive_cost_model_leaves_out_draft_passes_that_catch_up(monkeypatch: 
         return block
 
     drafted: list[int] = []
-    batch = SimpleNamespace(drafter=object(), rows=rows, skips_padding=False, verified=0,
+    batch = SimpleNamespace(drafter=object(), argmax_only=True, rows=rows, skips_padding=False, verified=0,
                             lookup_plan=lambda: [[]] * 2, step=step, caught_up=False)
     costs = CostModel(max_block=4)
     costs.set(2, [1.0, 1.1, 1.2, 1.3])
@@ -199,14 +204,17 @@ def test_adaptive_policy_verifies_lookup_continuations_without_drafting() -> Non
     for rows in (1, 2):  # a draft pass costs 0.3 of a 1.0 step; each verified token 0.05 more
         costs.set(rows, [1.0] + [1.3 + 0.05 * (n - 1) for n in range(2, 9)], [0.0] + [0.3] * 7)
     policy = AdaptiveBlock(8, costs=costs, plain_every=1000, challenge_every=1000)
-    lone = SimpleNamespace(drafter=object(), rows=[_lookup_row(0.9)], lookup_plan=lambda: [[5, 6, 7, 8]])
+    lone = SimpleNamespace(drafter=object(), argmax_only=True, rows=[_lookup_row(0.9)],
+                           lookup_plan=lambda: [[5, 6, 7, 8]])
     assert policy.choose(lone) == 1 and policy.lookup_step == [5]  # the whole continuation, no draft
-    bad = SimpleNamespace(drafter=object(), rows=[_lookup_row(0.02, drafted=0.9)], lookup_plan=lambda: [[5, 6]])
+    bad = SimpleNamespace(drafter=object(), argmax_only=True, rows=[_lookup_row(0.02, drafted=0.9)],
+                          lookup_plan=lambda: [[5, 6]])
     assert policy.choose(bad) == 1 and policy.lookup_step is None  # a hopeless continuation: a plain step
-    none = SimpleNamespace(drafter=object(), rows=[_lookup_row(0.9)], lookup_plan=lambda: [[]])
+    none = SimpleNamespace(drafter=object(), argmax_only=True, rows=[_lookup_row(0.9)], lookup_plan=lambda: [[]])
     policy.choose(none)
     assert policy.lookup_step is None
-    pair = dict(drafter=object(), rows=[_lookup_row(0.9), _lookup_row(0.9)], lookup_plan=lambda: [[5, 6, 7], []])
+    pair = dict(drafter=object(), argmax_only=True, rows=[_lookup_row(0.9), _lookup_row(0.9)],
+                lookup_plan=lambda: [[5, 6, 7], []])
     assert policy.choose(SimpleNamespace(**pair, skips_padding=True)) == 1 and policy.lookup_step is None  # batch: opt-in
     ragged = AdaptiveBlock(8, costs=costs, plain_every=1000, challenge_every=1000, ragged=True)
     assert ragged.choose(SimpleNamespace(**pair, skips_padding=True)) == 1 and ragged.lookup_step == [4, 1]
@@ -217,7 +225,8 @@ def test_adaptive_policy_verifies_lookup_continuations_without_drafting() -> Non
 def _one_row_batch(rate: float) -> object:
     """What AdaptiveBlock.choose reads of a batch: one row whose drafts are accepted at `rate`."""
     row = SimpleNamespace(remaining=100, acceptance_rates=lambda prior: [rate] * 7)
-    return SimpleNamespace(drafter=object(), rows=[row], lookup_plan=lambda: [[]])  # no lookup proposals
+    return SimpleNamespace(drafter=object(), argmax_only=True, rows=[row],
+                           lookup_plan=lambda: [[]])  # no lookup proposals
 
 
 def test_adaptive_policy_measures_plain_decoding_while_drafting_wins() -> None:

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from blockspec.config import SamplingParams
 from blockspec.dflash import policy as adaptive
 from blockspec.dflash.policy import AdaptiveBlock, CostModel, expected_tokens, interpolate, time_sizes
 
@@ -38,10 +39,10 @@ class Machine:
         self.blocks: list[int] = []
         monkeypatch.setattr(adaptive, "time", SimpleNamespace(perf_counter=lambda: self.t))
         rows = [SimpleNamespace(remaining=10**6, acceptance_rates=lambda prior, lookup=False: [RATE] * 15,
-                                stats=SimpleNamespace(accepted_by_position=[0] * 15,
+                                params=SamplingParams(), stats=SimpleNamespace(accepted_by_position=[0] * 15,
                                                       lookup_accepted_by_position=[0] * 15),
                                 tries=[0] * 15, lookup_tries=[0] * 15) for _ in range(ROWS)]
-        self.batch = SimpleNamespace(drafter=object(), rows=rows, skips_padding=False, verified=0,
+        self.batch = SimpleNamespace(drafter=object(), argmax_only=True, rows=rows, skips_padding=False, verified=0,
                                      lookup_plan=lambda: [[]] * ROWS, step=self.step, caught_up=False)
 
     def step(self, block: int, trim: object = None) -> int:

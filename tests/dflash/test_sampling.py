@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import itertools
 
 import pytest
 import torch
 from conftest import make_tiny_target
 from scripted import ScriptedDrafter
-from support import PROMPT, VOCAB, chi2_pvalue, exact_joint, sample_many
+from support import PROMPT, VOCAB, chi2_pvalue, exact_joint, lookup_only_steps, sample_many
 
 from blockspec.config import SamplingParams, SpecConfig
 from blockspec.dflash.drafter import new_drafter_for_target
@@ -251,22 +250,9 @@ def test_lookup_steps_without_a_draft_pass_keep_sampling_exact(monkeypatch: pyte
     """Steps that verify n-gram lookup continuations alone (DecodeBatch.step_lookup: no draft
     pass, a length per row, the rest padding; as the adaptive policy runs them) treat each
     continuation as a one-hot draft: the output still follows the target's distribution."""
-    import blockspec.dflash.batch as decode
     from blockspec.targets.native import load_native_target
 
-    plain = decode.DecodeBatch.step
-    turn = itertools.count()
-    seen: list[int] = []
-
-    def step(self, block, _=None):
-        plan = self.lookup_plan()
-        if not any(plan):
-            return plain(self, 1)
-        lengths = [1 + next(turn) % 3 for _ in plan]  # chosen without looking at the target
-        seen.extend(min(n, 1 + len(cont)) for n, cont in zip(lengths, plan) if cont)
-        return self.step_lookup(lengths)
-
-    monkeypatch.setattr(decode.DecodeBatch, "step", step)
+    seen = lookup_only_steps(monkeypatch)
     model = make_tiny_target("llama", vocab_size=VOCAB, seed=1)
     sp = SamplingParams(max_new_tokens=3, ignore_eos=True, temperature=1.0)
     joint = exact_joint(model, sp)

@@ -135,16 +135,22 @@ def test_stop_sequences_as_openai(client, pipe):
 
 
 def test_seed_is_echoed_and_replays_the_answer(client):
+    """A seed is echoed and replays the answer (the keyed rule); without one the answer says it
+    was verified by the standard rule and carries no seed (no seed could replay it)."""
     kwargs = dict(model=MODEL, messages=HELLO, max_tokens=10, **SAMPLED, extra_body={"ignore_eos": True})
-    first = client.chat.completions.create(**kwargs)  # no seed: the server draws one and says which
-    seed = first.model_extra["seed"]
-    assert isinstance(seed, int) and 0 <= seed < 2**63
+    unseeded = client.chat.completions.create(**kwargs)
+    assert "seed" not in unseeded.model_extra and unseeded.model_extra["sampling_rule"] == "standard"
+    seed = 12345
+    first = client.chat.completions.create(seed=seed, **kwargs)
+    assert first.model_extra["seed"] == seed and first.model_extra["sampling_rule"] == "keyed"
     assert first.system_fingerprint and first.system_fingerprint.startswith("fp_")
+    assert first.system_fingerprint == unseeded.system_fingerprint
     replay = client.chat.completions.create(seed=seed, **kwargs)
     assert replay.model_extra["seed"] == seed
     assert replay.choices[0].message.content == first.choices[0].message.content
     assert replay.system_fingerprint == first.system_fingerprint
     chunks = list(client.chat.completions.create(seed=seed, stream=True, **kwargs))
     assert {c.model_extra["seed"] for c in chunks} == {seed}
+    assert {c.model_extra["sampling_rule"] for c in chunks} == {"keyed"}
     assert {c.system_fingerprint for c in chunks} == {first.system_fingerprint}
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == first.choices[0].message.content

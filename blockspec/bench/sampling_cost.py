@@ -1,0 +1,145 @@
+"""The share of a sampled decoding step spent sampling, per verification rule.
+
+    python -m blockspec.bench.sampling_cost --limit 4 --max-new-tokens 64 --temperature 0.7 --top-p 0.9
+
+Decodes the first prompts of a set (batch 1, the settings every verb uses: adaptive blocks and
+n-gram lookup) with sampled requests verified by the keyed rule, then the standard rule
+(alternating per prompt), and times, inside every step, what sampling adds to the model work:
+temperature / top-k / top-p shaping of the target's and the drafter's logits
+(`probabilities`), the keyed draws (`RowRandom.sample`, `race`, `uniforms`), the one-hot drafts
+of lookup proposals and the standard rule itself (`verify_standard`: acceptance tests and the
+residual draw). Prints a Markdown table: per rule, steps, milliseconds per step, of which
+sampling, and its share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+
+# (module path, attribute) of every sampling function a step calls; class methods as "Class.method"
+SAMPLING = (
+    ("blockspec.dflash.batch", "probabilities"),
+    ("blockspec.dflash.batch", "verify_standard"),
+    ("blockspec.dflash.batch", "_one_hot_where"),
+    ("blockspec.dflash.sampling", "RowRandom.sample"),
+    ("blockspec.dflash.sampling", "RowRandom.race"),
+    ("blockspec.dflash.sampling", "RowRandom.uniforms"),
+)
+STEPS = (("blockspec.dflash.batch", "DecodeBatch.step"), ("blockspec.dflash.batch", "DecodeBatch.step_lookup"))
+
+
+class Clocks:
+    """Seconds spent in the timed functions (outermost calls only, so nothing counts twice)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.calls = 0
+        self._depth = 0
+
+    def wrap(self, fn: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            if self._depth:
+                return fn(*args, **kwargs)
+            self._depth += 1
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+                self.calls += 1
+                self._depth -= 1
+        return timed
+
+
+@contextmanager
+def timing(functions: tuple[tuple[str, str], ...], clocks: Clocks) -> Iterator[None]:
+    """Times every call of `functions` into `clocks` while inside; restores them after."""
+    import importlib
+
+    saved = []
+    for module_name, attr in functions:
+        owner = importlib.import_module(module_name)
+        *path, name = attr.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        saved.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, clocks.wrap(getattr(owner, name)))
+    try:
+        yield
+    finally:
+        for owner, name, fn in reversed(saved):
+            setattr(owner, name, fn)
+
+
+def measure(decoder: object, prompts: list[list[int]], params: object, rules: tuple[str, ...]) -> dict[str, dict]:
+    """Per rule: steps, step seconds and sampling seconds over `prompts` (each prompt run once per
+    rule, the rules alternating, so drifting load hits them alike)."""
+    out = {rule: {"steps": 0, "step_s": 0.0, "sampling_s": 0.0, "tokens": 0, "tau": []} for rule in rules}
+    for prompt in prompts:
+        for rule in rules:
+            steps, sampling = Clocks(), Clocks()
+            with timing(STEPS, steps), timing(SAMPLING, sampling):
+                result = decoder.generate([prompt], params.with_(sampling_rule=rule))[0]
+            row = out[rule]
+            row["steps"] += steps.calls
+            row["step_s"] += steps.seconds
+            row["sampling_s"] += sampling.seconds
+            row["tokens"] += len(result.token_ids)
+            row["tau"].append(result.stats.mean_tau)
+    return out
+
+
+def table(results: dict[str, dict]) -> str:
+    lines = ["| rule | steps | tokens | tau | ms per step | of which sampling (ms) | sampling share |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for rule, r in results.items():
+        n = max(1, r["steps"])
+        tau = sum(r["tau"]) / max(1, len(r["tau"]))
+        lines.append(f"| {rule} | {r['steps']} | {r['tokens']} | {tau:.2f} | {1000 * r['step_s'] / n:.2f} | "
+                     f"{1000 * r['sampling_s'] / n:.2f} | {100 * r['sampling_s'] / max(r['step_s'], 1e-12):.1f}% |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from blockspec.api import load
+    from blockspec.datasets import load_dataset
+    from blockspec.config import SamplingParams
+    from blockspec.text import encode_prompt
+    from blockspec.zoo.registry import DEFAULT_TARGET
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default=DEFAULT_TARGET)
+    ap.add_argument("--drafter", default=None, help="default: the drafter shipped for a zoo target")
+    ap.add_argument("--dataset", default="gsm8k")
+    ap.add_argument("--limit", type=int, default=4, help="prompts (default 4)")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--top-p", type=float, default=0.9)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args(argv)
+    if args.threads:
+        from blockspec.cpu.threads import pin
+
+        pin(args.threads)
+    pipe = load(args.target, args.drafter)
+    samples = load_dataset(args.dataset, limit=args.limit)
+    prompts = [encode_prompt(pipe.tokenizer, [{"role": "user", "content": s.turns[0]}], chat=True) for s in samples]
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k)
+    pipe.decoder.generate([prompts[0]], params.with_(max_new_tokens=8))  # warm-up (and calibration)
+    results = measure(pipe.decoder, prompts, params, ("keyed", "standard"))
+    print(table(results))
+    print(json.dumps({"threads": torch.get_num_threads(), **{k: {kk: vv for kk, vv in v.items() if kk != "tau"}
+                                                             for k, v in results.items()}}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
