@@ -176,8 +176,8 @@ def test_native_target_with_packed_weights_computes_the_same_bits(monkeypatch: p
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     # the packed target's projections went packed (through the one-call layer loop, which reads
     # the same packed copies) and so did its head
-    assert packed.net._program.kinds() == [(4, 4, 4, 4)] * len(layers)
-    assert plain.net._program.kinds() == [(0, 0, 0, 0)] * len(layers)
+    assert packed.net.backend.program.kinds() == [(4, 4, 4, 4)] * len(layers)
+    assert plain.net.backend.program.kinds() == [(0, 0, 0, 0)] * len(layers)
     assert len(calls) == 1
     step = torch.tensor([[4, 8, 15]])
     outs = [t.forward(step, torch.arange(8, 11)[None], c, (1, 3)) for t, c in zip((packed, plain), caches)]
