@@ -115,6 +115,11 @@ class Pipeline:
         self.target_source = target_source
 
     @property
+    def compute(self) -> str:
+        """The target's compute mode: "exact" or "int8" (`load`'s compute)."""
+        return getattr(self.target, "compute", "exact")
+
+    @property
     def block_size(self) -> int:
         """The block size, or with adaptive_block the largest one a step may use."""
         return self.decoder.spec.block_size
@@ -244,6 +249,7 @@ def load(
     draft_vocab: bool = True,
     drafter_dtype: str = "auto",
     lookup: bool | LookupConfig = True,
+    compute: str = "auto",
 ) -> Pipeline:
     """Loads a target (zoo name, directory or Hub id) and a drafter.
 
@@ -267,6 +273,11 @@ def load(
     followed them instead of the drafted block (n-gram lookup, dflash/lookup.py: targets copy
     names, numbers and code from the prompt, which a small drafter predicts poorly); True takes
     LookupConfig(), False drafts every proposal (pure DFlash). Same output either way.
+    compute: how the target computes (targets/native/backends.py): "exact" (bit-exact fp32 / bf16,
+    transformers' numerics), "int8" (8-bit activations times the 4- / 8-bit weights in integers:
+    faster on a CPU, lossless within the mode, native backend, fp32 only), or "auto" (the
+    default): int8 for a zoo model converted from a quantised GGUF file, whose perplexity stays
+    within 1% of exact (BENCHMARKS.md), exact for anything else. `pipeline.compute` says which.
     """
     if dtype not in DTYPES:
         raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -277,7 +288,7 @@ def load(
 
     chosen = check_drafter(target, drafter)
     target_dir = resolve_target_dir(target)
-    hf_target, tokenizer = load_target(target_dir, backend=backend, dtype=dtype, device=device)
+    hf_target, tokenizer = load_target(target_dir, backend=backend, dtype=dtype, device=device, compute=compute)
     source = str(chosen) if drafter is None else str(drafter)
     draft: DFlashDrafter | None
     if chosen == "none":

@@ -2,8 +2,8 @@
  *
  * Why: each layer is about ten kernel calls (two norms, four products, the q/k/v placement,
  * attention, the activation, the head permute), and from Python each costs a few microseconds
- * of argument checks and ctypes conversion beyond the kernel itself: ~2 ms of a 6.9 ms
- * one-token SmolLM2-135M forward on 2 cores, which takes 4.9 ms in one call.
+ * of argument checks and ctypes conversion beyond the kernel itself, a large part of a one-token
+ * forward of a small model (BENCHMARKS.md, "Kernel measurements").
  * Here the loop over layers runs in C and calls the same kernels with the same
  * arguments in the same order (cpu/program.py prepares them), so every output has
  * the bits of the Python loops: targets/native/llama.py's, and the drafter's (dflash/drafter.py)

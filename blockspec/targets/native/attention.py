@@ -17,9 +17,7 @@ from blockspec.cpu import kernels
 
 # Query tokens per row that the kernel takes: decoding, verification, and prompts of up to this
 # many tokens. Its prefills were faster than PyTorch's flash attention under the causal rule
-# (SmolLM2-135M on 2 Zen 5 cores, whole forwards: a 108-token prompt 96 -> 87 ms, 400 tokens 371
-# -> 338, a join of 8 prompts of 77-171 tokens 910 -> 830), and a
-# prompt then attends alike alone or joined. Longer prompts keep PyTorch's kernel: this one keeps
+# (BENCHMARKS.md, "Kernel measurements"), and a prompt then attends alike alone or joined. Longer prompts keep PyTorch's kernel: this one keeps
 # each query's partial sums per chunk of keys, scratch that grows with the square of the prompt.
 MAX_TOKENS = 512
 

@@ -43,8 +43,7 @@ class NativeLayer(nn.Module):
     """One decoder layer's weights; q/k/v fused into qkv [(h + 2 kvh) d, H], gate and up into
     gate_up [2 I, H]. One product instead of two: each output column is the same dot product
     either way (the same bits), and the CPU kernel's call and thread start-up are paid once
-    (SmolLM2-135M, 2 cores: 4.5 against 4.7 ms for 30 layers' gate and up at 1 token, 4.9 against
-    5.2 at 6)."""
+    (measured: BENCHMARKS.md, "Kernel measurements")."""
 
     def __init__(self, cfg: NativeConfig) -> None:
         super().__init__()
