@@ -58,12 +58,21 @@ def step_costs(targets: dict[str, object], widths: list[int], context: int, reps
     return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
 
 
+def _ids(encoded: object) -> list[int]:
+    """Token ids from apply_chat_template, whichever form this transformers version returns."""
+    if hasattr(encoded, "keys"):
+        encoded = encoded["input_ids"]
+    return [int(t) for t in encoded]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="smollm2-135m-instruct")
-    ap.add_argument("--texts", type=int, default=64, help="held-out texts for perplexity (GSM8K test, from the end)")
-    ap.add_argument("--prompts", type=int, default=8, help="bench prompts for greedy agreement (GSM8K test, first)")
-    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--texts", type=int, default=24,
+                    help="held-out texts for perplexity (GSM8K test, from the end); 0 skips it")
+    ap.add_argument("--prompts", type=int, default=4,
+                    help="bench prompts for greedy agreement (GSM8K test, first); 0 skips it")
+    ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--costs", default="", help="also time verify passes of these widths against a plain step, "
                     "e.g. 8,16 (ratios: the modes interleaved)")
     ap.add_argument("--reps", type=int, default=30)
@@ -76,8 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     for mode in ("exact", "int8"):
         targets[mode], tokenizer = load_target(path, backend="native", compute=mode)
     rows = load_dataset("gsm8k", split="test")
-    texts = [tokenizer(f"Question: {s.prompt}\nAnswer: {s.reference}").input_ids for s in rows[-args.texts:]]
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": s.prompt}], add_generation_prompt=True)
+    texts = [tokenizer(f"Question: {s.prompt}\nAnswer: {s.reference}").input_ids
+             for s in rows[len(rows) - args.texts:]]
+    prompts = [_ids(tokenizer.apply_chat_template([{"role": "user", "content": s.prompt}], add_generation_prompt=True))
                for s in rows[: args.prompts]]
     report: dict[str, object] = {"target": args.target, "texts": len(texts),
                                  "tokens": sum(len(t) - 1 for t in texts), "prompts": len(prompts),
@@ -86,18 +96,20 @@ def main(argv: list[str] | None = None) -> int:
     outs = {}
     for mode, target in targets.items():
         t0 = time.perf_counter()
-        report[f"ppl_{mode}"] = round(perplexity(target, texts), 4)
-        outs[mode] = greedy(target, prompts, args.new_tokens)
+        if texts:
+            report[f"ppl_{mode}"] = round(perplexity(target, texts), 4)
+        if prompts:
+            outs[mode] = greedy(target, prompts, args.new_tokens)
         report[f"seconds_{mode}"] = round(time.perf_counter() - t0, 1)
-    report["ppl_ratio"] = round(report["ppl_int8"] / report["ppl_exact"], 4)
-    same = [a == b for a, b in zip(outs["exact"], outs["int8"])]
-    prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-              for a, b in zip(outs["exact"], outs["int8"])]
-    report["greedy_identical"] = f"{sum(same)}/{len(same)}"
-    report["greedy_mean_common_prefix"] = round(sum(prefix) / len(prefix), 1)
-    report["greedy_token_agreement"] = round(
-        sum(x == y for a, b in zip(outs["exact"], outs["int8"]) for x, y in zip(a, b))
-        / max(1, sum(min(len(a), len(b)) for a, b in zip(outs["exact"], outs["int8"]))), 3)
+    if texts:
+        report["ppl_ratio"] = round(report["ppl_int8"] / report["ppl_exact"], 4)
+    if prompts:
+        pairs = list(zip(outs["exact"], outs["int8"]))
+        prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))) for a, b in pairs]
+        report["greedy_identical"] = f"{sum(a == b for a, b in pairs)}/{len(pairs)}"
+        report["greedy_mean_common_prefix"] = round(sum(prefix) / len(prefix), 1)
+        report["greedy_token_agreement"] = round(sum(x == y for a, b in pairs for x, y in zip(a, b))
+                                                 / max(1, sum(min(len(a), len(b)) for a, b in pairs)), 3)
     if args.costs:
         widths = [int(w) for w in args.costs.split(",")]
         med = step_costs(targets, widths, context=300, reps=args.reps)

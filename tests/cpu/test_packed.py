@@ -287,7 +287,7 @@ class _CountPacking:
 
 
 def _same_packed(a, b) -> bool:
-    for (_, ma), (_, mb) in zip(a.net._packable(), b.net._packable(), strict=True):
+    for (_, ma), (_, mb) in zip(a.net.packable(), b.net.packable(), strict=True):
         pa, pb = ma.packed, mb.packed
         if (pa is None) != (pb is None):
             return False
@@ -344,7 +344,7 @@ def test_a_damaged_stale_or_foreign_packed_file_is_rebuilt_not_trusted(tmp_path,
     monkeypatch.setattr(packed_cache, "FORMAT", packed_cache.FORMAT + 1)
     reload_packs_again("another packing format")
     # a file with the right key and checksum whose scales do not rebuild these weights
-    names = fresh.net._packable()
+    names = fresh.net.packable()
     wrong = {n: None if m.packed is None else PackedWeight(m.packed.bits, m.packed.qs, m.packed.sc * 2,
                                                            m.packed.source) for n, m in names}
     packed_cache.save(kept, wrong, packed_cache.source_key(model_dir, torch.float32))
