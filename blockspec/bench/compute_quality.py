@@ -36,7 +36,8 @@ def greedy(target: object, prompts: list[list[int]], new_tokens: int) -> list[li
     from blockspec.config import SamplingParams, SpecConfig
     from blockspec.engine.decoder import SpecDecoder
 
-    out = SpecDecoder(target, None, SpecConfig(block_size=1)).generate(prompts, SamplingParams(max_new_tokens=new_tokens))
+    decoder = SpecDecoder(target, None, SpecConfig(block_size=1))
+    out = decoder.generate(prompts, SamplingParams(max_new_tokens=new_tokens))
     return [r.token_ids for r in out]
 
 
@@ -76,7 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--costs", default="", help="also time verify passes of these widths against a plain step, "
                     "e.g. 8,16 (ratios: the modes interleaved)")
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--threads", type=int, default=0, help="torch's (and the kernels') threads; 0 keeps the default")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     from blockspec.zoo.registry import resolve_target_dir
     from blockspec.targets.native.load import load_target
 

@@ -96,6 +96,23 @@ def test_int8_logits_are_batch_invariant(monkeypatch: pytest.MonkeyPatch, loop: 
 
 
 @needs_kernel
+def test_int8_layer_program_has_the_python_loops_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    target = load_native_target(_q4_model(seed=8), dtype="float32", compute="int8")
+    g = torch.Generator().manual_seed(1)
+    steps = [(torch.randint(0, 48, (3, 7), generator=g), torch.arange(7)[None].expand(3, 7).contiguous()),
+             (torch.randint(0, 48, (3, 4), generator=g), torch.arange(7, 11)[None].expand(3, 4).contiguous())]
+    runs = []
+    for loop in ("program", "python"):
+        if loop == "python":
+            monkeypatch.setattr(KernelBackend, "run_program", lambda *args, **kwargs: None)
+        cache = target.new_cache(3, capacity=32)
+        runs.append([target.forward(ids, pos, cache, (1, 3)) for ids, pos in steps])
+    assert target.net.backend.program is not None
+    for (la, fa), (lb, fb) in zip(*runs):
+        assert torch.equal(la, lb) and torch.equal(fa, fb)
+
+
+@needs_kernel
 @pytest.mark.parametrize("gguf", [True, False])
 def test_int8_dflash_equals_int8_plain_decoding_on_ragged_batches(gguf: bool) -> None:
     """Lossless within the mode, for a GGUF model and for an fp32 one whose weights the mode

@@ -47,7 +47,8 @@ def test_weights_become_the_integer_form_of_their_gguf_values() -> None:
     assert torch.equal((iw8.d[:, :, None] * iw8.levels().float().view(5, 2, 32)).reshape(5, 64), w8)
     other = int8.quantize_weight(torch.randn(4, 64))  # not of a GGUF form: quantised, values change
     assert other.bits == 8 and not other.exact and other.levels().abs().max() == 127
-    assert int8.quantize_weight(torch.randn(4, 40)) is None and int8.quantize_weight(torch.randn(4, 64).double()) is None
+    assert int8.quantize_weight(torch.randn(4, 40)) is None  # inputs not a multiple of 32
+    assert int8.quantize_weight(torch.randn(4, 64).double()) is None
     with pytest.raises(ValueError, match="Int8Weight needs"):
         int8.Int8Weight(4, iw.qs, iw.d, None, iw.source)
 
@@ -59,7 +60,8 @@ def test_weights_become_the_integer_form_of_their_gguf_values() -> None:
 def test_kernel_has_the_bits_of_its_pytorch_emulation(kind: str, width: int, rows: int) -> None:
     w, iw = _weight(kind, 37, width, seed=rows + width)  # 37: weight rows in pairs and one alone
     g = torch.Generator().manual_seed(rows)
-    x, bias, res = torch.randn(rows, width, generator=g), torch.randn(37, generator=g), torch.randn(rows, 37, generator=g)
+    x, bias = torch.randn(rows, width, generator=g), torch.randn(37, generator=g)
+    res = torch.randn(rows, 37, generator=g)
     x[0, :32] = 0.0  # a block of zeros
     got = int8.int8_linear(x, iw, bias, res)
     assert torch.equal(got, int8.reference_product(x, iw, bias, res))
