@@ -395,7 +395,7 @@ class Int8Backend(KernelBackend):
         return w if w is not None and w.matches(module.weight) else None
 
     def product(self, module: nn.Linear, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        w = self.weight(module) if x.dtype == torch.float32 else None
+        w = self.weight(module) if x.dtype == torch.float32 and x.is_cpu else None
         return super().product(module, x, residual) if w is None else int8_linear(x, w, module.bias, residual)
 
     def head(self, x: torch.Tensor, greedy: bool) -> torch.Tensor:

@@ -1,12 +1,13 @@
 """Native Llama-family target (Llama, SmolLM2, Qwen2, Qwen3) over a position-indexed KV cache.
 
 Numerically the same computation as the Hugging Face modeling code (RMSNorm in fp32, RoPE angles
-in fp32, SDPA attention), arranged for speed: q/k/v projections are fused into one matmul, one-token
-forwards and blocks of tokens project through cpu/linear.py (oneDNN on a CPU; where that is
-missing, one-token forwards use transposed [in, out] copies of the widest matrices), K/V go
-straight into the preallocated cache (targets/native/cache.py), and grouped query heads attend
-as [kv_heads, groups * q] so the cache is never repeated per query head. Greedy steps ask for
-the argmax ids only (`forward_greedy`), which an fp32 head on a CPU finds by screening in bf16
+in fp32, SDPA attention) in the exact compute mode, arranged for speed: q/k/v projections are
+fused into one matmul, K/V go straight into the preallocated cache (targets/native/cache.py), and
+grouped query heads attend as [kv_heads, groups * q] so the cache is never repeated per query
+head. `NativeLlama.forward` is one straight line: the pass's geometry, its backend's layers
+(targets/native/backends.py: PyTorch's operators, the exact CPU kernels or the int8 mode's
+integer products, chosen at load), the final norm, the backend's head. Greedy steps ask for the
+argmax ids only (`forward_greedy`), which an fp32 head on a CPU finds by screening in bf16
 (cpu/greedy_head.py).
 """
 
