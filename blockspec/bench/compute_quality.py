@@ -66,6 +66,65 @@ def _ids(encoded: object) -> list[int]:
     return [int(t) for t in encoded]
 
 
+def profile_parts(target: object, widths: list[int], context: int, reps: int) -> dict[str, dict[str, float]]:
+    """Where a greedy target pass of w tokens (batch 1, after `context` tokens) spends its time,
+    by part, in milliseconds per pass (medians would need per-part samples; these are means):
+    the Python layer loop with each part of the backend timed (the one-call C loop cannot be
+    split), its total, and the one-call loop's total beside it. "python and dispatch": the
+    loop's total less its timed parts ("product head", where the head is a product, is inside
+    "head")."""
+    from blockspec.targets.native import backends
+
+    backend = target.net.backend
+    kinds = {m: n for layer in target.net.layers for n, m in
+             (("qkv", layer.qkv), ("o", layer.o), ("gate_up", layer.gate_up), ("down", layer.down))}
+    parts: dict[str, float] = {}
+
+    def timed(name: str, fn: object) -> object:
+        def run(*args: object, **kwargs: object) -> object:
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            key = name if name != "product" else f"product {kinds.get(args[0], 'head')}"
+            parts[key] = parts.get(key, 0.0) + time.perf_counter() - t0
+            return out
+        return run
+
+    ids = torch.randint(0, 1000, (1, context + max(widths)), generator=torch.Generator().manual_seed(1))
+    out: dict[str, dict[str, float]] = {}
+    for w in (1, *widths):
+        step_ids, pos = ids[:, context : context + w], torch.arange(context, context + w)[None]
+        cache = target.new_cache(1, capacity=context + w + 1)
+        target.forward(ids[:, :context], torch.arange(context)[None], cache)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            target.forward_greedy(step_ids, pos, cache)
+        one_call = (time.perf_counter() - t0) / reps
+        saved = {n: getattr(backend, n) for n in ("norm", "queries", "attention", "head", "product", "run_program")}
+        saved_silu = backends.silu_mul
+        try:
+            for n in ("norm", "queries", "attention", "head", "product"):
+                setattr(backend, n, timed(n, saved[n]))
+            backend.run_program = lambda *args, **kwargs: None
+            backends.silu_mul = timed("activation", saved_silu)
+            target.forward_greedy(step_ids, pos, cache)  # warm
+            parts.clear()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                target.forward_greedy(step_ids, pos, cache)
+            loop = (time.perf_counter() - t0) / reps
+        finally:
+            for n in saved:
+                delattr(backend, n)
+            backends.silu_mul = saved_silu
+        row = {k: round(v / reps * 1e3, 3) for k, v in sorted(parts.items())}
+        inner = row.get("product head", 0.0)  # inside "head" (the int8 head is a product)
+        row["python and dispatch"] = round(loop * 1e3 - sum(row.values()) + inner, 3)
+        row["total (python loop)"] = round(loop * 1e3, 3)
+        row["total (one-call loop)"] = round(one_call * 1e3, 3)
+        out[str(w)] = row
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="smollm2-135m-instruct")
@@ -77,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--costs", default="", help="also time verify passes of these widths against a plain step, "
                     "e.g. 8,16 (ratios: the modes interleaved)")
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--profile", action="store_true", help="also split a plain and the verify passes by part")
     ap.add_argument("--threads", type=int, default=0, help="torch's (and the kernels') threads; 0 keeps the default")
     args = ap.parse_args(argv)
     if args.threads:
@@ -121,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
         report["verify_in_plain_steps"] = {m: {w: round(med[f"{m}_{w}"] / med[f"{m}_1"], 2) for w in widths}
                                            for m in targets}
         report["int8_over_exact"] = {w: round(med[f"int8_{w}"] / med[f"exact_{w}"], 2) for w in (1, *widths)}
+    if args.profile:
+        widths = [int(w) for w in args.costs.split(",")] if args.costs else [8]
+        report["profile_ms"] = {m: profile_parts(t, widths, context=300, reps=args.reps) for m, t in targets.items()}
     print(json.dumps(report))
     return 0
 
