@@ -281,6 +281,10 @@ def load(
     """
     if dtype not in DTYPES:
         raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    from blockspec.targets.native.backends import COMPUTES
+
+    if compute not in COMPUTES:  # before the slow load (or a pull)
+        raise ConfigError(f"compute must be one of {', '.join(COMPUTES)}, got {compute!r}")
     governor()  # starts watching the other processes' load: the first step then knows it (cpu/threads.py)
     lookup_cfg = resolve_lookup(lookup)  # a bad value fails before the slow load
     draft_dtype = resolve_drafter_dtype(drafter_dtype, dtype, device)

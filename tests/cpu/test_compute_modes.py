@@ -198,6 +198,10 @@ def test_auto_loads_a_zoo_conversion_in_int8_and_a_checkpoint_exactly(tmp_path, 
     assert load_target(model_dir)[0].compute == "exact"  # the library's default stays exact
     with pytest.raises(ConfigError, match="compute must be one of"):
         load_target(model_dir, compute="int4")
+    import blockspec
+
+    with pytest.raises(ConfigError, match="compute must be one of"):
+        blockspec.load(str(model_dir), "none", compute="int4")
     with pytest.raises(ConfigError, match="needs the native backend"):
         load_target(model_dir, backend="hf", compute="int8")
     with pytest.raises(ConfigError, match="fp32 models on a CPU"):
