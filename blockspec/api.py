@@ -147,6 +147,11 @@ class Pipeline:
         self.target_source = target_source
 
     @property
+    def compute(self) -> str:
+        """The target's compute mode: "exact" or "int8" (`load`'s compute)."""
+        return getattr(self.target, "compute", "exact")
+
+    @property
     def block_size(self) -> int:
         """The block size, or with adaptive_block the largest one a step may use."""
         return self.decoder.spec.block_size
@@ -283,6 +288,7 @@ def load(
     draft_vocab: bool = True,
     drafter_dtype: str = "auto",
     lookup: bool | LookupConfig = True,
+    compute: str = "auto",
 ) -> Pipeline:
     """Loads a target (zoo name, directory or Hub id) and a drafter.
 
@@ -306,9 +312,18 @@ def load(
     followed them instead of the drafted block (n-gram lookup, dflash/lookup.py: targets copy
     names, numbers and code from the prompt, which a small drafter predicts poorly); True takes
     LookupConfig(), False drafts every proposal (pure DFlash). Same output either way.
+    compute: how the target computes (targets/native/backends.py): "exact" (bit-exact fp32 / bf16,
+    transformers' numerics), "int8" (8-bit activations times the 4- / 8-bit weights in integers:
+    faster on a CPU, lossless within the mode, native backend, fp32 only), or "auto" (the
+    default): int8 for a zoo model converted from a quantised GGUF file, whose perplexity stays
+    within 1% of exact (BENCHMARKS.md), exact for anything else. `pipeline.compute` says which.
     """
     if dtype not in DTYPES:
         raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    from blockspec.targets.native.backends import COMPUTES
+
+    if compute not in COMPUTES:  # before the slow load (or a pull)
+        raise ConfigError(f"compute must be one of {', '.join(COMPUTES)}, got {compute!r}")
     governor()  # starts watching the other processes' load: the first step then knows it (cpu/threads.py)
     lookup_cfg = resolve_lookup(lookup)  # a bad value fails before the slow load
     draft_dtype = resolve_drafter_dtype(drafter_dtype, dtype, device)
@@ -316,7 +331,7 @@ def load(
 
     chosen = check_drafter(target, drafter)
     target_dir = resolve_target_dir(target)
-    hf_target, tokenizer = load_target(target_dir, backend=backend, dtype=dtype, device=device)
+    hf_target, tokenizer = load_target(target_dir, backend=backend, dtype=dtype, device=device, compute=compute)
     source = str(chosen) if drafter is None else str(drafter)
     draft: DFlashDrafter | None
     if chosen == "none":

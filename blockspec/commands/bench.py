@@ -364,6 +364,7 @@ def run(args: argparse.Namespace) -> int:
         "drafter_block_size": pipe.drafter.block_size,
         "backend": f"{args.backend} ({type(pipe.target).__name__})",
         "packed_weights": _packed(pipe.target),
+        "compute": getattr(pipe.target, "compute_detail", pipe.compute),
         "dtype": args.dtype,
         "drafter_dtype": str(next(pipe.drafter.parameters()).dtype).removeprefix("torch."),
         "device": args.device,
@@ -398,4 +399,5 @@ def _packed(target: object) -> str | None:
     """The target's packed weights (cpu/packed_weights.py) for the report, or None."""
     net = getattr(target, "net", None)
     summary = net.packed_summary() if hasattr(net, "packed_summary") else None
-    return None if summary is None else f"{summary} (exact; BLOCKSPEC_PACK_WEIGHTS=0 turns them off)"
+    compute = getattr(target, "compute", "exact")
+    return None if summary is None else f"{summary} ({compute}; BLOCKSPEC_PACK_WEIGHTS=0 turns them off)"

@@ -24,6 +24,8 @@ from blockspec.zoo.registry import DEFAULT_TARGET
 # The target's dtypes: `targets.base.DTYPES` (which imports torch; a test holds the two equal).
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
 DRAFTER_DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+# The compute modes: `targets.native.load.COMPUTES` (which imports torch; a test holds the two equal).
+COMPUTE_NAMES = ("exact", "int8", "auto")
 _DEVICE = re.compile(r"cpu|mps|cuda(:\d+)?")
 
 
@@ -76,6 +78,11 @@ FLAGS: tuple[RuntimeFlag, ...] = (
              "products, else the target's (the output is the same either way)")),
     RuntimeFlag("--device", "device", "model", dict(
         default="cpu", type=device_name, metavar="{cpu,cuda[:N],mps}", help="where the models run (default cpu)")),
+    RuntimeFlag("--compute", "compute", "model", dict(
+        default="auto", choices=COMPUTE_NAMES,
+        help="the target's arithmetic on a CPU: exact (fp32 as transformers computes it), int8 (8-bit "
+             "activations against the 4- / 8-bit weights, integer dot products; DFlash equals int8's own plain "
+             "decoding), auto (default: the fastest mode whose quality holds; today exact)")),
     RuntimeFlag("--block-size", "block_size", "decoding", dict(
         default=None, type=positive_int,
         help="the largest block a step verifies (default: the drafter's); with --no-adaptive-block, every "

@@ -42,10 +42,18 @@ import torch
 from blockspec.cache_dir import cache_root
 
 SOURCES = tuple(Path(__file__).parent / "csrc" / name
-                for name in ("rows.c", "attention.c", "norm.c", "peak.c", "rope.c", "layers.c", "conv.c"))  # one library
+                for name in ("rows.c", "attention.c", "norm.c", "peak.c", "rope.c", "layers.c", "conv.c", "int8.c"))  # one library
 HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("vec.h", "kernels.h"))
 DISABLE_ENV = "BLOCKSPEC_CPU_KERNELS"
+# Extra compiler flags after -march=native, e.g. "-mno-avx512vnni" to build (and test) the int8
+# kernels' AVX2 path on a CPU that has VNNI.
+CFLAGS_ENV = "BLOCKSPEC_CPU_CFLAGS"
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+INT8_PATHS = {2: "vnni", 1: "avx2", 0: "c"}  # cpu/csrc/int8.c's bs_int8_path()
+
+
+def _flags() -> tuple[str, ...]:
+    return (*_FLAGS, *os.environ.get(CFLAGS_ENV, "").split())
 
 _UNTRIED = object()
 _kernel: object = _UNTRIED
@@ -72,14 +80,14 @@ def build(cc: str, out_dir: Path) -> Path:
     """Compiles the kernel (if not cached) and returns the shared library's path."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
     texts = [src.read_text() for src in (*SOURCES, *HEADERS)]
-    key = hashlib.sha256("\0".join([*texts, cc, version, " ".join(_FLAGS), _cpu_id()]).encode())
+    key = hashlib.sha256("\0".join([*texts, cc, version, " ".join(_flags()), _cpu_id()]).encode())
     lib = out_dir / f"rows-{key.hexdigest()[:16]}.so"
     if lib.exists():
         return lib
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         tmp_lib = Path(tmp) / lib.name
-        subprocess.run([cc, *_FLAGS, *map(str, SOURCES), "-o", str(tmp_lib), "-lm"], capture_output=True, text=True,
+        subprocess.run([cc, *_flags(), *map(str, SOURCES), "-o", str(tmp_lib), "-lm"], capture_output=True, text=True,
                        check=True)
         os.replace(tmp_lib, lib)  # atomic: concurrent processes (torchrun) never load half a file
     return lib
@@ -150,6 +158,11 @@ def _load() -> object | None:
         f.restype = ctypes.c_int
     fn.layers_layout.argtypes = [ctypes.c_void_p]
     fn.layers_layout.restype = ctypes.c_int
+    fn.int8 = {4: lib.bs_int8_matmul_q4, 8: lib.bs_int8_matmul_q8}
+    for f in fn.int8.values():
+        f.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        f.restype = ctypes.c_int
+    fn.int8_path = INT8_PATHS[int(lib.bs_int8_path())]
     return fn if _agrees(fn) else None
 
 

@@ -13,6 +13,7 @@ ragged passes, resumed passes, causal or windowed draft layers).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -20,10 +21,12 @@ import torch
 from torch import nn
 
 from blockspec.cpu import kernels
+from blockspec.cpu.int8 import Int8Weight
 from blockspec.cpu.qkv import QKVPlacement
 
 DTYPES = (torch.float32, torch.bfloat16)
 DIMS = 18  # the int64 geometry values `run` passes (cpu/csrc/layers.c's D_COUNT; `build` checks)
+INT8_KIND = 16  # a product's kind in the table: 16 + bits for an integer product (cpu/csrc/layers.c)
 ENV = "BLOCKSPEC_LAYER_LOOP"  # "0": keep the Python loops (to compare, or to rule the C loop out)
 Watched = tuple[dict | None, str | None, torch.Tensor]  # (holder such as module._parameters, key, tensor)
 
@@ -41,7 +44,9 @@ class KVStoreRows(Protocol):
 @dataclass(frozen=True)
 class LayerWeights:
     """One decoder layer as the kernel reads it: norm weights (q/k norms may be None) and the four
-    products q/k/v, o, gate/up, down as (packed copy or None, weight [out, in], bias or None)."""
+    products q/k/v, o, gate/up, down as (packed copy or None, weight [out, in], bias or None); the
+    packed copy may be an Int8Weight (the int8 compute mode: the product is then an integer one,
+    cpu/int8.py)."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -106,6 +111,13 @@ class LayerProgram:
                 if bias is not None and dtype != torch.float32:
                     bias = bias.float().contiguous()  # the kernel adds an fp32 bias, as kernels._product
                     keep.append(bias)
+                if isinstance(packed, Int8Weight):
+                    if dtype != torch.float32 or not packed.matches(weight):
+                        return None
+                    keep.append(packed)
+                    rows += [INT8_KIND + packed.bits, packed.qs.data_ptr(), packed.d.data_ptr(),
+                             0 if bias is None else bias.data_ptr(), 0 if packed.m is None else packed.m.data_ptr()]
+                    continue
                 use = packed is not None and packed.dtype == dtype and packed.matches(weight)
                 if use:
                     keep.append(packed)  # its bytes stay alive for the table even if the module's copy is replaced
@@ -118,7 +130,8 @@ class LayerProgram:
 
     def kinds(self) -> list[tuple[int, ...]]:
         """Per layer, what each product (q/k/v, o, gate/up, down) reads: 0 the weight, 4 or 8 its
-        packed copy of that many bits (bf16: for products of few rows)."""
+        packed copy of that many bits (bf16: for products of few rows), 20 or 24 its integer form
+        of 4 or 8 bits (the int8 mode)."""
         _, fields, pf = _layout()
         rows = self.table.view(-1, fields)
         return [tuple(int(row[4 + i * pf]) for i in range(4)) for row in rows]
@@ -189,10 +202,17 @@ def parameters_of(modules: list[nn.Module]) -> list[Watched]:
     return [(m._parameters, name, p) for m in modules for name, p in m._parameters.items() if p is not None]
 
 
-def target_program(net: nn.Module) -> LayerProgram | None:
-    """The program of a NativeLlama's layers (its packed copies where it has them), or None."""
+def target_program(net: nn.Module, integer: Callable[[nn.Linear], Int8Weight | None] | None = None
+                   ) -> LayerProgram | None:
+    """The program of a NativeLlama's layers (its packed copies where it has them, or with
+    `integer` the integer form it gives of each projection: the int8 mode), or None."""
+
+    def form(m: nn.Linear) -> object | None:
+        w = None if integer is None else integer(m)
+        return w if w is not None else m.__dict__.get("packed")
+
     layers = [LayerWeights(layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm,
-                           tuple((m.__dict__.get("packed"), m.weight, m.bias)
+                           tuple((form(m), m.weight, m.bias)
                                  for m in (layer.qkv, layer.o, layer.gate_up, layer.down)))
               for layer in net.layers]
     eps = net.cfg.rms_norm_eps

@@ -90,6 +90,7 @@ class ServerState:
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     fingerprint: str | None = None
+    compute: str = "exact"  # the target's compute mode (`blockspec.load`'s compute), shown in /v1/models
     switches: frozenset[str] = frozenset()  # chat template variables clients may set
     max_token_bytes: int | None = None  # the longest token's UTF-8 bytes (None: unknown)
     texts: TokenTexts | None = None
@@ -156,6 +157,7 @@ def create_app(
         owns_engine=owns,
         max_request_bytes=max_request_bytes,
         fingerprint=fingerprint(pipeline),
+        compute=pipeline.compute,
         switches=template_switches(getattr(pipeline.tokenizer, "chat_template", None)),
         max_token_bytes=longest_token_bytes(pipeline.tokenizer),
         texts=TokenTexts(pipeline.tokenizer),
@@ -237,14 +239,14 @@ def default_model_name(pipeline: Pipeline) -> str:
 
 def fingerprint(pipeline: Pipeline) -> str:
     """`system_fingerprint`: what, besides the request and its seed, decides the sampled text (the
-    target, its dtype and device, the sampling rule). Not the drafter, block size or batch:
-    those change the speed, never the tokens."""
+    target, its dtype, device and compute mode, the sampling rule). Not the drafter, block size
+    or batch: those change the speed, never the tokens."""
     import blockspec
 
     target = pipeline.target
     parts = [getattr(blockspec, "__version__", "?"), str(getattr(pipeline, "target_source", "")),
              str(getattr(target, "dtype", "")), str(getattr(target, "device", "")), type(target).__name__,
-             SAMPLING_RULE]
+             SAMPLING_RULE, pipeline.compute]
     return "fp_" + hashlib.sha256("|".join(parts).encode()).hexdigest()[:12]
 
 
@@ -264,7 +266,7 @@ def longest_token_bytes(tokenizer: object) -> int | None:
 
 def _model_card(state: ServerState) -> dict:
     return {"id": state.served_model_name, "object": "model", "created": state.created, "owned_by": "blockspec",
-            "max_model_len": state.context_length}
+            "max_model_len": state.context_length, "compute": state.compute}
 
 
 def _guarded(route: Callable[..., Awaitable[Response]]) -> Callable[..., Awaitable[Response]]:

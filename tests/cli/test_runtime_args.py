@@ -18,6 +18,7 @@ GOOD_MODEL = [
     *((["--dtype", d], "dtype", d) for d in ("float32", "bfloat16", "float16", "float64")),
     *((["--drafter-dtype", d], "drafter_dtype", d) for d in ("auto", "float32", "bfloat16", "float16")),
     *((["--device", d], "device", d) for d in ("cpu", "cuda", "cuda:1", "mps")),
+    *((["--compute", c], "compute", c) for c in ("exact", "int8", "auto")),
     (["--target", "some/model"], "target", "some/model"),
     (["--drafter", "fresh"], "drafter", "fresh"),
 ]
@@ -29,7 +30,8 @@ GOOD_DECODING = [
     (["--lookup"], "lookup", True),
 ]
 BAD_MODEL = [["--dtype", "fp32"], ["--dtype", "int8"], ["--dtype", "auto"], ["--drafter-dtype", "int4"],
-             ["--device", "gpu"], ["--device", "cuda:x"], ["--device", "CPU"], ["--device", ""]]
+             ["--device", "gpu"], ["--device", "cuda:x"], ["--device", "CPU"], ["--device", ""],
+             ["--compute", "int4"], ["--compute", "fast"]]
 BAD_DECODING = [["--block-size", "0"], ["--block-size", "-2"], ["--block-size", "four"]]
 
 
@@ -61,7 +63,7 @@ def test_each_verb_hands_load_the_same_accepted_values(verb: str, recorded: list
     defaults = _run(verb, [])
     assert defaults.returncode == 2
     expected = {"target": model_args.DEFAULT_TARGET, "drafter": None, "dtype": "float32", "drafter_dtype": "auto",
-                "device": "cpu"}
+                "device": "cpu", "compute": "auto"}
     if verb in DECODING_VERBS:
         expected |= {"block_size": None, "adaptive_block": True, "lookup": True}
     assert {k: recorded[-1][k] for k in expected} == expected
@@ -81,8 +83,10 @@ def test_the_flag_table_matches_what_load_takes() -> None:
     import inspect
 
     from blockspec.targets.base import DTYPES
+    from blockspec.targets.native.backends import COMPUTES
 
     assert set(model_args.DTYPE_NAMES) == set(DTYPES)
+    assert set(model_args.COMPUTE_NAMES) == set(COMPUTES)
     parameters = inspect.signature(blockspec.api.load).parameters
     assert all(f.kwarg in parameters for f in model_args.FLAGS)
     with pytest.raises(ValueError, match="unknown runtime flags"):
@@ -96,14 +100,15 @@ def test_a_command_line_repeats_the_runtime_flags() -> None:
     args = build_parser("generate").parse_args(["generate", "--prompt", "x", *flags])
     spelled = model_args.command_args(args)
     assert spelled == ["--target", "t", "--dtype", "bfloat16", "--drafter-dtype", "auto", "--device", "cuda:1",
-                       "--block-size", "4", "--adaptive-block", "--no-lookup"]  # --drafter None: left out
+                       "--compute", "auto", "--block-size", "4", "--adaptive-block", "--no-lookup"]  # --drafter None: left out
     again = build_parser("generate").parse_args(["generate", "--prompt", "x", *spelled])
     assert model_args.load_kwargs(again) == model_args.load_kwargs(args)
     bench = build_parser("bench").parse_args(["bench", "--drafter", "fresh", "--dtype", "float16"])
     from blockspec.commands.bench import command_line
 
     line = command_line(bench)
-    assert "--drafter fresh --dtype float16 --drafter-dtype auto --device cpu" in line and "--block-size" not in line
+    assert "--drafter fresh --dtype float16 --drafter-dtype auto --device cpu --compute auto" in line
+    assert "--block-size" not in line
 
 
 def test_the_verbs_with_their_own_device_flag_refuse_the_same_strings(recorded: list[dict]) -> None:

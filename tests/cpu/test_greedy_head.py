@@ -109,7 +109,7 @@ def test_native_greedy_forward_equals_the_argmax_of_its_logits() -> None:
     real = bpos != EMPTY
     assert best.shape == (3, 4) and torch.equal(best[real], greedy_ids(logits)[real])
     assert torch.equal(feats, feats_g)
-    assert target.net._greedy_head is not None  # the screen ran
+    assert target.net.backend.greedy_head is not None  # the screen ran
     with torch.no_grad():
         target.net.lm_head.weight.mul_(-1)  # a changed head: the screen is rebuilt, not reused
     logits, _ = target.forward(block[:, :1], bpos[:, :1], a)

@@ -14,7 +14,7 @@ from blockspec.cpu import kernels
 from blockspec.dflash.drafter import init_drafter_weights, new_drafter_for_target
 from blockspec.targets.native import load_native_target
 from blockspec.dflash.static_drafter import StaticDrafter, StaticWeights
-from blockspec.targets.native.llama import NativeLlama
+from blockspec.targets.native.backends import KernelBackend
 from blockspec.engine.decoder import SpecDecoder
 
 pytestmark = needs_kernel
@@ -35,7 +35,7 @@ def _model(family: str, seed: int, gguf: bool = False):
 
 
 def _python_loop(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(NativeLlama, "_run_program", lambda *args, **kwargs: None)
+    monkeypatch.setattr(KernelBackend, "run_program", lambda *args, **kwargs: None)
 
 
 def _passes(target, layer_ids: tuple[int, ...]) -> list:
@@ -65,13 +65,13 @@ def test_one_call_layer_loop_has_the_python_loops_bits(family: str, gguf: bool, 
     layer_ids = (0, 2, 3)  # the first layer, a middle one and the last (taken after the final norm)
     fast = load_native_target(model, dtype=dtype, eos_token_ids=())
     got, got_keys = _passes(fast, layer_ids)
-    program = fast.net._program
+    program = fast.net.backend.program
     assert program is not None, "the one-call loop did not run"
     assert program.kinds() == [(4, 4, 4, 4) if gguf else (0, 0, 0, 0)] * 4  # bf16: packed up to 4 rows
     slow = load_native_target(model, dtype=dtype, eos_token_ids=())
     _python_loop(monkeypatch)
     want, want_keys = _passes(slow, layer_ids)
-    assert slow.net._program is None
+    assert slow.net.backend.program is None
     for (a, fa), (b, fb) in zip(got, want):
         assert torch.equal(a, b)
         assert torch.equal(fa, fb)
@@ -84,11 +84,11 @@ def test_environment_keeps_the_python_loops(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv("BLOCKSPEC_LAYER_LOOP", "0")
     off = load_native_target(model, dtype="float32", eos_token_ids=())
     want, _ = off.forward(ids, pos, off.new_cache(1, 16))
-    assert off.net._program is None
+    assert off.net.backend.program is None
     monkeypatch.setenv("BLOCKSPEC_LAYER_LOOP", "1")
     on = load_native_target(model, dtype="float32", eos_token_ids=())
     got, _ = on.forward(ids, pos, on.new_cache(1, 16))
-    assert on.net._program is not None and torch.equal(got, want)
+    assert on.net.backend.program is not None and torch.equal(got, want)
 
 
 def test_a_weight_changed_after_the_first_forward_is_read_again(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -96,12 +96,12 @@ def test_a_weight_changed_after_the_first_forward_is_read_again(monkeypatch: pyt
     target = load_native_target(model, dtype="float32", eos_token_ids=())
     ids, pos = torch.tensor([[3, 1, 4, 1, 5]]), torch.arange(5)[None]
     before, _ = target.forward(ids, pos, target.new_cache(1, 16))
-    first = target.net._program
+    first = target.net.backend.program
     with torch.no_grad():
         target.net.layers[1].down.weight.mul_(-2.0)  # in place: same tensor, new version
         target.net.layers[2].input_norm.add_(0.5)
     after, _ = target.forward(ids, pos, target.new_cache(1, 16))
-    assert target.net._program is not first and not torch.equal(before, after)
+    assert target.net.backend.program is not first and not torch.equal(before, after)
     _python_loop(monkeypatch)
     want, _ = target.forward(ids, pos, target.new_cache(1, 16))
     assert torch.equal(after, want)
@@ -113,7 +113,7 @@ def test_greedy_dflash_through_the_one_call_loop_equals_plain_decoding(monkeypat
     prompts = ragged_prompts(3, seed=2, vocab=200)
     drafter = new_drafter_for_target(model.config, mask_token_id=199, num_layers=1, dtype=torch.float32)
     got = SpecDecoder(target, drafter, SpecConfig(block_size=6)).generate(prompts, SamplingParams(max_new_tokens=14))
-    assert target.net._program is not None
+    assert target.net.backend.program is not None
     _python_loop(monkeypatch)
     plain = load_native_target(model, dtype="float32", eos_token_ids=())
     truth = SpecDecoder(plain, None, SpecConfig(block_size=1)).generate(prompts, SamplingParams(max_new_tokens=14))

@@ -176,8 +176,8 @@ def test_native_target_with_packed_weights_computes_the_same_bits(monkeypatch: p
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     # the packed target's projections went packed (through the one-call layer loop, which reads
     # the same packed copies) and so did its head
-    assert packed.net._program.kinds() == [(4, 4, 4, 4)] * len(layers)
-    assert plain.net._program.kinds() == [(0, 0, 0, 0)] * len(layers)
+    assert packed.net.backend.program.kinds() == [(4, 4, 4, 4)] * len(layers)
+    assert plain.net.backend.program.kinds() == [(0, 0, 0, 0)] * len(layers)
     assert len(calls) == 1
     step = torch.tensor([[4, 8, 15]])
     outs = [t.forward(step, torch.arange(8, 11)[None], c, (1, 3)) for t, c in zip((packed, plain), caches)]
@@ -287,7 +287,7 @@ class _CountPacking:
 
 
 def _same_packed(a, b) -> bool:
-    for (_, ma), (_, mb) in zip(a.net._packable(), b.net._packable(), strict=True):
+    for (_, ma), (_, mb) in zip(a.net.packable(), b.net.packable(), strict=True):
         pa, pb = ma.packed, mb.packed
         if (pa is None) != (pb is None):
             return False
@@ -344,7 +344,7 @@ def test_a_damaged_stale_or_foreign_packed_file_is_rebuilt_not_trusted(tmp_path,
     monkeypatch.setattr(packed_cache, "FORMAT", packed_cache.FORMAT + 1)
     reload_packs_again("another packing format")
     # a file with the right key and checksum whose scales do not rebuild these weights
-    names = fresh.net._packable()
+    names = fresh.net.packable()
     wrong = {n: None if m.packed is None else PackedWeight(m.packed.bits, m.packed.qs, m.packed.sc * 2,
                                                            m.packed.source) for n, m in names}
     packed_cache.save(kept, wrong, packed_cache.source_key(model_dir, torch.float32))

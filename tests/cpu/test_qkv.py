@@ -13,7 +13,7 @@ from blockspec.cpu import kernels
 from blockspec.dflash.drafter import init_drafter_weights, new_drafter_for_target
 from blockspec.targets.native import load_native_target
 from blockspec.dflash.static_drafter import StaticDrafter, StaticWeights
-from blockspec.targets.native.llama import NativeLlama
+from blockspec.targets.native.backends import KernelBackend
 from blockspec.cpu.qkv import QKVPlacement
 from blockspec.targets.slots import EMPTY
 
@@ -25,7 +25,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 def _counted(monkeypatch: pytest.MonkeyPatch, enabled: bool) -> list[bool]:
     """Turns the placement off (PyTorch's operators), or counts the layers it placed. The Python
     layer loops run either way (the one-call loops call the kernel directly: tests/cpu/test_layer_program.py)."""
-    monkeypatch.setattr(NativeLlama, "_run_program", lambda *args, **kwargs: None)
+    monkeypatch.setattr(KernelBackend, "run_program", lambda *args, **kwargs: None)
     monkeypatch.setattr(StaticWeights, "program", lambda *args: None)
     if not enabled:
         monkeypatch.setattr(QKVPlacement, "build", classmethod(lambda cls, *a, **k: None))

@@ -98,6 +98,7 @@ def test_rejected_tail_is_overwritten_without_cleanup() -> None:
 def test_padding_stays_out_of_the_matmuls_and_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     """A block whose rows verify different lengths (the rest padding) projects only the real
     tokens, and gives each row the logits, features and cache of its real tokens alone."""
+    import blockspec.targets.native.backends as backends
     import blockspec.targets.native.llama as llama
 
     model = make_tiny_target("qwen3", seed=10)
@@ -117,7 +118,7 @@ def test_padding_stays_out_of_the_matmuls_and_changes_nothing(monkeypatch: pytes
     runs = {}
     for name, packing in (("packed", llama.padding_index), ("padded", lambda p: None)):
         monkeypatch.setattr(llama, "padding_index", packing)
-        monkeypatch.setattr(llama, "project", counting)
+        monkeypatch.setattr(backends, "project", counting)
         cache = target.new_cache(3)
         target.forward(prompt, torch.arange(5).expand(3, 5), cache)
         rows.clear()

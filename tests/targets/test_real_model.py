@@ -25,9 +25,11 @@ def test_dflash_greedy_equals_transformers_generate(smollm2_dir, backend: str, d
 
     drafter = default_drafter_for("smollm2-135m-instruct")
     assert drafter is not None, "the shipped SmolLM2 drafter is missing from the package"
-    # whole blocks every step: the tau check below is about the drafter, not the adaptive policy's timings
+    # whole blocks every step: the tau check below is about the drafter, not the adaptive policy's timings;
+    # the exact mode: transformers' numerics (auto would take int8 for this GGUF conversion)
     pipe = blockspec.load(str(smollm2_dir), str(drafter), backend=backend, drafter_dtype=drafter_dtype, lookup=lookup,
-                          adaptive_block=False)
+                          adaptive_block=False, compute="exact")
+    assert pipe.compute == "exact"
     model = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32).eval()
     prompts = [pipe.encode([{"role": "user", "content": p}]) for p in PROMPTS]
     ours = pipe.generate_ids(prompts, blockspec.SamplingParams(max_new_tokens=24))
@@ -69,8 +71,8 @@ def test_the_q4_1_target_runs_packed_with_the_bits_of_its_fp32_weights(smollm2_d
     unpacked fp32 model exactly."""
     from blockspec.targets.native import load_native_target
 
-    packed = load_native_target(smollm2_dir, "float32")
-    plain = load_native_target(smollm2_dir, "float32", pack_weights=False)
+    packed = load_native_target(smollm2_dir, "float32", compute="exact")
+    plain = load_native_target(smollm2_dir, "float32", pack_weights=False, compute="exact")
     layers = packed.net.layers
     assert sum(m.packed.bits == 4 for layer in layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)) == 120
     assert packed.net.lm_head.packed.bits == 8  # the embedding, Q8_0 in the GGUF file, is the tied head
@@ -79,3 +81,22 @@ def test_the_q4_1_target_runs_packed_with_the_bits_of_its_fp32_weights(smollm2_d
     for chunk, pos in ((ids[:, :34], torch.arange(34)), (ids[:, 34:], torch.arange(34, 40))):
         a, b = (t.forward(chunk, pos[None], c, (1, 14, 27)) for t, c in zip((packed, plain), caches))
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@pytest.mark.slow
+def test_int8_dflash_equals_int8_plain_decoding_on_the_q4_1_target(smollm2_dir) -> None:
+    """The int8 compute mode is lossless within itself on the real model: greedy DFlash with the
+    shipped drafter (ragged batch, whole blocks) gives the int8 target's own plain decoding."""
+    from blockspec.api import default_drafter_for
+    from blockspec.bench.datasets import load_dataset
+
+    params = blockspec.SamplingParams(max_new_tokens=48)
+    drafter = str(default_drafter_for("smollm2-135m-instruct"))
+    spec = blockspec.load(str(smollm2_dir), drafter, compute="int8", lookup=False, adaptive_block=False)
+    plain = blockspec.load(str(smollm2_dir), "none", compute="int8")
+    assert spec.compute == plain.compute == "int8"
+    gsm8k = [s.prompt for s in load_dataset("gsm8k", limit=3)]
+    prompts = [spec.encode([{"role": "user", "content": p}]) for p in (*PROMPTS, *gsm8k)]
+    ours = spec.generate_ids(prompts, params)
+    assert [r.token_ids for r in ours] == [r.token_ids for r in plain.generate_ids(prompts, params)]
+    assert sum(r.stats.mean_tau for r in ours) / len(ours) > 1.2

@@ -13,11 +13,8 @@
  * are reduced together, but every score and output element gets its own, fixed arithmetic. So a
  * query gets the same bits alone or in any block, batch or thread split (batch invariance, as
  * rows.c for the projections). Products and sums are fused multiply-adds (fma16, as rows.c).
- * Speed: level with PyTorch's for blocks, 2x faster for one token per row. Each item prefetches its
- * keys and values, which took SmolLM2's 30 layers at 250 tokens of context from 7.1 to 4.6 ms for
- * 16 rows x 1 token, 11.9 to 6.0 for 16 x 2 and 1.04 to 0.85 for a 6-token verify (2 cores); the
- * chunks share a lone row's long context between threads (a 4-token SmolLM2 verify at 3,000
- * tokens of context: 16-17.5 -> 13.5-14 ms a forward).
+ * Each item prefetches its keys and values, and the chunks share a lone row's long context
+ * between threads (what each gained: BENCHMARKS.md, "Kernel measurements").
  *
  * Layouts: q [b, kvh, g * n, d] (the g query heads of one KV head together, n tokens each);
  * k, v: a cache [b, kvh, cap, d] with batch and head strides in elements; visible [b, n]: the
@@ -80,7 +77,7 @@ static inline __attribute__((always_inline)) void chunk_rows(const void *q, cons
         const int C = most - j < 4 ? (int)(most - j) : 4;
         /* the keys of a later group, and this group's values for the pass after this one: each
          * item streams its own strip of the cache, too short for the hardware prefetcher to
-         * ramp up (16 rows at 250 tokens of context ran at ~13 GB/s without these) */
+         * ramp up (BENCHMARKS.md, "Kernel measurements") */
         for (int64_t off = 0; off < 4 * row_bytes; off += 64) {
             __builtin_prefetch((const char *)at(k, (j + PREFETCH_KEYS) * d, bf) + off, 0, 3);
             __builtin_prefetch((const char *)at(v, j * d, bf) + off, 0, 3);

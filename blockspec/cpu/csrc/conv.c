@@ -8,8 +8,7 @@
  * result is rounded once, as `.to(bfloat16)` rounds it.
  *
  * Why: those are about eight small PyTorch operators per side, four sides per draft layer, mostly
- * dispatch (the arithmetic is ~10k multiply-adds): for 8 tokens of SmolLM2's width (576), one
- * thread, ~45 us a side against ~26 us through here, the call included.
+ * dispatch (the arithmetic is ~10k multiply-adds; BENCHMARKS.md, "Kernel measurements").
  */
 #include "vec.h"
 

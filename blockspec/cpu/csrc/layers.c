@@ -2,8 +2,8 @@
  *
  * Why: each layer is about ten kernel calls (two norms, four products, the q/k/v placement,
  * attention, the activation, the head permute), and from Python each costs a few microseconds
- * of argument checks and ctypes conversion beyond the kernel itself: ~2 ms of a 6.9 ms
- * one-token SmolLM2-135M forward on 2 cores, which takes 4.9 ms in one call.
+ * of argument checks and ctypes conversion beyond the kernel itself, a large part of a one-token
+ * forward of a small model (BENCHMARKS.md, "Kernel measurements").
  * Here the loop over layers runs in C and calls the same kernels with the same
  * arguments in the same order (cpu/program.py prepares them), so every output has
  * the bits of the Python loops: targets/native/llama.py's, and the drafter's (dflash/drafter.py)
@@ -75,8 +75,9 @@ int bs_silu_mul_bf16(const uint16_t *gate_up, uint16_t *y, int64_t rows, int64_t
 }
 
 /* One product, described by PRODUCT_FIELDS int64: kind (0: the weight, 4 / 8: its packed copy,
- * rows.c), the packed bytes, the packed scales, the bias (fp32, 0: none), the weight (the
- * model's dtype). y = x . w^T + bias (+ res, may be null), in the model's dtype: fp32 straight
+ * rows.c; 20 / 24: an integer product of 4- / 8-bit weights, int8.c, fp32 only), the packed bytes,
+ * the packed scales (int8: the blocks' d), the bias (fp32, 0: none), the weight (the model's
+ * dtype; int8: the blocks' m of 4-bit weights). y = x . w^T + bias (+ res, may be null), in the model's dtype: fp32 straight
  * from the kernel (the residual in the same call); bf16 through acc (fp32 scratch), the product
  * rounded to bf16, then res + product rounded again. A bf16 product of more than packed_max rows
  * reads the weight, not the packed copy (cpu/packed_weights.py). Returns rows.c's code. */
@@ -95,6 +96,8 @@ static int product(const int64_t *p, const void *x, const void *res, void *y, fl
                      : bs_rows_matmul(x, w, bias, y, n, in, out, threads);
         case 4: return bs_rows_matmul_q4(x, qs, sc, bias, r, y, n, in, out, threads);
         case 8: return bs_rows_matmul_q8(x, qs, sc, bias, r, y, n, in, out, threads);
+        case 20: return bs_int8_matmul_q4(x, qs, sc, (const float *)w, bias, r, y, n, in, out, threads);
+        case 24: return bs_int8_matmul_q8(x, qs, sc, 0, bias, r, y, n, in, out, threads);
         default: return 3;
         }
     }

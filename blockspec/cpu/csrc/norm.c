@@ -3,10 +3,8 @@
  * fp32 (bs_rms_norm) or bf16 rows and weights (bs_rms_norm_bf16, the normalised row rounded to
  * bf16 before the product, and the product rounded again, as bf16 tensors compute it).
  *
- * Why: PyTorch's CPU rms_norm runs as about ten small operators, ~10 us for one 576-wide row,
- * against ~4 us here with the call; a decoding step of a 30-layer target calls it 61 times, a
- * draft pass 14 times (SmolLM2, 2 cores: a 6-token verify 28.0 -> 26.7 ms, 8 rows x 1 token
- * 31.9 -> 30.2).
+ * Why: PyTorch's CPU rms_norm runs as about ten small operators; a decoding step of a 30-layer
+ * target calls it 61 times, a draft pass 14 times (BENCHMARKS.md, "Kernel measurements").
  *
  * Each row is computed alone, in a fixed order (16-wide partial sums of squares over the row, the
  * fixed reduction tree of vec.h, then the tail), so a row gets the same bits whatever the other

@@ -1,13 +1,11 @@
 /* The argmax of each row of logits and the softmax probability at it: a draft head's greedy
  * proposals and the confidences an adaptive step trims its verify by (dflash/drafter.py,
  * argmax_and_peak); or, with conf NULL, the argmax alone (kernels.argmax: a batch's greedy
- * drafts and the target's greedy check, where PyTorch's argmax took ~1.3 ns per logit, 0.25 ms
- * for 8 rows of drafts). fp32 rows (bs_argmax_peak) or bf16 rows (bs_argmax_peak_bf16, widened
+ * drafts and the target's greedy check). fp32 rows (bs_argmax_peak) or bf16 rows (bs_argmax_peak_bf16, widened
  * exactly).
  *
  * Why: PyTorch took four passes and a copy for it (widen, max with indices, subtract and exp in
- * place, sum): ~190 us for the 15 drafted positions of a SmolLM2 draft head over its 19,065-token
- * draft vocabulary on 2 cores, about as much as the head's product. Here it is two passes over
+ * place, sum), about as much time as the draft head's product (BENCHMARKS.md, "Kernel measurements"). Here it is two passes over
  * each row: the maximum with its first index, then the sum of e^(x - max) (exp16 of vec.h).
  *
  * Ties go to the lowest index, as torch.argmax. NaN logits are never the maximum (PyTorch would

@@ -4,9 +4,7 @@
  * layout and the keys and values straight into their cache slots.
  *
  * Why: PyTorch spent ~15 small operators per layer on this (split, views, neg, cat, two products
- * and a sum per rope, an indexed write per cache), 30-50 us per layer of a decoding step: about
- * 1 ms of a one-token SmolLM2-135M forward and 1.3 ms at 8 rows on 2 cores, where the whole
- * forward is 14-20 ms.
+ * and a sum per rope, an indexed write per cache), a few percent of a decoding step (BENCHMARKS.md, "Kernel measurements").
  *
  * Same bits as the PyTorch path it replaces (targets/native/llama.py, dflash/static_drafter.py):
  * the norm is norm.c's, and rope computes x * cos and rotate_half(x) * sin as separate products,

@@ -18,8 +18,7 @@
  *   sequential stream, and multiplied into up to eight rows' partial sums held in registers;
  * - TILE_ROWS rows and more (bf16: TILE_ROWS_BF16): tiles of BR rows x BC weight rows, so each
  *   weight vector loaded feeds BR rows and each x vector BC outputs. With one weight row at a
- *   time, loads and the per-output horizontal sums bounded 8 rows and more (a 16-token
- *   verification of SmolLM2-135M cost 3x one token). The tile's weight
+ *   time, loads and the per-output horizontal sums bounded 8 rows and more (BENCHMARKS.md, "Kernel measurements"). The tile's weight
  *   rows stay in cache while the row groups of x pass over them, and the next tile's are
  *   prefetched.
  *
@@ -49,10 +48,9 @@ static inline v16 dp16(v16 a, v16 b, v16 c) { (void)b, (void)c; return a; } /* n
 #define STEP(bf) ((bf) && DP ? 32 : 16)
 
 /* The one-row-at-a-time path's fp32 weight stream is prefetched this many bytes ahead, towards
- * the outer caches (locality 1): the hardware prefetcher alone kept one row at ~26 GB/s of the ~31
- * that two rows reach, and four rows at ~23. Measured on SmolLM2-135M's projections and head (2
- * AVX-512 cores): one row 16.6 ms against 20.4, four rows 18.4 against
- * 21.6; 2048 bytes lost at 4-5 rows. bf16 streams gained nothing, so they go without. */
+ * the outer caches (locality 1): the hardware prefetcher alone left a few rows short of the
+ * bandwidth two rows reach; 2048 bytes ahead lost at 4-5 rows; bf16 streams gained nothing, so
+ * they go without (BENCHMARKS.md, "Kernel measurements"). */
 #define STREAM_AHEAD 4096
 
 /* MR rows (MR <= 8) of x (row stride in) times one weight row w -> y[r * ldy] */
@@ -124,9 +122,8 @@ static inline __attribute__((always_inline)) void column(const void *x, const vo
 #define TILE_ROWS_BF16 8
 #endif
 #if defined(__AVX512F__)
-/* measured faster than oneDNN up to 128 rows on 2-core AVX-512 machines (SmolLM2-135M's
- * projections: Zen 4 1.08x at 128 rows, Zen 5 1.04x; 0.93-0.98x from 160), so a prompt of up to
- * 128 tokens prefills here too */
+/* measured faster than oneDNN up to 128 rows on 2-core AVX-512 machines, slower from 160 (BENCHMARKS.md, "Kernel measurements"),
+ * so a prompt of up to 128 tokens prefills here too */
 #define ROWS_MAX 128
 #else
 #define ROWS_MAX 8 /* the tiled path is not measured on narrower vector units: oneDNN beyond 8 */
@@ -135,9 +132,9 @@ static inline __attribute__((always_inline)) void column(const void *x, const vo
 /* The most rows a caller should send here; more go to a GEMM library (cpu/linear.py). bf16:
  * every row count, because a bf16 model's speculative output stays equal to its plain decoding
  * only if every product is batch invariant (one rounding of an activation to bf16 is 0.4%, and
- * 30 layers carry it into the logits). Measured on a 2-core AVX-512 machine against oneDNN: with
- * the dot-product instruction faster up to 96 rows, level at 128-256, 1.2x slower at 512
- * (prefills); widened in registers, faster up to 8 rows and about 2x slower from 32. */
+ * 30 layers carry it into the logits). Against oneDNN on a 2-core AVX-512 machine: with the
+ * dot-product instruction faster up to 96 rows, level at 128-256, slower at 512 (prefills);
+ * widened in registers, faster up to 8 rows and slower from 32 (BENCHMARKS.md, "Kernel measurements"). */
 int bs_rows_max(void) { return ROWS_MAX; }
 int bs_rows_max_bf16(void) { return 1 << 30; }
 
@@ -178,10 +175,8 @@ static inline __attribute__((always_inline)) void block(const void *x, const voi
             /* the next tile's weights, contiguous (BC rows of `in`): one line per weight vector
              * used here, in address order, non-temporal. Interleaved like this tile's own reads
              * (four streams `in` apart, locality 1) they left the tiles behind one weight row at
-             * a time at 2-8 fp32 rows on a 2-core Zen 5 (SmolLM2-135M's projections and head:
-             * 4 rows 15.6 ms against 12.8 now, 8 rows 15.5 against 14.5; bf16, 4 rows 8.8
-             * against 7.0). Into L1 (locality 3) they crowded out
-             * this tile's weights and the x rows (on Zen 4). */
+             * a time at 2-8 fp32 rows on a 2-core Zen 5 (BENCHMARKS.md, "Kernel measurements"). Into L1 (locality 3) they
+             * crowded out this tile's weights and the x rows (on Zen 4). */
             __builtin_prefetch((const char *)next + ((k / STEP(bf)) * BC + c) * 64, 0, 0);
             const v16 wv = keep(bf && DP ? load32h(w, c * in + k) : load(w, c * in + k, bf));
 #pragma GCC unroll 4
@@ -215,10 +210,9 @@ static inline __attribute__((always_inline)) void block(const void *x, const voi
 
 /* Inputs per pass over the row groups: a tile's weight rows and a row group's x rows stay in L1
  * only while both fit, which SmolLM2's down projection (1,536 inputs) overran: its products of
- * 16-128 rows ran at ~250 GFLOPS against ~390 for the 576-input ones. In passes of at most K_PASS
- * inputs (in equal parts, a multiple of 32), the partial sums of up to PASS_ROWS rows kept in
- * between, they ran at 270-360 (fp32 and packed 4-bit, 2 Zen 5 cores; a 108-token SmolLM2
- * prefill 93.7 -> 87.3 ms). Passes of 512 of the 576 inputs lost 12%. */
+ * 16-128 rows ran well below the 576-input ones. In passes of at most K_PASS inputs (in equal
+ * parts, a multiple of 32), the partial sums of up to PASS_ROWS rows kept in between, most of
+ * the gap closed; passes of 512 of the 576 inputs lost (BENCHMARKS.md, "Kernel measurements"). */
 #define K_PASS 640
 #define PASS_ROWS 128
 /* R rows from row r0, inputs [k0, k0 + kc) */
@@ -321,13 +315,11 @@ int bs_rows_matmul_bf16(const uint16_t *x, const uint16_t *w, const float *bias,
  * - 8-bit: qs [out, in] signed bytes; sc [out, in / 32]: d. */
 typedef uint8_t b16 __attribute__((vector_size(16)));
 typedef int8_t s16 __attribute__((vector_size(16)));
-/* Up to 8 rows, one or two weight rows at a time, each weight vector rebuilt once for all rows (6
- * rows of SmolLM2-135M's projections: 5.0 ms against 5.6 through tiles that rebuild it per 4 rows) */
+/* Up to 8 rows, one or two weight rows at a time, each weight vector rebuilt once for all rows
+ * (faster than tiles that rebuild it per 4 rows: BENCHMARKS.md, "Kernel measurements") */
 #define PACKED_TILE_ROWS 9
-/* Weight rows side by side (tile_packed) up to this many rows. Whole SmolLM2-135M forwards at 300
- * tokens of context, 2 Zen 5 cores, alternating builds call by call:
- * one row of 1 token 4.83 -> 4.41 ms, of 4 tokens 6.72 -> 6.21; 8 rows side by side lost 3%, and
- * 4 or 8 weight rows side by side for 1-2 rows gained nothing over 2. */
+/* Weight rows side by side (tile_packed) up to this many rows; 8 rows side by side lost, and 4 or
+ * 8 weight rows side by side for 1-2 rows gained nothing over 2 (BENCHMARKS.md, "Kernel measurements"). */
 #define PACKED_PAIR_ROWS 6
 
 /* the 16 weights from input k + 16 * hi of a packed weight row (k a multiple of 32); bits: 4 or 8 */

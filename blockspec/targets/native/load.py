@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -11,12 +12,33 @@ import torch
 from blockspec.cache_dir import packed_weights_file
 from blockspec.cpu.packed_cache import source_key
 from blockspec.errors import CheckpointError, ConfigError
+from blockspec.targets.native.backends import COMPUTES
 from blockspec.targets.native.config import native_config, unsupported_reason
 from blockspec.targets.native.llama import NativeLlama, NativeTarget
 from blockspec.targets.rope import Rotary, rope_inv_freq
 from blockspec.targets.base import DTYPES
 
 PACK_ENV = "BLOCKSPEC_PACK_WEIGHTS"  # "0": stream the weights themselves, packable or not
+ZOO_MARKER = "blockspec-zoo.json"  # zoo/registry.py's MARKER: the directory was converted from a GGUF file
+# Whether compute="auto" takes int8 for a model converted from a quantised GGUF file. Its quality
+# holds (perplexity on held-out text within 1% of the exact mode's), but "auto" means the fastest
+# mode whose quality holds, and int8's verify passes of 8-16 tokens are not yet cheaper than
+# exact's (BENCHMARKS.md, "Compute modes"): until they are, "auto" stays exact.
+AUTO_INT8_FOR_GGUF = False
+log = logging.getLogger("blockspec.load")
+
+
+def resolve_compute(compute: str, *, from_gguf: bool, packed: bool, dtype: torch.dtype, device: str | torch.device
+                    ) -> str:
+    """The compute mode "auto" means for a model: "int8" for an fp32 CPU model converted from a
+    quantised GGUF file (packed: its weights kept their GGUF levels), "exact" for anything else
+    (a Hugging Face checkpoint keeps transformers' numerics unless int8 is asked for)."""
+    if compute not in COMPUTES:
+        raise ConfigError(f"compute must be one of {', '.join(COMPUTES)}, got {compute!r}")
+    if compute != "auto":
+        return compute
+    cpu = torch.device(device).type == "cpu"
+    return "int8" if AUTO_INT8_FOR_GGUF and from_gguf and packed and cpu and dtype == torch.float32 else "exact"
 
 
 def is_native_supported(hf_config: object) -> bool:
@@ -112,6 +134,7 @@ def load_native_target(
     eos_token_ids: tuple[int, ...] | None = None,
     single_token_weights: bool | None = None,
     pack_weights: bool | None = None,
+    compute: str = "exact",
 ) -> NativeTarget:
     """A NativeTarget from a Hugging Face model object or a local model directory.
 
@@ -127,7 +150,13 @@ def load_native_target(
     $BLOCKSPEC_PACK_WEIGHTS is 0 (to compare against streaming the weights themselves). A model
     converted into the blockspec cache keeps its packed forms beside it (cpu/packed_cache.py):
     later loads read them back instead of packing again.
+    compute: "exact" (bit-exact fp32 / bf16, transformers' numerics), "int8" (integer products of
+    8-bit activations, cpu/int8.py: fp32 on a CPU; lossless within the mode) or "auto" (int8 for a
+    zoo model converted from a quantised GGUF file, else exact: `resolve_compute`). The mode is
+    `target.compute`, and is logged (logger "blockspec.load").
     """
+    if compute not in COMPUTES:
+        raise ConfigError(f"compute must be one of {', '.join(COMPUTES)}, got {compute!r}")
     path = None
     if isinstance(source, torch.nn.Module):
         hf_config = source.config
@@ -176,6 +205,14 @@ def load_native_target(
         cache = None if path is None else packed_weights_file(path, name)  # beside a converted model of the cache
         net.pack_weights(mapped if dtype == torch.bfloat16 else None, cache=cache,
                          key=None if cache is None else source_key(path, dtype))
+    mode = resolve_compute(compute, from_gguf=path is not None and (path / ZOO_MARKER).exists(),
+                           packed=net.packed_summary() is not None, dtype=dtype, device=device)
+    try:
+        backend = net.use(mode)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    log.info("%s: compute %s%s", path.name if path is not None else type(source).__name__, backend.describe(),
+             "" if net.packed_summary() is None else f"; packed: {net.packed_summary()}")
     return NativeTarget(net, eos_token_ids if eos_token_ids is not None else default_eos, text_config)
 
 
@@ -183,19 +220,23 @@ BACKENDS = ("auto", "native", "hf")
 
 
 def load_target(
-    path: str | Path, *, backend: str = "auto", dtype: str = "float32", device: str = "cpu"
+    path: str | Path, *, backend: str = "auto", dtype: str = "float32", device: str = "cpu", compute: str = "exact"
 ) -> tuple[object, object]:
     """(target, tokenizer) for a local model directory.
 
     backend "native" runs our own Llama-family code (ConfigError for other architectures),
     "hf" the Hugging Face adapter, "auto" native when the architecture is supported, else hf.
+    compute: see `load_native_target` (the hf backend computes exactly: "int8" is refused there).
     """
+    if compute not in COMPUTES:
+        raise ConfigError(f"compute must be one of {', '.join(COMPUTES)}, got {compute!r}")
     if backend not in BACKENDS:
         raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     from blockspec.targets.hf import load_hf_target
 
     path = Path(path)
     if backend == "hf":
+        _exact_only(compute, "the hf backend")
         return load_hf_target(path, dtype=dtype, device=device)
     if not (path / "config.json").exists():
         raise CheckpointError(
@@ -208,14 +249,20 @@ def load_target(
     if reason is not None:
         if backend == "native":
             raise ConfigError(f"the native backend does not support {path.name}: {reason}; use backend='hf'")
+        _exact_only(compute, f"{path.name} (run by the hf backend: {reason})")
         return load_hf_target(path, dtype=dtype, device=device)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     if dtype == "auto":  # bf16 on GPUs; fp32 on CPUs (where bf16 measured slower in training)
         dtype = "bfloat16" if str(device).startswith("cuda") else "float32"
-    target = load_native_target(path, dtype, device)
+    target = load_native_target(path, dtype, device, compute=compute)
     eos = set(target.info.eos_token_ids)
     if isinstance(tokenizer.eos_token_id, int):
         eos.add(tokenizer.eos_token_id)
     if eos != set(target.info.eos_token_ids):
         target = NativeTarget(target.net, tuple(sorted(eos)), target.config)
     return target, tokenizer
+
+
+def _exact_only(compute: str, what: str) -> None:
+    if compute == "int8":
+        raise ConfigError(f"compute='int8' needs the native backend; {what} computes exactly: use compute='exact'")

@@ -1,0 +1,127 @@
+"""The int8 compute mode's products (cpu/csrc/int8.c, cpu/int8.py): the kernel has the bits of its
+PyTorch emulation on every path (VNNI, AVX2, plain C), and a row gets the same bits alone, in a
+batch and on any thread split."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_packed import gguf_round_trip
+
+from blockspec.cpu import int8, kernels
+from blockspec.cpu.packed_weights import pack
+
+needs_kernel = pytest.mark.skipif(kernels.kernel() is None, reason="the native CPU kernel did not build here")
+TESTS = Path(__file__).resolve().parents[1]
+
+
+def _weight(kind: str, out: int, width: int, seed: int) -> tuple[torch.Tensor, int8.Int8Weight]:
+    w = gguf_round_trip(torch.randn(out, width, generator=torch.Generator().manual_seed(seed)) * 0.05, kind)
+    iw = int8.from_packed(pack(w))
+    assert iw is not None and iw.bits == (4 if kind == "Q4_1" else 8) and iw.exact
+    return w, iw
+
+
+def test_quantised_rows_follow_the_defined_rounding() -> None:
+    x = torch.tensor([[127.0, 63.5, -63.5, 0.5, -1.5] + [0.0] * 27 + [0.0] * 32])
+    q, d, s = int8.quantize_rows(x)
+    assert d.tolist() == [[1.0, 0.0]]  # an all-zero block: d = 0, q = 0
+    assert q[0, :5].tolist() == [127, 64, -64, 0, -2]  # halves to even
+    assert s.tolist() == [[127 + 64 - 64 + 0 - 2, 0.0]]
+    assert torch.equal(q[0, 32:], torch.zeros(32))
+
+
+def test_weights_become_the_integer_form_of_their_gguf_values() -> None:
+    w, iw = _weight("Q4_1", 5, 96, seed=1)
+    levels = iw.levels().float()  # 0..15
+    assert levels.min() >= 0 and levels.max() <= 15
+    rebuilt = (iw.m[:, :3, None] + iw.d[:, :, None] * levels.view(5, 3, 32)).reshape(5, 96)
+    assert torch.equal(rebuilt, w) and iw.m.shape == (5, 16) and not iw.m[:, 3:].any()
+    w8, iw8 = _weight("Q8_0", 5, 64, seed=2)
+    assert torch.equal((iw8.d[:, :, None] * iw8.levels().float().view(5, 2, 32)).reshape(5, 64), w8)
+    other = int8.quantize_weight(torch.randn(4, 64))  # not of a GGUF form: quantised, values change
+    assert other.bits == 8 and not other.exact and other.levels().abs().max() == 127
+    assert int8.quantize_weight(torch.randn(4, 40)) is None  # inputs not a multiple of 32
+    assert int8.quantize_weight(torch.randn(4, 64).double()) is None
+    with pytest.raises(ValueError, match="Int8Weight needs"):
+        int8.Int8Weight(4, iw.qs, iw.d, None, iw.source)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("width", [32, 96, 576, 1568])  # odd and even numbers of blocks; more than 16 blocks
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 13])
+def test_kernel_has_the_bits_of_its_pytorch_emulation(kind: str, width: int, rows: int) -> None:
+    w, iw = _weight(kind, 37, width, seed=rows + width)  # 37: weight rows in pairs and one alone
+    g = torch.Generator().manual_seed(rows)
+    x, bias = torch.randn(rows, width, generator=g), torch.randn(37, generator=g)
+    res = torch.randn(rows, 37, generator=g)
+    x[0, :32] = 0.0  # a block of zeros
+    got = int8.int8_linear(x, iw, bias, res)
+    assert torch.equal(got, int8.reference_product(x, iw, bias, res))
+    assert torch.equal(int8.int8_linear(x, iw), int8.reference_product(x, iw))
+    assert torch.equal(int8.int8_linear(x, iw, bias, res.t().contiguous().t()), res + int8.int8_linear(x, iw, bias))
+    # close to the exact product: 8-bit activations lose about 2^-8 of each block's largest value
+    exact = torch.nn.functional.linear(x.double(), w.double(), bias.double()).float() + res
+    assert (got - exact).abs().max() < 0.02 * exact.abs().max()
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_a_row_gets_its_bits_alone_in_a_batch_and_on_any_thread_split(kind: str) -> None:
+    _, iw = _weight(kind, 71, 576, seed=9)
+    x = torch.randn(16, 576, generator=torch.Generator().manual_seed(3))
+    batch = int8.int8_linear(x, iw)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            assert torch.equal(int8.int8_linear(x, iw), batch)
+            for r in (0, 7, 15):
+                assert torch.equal(int8.int8_linear(x[r : r + 1].clone(), iw)[0], batch[r])
+            assert torch.equal(int8.int8_linear(x[3:9].clone().view(2, 3, 576), iw).view(6, 71), batch[3:9])
+    finally:
+        torch.set_num_threads(before)
+
+
+# Prints whether the kernel of this build has its emulation's bits.
+SCRIPT = r"""
+import json, torch
+from test_int8 import _weight
+from blockspec.cpu import int8
+out = {"path": int8.int8_path(), "equal": []}
+for kind in ("Q4_1", "Q8_0"):
+    for width, rows in ((96, 1), (576, 6), (1568, 9)):
+        _, iw = _weight(kind, 9, width, seed=width)
+        x = torch.randn(rows, width, generator=torch.Generator().manual_seed(rows))
+        b = torch.randn(9)
+        out["equal"].append(torch.equal(int8.int8_linear(x, iw, b), int8.reference_product(x, iw, b)))
+print(json.dumps(out))
+"""
+
+
+@needs_kernel
+@pytest.mark.parametrize(("flags", "path"), [("-mno-avx512vnni", "avx2"), ("-mno-avx2 -mno-avx512f", "c")])
+def test_forced_narrower_paths_have_the_same_arithmetic(flags: str, path: str) -> None:
+    if "avx2" not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("no AVX2 on this CPU")
+    env = {**os.environ, kernels.CFLAGS_ENV: flags,
+           "PYTHONPATH": os.pathsep.join([str(TESTS / "cpu"), str(TESTS), str(TESTS.parent)])}
+    run = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["path"] == path and out["equal"] == [True] * 6
+
+
+def test_without_a_kernel_the_emulation_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    _, iw = _weight("Q4_1", 6, 64, seed=4)
+    x = torch.randn(3, 64)
+    monkeypatch.setattr(kernels, "_kernel", None)
+    assert int8.int8_path() == "pytorch"
+    assert torch.equal(int8.int8_linear(x, iw), int8.reference_product(x, iw))
