@@ -25,6 +25,7 @@ from torch import nn
 from blockspec.config import SamplingParams
 from blockspec.errors import ConfigError
 from blockspec.dflash.drafter import DFlashDrafter, DraftContextCache
+from blockspec.dflash.feature_queue import FeatureQueue
 from blockspec.dflash.static_drafter import StaticDrafter
 from blockspec.targets.slots import EMPTY
 from blockspec.targets.base import Target, TargetCache, greedy_forward
@@ -186,7 +187,7 @@ class DecodeBatch:
     Invariants: `rows[i]` is batch row i of every cache and per-row tensor; `cur[i]` is the
     number of committed tokens whose K/V are in the target cache (the prompt plus all generated
     tokens but the last), `last[i]` the last generated token (not yet in the cache), and
-    `pending_feats` the target features of committed tokens not yet in the draft cache.
+    `queue` the target features of committed tokens not yet in the draft cache.
     """
 
     def __init__(
@@ -234,9 +235,7 @@ class DecodeBatch:
         self.cur = torch.zeros(0, dtype=torch.long, device=d)
         self.cur_host: list[int] = []
         self.last = torch.zeros(0, dtype=torch.long, device=d)
-        self.pending_feats: torch.Tensor | None = None
-        self.pending_pos = torch.zeros(0, 0, dtype=torch.long, device=d)
-        self._parts: list[tuple[torch.Tensor, torch.Tensor]] = []  # appended to pending_*, not yet joined
+        self.queue = FeatureQueue()  # read by the next draft pass (kept only with a drafter)
         self.draft_top = 0  # positions below this may hold pending context features
         self.temperature = torch.zeros(0, dtype=torch.float32, device=d)
         self.top_k = torch.zeros(0, dtype=torch.long, device=d)
@@ -364,7 +363,7 @@ class DecodeBatch:
         self.cur_host.extend(lengths)
         self.last = torch.cat([self.last, first])
         if self.drafter is not None:
-            self._add_pending(feats, positions, joining=True)
+            self.queue.join(feats, positions)
             self.draft_top = max(self.draft_top, longest)
         if self.capture:
             host_feats = feats.float().cpu()
@@ -380,31 +379,6 @@ class DecodeBatch:
             r.new_tokens = []
             self._commit(r, [t], first_lp[i] if first_lp is not None else None)
         self.rows.extend(rows)
-
-    def _add_pending(self, feats: torch.Tensor, positions: torch.Tensor, *, joining: bool) -> None:
-        """Queues context features: new rows' (joining) or every row's latest (appended)."""
-        if self.pending_feats is None or (not joining and self.pending_feats.shape[1] == 0 and not self._parts):
-            self.pending_feats, self.pending_pos = feats, positions
-            return
-        if not joining:
-            # kept apart until the drafter reads them: a run of plain steps (a large batch, a
-            # hopeless prompt) would otherwise copy the whole growing queue at every step
-            self._parts.append((feats, positions))
-            return
-        self._flush_pending()  # joining: stack rows; left-pad the shorter context with EMPTY slots
-        old_c, new_c = self.pending_feats.shape[1], feats.shape[1]
-        width = max(old_c, new_c)
-        self.pending_feats = torch.cat([_pad_left(self.pending_feats, width, 0.0),
-                                        _pad_left(feats, width, 0.0)], dim=0)
-        self.pending_pos = torch.cat([_pad_left(self.pending_pos, width, EMPTY),
-                                      _pad_left(positions, width, EMPTY)], dim=0)
-
-    def _flush_pending(self) -> None:
-        """Joins the queued parts of `_add_pending` into pending_feats / pending_pos."""
-        if self._parts:
-            self.pending_feats = torch.cat([self.pending_feats, *(f for f, _ in self._parts)], dim=1)
-            self.pending_pos = torch.cat([self.pending_pos, *(p for _, p in self._parts)], dim=1)
-            self._parts = []
 
     # ---- one step ----------------------------------------------------------------------------
     def _probs(self, logits: torch.Tensor) -> torch.Tensor:
@@ -444,8 +418,8 @@ class DecodeBatch:
             if self.embed_scale != 1.0:
                 embeds = embeds * self.embed_scale
             self.dcache.reserve(top, self.draft_top)
-            self._flush_pending()
-            hidden = self.draft(self.pending_feats, self.pending_pos, embeds, positions, self.dcache)
+            ctx_feats, ctx_pos = self.queue.take()  # [b, c, L*H], [b, c]
+            hidden = self.draft(ctx_feats, ctx_pos, embeds, positions, self.dcache)
             conf = None
             selector = self.drafter.candidate_selector is not None
             # a DFlash 2 walk goes on from the lookup continuation that will replace its first proposals
@@ -471,7 +445,6 @@ class DecodeBatch:
                 if trim is not None:
                     conf = draft_confidence(draft_probs)  # [b, q-1]
                 self._mask_drafts(draft_probs, block_ids, starts)
-            self.pending_feats = None
             if self.lookup is not None:
                 from_lookup = self._lookup_proposals(block_ids)
                 if self._draft_q is not None and any(from_lookup):
@@ -626,8 +599,9 @@ class DecodeBatch:
         keep = offsets[None] < n_new[:, None]  # [b, q]: block slots 0..n_new-1 stay in the cache
         self.tcache.reject(keep if padding is None else keep | padding)  # padding never took a slot
         if self.drafter is not None:
-            kept_pos = torch.where(keep, positions, torch.full_like(positions, EMPTY))
-            self._add_pending(feats, kept_pos, joining=False)
+            # a plain step keeps its one token (n_new >= 1): its positions are the kept ones
+            kept_pos = positions if q == 1 else torch.where(keep, positions, torch.full_like(positions, EMPTY))
+            self.queue.append(feats, kept_pos)
             self.draft_top = max(self.draft_top, top)
         if self.capture:  # block slots 0..n-1 were fed tokens that stay: their features are final
             host_feats = feats.float().cpu()
@@ -794,10 +768,7 @@ class DecodeBatch:
                 self.dcache.select_rows(index)
             self.cur, self.last = self.cur[index], self.last[index]
             self.cur_host = [self.cur_host[i] for i in order]
-            if self.pending_feats is not None:  # None when no drafter asks for features
-                self._flush_pending()
-                self.pending_feats = self.pending_feats[index]
-                self.pending_pos = self.pending_pos[index]
+            self.queue.select_rows(order)  # moves no queued features
             self.temperature, self.top_k, self.top_p = self.temperature[index], self.top_k[index], self.top_p[index]
         if self.rows:
             self.tcache.compact(self.compact_ratio)
@@ -891,12 +862,3 @@ def _swap_remove_order(n: int, removed: list[int]) -> list[int]:
     for hole, src in zip(holes, movers):
         order[hole] = src
     return order
-
-
-def _pad_left(t: torch.Tensor, width: int, value: float) -> torch.Tensor:
-    """Pads dim 1 of t [b, c, ...] on the left to `width`."""
-    missing = width - t.shape[1]
-    if missing <= 0:
-        return t
-    pad = torch.full((t.shape[0], missing, *t.shape[2:]), value, dtype=t.dtype, device=t.device)
-    return torch.cat([pad, t], dim=1)

@@ -413,8 +413,8 @@ def test_engine_without_own_thread_decodes_on_the_callers_thread(setup) -> None:
 
 
 def test_plain_steps_queue_every_committed_tokens_features_for_the_next_draft(setup) -> None:
-    """Between draft passes the features of committed tokens wait for the drafter (kept as parts,
-    so plain steps copy nothing): whatever plain steps, retirements and joins happen meanwhile,
+    """Between draft passes the features of committed tokens wait for the drafter (kept as pieces,
+    so plain steps, retirements and joins copy nothing): whatever plain steps, retirements and joins happen meanwhile,
     the next draft pass gets each row's features of exactly the tokens it has not seen, in
     order, equal to a full forward's."""
     from blockspec.dflash.batch import DecodeBatch, make_row
@@ -429,7 +429,7 @@ def test_plain_steps_queue_every_committed_tokens_features_for_the_next_draft(se
     seen = {r.key: len(prompts[r.key]) for r in batch.rows}  # that pass gave the drafter the prompts
     for _ in range(3):
         batch.step(1)
-    assert len(batch._parts) == 3  # appended to the draft step's own, not yet joined into one tensor
+    assert len(batch.queue.pieces) == 4  # the draft step's verify and three plain steps, not yet joined
     rows[1].finish_reason = "cancelled"
     batch.retire()
     batch.step(1)
@@ -437,8 +437,7 @@ def test_plain_steps_queue_every_committed_tokens_features_for_the_next_draft(se
     batch.join([prompts[3]], [late])
     seen[3] = 0
     batch.step(1)
-    batch._flush_pending()
-    feats, pos = batch.pending_feats, batch.pending_pos  # [b, c, L*H], [b, c] (EMPTY left padding)
+    feats, pos = batch.queue.assemble()  # [b, c, L*H], [b, c] (EMPTY left padding)
     assert [r.key for r in batch.rows] == [0, 2, 3]
     layer_ids = drafter.target_layer_ids
     for i, r in enumerate(batch.rows):
