@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from blockspec.bench.datasets import load_dataset
+from blockspec.datasets import load_dataset
 
 
 def perplexity(target: object, texts: list[list[int]]) -> float:

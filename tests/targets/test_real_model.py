@@ -88,7 +88,7 @@ def test_int8_dflash_equals_int8_plain_decoding_on_the_q4_1_target(smollm2_dir) 
     """The int8 compute mode is lossless within itself on the real model: greedy DFlash with the
     shipped drafter (ragged batch, whole blocks) gives the int8 target's own plain decoding."""
     from blockspec.api import default_drafter_for
-    from blockspec.bench.datasets import load_dataset
+    from blockspec.datasets import load_dataset
 
     params = blockspec.SamplingParams(max_new_tokens=48)
     drafter = str(default_drafter_for("smollm2-135m-instruct"))
