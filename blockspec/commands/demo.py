@@ -51,7 +51,9 @@ def _demo(args: argparse.Namespace) -> int:
     source = pipe.drafter_source or "fresh (untrained)"
     mode = f"adaptive, up to {pipe.block_size}" if pipe.adaptive_block else str(pipe.block_size)
     lookup = "on" if pipe.lookup is not None else "off"
-    print(f"Drafter: {source}; block size {mode}; n-gram lookup proposals {lookup}\n", file=err)
+    compute = getattr(pipe.target, "compute_detail", pipe.compute)
+    print(f"Drafter: {source}; block size {mode}; n-gram lookup proposals {lookup}; target compute {compute}\n",
+          file=err)
     ids = pipe.encode([{"role": "user", "content": args.prompt}])
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     # Warm-up: first-call overheads, and the adaptive policy times the step costs of this machine.

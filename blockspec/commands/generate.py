@@ -85,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         before = pipe.decoder.block_choices
         out = run_one(pipe, ids, params, stream=stream)
-    report = {"text": out.text, "finish_reason": out.finish_reason, "dflash": out.stats.as_dict(len(out.token_ids))}
+    report = {"text": out.text, "finish_reason": out.finish_reason, "compute": pipe.compute,
+              "dflash": out.stats.as_dict(len(out.token_ids))}
     if pipe.adaptive_block:
         report["block_choices"] = cmp.block_choices if args.compare else _since(before, pipe.decoder.block_choices)
     if args.compare:

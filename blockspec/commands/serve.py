@@ -66,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
         state = app.state.blockspec
         drafter = pipeline.drafter_source or ("none" if pipeline.drafter is None else "fresh")
         print(f"serving {state.served_model_name!r} (drafter: {drafter}, block size "
-              f"{'adaptive, up to ' if pipeline.adaptive_block else ''}{pipeline.block_size}) "
+              f"{'adaptive, up to ' if pipeline.adaptive_block else ''}{pipeline.block_size}, "
+              f"compute {pipeline.compute}) "
               f"at {url_of(sock)}/v1", flush=True)
         if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
             print("warning: listening beyond loopback without --api-key", file=sys.stderr, flush=True)

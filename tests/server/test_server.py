@@ -134,6 +134,7 @@ def test_the_server_takes_requests_once_its_adaptive_engine_is_calibrated(pipe):
 def test_models_health_and_metrics(server, client, pipe):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
+    assert client.models.retrieve(MODEL).model_extra["compute"] == pipe.compute  # the target's compute mode
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
     assert_error(httpx.get(f"{server.url}/v1/models/nope"), 404, code="model_not_found")
     client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=3, temperature=0.0)
