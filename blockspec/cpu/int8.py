@@ -20,14 +20,14 @@ from dataclasses import dataclass, field
 import torch
 
 from blockspec.cpu import kernels
-from blockspec.cpu.packed_weights import BLOCK, PackedWeight, identity
+from blockspec.cpu.packed_weights import BLOCK, PackedWeight, QuantisedRows, identity
 
 LANES = 16  # fp32 lanes of the kernel's sums: 8 per block, blocks in pairs
 _CHUNK = 4096  # weight rows per step of the PyTorch emulation (bounds its scratch memory)
 
 
 @dataclass(frozen=True)
-class Int8Weight:
+class Int8Weight(QuantisedRows):
     """A [out, in] matrix as the integer kernels read it. bits 4: qs [out, in / 2] uint8 (GGUF
     Q4_1's nibbles, cpu/packed_weights.py's layout), weight m + d q; bits 8: qs [out, in] int8,
     weight d q. d [out, in / 32] fp32; m [out, nbp] fp32 (bits 4; nbp = in / 32 rounded up to 16,
@@ -53,15 +53,6 @@ class Int8Weight:
             raise ValueError(f"an Int8Weight needs bits 4 (qs uint8 [out, in / 2], m [out, nbp]) or 8 (qs int8 "
                              f"[out, in]) with d fp32 [out, in / 32], in a multiple of {BLOCK}; got bits={self.bits}, "
                              f"qs {self.qs.dtype} {tuple(self.qs.shape)}, d {tuple(self.d.shape)}")
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        out, width = self.qs.shape
-        return out, width * 2 if self.bits == 4 else width
-
-    def matches(self, weight: torch.Tensor) -> bool:
-        """Whether `weight` is still the tensor this was made from, unchanged since."""
-        return identity(weight) == self.source
 
     def levels(self) -> torch.Tensor:
         """The integer weights [out, in] (4-bit levels 0..15, or the signed 8-bit values), int16."""

@@ -35,8 +35,23 @@ _SAMPLE = 64  # weight rows tried first: a matrix of another form is turned down
 BF16_MAX_ROWS = 4
 
 
+class QuantisedRows:
+    """What the packed forms share (`PackedWeight`, cpu/int8.py's `Int8Weight`): `qs` holds each
+    row's 4-bit pairs ([out, in / 2] uint8) or 8-bit values ([out, in] int8) after `bits`, and
+    `source` the identity of the model weight they were made from."""
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        out, width = self.qs.shape
+        return out, width * 2 if self.bits == 4 else width
+
+    def matches(self, weight: torch.Tensor) -> bool:
+        """Whether `weight` is still the tensor this was made from, unchanged since."""
+        return identity(weight) == self.source
+
+
 @dataclass(frozen=True)
-class PackedWeight:
+class PackedWeight(QuantisedRows):
     """A [out, in] fp32 matrix packed as `bits`-bit q with per-block scales (cpu/csrc/rows.c):
     bits 4: qs [out, in / 2] uint8 (input i of a block of 32 in the low nibble of byte i, input
     16 + i in the high one), sc [out, in / 32, 2] fp32 (d, m), weight m + d q;
@@ -59,14 +74,6 @@ class PackedWeight:
                              f"{self.qs.dtype} {tuple(self.qs.shape)}, sc {self.sc.dtype} {tuple(self.sc.shape)}, "
                              f"for fp32 or bf16 weights (got {self.dtype})")
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        out, width = self.qs.shape
-        return out, width * 2 if self.bits == 4 else width
-
-    def matches(self, weight: torch.Tensor) -> bool:
-        """Whether `weight` is still the tensor this was packed from, unchanged since."""
-        return identity(weight) == self.source
 
 
 def identity(weight: torch.Tensor) -> tuple[int, int]:
