@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import make_tiny_target
 from scripted import PrefixDrafter
-from support import OracleDrafter, distinct_prompts, ragged_prompts, run_with_joins
+from support import OracleDrafter, distinct_prompts, one_thread, ragged_prompts, run_with_joins  # noqa: F401 (fixture)
 
 from blockspec.config import SamplingParams, SpecConfig
 from blockspec.engine.decoder import SpecDecoder
@@ -29,13 +29,7 @@ VOCAB = 64
 NEW = 48
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # tiny models on a shared CPU: thread hand-offs cost more than the work (grouped conv1d above all)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: thread hand-offs cost more than the work
 
 
 def generate(model, prompt: list[int], n: int) -> list[int]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_tiny_target
+from support import one_thread  # noqa: F401 (fixture)
 
 from blockspec.dflash.token_tree import TokenTree
 from blockspec.errors import ConfigError
@@ -34,13 +35,7 @@ PROMPTS = [list(range(30, 39)), [40, 41, 42, 43, 44]]  # 9 and 5 tokens: row 1 i
 _MODELS: dict[str, object] = {}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # tiny models on a shared CPU: thread hand-offs cost more than the work
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: thread hand-offs cost more than the work
 
 
 def model_of(family: str):
