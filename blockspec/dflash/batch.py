@@ -215,7 +215,7 @@ class DecodeBatch:
                               f"target_layer_ids {tuple(self.layer_ids)}; capture those, or decode without a drafter")
         self.capture = bool(capture_layer_ids)
         self.embed_scale = self.drafter.cfg.input_embedding_scale if self.drafter is not None else 1.0
-        self.device = target.embed(torch.zeros(1, 1, dtype=torch.long)).device
+        self.device = target.device
         self.offsets = torch.arange(max(1, self.max_block), device=self.device)
         self.rows: list[Row] = []
         self.tcache: TargetCache | None = None

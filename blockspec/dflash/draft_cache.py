@@ -15,6 +15,7 @@ from torch.nn import functional as F
 
 from blockspec.errors import ConfigError
 from blockspec.targets.slots import EMPTY, SlotTable, gather_slots
+from blockspec.targets.sdpa import sdpa
 
 if TYPE_CHECKING:  # the modules a pass runs; they create this cache (DFlashDrafter.new_cache)
     from blockspec.dflash.drafter import DFlashDrafter, DraftAttention, DraftMLP, RMSNorm
@@ -222,4 +223,4 @@ class ConcatPass:
         if groups > 1:
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=self._mask(i, attn))
+        return sdpa(q, k, v, attn_mask=self._mask(i, attn))

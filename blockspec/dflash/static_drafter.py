@@ -35,6 +35,7 @@ from blockspec.dflash.drafter import DFlashDrafter, DraftAttention, DraftMLP, RM
 from blockspec.targets.native.attention import cached_attention, visible_keys
 from blockspec.targets.native.cache import KVStore, StaticCache, attention_mask
 from blockspec.targets.native.llama import padding_index, rms_norm, rope_bqhd, silu_mul
+from blockspec.targets.sdpa import sdpa
 
 
 Fused = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]  # w_qkv, b_qkv, w_gate_up
@@ -265,7 +266,7 @@ class StaticPass:
                                                                  self.scale, self.start)
         if out is None:
             horizon = self.horizon
-            out = F.scaled_dot_product_attention(qg, k_cache[:, :, :horizon], v_cache[:, :, :horizon],
+            out = sdpa(qg, k_cache[:, :, :horizon], v_cache[:, :, :horizon],
                                                  attn_mask=self._mask(self.weights.layer_kinds[i]))
         out = out.view(b, kvh, h // kvh, q, d).permute(0, 3, 1, 2, 4).reshape(b, q, h * d)
         return project(attn.o_proj, out, exact=False)

@@ -82,6 +82,14 @@ class Target(Protocol):
     # of a batch may verify different lengths for the price of their sum
     skips_padding: bool
 
+    @property
+    def device(self) -> torch.device:
+        """Where the weights live: inputs go there."""
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype."""
+
     def new_cache(self, batch: int) -> TargetCache: ...
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor: ...

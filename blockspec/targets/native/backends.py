@@ -33,6 +33,7 @@ from blockspec.cpu.qkv import QKVPlacement, block_places
 from blockspec.targets.native.attention import cached_attention
 from blockspec.targets.native.cache import StaticCache, attention_mask
 from blockspec.targets.slots import EMPTY
+from blockspec.targets.sdpa import sdpa
 
 COMPUTES = ("exact", "int8", "auto")
 PACKED_HEAD_ROWS = 6  # greedy rows whose ids come from a packed head's logits (`KernelBackend._packed_head_takes`)
@@ -188,7 +189,7 @@ class TorchBackend:
         mask, causal = self._masks(p)
         scale = self.net.scale
         if causal is False:
-            return F.scaled_dot_product_attention(qg, k_cache[:, :, :p.horizon], v_cache[:, :, :p.horizon],
+            return sdpa(qg, k_cache[:, :, :p.horizon], v_cache[:, :, :p.horizon],
                                                   attn_mask=mask, scale=scale)
         b, kvh, gq, d = qg.shape
         g = self.net.cfg.groups
@@ -196,7 +197,7 @@ class TorchBackend:
         qh = qg.reshape(b, kvh * g, q, d)
 
         def attend(rows: slice, cols: slice, n: int) -> torch.Tensor:
-            return F.scaled_dot_product_attention(qh[rows, :, cols], k_cache[rows, :, :n], v_cache[rows, :, :n],
+            return sdpa(qh[rows, :, cols], k_cache[rows, :, :n], v_cache[rows, :, :n],
                                                   is_causal=True, scale=scale, enable_gqa=g > 1)
 
         if causal is True:
