@@ -81,6 +81,9 @@ class Target(Protocol):
     # whether padding tokens (EMPTY positions) cost nothing in `forward`'s products, so the rows
     # of a batch may verify different lengths for the price of their sum
     skips_padding: bool
+    # whether `forward_tree` verifies a token tree in one pass (attention-only targets); a target
+    # without it verifies chains only
+    supports_trees: bool
 
     @property
     def device(self) -> torch.device:

@@ -233,6 +233,11 @@ class HFTarget:
         return torch.where(visible, zero, torch.finfo(self.dtype).min)
 
     @torch.no_grad()
+    @property
+    def supports_trees(self) -> bool:
+        """Attention-only models verify trees; Gated DeltaNet layers hold one branch's state."""
+        return not self._linear
+
     def forward_tree(
         self,
         ids: torch.Tensor,

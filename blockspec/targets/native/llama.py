@@ -250,6 +250,8 @@ class NativeTarget:
         backend = self.net.backend if self.net.backend is not None else self.net.use(self.net.compute)
         return backend.describe()
 
+    supports_trees = False  # the position-indexed cache holds one token per position
+
     @property
     def skips_padding(self) -> bool:
         """Whether padding tokens (EMPTY positions) cost nothing in `forward`'s matmuls, so rows
