@@ -53,12 +53,13 @@ def supports_thinking(tokenizer: object) -> bool:
 class StopStrings:
     """Finds stop strings in generated text; returns how many tokens to keep."""
 
-    def __init__(self, tokenizer: object, stops: Sequence[str]) -> None:
+    def __init__(self, tokenizer: object, stops: Sequence[str], keep_special: bool = False) -> None:
         self.tokenizer = tokenizer
         self.stops = tuple(stops)
+        self.keep_special = keep_special  # special tokens' text too (a format whose markers are special)
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        return self.tokenizer.decode(list(ids), skip_special_tokens=not self.keep_special)
 
     def find(self, text: str, start: int = 0) -> int | None:
         """Index in text where the earliest stop string starts (at or after `start`), or None."""

@@ -117,15 +117,18 @@ def build_tiny_tokenizer(vocab_size: int = 320):
     return fast
 
 
-def build_tiny_model_dir(path, *, seed: int = 0, num_layers: int = 4, hidden: int = 64):
-    """Writes a tiny random Llama (float32) + tokenizer + generation_config (eos set) to `path`."""
+def build_tiny_model_dir(path, *, seed: int = 0, num_layers: int = 4, hidden: int = 64, tokenizer=None,
+                         eos_tokens: tuple[str, ...] = ("<|im_end|>",)):
+    """Writes a tiny random Llama (float32) + tokenizer (build_tiny_tokenizer's unless given) +
+    generation_config (eos: the ids of eos_tokens) to `path`."""
     from pathlib import Path
 
     import transformers as tf
 
     path = Path(path)
-    tokenizer = build_tiny_tokenizer()
-    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    tokenizer = tokenizer if tokenizer is not None else build_tiny_tokenizer()
+    eos = [tokenizer.convert_tokens_to_ids(t) for t in eos_tokens]
+    eos = eos[0] if len(eos) == 1 else eos
     torch.manual_seed(seed)
     cfg = tf.LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=num_layers,

@@ -1,4 +1,4 @@
-"""Output formats (JSON schema, JSON object, regex, choice, grammar) compiled with xgrammar into
+"""Output formats (JSON schema, JSON object, regex, choice, grammar, sequence) compiled with xgrammar into
 per-request matchers that a DecodeBatch row masks its tokens with (dflash/constraint.py).
 
     grammars = Grammars(tokenizer, target.info.vocab_size, target.info.eos_token_ids)
@@ -20,7 +20,8 @@ import torch
 
 from blockspec.errors import ConfigError
 
-KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+KINDS = ("json_object", "json_schema", "regex", "choice", "grammar", "sequence")
+PIECES = ("text", "json", "regex")  # what a sequence is made of
 CACHE_SIZE = 64  # compiled grammars kept per tokenizer (a client reuses its few schemas)
 
 
@@ -28,7 +29,9 @@ CACHE_SIZE = 64  # compiled grammars kept per tokenizer (a client reuses its few
 class OutputFormat:
     """What a request's output must match. value: the schema (a dict) for json_schema, the
     pattern for regex, the alternatives (a tuple of strings) for choice, the EBNF (GBNF) or Lark
-    text for grammar, None for json_object (any JSON object)."""
+    text for grammar, None for json_object (any JSON object). A sequence (a forced tool call in a
+    format that is not JSON) is a tuple of alternatives, each a tuple of pieces: ("text", literal),
+    ("json", schema: a JSON value matching it) or ("regex", pattern)."""
 
     kind: str
     value: object = None
@@ -43,17 +46,27 @@ class OutputFormat:
               "regex": isinstance(self.value, str) and bool(self.value),
               "choice": isinstance(self.value, tuple) and bool(self.value)
               and all(isinstance(c, str) and c for c in self.value),
-              "grammar": isinstance(self.value, str) and bool(self.value.strip())}[self.kind]
+              "grammar": isinstance(self.value, str) and bool(self.value.strip()),
+              "sequence": _is_sequence(self.value)}[self.kind]
         if not ok:
             raise ConfigError(f"a {self.kind} output format needs "
                               + {"json_object": "no value", "json_schema": "a JSON schema object",
                                  "regex": "a non-empty pattern", "choice": "non-empty strings to choose from",
-                                 "grammar": "a non-empty grammar"}[self.kind])
+                                 "grammar": "a non-empty grammar",
+                                 "sequence": "alternatives of (text|json|regex, value) pieces"}[self.kind])
         if (self.prefix or self.suffix) and self.kind != "json_schema":
             raise ConfigError("only a json_schema output format takes a prefix or suffix")
 
     def key(self) -> str:
         return json.dumps([self.kind, self.value, self.prefix, self.suffix], sort_keys=True, ensure_ascii=False)
+
+
+def _is_sequence(value: object) -> bool:
+    def piece(p: object) -> bool:
+        return (isinstance(p, tuple) and len(p) == 2 and p[0] in PIECES
+                and (isinstance(p[1], dict) if p[0] == "json" else isinstance(p[1], str) and bool(p[1])))
+    return (isinstance(value, tuple) and bool(value)
+            and all(isinstance(alt, tuple) and alt and all(piece(p) for p in alt) for alt in value))
 
 
 class XGrammarConstraint:
@@ -159,6 +172,13 @@ def _compile(compiler: object, fmt: OutputFormat) -> object:
         if fmt.suffix:
             parts.append(xgr.Grammar.from_ebnf(f"root ::= {json.dumps(fmt.suffix)}"))
         return compiler.compile_grammar(parts[0] if len(parts) == 1 else xgr.Grammar.concat(*parts))
+    if fmt.kind == "sequence":
+        alternatives = []
+        for alt in fmt.value:
+            parts = [_piece(xgr, kind, value) for kind, value in alt]
+            alternatives.append(parts[0] if len(parts) == 1 else xgr.Grammar.concat(*parts))
+        return compiler.compile_grammar(alternatives[0] if len(alternatives) == 1
+                                        else xgr.Grammar.union(*alternatives))
     if fmt.kind == "regex":
         return compiler.compile_regex(fmt.value)
     if fmt.kind == "choice":
@@ -168,3 +188,11 @@ def _compile(compiler: object, fmt: OutputFormat) -> object:
         return compiler.compile_grammar(fmt.value)
     except Exception:
         return compiler.compile_lark(fmt.value)
+
+
+def _piece(xgr: object, kind: str, value: object) -> object:
+    if kind == "text":
+        return xgr.Grammar.from_ebnf(f"root ::= {json.dumps(value)}")
+    if kind == "regex":
+        return xgr.Grammar.from_regex(value)
+    return _json_grammar(xgr, value)

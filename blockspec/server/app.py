@@ -60,7 +60,8 @@ from blockspec.server.schemas import (
 )
 from blockspec.server.sse import DONE, Shapes, event, usage
 from blockspec.server.structured import compile_error
-from blockspec.server.tools import ToolStream, detect_family, forced_format, parse_calls, render_prompt
+from blockspec.server.tools import (ToolStream, detect_family, forced_format, keeps_special_tokens, parse_calls,
+                                    render_prompt)
 from blockspec.text import IncrementalDetokenizer, StopStrings, encode_prompt
 
 log = logging.getLogger("blockspec.server")
@@ -100,6 +101,7 @@ class ServerState:
     cut: bool = False  # the drain deadline has passed
     grammars: Grammars | None = None  # structured outputs and forced tool calls (engine/grammar.py)
     tool_family: str = "generic"  # how the chat template shows tools and writes calls (server/tools/)
+    end_texts: tuple[str, ...] = ()  # the end-of-turn tokens' text (ends a call in text that keeps them)
 
     def begin_drain(self, grace_s: float) -> None:
         """Stops admitting; open requests may run for `grace_s` more seconds (any thread)."""
@@ -162,7 +164,8 @@ def create_app(
         max_token_bytes=longest_token_bytes(pipeline.tokenizer),
         texts=TokenTexts(pipeline.tokenizer),
         grammars=Grammars(pipeline.tokenizer, int(info.vocab_size), tuple(info.eos_token_ids)),
-        tool_family=detect_family(getattr(pipeline.tokenizer, "chat_template", None)),
+        tool_family=detect_family(getattr(pipeline.tokenizer, "chat_template", None), info.model_type),
+        end_texts=tuple(pipeline.tokenizer.decode([i], skip_special_tokens=False) for i in info.eos_token_ids),
     )
 
     @asynccontextmanager
@@ -594,8 +597,12 @@ def _admit(state: ServerState, req: GenerationRequest, prompts: list[list[int]],
         if isinstance(e, BlockspecError):
             raise errors.from_blockspec(e) from None
         raise
-    choices = [_Choice(i, h, IncrementalDetokenizer(stops), prompt=i // req.n,
-                       tools=ToolStream(state.tool_family) if tools else None) for i, h in enumerate(handles)]
+    # the text the tool parser reads keeps the special tokens where a family's markers are some
+    shown = StopStrings(state.tokenizer, req.stop, keep_special=True) \
+        if tools and keeps_special_tokens(state.tool_family) else stops
+    choices = [_Choice(i, h, IncrementalDetokenizer(shown), prompt=i // req.n,
+                       tools=ToolStream(state.tool_family, req.tools.tools, state.end_texts) if tools else None)
+               for i, h in enumerate(handles)]
     job = _Job(state, req, prompts, params[0], stops, shapes, arrived, choices, inbox)
     if state.cut:  # admitted in the instant the deadline passed: cut it at once
         inbox.put_nowait(_CUT)
@@ -652,7 +659,7 @@ async def _collect(request: Request, job: _Job) -> Response:
         reason = c.final.finish_reason if c.final else CUT_REASON
         calls = []
         if c.tools is not None:
-            text, calls = parse_calls(c.tools.family, text)
+            text, calls = parse_calls(c.tools.family, text, job.req.tools.tools, job.state.end_texts)
             reason = "tool_calls" if calls and reason == "stop" else reason
         if job.req.echo:
             prefix, prefix_lp = job.echo(c)

@@ -6,13 +6,18 @@
 - "llama3_json" (Llama 3.1 / 3.2 templates, which know `<|python_tag|>` and `ipython`): the
   template renders the tools; a call is the JSON object `{"name": ..., "parameters": {...}}`
   (several separated by `;`).
+- "glm45" / "glm47" (GLM-4.5 and 4.6 / GLM-4.7 templates, which write `<arg_key>`): the template
+  renders the tools; a call is `<tool_call>NAME`, `<arg_key>`/`<arg_value>` pairs, `</tool_call>`
+  (glm.py).
+- "harmony" (gpt-oss: a template that writes `<|channel|>`, or model_type gpt_oss): the template
+  renders the tools; a call is a commentary message to `functions.NAME` (harmony.py).
 - "generic" (a template that knows no tools, SmolLM2's for one, or one whose format is none of
   the above): GENERIC_INSTRUCTIONS, in a system message, lists the tools; calls are written as
   in "hermes"; assistant calls fed back become that text, `role: tool` results become user
   messages `<tool_response>...</tool_response>`.
 
-The family is chosen once from the served model's chat template (`detect_family`) and named in
-every answer that had tools (`tool_call_format`, docs/SERVING.md).
+The family is chosen once from the served model's chat template and model_type (`detect_family`)
+and named in every answer that had tools (`tool_call_format`, docs/SERVING.md).
 """
 
 from __future__ import annotations
@@ -20,10 +25,11 @@ from __future__ import annotations
 import json
 
 from blockspec.engine.grammar import OutputFormat
+from blockspec.server.tools import glm, harmony
 from blockspec.server.tools.request import Tool, ToolRequest
 from blockspec.text import encode_prompt
 
-FAMILIES = ("hermes", "llama3_json", "generic")
+FAMILIES = ("hermes", "llama3_json", "glm45", "glm47", "harmony", "generic")
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 
 GENERIC_INSTRUCTIONS = (
@@ -35,16 +41,26 @@ GENERIC_INSTRUCTIONS = (
 )
 
 
-def detect_family(chat_template: object) -> str:
+def detect_family(chat_template: object, model_type: str | None = None) -> str:
     """The tool-call family of a chat template (see the module docstring)."""
     text = chat_template if isinstance(chat_template, str) else ""
+    if model_type == "gpt_oss" or (harmony.CHANNEL in text and "tools" in text):
+        return "harmony"  # gpt-oss speaks harmony whatever its template says
     if "tools" not in text:
         return "generic"
+    if glm.KEY_OPEN in text:
+        return "glm47" if glm.is_compact(text) else "glm45"
     if CALL_OPEN in text:
         return "hermes"
     if "<|python_tag|>" in text or "ipython" in text:
         return "llama3_json"
     return "generic"
+
+
+def keeps_special_tokens(family: str) -> bool:
+    """Whether the family's calls are written with special tokens, which the answer's text must
+    then keep to be parsed (harmony's markers)."""
+    return family == "harmony"
 
 
 def render_prompt(tokenizer: object, messages: list[dict], tools: ToolRequest | None, family: str,
@@ -54,6 +70,8 @@ def render_prompt(tokenizer: object, messages: list[dict], tools: ToolRequest | 
     if family == "generic":
         return encode_prompt(tokenizer, _generic_messages(messages, shown, tools), chat=True,
                              chat_template_kwargs=chat_template_kwargs or None)
+    if family == "harmony":
+        messages = harmony.template_messages(messages)
     text = tokenizer.apply_chat_template([_template_message(m) for m in messages],
                                          tools=[t.as_openai() for t in shown] or None, add_generation_prompt=True,
                                          tokenize=False, **(chat_template_kwargs or {}))
@@ -62,6 +80,10 @@ def render_prompt(tokenizer: object, messages: list[dict], tools: ToolRequest | 
 
 def forced_format(tools: ToolRequest, family: str) -> OutputFormat:
     """The grammar of one call of the tools a forced choice allows, in the family's format."""
+    if family in ("glm45", "glm47"):
+        return OutputFormat("sequence", tuple(glm.forced_pieces(t, family == "glm47") for t in tools.called()))
+    if family == "harmony":
+        return OutputFormat("sequence", tuple(harmony.forced_pieces(t) for t in tools.called()))
     key = "parameters" if family == "llama3_json" else "arguments"
     calls = [{"type": "object", "properties": {"name": {"enum": [t.name]}, key: t.parameters},
               "required": ["name", key], "additionalProperties": False} for t in tools.called()]
