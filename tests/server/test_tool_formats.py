@@ -10,8 +10,9 @@ import json
 import jsonschema
 import pytest
 import torch
-from openai import OpenAI
+from openai import BadRequestError, OpenAI
 from server_support import pipe  # noqa: F401 (fixture)
+from test_server_structured import ASK, SCHEMA, TIME, WEATHER
 from tool_templates import EOS, GLM45, GLM47, HARMONY, family_tokenizer
 
 from blockspec.server.tools import ToolStream, detect_family, forced_format, keeps_special_tokens, parse_calls
@@ -19,22 +20,12 @@ from blockspec.server.tools.formats import _template_message
 from blockspec.server.tools.request import parse_tools
 from blockspec.text import IncrementalDetokenizer, StopStrings
 
-SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                           "days": {"type": "integer", "minimum": 1, "maximum": 14},
-                                           "unit": {"enum": ["celsius", "fahrenheit"]}},
-          "required": ["city", "days", "unit"], "additionalProperties": False}
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The forecast for a city.",
-                                            "parameters": SCHEMA}}
 NOTE = {"type": "function", "function": {"name": "save_note", "description": "Saves a note.", "parameters": {
     "type": "object", "properties": {"text": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}},
                                      "meta": {"type": "object"}},
     "required": ["text"]}}}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}}}
-ASK = [{"role": "user", "content": "What is the weather in Paris for the next 3 days?"}]
 CALLS = [("get_weather", {"city": "Paris", "days": 3, "unit": "celsius"}),
          ("save_note", {"text": "if a < b:\n    say \"hi\"", "tags": ["x", "y"], "meta": {"k": 1}})]
-GLM_FAMILIES = {"glm45": GLM45, "glm47": GLM47}
 
 
 def _history(calls) -> list[dict]:
@@ -233,44 +224,48 @@ def test_forced_call_on_the_tiny_model_parses_and_matches(pipe, family):  # noqa
         assert [(c.name, c.arguments) for c in streamed] == [(calls[0].name, calls[0].arguments)]
 
 
-# ---- harmony through the server, with a tiny model whose tokenizer carries gpt-oss's markers ----
+# ---- through the server, with a tiny model whose tokenizer carries the family's template and markers ----
 
-@pytest.fixture(scope="module")
-def harmony_server(tmp_path_factory):
+@pytest.fixture(scope="module", params=["harmony", "glm45"])
+def family_server(request, tmp_path_factory):
     import blockspec.api
     from blockspec.server.app import create_app
     from blockspec.server.launch import BackgroundServer
     from conftest import build_tiny_model_dir
 
-    path = build_tiny_model_dir(tmp_path_factory.mktemp("harmony_model"), tokenizer=family_tokenizer("harmony"),
-                                eos_tokens=tuple(EOS["harmony"]))
+    family = request.param
+    path = build_tiny_model_dir(tmp_path_factory.mktemp(f"{family}_model"), tokenizer=family_tokenizer(family),
+                                eos_tokens=tuple(EOS[family]))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         pipe = blockspec.api.load(str(path), "fresh", dtype="float64", block_size=4)
-        with BackgroundServer(create_app(pipe, served_model_name="tiny-oss")) as srv:
+        with BackgroundServer(create_app(pipe, served_model_name="tiny")) as srv:
+            srv.family = family
             yield srv
     finally:
         torch.set_num_threads(threads)
 
 
-def test_harmony_tool_calls_through_the_openai_client(harmony_server):
+def test_tool_calls_through_the_openai_client(family_server):
+    family = family_server.family
     tools = [WEATHER, TIME]  # bounded arguments: a random model's free strings could run past max_tokens
-    with OpenAI(base_url=f"{harmony_server.url}/v1", api_key="x", max_retries=0, timeout=120) as client:
-        r = client.chat.completions.create(model="tiny-oss", messages=ASK, tools=tools, tool_choice="required",
+    with OpenAI(base_url=f"{family_server.url}/v1", api_key="x", max_retries=0, timeout=120) as client:
+        r = client.chat.completions.create(model="tiny", messages=ASK, tools=tools, tool_choice="required",
                                            max_tokens=150, temperature=0)
         choice = r.choices[0]
-        assert r.model_extra["tool_call_format"] == "harmony" and choice.finish_reason == "tool_calls", choice
+        assert r.model_extra["tool_call_format"] == family and choice.finish_reason == "tool_calls", choice
         (call,) = choice.message.tool_calls
         schema = {"get_weather": SCHEMA, "get_time": TIME["function"]["parameters"]}[call.function.name]
         jsonschema.validate(json.loads(call.function.arguments), schema)
-        assert not (choice.message.content or "").strip()  # the markers never reach the content
+        assert not (choice.message.content or "").strip()  # the call's markers never reach the content
 
-        stream = client.chat.completions.create(model="tiny-oss", messages=ASK, tools=tools, max_tokens=150,
+        stream = client.chat.completions.create(model="tiny", messages=ASK, tools=tools, max_tokens=150,
                                                 tool_choice={"type": "function", "function": {"name": "get_weather"}},
                                                 temperature=0, stream=True)
         deltas, reasons, text = [], [], ""
         for chunk in stream:
+            assert chunk.model_extra["tool_call_format"] == family
             for c in chunk.choices:
                 deltas += c.delta.tool_calls or []
                 text += c.delta.content or ""
@@ -278,10 +273,27 @@ def test_harmony_tool_calls_through_the_openai_client(harmony_server):
         (delta,) = deltas
         assert delta.index == 0 and delta.function.name == "get_weather" and reasons == ["tool_calls"]
         jsonschema.validate(json.loads(delta.function.arguments), SCHEMA)
-        assert "<|" not in text
+        assert not text.strip()
+
+        if family == "harmony":
+            # the markers as the special tokens gpt-oss writes (the grammar also lets the tiny model
+            # spell them out): the answer's text must keep them for the call to be found
+            tok = family_tokenizer(family)
+            bias = {str(tok.convert_tokens_to_ids(t)): 100 for t in ("<|channel|>", "<|constrain|>", "<|message|>")}
+            r = client.chat.completions.create(model="tiny", messages=ASK, tools=tools, max_tokens=60, temperature=0,
+                                               tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                               logit_bias=bias, logprobs=True)
+            tokens = [t.token for t in r.choices[0].logprobs.content]
+            assert {"<|channel|>", "<|constrain|>", "<|message|>"} <= set(tokens), tokens
+            (timed,) = r.choices[0].message.tool_calls
+            assert timed.function.name == "get_time" and json.loads(timed.function.arguments)["city"] in ("Paris", "Rome")
+            # gpt-oss's template refuses a tool result with no call before it: a 400, not a crash
+            with pytest.raises(BadRequestError, match="tool"):
+                client.chat.completions.create(model="tiny", tools=tools, max_tokens=5, messages=ASK + [
+                    {"role": "tool", "tool_call_id": "x", "content": "orphan"}])
 
         history = ASK + [choice.message, {"role": "tool", "tool_call_id": call.id, "content": '{"ok": true}'}]
-        again = client.chat.completions.create(model="tiny-oss", messages=history, tools=tools, max_tokens=12,
+        again = client.chat.completions.create(model="tiny", messages=history, tools=tools, max_tokens=12,
                                                temperature=0)
-        assert again.model_extra["tool_call_format"] == "harmony"
+        assert again.model_extra["tool_call_format"] == family
         assert again.choices[0].finish_reason in ("stop", "length", "tool_calls")
