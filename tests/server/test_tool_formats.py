@@ -127,9 +127,16 @@ def test_harmony_call_as_the_template_writes_it_and_the_channels():
 
 
 def test_harmony_bad_output_stays_content():
+    tok, tools = family_tokenizer("harmony"), parse_tools({"tools": [WEATHER]})
     broken = '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Par<|call|>'
     assert parse_calls("harmony", broken) == (broken, [])
     assert parse_calls("harmony", "no header at all, just text") == ("no header at all, just text", [])
+    header = "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+    for cut, shown in [(header, header),  # a call cut off by max_tokens right after its header
+                       ("<|channel|>analysis<|message|>Hmm.<|end|><|start|>", "<|start|>"),
+                       ("<|channel|>final<|message|>Hi", "Hi")]:
+        assert parse_calls("harmony", cut) == (shown, []), cut
+        assert _stream_tokens("harmony", tok, cut, tools)[:2] == (shown, [])  # token by token: the same
     content, calls = parse_calls("harmony", '<|channel|>commentary to=functions.nope<|message|>{"a": 1}<|call|>')
     assert content is None and _pairs(calls) == [("nope", {"a": 1})]  # an unknown function is still a call
     builtin = "<|channel|>analysis to=python<|message|>print(1)<|call|>"  # a built-in tool we do not serve

@@ -76,7 +76,7 @@ class HarmonyStream:
     def push(self, delta: str, final: bool, new: list[ToolCall]) -> str:
         self.buf += delta
         out: list[str] = []
-        while self.buf:
+        while self.buf or (final and self.written):  # at the end, a message cut off after its header too
             if self.state == "raw":
                 out.append(self.buf)
                 self.buf = ""
@@ -127,9 +127,9 @@ class HarmonyStream:
             keep = 0 if hits or final else partial_marker(self.buf, *self.ends)
             if channel != "analysis":
                 out.append(self.buf[: i - keep])
-            if not hits:
+            if not hits and not final:
                 self.buf = self.buf[i - keep:]
-                return bool(final)
+                return False
         self.buf = self.buf[i + len(end):]
         self.state, self.header, self.written = "between", "", ""
         return True
