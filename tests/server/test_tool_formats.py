@@ -304,3 +304,36 @@ def test_tool_calls_through_the_openai_client(family_server):
                                                temperature=0)
         assert again.model_extra["tool_call_format"] == family
         assert again.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_a_sequence_format_is_checked_on_construction():
+    from blockspec.engine.grammar import OutputFormat
+    from blockspec.errors import ConfigError
+
+    OutputFormat("sequence", ((("text", "<a>"), ("json", {"type": "integer"}), ("regex", "[a-z]+")),))
+    for bad in [(), ((),), ((("text", ""),),), ((("json", "not a schema"),),), ((("xml", "x"),),),
+                [[("text", "a")]], ((("text", "a", "b"),),)]:
+        with pytest.raises(ConfigError, match="sequence"):
+            OutputFormat("sequence", bad)
+
+
+def test_glm_forced_strings_follow_their_pattern_length_and_enum():
+    from blockspec.engine.grammar import Grammars
+
+    tok = family_tokenizer("glm47")
+    eos = tok.convert_tokens_to_ids("<|user|>")
+    grammars = Grammars(tok, len(tok), (eos,))
+    month = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "month": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}$"}, "code": {"type": "string", "maxLength": 3},
+        "mode": {"enum": ["a.b", "c|d"]}}}}}
+    fmt = forced_format(parse_tools({"tools": [month], "tool_choice": "required"}), "glm47")
+
+    def call(m: str, c: str, mode: str) -> str:
+        return (f"<tool_call>f<arg_key>month</arg_key><arg_value>{m}</arg_value><arg_key>code</arg_key>"
+                f"<arg_value>{c}</arg_value><arg_key>mode</arg_key><arg_value>{mode}</arg_value></tool_call>")
+
+    assert _accepts(grammars, fmt, tok, call("2024-05", "ab", "c|d"), eos)
+    for bad in [call("2024-5", "ab", "c|d"), call("2024-05", "abcd", "c|d"), call("2024-05", "ab", "a")]:
+        assert not _accepts(grammars, fmt, tok, bad, eos), bad
+    content, calls = parse_calls("glm47", call("2024-05", "ab", "a.b"), parse_tools({"tools": [month]}).tools)
+    assert content is None and _pairs(calls) == [("f", {"month": "2024-05", "code": "ab", "mode": "a.b"})]

@@ -91,6 +91,11 @@ def _value(schema: object, defs: dict) -> tuple[str, object]:
         choices = schema.get("enum", [schema["const"]] if "const" in schema else None)
         if choices:
             return ("regex", "|".join(_escape(c) for c in choices))
+        pattern = schema.get("pattern") if isinstance(schema.get("pattern"), str) else ""
+        pattern = pattern.removeprefix("^")
+        pattern = pattern[:-1] if pattern.endswith("$") and not pattern.endswith("\\$") else pattern
+        if pattern:  # the whole value matches it: stricter than JSON Schema's search, never looser
+            return ("regex", pattern)
         if "minLength" in schema or "maxLength" in schema:
             low, high = int(schema.get("minLength", 0)), schema.get("maxLength")
             return ("regex", "[^<]{%d,%s}" % (low, "" if high is None else int(high)))
