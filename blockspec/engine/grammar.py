@@ -1,5 +1,6 @@
-"""Output formats (JSON schema, JSON object, regex, choice, grammar, sequence) compiled with xgrammar into
-per-request matchers that a DecodeBatch row masks its tokens with (dflash/constraint.py).
+"""Output formats (JSON schema, JSON object, regex, choice, grammar, sequence) compiled with
+xgrammar into per-request matchers that a DecodeBatch row masks its tokens with
+(dflash/constraint.py).
 
     grammars = Grammars(tokenizer, target.info.vocab_size, target.info.eos_token_ids)
     handle = engine.submit(ids, params, constraint=grammars.matcher(OutputFormat("json_schema", schema)))
