@@ -1,7 +1,7 @@
-"""The GLM (4.5/4.6 and 4.7) and gpt-oss (harmony) tool-call families, and Llama 3.1's streamed
-calls: chosen from the model, parsed from what the family's template writes (whole and streamed
-token by token), bad output kept as content, forced calls under the family's grammar, and
-harmony end to end through the server with the official `openai` client."""
+"""The GLM (4.5/4.6 and 4.7), Qwen3-Coder / Qwen3.5 / Qwen3.6 (qwen3_xml) and gpt-oss (harmony)
+tool-call families, and Llama 3.1's streamed calls: chosen from the model, parsed from what the family's template writes (whole and streamed
+token by token), bad output kept as content, forced calls under the family's grammar, and end
+to end through the server with the official `openai` client."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from openai import BadRequestError, OpenAI
 from server_support import pipe  # noqa: F401 (fixture)
 from test_server_structured import ASK, SCHEMA, TIME, WEATHER
-from tool_templates import EOS, GLM45, GLM47, HARMONY, family_tokenizer
+from tool_templates import EOS, GLM45, GLM47, HARMONY, QWEN3_XML, family_tokenizer
 
 from blockspec.server.tools import ToolStream, detect_family, forced_format, keeps_special_tokens, parse_calls
 from blockspec.server.tools.formats import _template_message
@@ -36,13 +36,13 @@ def _history(calls) -> list[dict]:
 
 def _written(tok, calls, tools) -> str:
     """What the model writes for `calls`: the template's rendering of them as the last assistant
-    turn, after the prompt that asks for them."""
+    turn, after the prompt that asks for them, up to its end token."""
     shown = [t.as_openai() for t in tools.tools]
     prompt = tok.apply_chat_template(ASK, tools=shown, add_generation_prompt=True, tokenize=False)
     full = tok.apply_chat_template([_template_message(m) for m in _history(calls)], tools=shown,
                                    add_generation_prompt=False, tokenize=False)
     assert full.startswith(prompt), (prompt, full)
-    return full[len(prompt):]
+    return full[len(prompt):].split("<|im_end|>")[0]
 
 
 def _stream_tokens(family: str, tok, text: str, tools) -> tuple[str, list, list[int]]:
@@ -72,20 +72,23 @@ def test_families_are_chosen_from_the_template_and_the_model_type():
     assert detect_family(GLM45) == "glm45"
     assert detect_family(GLM47) == "glm47"
     assert detect_family(HARMONY) == "harmony"
+    assert detect_family(QWEN3_XML) == "qwen3_xml"
     assert detect_family(None, "gpt_oss") == "harmony"  # gpt-oss speaks harmony whatever its template
     assert detect_family("{{ messages }}", "glm4_moe") == "generic"  # a template that knows no tools
 
 
-@pytest.mark.parametrize("family", ["glm45", "glm47"])
-def test_glm_calls_as_the_template_writes_them_whole_and_streamed(family):
+@pytest.mark.parametrize("family", ["glm45", "glm47", "qwen3_xml"])
+def test_calls_as_the_template_writes_them_whole_and_streamed(family):
     tok = family_tokenizer(family)
     tools = parse_tools({"tools": [WEATHER, NOTE]})
     text = _written(tok, CALLS, tools)
-    assert "<arg_key>days</arg_key>" in text and ("\n<arg_value>" in text) == (family == "glm45")
+    if family != "qwen3_xml":
+        assert "<arg_key>days</arg_key>" in text and ("\n<arg_value>" in text) == (family == "glm45")
     content, calls = parse_calls(family, text, tools.tools)
     # string arguments keep their text (a '<' and quotes included), the others are read as JSON
     assert _pairs(calls) == CALLS
-    assert content.strip() in ("<think></think>", "</think>")  # the empty thinking block the template writes
+    # GLM's empty thinking block is what the template writes before the calls
+    assert (content or "").strip() in ("<think></think>", "</think>", "")
     streamed, got, when = _stream_tokens(family, tok, text, tools)
     assert _pairs(got) == CALLS and not streamed.strip()  # the tiny tokenizer's <think> tokens are special
     n_tokens = len(tok(text, add_special_tokens=False)["input_ids"])
@@ -102,6 +105,19 @@ def test_glm_bad_calls_stay_content_and_unknown_functions_are_calls():
     content, calls = parse_calls("glm45", "<tool_call>lookup\n<arg_key>n</arg_key>\n<arg_value>7</arg_value>\n"
                                           "<arg_key>q</arg_key>\n<arg_value>x y</arg_value>\n</tool_call>", tools.tools)
     assert content is None and _pairs(calls) == [("lookup", {"n": 7, "q": "x y"})]
+
+
+def test_qwen3_xml_bad_calls_stay_content_and_python_literals_are_read():
+    tools = parse_tools({"tools": [WEATHER]})
+    for bad in ["<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</tool_call>",
+                "<tool_call>\n<function=get_weather>\njunk<parameter=city>\nParis\n</parameter>\n</function>\n"
+                "</tool_call>",
+                '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>']:  # hermes' JSON is not this
+        assert parse_calls("qwen3_xml", bad, tools.tools) == (bad, []), bad
+    content, calls = parse_calls("qwen3_xml", "Sure.\n\n<tool_call>\n<function=lookup>\n<parameter=ok>\nTrue\n"
+                                              "</parameter>\n<parameter=n>\nNone\n</parameter>\n</function>\n"
+                                              "</tool_call>", tools.tools)
+    assert content == "Sure.\n\n" and _pairs(calls) == [("lookup", {"ok": True, "n": None})]
 
 
 def test_harmony_call_as_the_template_writes_it_and_the_channels():
@@ -180,7 +196,7 @@ def _accepts(grammars, fmt, tok, text: str, eos: int) -> bool:
     return all(m.accept(t) for t in tok(text, add_special_tokens=False)["input_ids"]) and m.accept(eos)
 
 
-@pytest.mark.parametrize("family", ["glm45", "glm47", "harmony"])
+@pytest.mark.parametrize("family", ["glm45", "glm47", "harmony", "qwen3_xml"])
 def test_forced_grammar_takes_the_templates_call_and_refuses_a_wrong_one(family):
     from blockspec.engine.grammar import Grammars
 
@@ -198,7 +214,8 @@ def test_forced_grammar_takes_the_templates_call_and_refuses_a_wrong_one(family)
     else:
         text = _written(tok, [good], tools).split("</think>")[-1].lstrip("\n")
     assert _accepts(grammars, fmt, tok, text, eos), text
-    wrong = text.replace("3", "15") if family == "harmony" else text.replace(">3<", ">15<")
+    wrong = {"harmony": text.replace("3", "15"), "qwen3_xml": text.replace("\n3\n", "\n15\n")}.get(
+        family, text.replace(">3<", ">15<"))
     assert wrong != text and not _accepts(grammars, fmt, tok, wrong, eos)  # days > 14
     assert not _accepts(grammars, fmt, tok, text.replace("celsius", "kelvin"), eos)
     note = (CALLS[1][0], {"text": "if a < b: ok", "tags": ["x"], "meta": {"k": 1}})
@@ -206,7 +223,7 @@ def test_forced_grammar_takes_the_templates_call_and_refuses_a_wrong_one(family)
     assert _accepts(grammars, fmt, tok, text, eos), text
 
 
-@pytest.mark.parametrize("family", ["glm45", "glm47", "harmony"])
+@pytest.mark.parametrize("family", ["glm45", "glm47", "harmony", "qwen3_xml"])
 def test_forced_call_on_the_tiny_model_parses_and_matches(pipe, family):  # noqa: F811
     """Generated on the tiny random model (whose free text is garbage) under the family's grammar:
     one call whose arguments match its tool's schema, whole and streamed."""
@@ -233,7 +250,7 @@ def test_forced_call_on_the_tiny_model_parses_and_matches(pipe, family):  # noqa
 
 # ---- through the server, with a tiny model whose tokenizer carries the family's template and markers ----
 
-@pytest.fixture(scope="module", params=["harmony", "glm45"])
+@pytest.fixture(scope="module", params=["harmony", "glm45", "qwen3_xml"])
 def family_server(request, tmp_path_factory):
     import blockspec.api
     from blockspec.server.app import create_app
@@ -259,7 +276,7 @@ def test_tool_calls_through_the_openai_client(family_server):
     tools = [WEATHER, TIME]  # bounded arguments: a random model's free strings could run past max_tokens
     with OpenAI(base_url=f"{family_server.url}/v1", api_key="x", max_retries=0, timeout=120) as client:
         r = client.chat.completions.create(model="tiny", messages=ASK, tools=tools, tool_choice="required",
-                                           max_tokens=150, temperature=0)
+                                           max_tokens=300, temperature=0)
         choice = r.choices[0]
         assert r.model_extra["tool_call_format"] == family and choice.finish_reason == "tool_calls", choice
         (call,) = choice.message.tool_calls
@@ -267,7 +284,7 @@ def test_tool_calls_through_the_openai_client(family_server):
         jsonschema.validate(json.loads(call.function.arguments), schema)
         assert not (choice.message.content or "").strip()  # the call's markers never reach the content
 
-        stream = client.chat.completions.create(model="tiny", messages=ASK, tools=tools, max_tokens=150,
+        stream = client.chat.completions.create(model="tiny", messages=ASK, tools=tools, max_tokens=300,
                                                 tool_choice={"type": "function", "function": {"name": "get_weather"}},
                                                 temperature=0, stream=True)
         deltas, reasons, text = [], [], ""

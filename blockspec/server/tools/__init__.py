@@ -1,6 +1,6 @@
 """Tool calling for the chat endpoint: the request's `tools` and `tool_choice` (request.py), the
 way each chat-template family renders tools and writes calls (formats.py; GLM's in glm.py,
-gpt-oss's harmony in harmony.py), and the parsers that turn the generated text back into OpenAI
+Qwen3-Coder's in qwen_xml.py, both through arguments.py; gpt-oss's harmony in harmony.py), and the parsers that turn the generated text back into OpenAI
 `tool_calls` (calls.py), whole or streamed (parsers.py).
 
 A forced call (`tool_choice` "required" or a named function) is generated under a grammar built

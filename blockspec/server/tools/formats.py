@@ -6,6 +6,9 @@
 - "llama3_json" (Llama 3.1 / 3.2 templates, which know `<|python_tag|>` and `ipython`): the
   template renders the tools; a call is the JSON object `{"name": ..., "parameters": {...}}`
   (several separated by `;`).
+- "qwen3_xml" (Qwen3-Coder, Qwen3.5, Qwen3.6: a template that writes `<function=` inside
+  `<tool_call>`): the template renders the tools; a call is `<tool_call>`, `<function=NAME>`, a
+  `<parameter=KEY>` block per argument, `</function>`, `</tool_call>` (qwen_xml.py).
 - "glm45" / "glm47" (GLM-4.5 and 4.6 / GLM-4.7 templates, which write `<arg_key>`): the template
   renders the tools; a call is `<tool_call>NAME`, `<arg_key>`/`<arg_value>` pairs, `</tool_call>`
   (glm.py).
@@ -25,11 +28,11 @@ from __future__ import annotations
 import json
 
 from blockspec.engine.grammar import OutputFormat
-from blockspec.server.tools import glm, harmony
+from blockspec.server.tools import glm, harmony, qwen_xml
 from blockspec.server.tools.request import Tool, ToolRequest
 from blockspec.text import encode_prompt
 
-FAMILIES = ("hermes", "llama3_json", "glm45", "glm47", "harmony", "generic")
+FAMILIES = ("hermes", "qwen3_xml", "llama3_json", "glm45", "glm47", "harmony", "generic")
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 
 GENERIC_INSTRUCTIONS = (
@@ -51,7 +54,7 @@ def detect_family(chat_template: object, model_type: str | None = None) -> str:
     if glm.KEY_OPEN in text:
         return "glm47" if glm.is_compact(text) else "glm45"
     if CALL_OPEN in text:
-        return "hermes"
+        return "qwen3_xml" if qwen_xml.FUNCTION in text else "hermes"
     if "<|python_tag|>" in text or "ipython" in text:
         return "llama3_json"
     return "generic"
@@ -84,6 +87,8 @@ def forced_format(tools: ToolRequest, family: str) -> OutputFormat:
         return OutputFormat("sequence", tuple(glm.forced_pieces(t, family == "glm47") for t in tools.called()))
     if family == "harmony":
         return OutputFormat("sequence", tuple(harmony.forced_pieces(t) for t in tools.called()))
+    if family == "qwen3_xml":
+        return OutputFormat("sequence", tuple(qwen_xml.forced_pieces(t) for t in tools.called()))
     key = "parameters" if family == "llama3_json" else "arguments"
     calls = [{"type": "object", "properties": {"name": {"enum": [t.name]}, key: t.parameters},
               "required": ["name", key], "additionalProperties": False} for t in tools.called()]

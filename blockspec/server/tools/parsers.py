@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from blockspec.server.tools import glm
+from blockspec.server.tools import glm, qwen_xml
 from blockspec.server.tools.calls import ToolCall, call_of, partial_marker
 from blockspec.server.tools.formats import CALL_CLOSE, CALL_OPEN
 from blockspec.server.tools.harmony import HarmonyStream
@@ -110,7 +110,7 @@ class ToolStream:
         return out
 
     def _tagged(self, final: bool, new: list[ToolCall]) -> str:
-        """`<tool_call>...</tool_call>` blocks: JSON inside (hermes, generic) or GLM's tags."""
+        """`<tool_call>...</tool_call>` blocks: JSON inside (hermes, generic), GLM's tags or Qwen3-Coder's."""
         out = []
         while True:
             if not self.in_call and self.after_call:
@@ -134,7 +134,7 @@ class ToolStream:
             body = self.buf if j < 0 else self.buf[:j]
             self.buf = "" if j < 0 else self.buf[j + len(CALL_CLOSE):]
             self.in_call = False
-            call = glm.parse_call(body, self.tools) if self.family in ("glm45", "glm47") else _tagged(body.strip())
+            call = self._parse(body)
             if call is None:
                 out.append(CALL_OPEN + body + ("" if j < 0 else CALL_CLOSE))
             else:
@@ -143,3 +143,10 @@ class ToolStream:
             if j < 0:
                 break
         return "".join(out)
+
+    def _parse(self, body: str) -> ToolCall | None:
+        if self.family in ("glm45", "glm47"):
+            return glm.parse_call(body, self.tools)
+        if self.family == "qwen3_xml":
+            return qwen_xml.parse_call(body, self.tools)
+        return _tagged(body.strip())
