@@ -354,3 +354,20 @@ def test_glm_forced_strings_follow_their_pattern_length_and_enum():
         assert not _accepts(grammars, fmt, tok, bad, eos), bad
     content, calls = parse_calls("glm47", call("2024-05", "ab", "a.b"), parse_tools({"tools": [month]}).tools)
     assert content is None and _pairs(calls) == [("f", {"month": "2024-05", "code": "ab", "mode": "a.b"})]
+
+
+@pytest.mark.parametrize("family,text", [
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"x": BIG}}</tool_call>'),
+    ("llama3_json", '{"name": "f", "parameters": {"x": BIG}}'),
+    ("harmony", '<|channel|>commentary to=functions.f<|message|>{"x": BIG}<|call|>'),
+    ("glm45", "<tool_call>f\n<arg_key>x</arg_key>\n<arg_value>BIG</arg_value>\n</tool_call>"),
+    ("qwen3_xml", "<tool_call>\n<function=f>\n<parameter=x>\nBIG\n</parameter>\n</function>\n</tool_call>")])
+def test_an_integer_python_will_not_convert_is_not_a_crash(family, text):
+    """Python refuses to read integers of over 4300 digits (a ValueError, not a JSON error): a call
+    with one is content, or for the formats that keep unreadable values as text, a string."""
+    big = "9" * 5000
+    content, calls = parse_calls(family, text.replace("BIG", big))
+    if family in ("glm45", "qwen3_xml"):
+        assert content is None and _pairs(calls) == [("f", {"x": big})]
+    else:
+        assert calls == [] and content == text.replace("BIG", big)

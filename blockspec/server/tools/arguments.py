@@ -30,7 +30,7 @@ def read_value(text: str, schema: object) -> object:
         return text
     try:
         return json.loads(text.strip())
-    except json.JSONDecodeError:
+    except ValueError:  # not JSON (or an integer too long to convert)
         pass
     try:
         value = ast.literal_eval(text.strip())

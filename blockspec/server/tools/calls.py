@@ -26,11 +26,14 @@ def call_of(name: object, args: object) -> ToolCall | None:
     if isinstance(args, str):  # some models write the arguments' JSON text
         try:
             args = json.loads(args)
-        except json.JSONDecodeError:
+        except ValueError:  # not JSON (or an integer too long to convert)
             return None
     if not isinstance(args, dict):
         return None
-    return ToolCall(name, json.dumps(args, ensure_ascii=False))
+    try:
+        return ToolCall(name, json.dumps(args, ensure_ascii=False))
+    except ValueError:  # a value JSON cannot write (an integer too long to convert)
+        return None
 
 
 def partial_marker(text: str, *markers: str) -> int:

@@ -108,7 +108,7 @@ def _arguments(raw: object) -> object:
     if isinstance(raw, str):
         try:
             return json.loads(raw)
-        except json.JSONDecodeError:
+        except ValueError:
             return raw
     return raw
 

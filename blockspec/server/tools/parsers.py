@@ -30,7 +30,7 @@ def _call(obj: object, key: str) -> ToolCall | None:
 def _tagged(body: str) -> ToolCall | None:
     try:
         return _call(json.loads(body), "arguments")
-    except json.JSONDecodeError:
+    except ValueError:  # not JSON (or an integer too long to convert)
         return None
 
 
@@ -96,7 +96,7 @@ class ToolStream:
                     return ""
                 try:
                     obj, end = decoder.raw_decode(text)
-                except json.JSONDecodeError:  # not complete yet, or broken
+                except ValueError:  # not complete yet, or broken
                     if not final and text.startswith("{"):
                         return ""
                     break
