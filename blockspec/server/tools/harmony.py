@@ -9,8 +9,9 @@ holds one call.
 
 Content is the `final` channel and recipient-less `commentary` (a preamble for the user);
 `analysis` (the chain of thought) is not shown. The markers are special tokens, so this parser
-reads text decoded with special tokens kept (formats.py `keeps_special_tokens`). Output that does
-not follow the format (no header within HEADER_LIMIT characters) is content as written.
+reads text decoded with special tokens kept (formats.py `keeps_special_tokens`); the model's own
+end tokens, which that text keeps too, end a message like `<|return|>`. Output that does not
+follow the format (no header within HEADER_LIMIT characters) is content as written.
 """
 
 from __future__ import annotations
