@@ -16,7 +16,6 @@ from test_server_structured import ASK, SCHEMA, TIME, WEATHER
 from tool_templates import EOS, GLM45, GLM47, HARMONY, QWEN3_XML, family_tokenizer
 
 from blockspec.server.tools import ToolStream, detect_family, forced_format, keeps_special_tokens, parse_calls
-from blockspec.server.tools.formats import _template_message
 from blockspec.server.tools.request import parse_tools
 from blockspec.text import IncrementalDetokenizer, StopStrings
 
@@ -28,9 +27,11 @@ CALLS = [("get_weather", {"city": "Paris", "days": 3, "unit": "celsius"}),
          ("save_note", {"text": "if a < b:\n    say \"hi\"", "tags": ["x", "y"], "meta": {"k": 1}})]
 
 
-def _history(calls) -> list[dict]:
+def _history(calls, as_text: bool = True) -> list[dict]:
+    """The question and an answer with `calls`: their arguments as JSON text (as OpenAI clients
+    send them) or as objects (as chat templates take them)."""
     return ASK + [{"role": "assistant", "content": "", "tool_calls": [
-        {"id": f"c{i}", "type": "function", "function": {"name": n, "arguments": json.dumps(a)}}
+        {"id": f"c{i}", "type": "function", "function": {"name": n, "arguments": json.dumps(a) if as_text else a}}
         for i, (n, a) in enumerate(calls)]}]
 
 
@@ -39,8 +40,8 @@ def _written(tok, calls, tools) -> str:
     turn, after the prompt that asks for them, up to its end token."""
     shown = [t.as_openai() for t in tools.tools]
     prompt = tok.apply_chat_template(ASK, tools=shown, add_generation_prompt=True, tokenize=False)
-    full = tok.apply_chat_template([_template_message(m) for m in _history(calls)], tools=shown,
-                                   add_generation_prompt=False, tokenize=False)
+    full = tok.apply_chat_template(_history(calls, as_text=False), tools=shown, add_generation_prompt=False,
+                                   tokenize=False)
     assert full.startswith(prompt), (prompt, full)
     return full[len(prompt):].split("<|im_end|>")[0]
 
