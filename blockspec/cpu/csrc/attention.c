@@ -59,13 +59,14 @@ static inline int64_t key_slot(int64_t j, int64_t base, const int64_t *ext) { re
  * order, each by the same products and reduction tree, the softmax with the chunk's maximum
  * subtracted, then the weighted sum of values in logical key order. A row whose keys all lie in
  * this chunk gets its output; any other writes (maximum, sum, unnormalised output) to part +
- * slot[r] * (d + 2). scores: CH * KEY_CHUNK floats. */
+ * slot[r] * (d + 2). scores: CH * KEY_CHUNK floats. T: 0 where no row has a base (no tree: the
+ * per-row key code is compiled out, so chains run the code they ran before trees). */
 static inline __attribute__((always_inline)) void chunk_rows(const void *q, const void *k, const void *v,
                                                              float *out, float *part, const int64_t *idx,
                                                              const int64_t *slot, float *scores, const int64_t *seen,
                                                              const int64_t *lo, const int64_t *base,
                                                              const int64_t *const *ext, int64_t j0, int64_t d,
-                                                             float scale, const int R, const int bf) {
+                                                             float scale, const int R, const int T, const int bf) {
     const int64_t dv = d & ~(int64_t)15, stride = KEY_CHUNK;
     const void *const k_all = k, *const v_all = v; /* logical keys from a row's base on: by slot */
     int64_t most = 0, least = KEY_CHUNK, len[CH], beg[CH]; /* per row: its keys [beg, len) of the chunk */
@@ -89,7 +90,7 @@ static inline __attribute__((always_inline)) void chunk_rows(const void *q, cons
     /* keys [least, shared) of the chunk are slot j0 + j for every row (all of them without a tree) */
     int64_t shared = most;
 #pragma GCC unroll 4
-    for (int r = 0; r < R; r++) {
+    for (int r = 0; r < R && T; r++) {
         const int64_t b0 = base[r] - j0;
         if (b0 < shared) shared = b0 > least ? b0 : least;
     }
@@ -146,8 +147,10 @@ static inline __attribute__((always_inline)) void chunk_rows(const void *q, cons
             }
         }
     }
-    /* each row's own keys from `shared` on: the same products, reduction and tail per key */
-    for (int r = 0; r < R; r++) {
+    /* each row's own keys from `shared` on: the same products, reduction and tail per key (loops
+     * over rows unrolled, as every loop here, so the per-row arrays stay in registers) */
+#pragma GCC unroll 4
+    for (int r = 0; r < R && T; r++) {
         for (int64_t j = shared > beg[r] ? shared : beg[r]; j < len[r]; j++) {
             const void *kr = at(k_all, key_slot(j0 + j, base[r], ext[r]) * d, bf);
             v16 acc = (v16){0};
@@ -190,11 +193,13 @@ static inline __attribute__((always_inline)) void chunk_rows(const void *q, cons
                 for (int u = 0; u < 4; u++) o[r][u] = fma16(o[r][u], p, vv[u]);
             }
         }
-        for (int r = 0; r < R; r++) /* then each row's own keys, still in logical order */
+#pragma GCC unroll 4
+        for (int r = 0; r < R && T; r++) /* then each row's own keys, still in logical order */
             for (int64_t j = shared > beg[r] ? shared : beg[r]; j < len[r]; j++) {
                 const void *vr = at(v_all, key_slot(j0 + j, base[r], ext[r]) * d, bf);
                 const v16 p = (v16){0} + scores[r * stride + j];
-                for (int u = 0; u < nv; u++) o[r][u] = fma16(o[r][u], p, load(vr, i0 + 16 * u, bf));
+#pragma GCC unroll 4
+                for (int u = 0; u < 4; u++) o[r][u] = fma16(o[r][u], p, u < nv ? load(vr, i0 + 16 * u, bf) : (v16){0});
             }
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++)
@@ -205,7 +210,7 @@ static inline __attribute__((always_inline)) void chunk_rows(const void *q, cons
         for (int64_t i = dv; i < d; i++) {
             float t = 0.0f;
             for (int64_t j = beg[r]; j < len[r]; j++)
-                t += scores[r * stride + j] * scalar(v_all, key_slot(j0 + j, base[r], ext[r]) * d + i, bf);
+                t += scores[r * stride + j] * scalar(v_all, (T ? key_slot(j0 + j, base[r], ext[r]) : j0 + j) * d + i, bf);
             dst[r][i] = t;
         }
     }
@@ -219,6 +224,24 @@ static inline __attribute__((always_inline)) void chunk_rows(const void *q, cons
         const float inv = seen[r] > lo[r] ? 1.0f / total[r] : 0.0f;
         for (int64_t i = 0; i < d; i++) dst[r][i] *= inv;
     }
+}
+
+/* chunk_rows of a token tree's rows: instantiated here, outside `attention`, so the code that
+ * chains and plain decoding run stays as it was (the same inlining and registers) */
+#define TREE_ROWS_ARGS const void *q, const void *k, const void *v, float *out, float *part, const int64_t *idx, \
+    const int64_t *slot, float *scores, const int64_t *seen, const int64_t *lo, const int64_t *base,         \
+    const int64_t *const *ext, int64_t j0, int64_t d, float scale, int R
+#define TREE_ROWS_BODY(BF)                                                                                   \
+    switch (R) {                                                                                            \
+    case 4: chunk_rows(q, k, v, out, part, idx, slot, scores, seen, lo, base, ext, j0, d, scale, 4, 1, BF); break; \
+    case 3: chunk_rows(q, k, v, out, part, idx, slot, scores, seen, lo, base, ext, j0, d, scale, 3, 1, BF); break; \
+    case 2: chunk_rows(q, k, v, out, part, idx, slot, scores, seen, lo, base, ext, j0, d, scale, 2, 1, BF); break; \
+    default: chunk_rows(q, k, v, out, part, idx, slot, scores, seen, lo, base, ext, j0, d, scale, 1, 1, BF); break; \
+    }
+static __attribute__((noinline)) void tree_rows_f32(TREE_ROWS_ARGS) { TREE_ROWS_BODY(0) }
+static __attribute__((noinline)) void tree_rows_bf16(TREE_ROWS_ARGS) { TREE_ROWS_BODY(1) }
+static inline void tree_rows(TREE_ROWS_ARGS, const int bf) {
+    (bf ? tree_rows_bf16 : tree_rows_f32)(q, k, v, out, part, idx, slot, scores, seen, lo, base, ext, j0, d, scale, R);
 }
 
 /* out[d] of a query from its `chunks` partial results p (each: maximum, sum, d unnormalised
@@ -366,11 +389,12 @@ static inline __attribute__((always_inline)) int attention(const void *q, const 
             }
             const void *qp = at(q, qr * d, bf), *kp = at(k, kv, bf), *vp = at(v, kv, bf);
             float *op = out + qr * d;
-            switch (R) {
-            case 4: chunk_rows(qp, kp, vp, op, part, idx, slot, scores, seen, lo, base, ext, j0, d, scale, 4, bf); break;
-            case 3: chunk_rows(qp, kp, vp, op, part, idx, slot, scores, seen, lo, base, ext, j0, d, scale, 3, bf); break;
-            case 2: chunk_rows(qp, kp, vp, op, part, idx, slot, scores, seen, lo, base, ext, j0, d, scale, 2, bf); break;
-            default: chunk_rows(qp, kp, vp, op, part, idx, slot, scores, seen, lo, base, ext, j0, d, scale, 1, bf); break;
+            if (tree) tree_rows(qp, kp, vp, op, part, idx, slot, scores, seen, lo, base, ext, j0, d, scale, R, bf);
+            else switch (R) {
+            case 4: chunk_rows(qp, kp, vp, op, part, idx, slot, scores, seen, lo, base, ext, j0, d, scale, 4, 0, bf); break;
+            case 3: chunk_rows(qp, kp, vp, op, part, idx, slot, scores, seen, lo, base, ext, j0, d, scale, 3, 0, bf); break;
+            case 2: chunk_rows(qp, kp, vp, op, part, idx, slot, scores, seen, lo, base, ext, j0, d, scale, 2, 0, bf); break;
+            default: chunk_rows(qp, kp, vp, op, part, idx, slot, scores, seen, lo, base, ext, j0, d, scale, 1, 0, bf); break;
             }
         }
         if (slots) { /* the queries longer than a chunk, once every chunk is done */
