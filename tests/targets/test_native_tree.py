@@ -213,6 +213,31 @@ def test_after_reject_the_cache_holds_the_accepted_chain_alone(paths, mode, dtyp
         assert torch.equal(logits[row], want_logits[-1]) and torch.equal(feats[row], want_feats[-1])
 
 
+@needs_kernel
+def test_rows_leaving_and_joining_before_reject_keep_their_paths(monkeypatch) -> None:
+    """A finished row leaves, a new one joins, between the tree pass and `reject`: each remaining
+    row still keeps its own path."""
+    target = target_of("llama")
+    trees = SHAPES["ragged"]
+    cache, _, _ = tree_pass(target, trees)
+    cache.select_rows(torch.tensor([2, 0]))
+    joined = cache.spawn(1)
+    target.forward(torch.tensor([PROMPTS[1]]), torch.arange(len(PROMPTS[1]))[None], joined)
+    cache.merge(joined)
+    keep = torch.zeros(3, len(TREE), dtype=torch.bool)
+    keep[0, SMALL.path(5)] = True
+    keep[1, TREE.path(8)] = True
+    cache.reject(keep)
+    assert cache.lengths().tolist() == [len(PROMPTS[2]) + 4, len(PROMPTS[0]) + 4, len(PROMPTS[1])]
+    nxt = torch.tensor([[50], [51], [52]])
+    logits, _ = target.forward(nxt, cache.lengths()[:, None].clone(), cache)
+    for row, (prompt, tokens) in enumerate([(PROMPTS[2], [SMALL.tokens[i] for i in SMALL.path(5)] + [50]),
+                                            (PROMPTS[0], [TREE.tokens[i] for i in TREE.path(8)] + [51]),
+                                            (PROMPTS[1], [52])]):
+        want, _ = chain_outputs(target, prompt, tokens, plain=True)
+        assert torch.equal(logits[row, 0], want[-1])
+
+
 def test_after_reject_without_c_kernels_the_cache_holds_the_accepted_chain(monkeypatch) -> None:
     target = target_of("llama", torch.float32, "pytorch", monkeypatch)
     trees = SHAPES["ragged"]

@@ -183,9 +183,11 @@ class StaticCache:
                 index = torch.tensor(order, device=k.device)
                 k[: len(order), :, span] = k[index, :, span]
                 v[: len(order), :, span] = v[index, :, span]
-        self.length = self.length[torch.as_tensor(order, dtype=torch.long, device=self.length.device)]
+        index = torch.as_tensor(order, dtype=torch.long, device=self.length.device)
+        self.length = self.length[index]
         self.batch = len(order)
-        self.tree = None  # a tree pass is followed by its `reject` before rows change
+        if self.tree is not None:  # rows leaving between a tree pass and its `reject`
+            self.tree = self.tree.select_rows(index.to(self.tree.slots.device))
 
     def spawn(self, batch: int) -> StaticCache:
         """A cache for `batch` new rows right after this one's, in the same store."""
@@ -207,9 +209,10 @@ class StaticCache:
                 ]
         self.batch += other.batch
         self.horizon = max(self.horizon, other.horizon)
+        if self.tree is not None:  # rows joining between a tree pass and its `reject` hold no node
+            self.tree = self.tree.extended(other.batch, self.scratch)
         self.length = torch.cat([self.length, other.length.to(self.length.device)])
         self.fresh = False
-        self.tree = None  # a tree pass is followed by its `reject` before rows change
 
 
 def attention_mask(

@@ -44,6 +44,19 @@ class TreeSlots:
         """The same geometry with padding nodes writing to `scratch` (a grown cache's)."""
         return replace(self, slots=torch.where(self.real, self.slots, scratch))
 
+    def select_rows(self, rows: torch.Tensor) -> TreeSlots:
+        """These rows (new row i = old row rows[i]), as the cache's `select_rows` keeps them."""
+        return TreeSlots(*(t[rows] for t in (self.slots, self.base, self.real, self.sees, self.visible)))
+
+    def extended(self, rows: int, scratch: int) -> TreeSlots:
+        """With `rows` more rows that hold no node (rows joining the cache)."""
+        b, n = self.slots.shape
+        return TreeSlots(torch.cat([self.slots, self.slots.new_full((rows, n), scratch)]),
+                         torch.cat([self.base, self.base.new_zeros(rows)]),
+                         torch.cat([self.real, self.real.new_zeros(rows, n)]),
+                         torch.cat([self.sees, self.sees.new_zeros(rows, n, n)]),
+                         torch.cat([self.visible, self.visible.new_zeros(rows, n)]))
+
     def keys(self) -> torch.Tensor:
         """[b, n, 1 + w] int64, w the most tree nodes a node sees: per node its base, then the slots
         of the tree nodes it sees in node order (= by depth for a tree), unused entries 0: the
