@@ -68,7 +68,6 @@ static inline __attribute__((always_inline)) void chunk_rows(const void *q, cons
                                                              const int64_t *const *ext, int64_t j0, int64_t d,
                                                              float scale, const int R, const int T, const int bf) {
     const int64_t dv = d & ~(int64_t)15, stride = KEY_CHUNK;
-    const void *const k_all = k, *const v_all = v; /* logical keys from a row's base on: by slot */
     int64_t most = 0, least = KEY_CHUNK, len[CH], beg[CH]; /* per row: its keys [beg, len) of the chunk */
     int whole[CH];
     float top[CH], total[CH], *dst[CH];
@@ -152,7 +151,7 @@ static inline __attribute__((always_inline)) void chunk_rows(const void *q, cons
 #pragma GCC unroll 4
     for (int r = 0; r < R && T; r++) {
         for (int64_t j = shared > beg[r] ? shared : beg[r]; j < len[r]; j++) {
-            const void *kr = at(k_all, key_slot(j0 + j, base[r], ext[r]) * d, bf);
+            const void *kr = at(k, -j0 * d + key_slot(j0 + j, base[r], ext[r]) * d, bf);
             v16 acc = (v16){0};
             for (int64_t i = 0; i < dv; i += 16) acc = fma16(acc, load(qf, r * d + i, 0), load(kr, i, bf));
             float s = reduce16(acc);
@@ -196,7 +195,7 @@ static inline __attribute__((always_inline)) void chunk_rows(const void *q, cons
 #pragma GCC unroll 4
         for (int r = 0; r < R && T; r++) /* then each row's own keys, still in logical order */
             for (int64_t j = shared > beg[r] ? shared : beg[r]; j < len[r]; j++) {
-                const void *vr = at(v_all, key_slot(j0 + j, base[r], ext[r]) * d, bf);
+                const void *vr = at(v, -j0 * d + key_slot(j0 + j, base[r], ext[r]) * d, bf);
                 const v16 p = (v16){0} + scores[r * stride + j];
 #pragma GCC unroll 4
                 for (int u = 0; u < 4; u++) o[r][u] = fma16(o[r][u], p, u < nv ? load(vr, i0 + 16 * u, bf) : (v16){0});
@@ -210,7 +209,7 @@ static inline __attribute__((always_inline)) void chunk_rows(const void *q, cons
         for (int64_t i = dv; i < d; i++) {
             float t = 0.0f;
             for (int64_t j = beg[r]; j < len[r]; j++)
-                t += scores[r * stride + j] * scalar(v_all, (T ? key_slot(j0 + j, base[r], ext[r]) : j0 + j) * d + i, bf);
+                t += scores[r * stride + j] * scalar(v, (T ? key_slot(j0 + j, base[r], ext[r]) - j0 : j) * d + i, bf);
             dst[r][i] = t;
         }
     }
