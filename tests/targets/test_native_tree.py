@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import make_tiny_target
 from support import one_thread  # noqa: F401 (fixture)
+from test_tree_forward import CHAIN, TREE, prefilled  # the adapter's trees, for the same checks
 
 from blockspec.cpu import kernels, program
 from blockspec.dflash.token_tree import TokenTree
@@ -26,17 +27,7 @@ from blockspec.targets.slots import EMPTY
 
 VOCAB = 64
 LAYERS = (1, 3)  # the last layer's feature is taken after the final norm
-#            0
-#        /   |   \
-#       1    2    3
-#      / \    \
-#     4   5    6
-#     |        |
-#     7        8
-#     |
-#     9
-TREE = TokenTree((20, 3, 4, 5, 6, 7, 6, 8, 9, 10), (-1, 0, 0, 0, 1, 1, 2, 4, 6, 7))
-CHAIN = TokenTree.chain(11, [12, 13, 14, 15, 16, 17, 18, 19, 21])
+# TREE (10 nodes, three branches, depth 4: drawn in test_tree_forward.py) and CHAIN (10 nodes) beside
 SMALL = TokenTree((22, 23, 24, 25, 26, 27), (-1, 0, 0, 1, 1, 3))  # 6 nodes: 4 padding nodes in a ragged pass
 PROMPTS = [list(range(30, 39)), [40, 41, 42, 43, 44], [45, 46, 47, 48, 49, 50, 51]]
 needs_kernel = pytest.mark.skipif(kernels.kernel() is None, reason="the native CPU kernel did not build here")
@@ -66,16 +57,6 @@ def target_of(family: str, dtype: torch.dtype = torch.float32, mode: str = "prog
     backend = target.net.backend
     assert isinstance(backend, TorchBackend if mode == "pytorch" else KernelBackend)
     return target
-
-
-def prefilled(target, prompts: list[list[int]]) -> StaticCache:
-    """A cache holding the prompts, left-padded to one width."""
-    width = max(map(len, prompts))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    pos = torch.tensor([[EMPTY] * (width - len(p)) + list(range(len(p))) for p in prompts])
-    cache = target.new_cache(len(prompts))
-    target.forward(ids, pos, cache)
-    return cache
 
 
 def chain_outputs(target, prompt: list[int], tokens: list[int], plain: bool = False):
