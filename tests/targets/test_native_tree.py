@@ -23,6 +23,7 @@ from blockspec.targets.native import attention as native_attention
 from blockspec.targets.native import load_native_target
 from blockspec.targets.native.backends import KernelBackend, TorchBackend
 from blockspec.targets.native.cache import StaticCache
+from blockspec.targets.native.tree_slots import tree_slots
 from blockspec.targets.slots import EMPTY
 
 VOCAB = 64
@@ -229,19 +230,20 @@ def test_after_reject_without_c_kernels_the_cache_holds_the_accepted_chain(monke
 
 
 def test_a_path_already_in_place_and_a_chain_reject_copy_nothing(monkeypatch) -> None:
-    """A path of nodes 0 .. k - 1 (a chain's, or a tree's root and first child) sits in the slots
-    of its positions already; a chain's reject (no tree pass) only lowers lengths, as before trees."""
+    """A path along the spine (each node's first child: a chain, or the drafter's own chain in a
+    tree) sits in the slots of its positions already; a chain's reject (no tree pass) only lowers
+    lengths, as before trees."""
     target = target_of("llama")
     copies = []
     layer = StaticCache.layer
     monkeypatch.setattr(StaticCache, "layer", lambda self, i: copies.append(i) or layer(self, i))
     cache, _, _ = tree_pass(target, [TREE, CHAIN])
     keep = torch.zeros(2, len(TREE), dtype=torch.bool)
-    keep[0, TREE.path(1)] = True
+    keep[0, TREE.path(9)] = True  # 0, 1, 4, 7, 9: the first child at every depth
     keep[1, :4] = True
     copies.clear()
     cache.reject(keep)
-    assert copies == [] and cache.lengths().tolist() == [9 + 2, 5 + 4]
+    assert copies == [] and cache.lengths().tolist() == [9 + 5, 5 + 4]
     cache = prefilled(target, PROMPTS[:2])
     target.forward(torch.tensor([list(CHAIN.tokens)] * 2), torch.tensor([CHAIN.positions(9), CHAIN.positions(5)]),
                    cache)
@@ -254,6 +256,22 @@ def test_a_path_already_in_place_and_a_chain_reject_copy_nothing(monkeypatch) ->
     copies.clear()
     cache.reject(keep)
     assert sorted(set(copies)) == list(range(target.net.cfg.num_layers))
+
+
+def test_the_spine_takes_the_slots_of_its_positions_and_the_rest_follows() -> None:
+    positions = torch.tensor([TREE.positions(9), CHAIN.positions(5), SMALL.positions(7) + [EMPTY] * 4])
+    ancestors = torch.zeros(3, 10, 10, dtype=torch.bool)
+    for row, t in enumerate((TREE, CHAIN, SMALL)):
+        ancestors[row, : len(t), : len(t)] = t.ancestor_mask()
+    tree = tree_slots(positions, ancestors, scratch=99)
+    spine, rest = [0, 1, 4, 7, 9], [2, 3, 5, 6, 8]
+    assert [tree.slots[0, i].item() for i in spine + rest] == list(range(9, 19))
+    assert tree.slots[1].tolist() == CHAIN.positions(5)  # a chain: every token at its position
+    assert tree.slots[2].tolist() == [7, 8, 11, 9, 12, 10] + [99] * 4  # spine 0, 1, 3, 5; then 2, 4
+    assert tree.visible[0].tolist() == [9 + d + 1 for d in TREE.depths]
+    ancestors[0, 5, 4] = True  # no tree's mask (node 5 sees its sibling): distinct slots all the same
+    bad = tree_slots(positions, ancestors, scratch=99)
+    assert sorted(bad.slots[0].tolist()) == list(range(9, 19))
 
 
 @needs_kernel

@@ -12,9 +12,10 @@ slots at or beyond it hold garbage that no query can see (they are only read aft
 rewritten). Slot `capacity` is a scratch slot absorbing writes for padding positions (EMPTY).
 
 A token tree's pass (`NativeTarget.forward_tree`) is the one exception to "slot = position": its
-nodes share positions, so node i takes slot root + i (targets/native/tree_slots.py), and the cache
-remembers those slots until `reject` copies the accepted path's K/V to slots root .. root + k - 1,
-the slots of their positions. After that the invariant above holds again.
+nodes share positions, so they take slots root .. root + n - 1 (targets/native/tree_slots.py: the
+spine at its positions' slots, then the rest), and the cache remembers those slots until `reject`
+copies the accepted path's K/V to slots root .. root + k - 1, the slots of their positions. After
+that the invariant above holds again.
 
 `StaticCache` is a window of rows of a shared `KVStore`: the engine keeps the running batch in
 rows 0..n-1 and prefills joining requests straight into rows n.. (`spawn` / `merge`), so joining
@@ -142,7 +143,7 @@ class StaticCache:
         After a tree pass keep [b, n] marks the accepted path's nodes (root first, any nodes of
         the tree): their K/V move to slots base .. base + k - 1 in every layer (already computed
         at those positions), the row's length becomes base + k, and the other nodes' slots lie
-        beyond it. A path that already sits there (the first child at every depth) moves nothing."""
+        beyond it. Nodes already there (the path's part along the spine) do not move."""
         tree, self.tree = self.tree, None
         if tree is None:
             self.length = self.length - (~keep).sum(dim=1)

@@ -312,9 +312,10 @@ class NativeTarget:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One verify pass over a token tree per row, as HFTarget.forward_tree: ids, positions
         [b, n] in node order (root first; a node's position is the root's plus its depth; EMPTY
-        for padding nodes), ancestors [b, n, n] or [n, n] (`TokenTree.ancestor_mask`). Node i of a
-        row takes slot root + i; each node attends to the committed context and its ancestors
-        only, with the bits its token gets in plain decoding where the C attention runs. Returns
+        for padding nodes), ancestors [b, n, n] or [n, n] (`TokenTree.ancestor_mask`). The nodes
+        take slots root .. root + n - 1 (targets/native/tree_slots.py); each node attends to the
+        committed context and its ancestors only, with the bits its token gets in plain decoding
+        where the C attention runs. Returns
         what `forward` does; then `cache.reject(keep)` with the accepted path's nodes moves their
         K/V to the slots of their positions and forgets the rest."""
         b, n = positions.shape

@@ -1,18 +1,22 @@
 """Where a token tree's nodes go in the native (position-indexed) cache, and what each one sees.
 
-A tree's nodes share positions (siblings sit at the same depth), so they cannot take the slots of
-their positions as the tokens of a chain do. Node i of a row (counting real nodes only; padding
-nodes, EMPTY, go to the scratch slot) takes slot base + i, base being the root's position: the
-tree occupies slots base .. base + n - 1, beyond the committed context, and the positions (hence
-the rotary embedding) stay the nodes' own. A node sees the committed context, slots 0 .. base - 1,
-and the slots of the nodes its row of `ancestors` marks (itself and its ancestors).
+A tree's nodes share positions (siblings sit at the same depth), so they cannot all take the
+slots of their positions as the tokens of a chain do. The tree's n real nodes take slots base ..
+base + n - 1, base being the root's position (padding nodes, EMPTY, the scratch slot): first the
+spine, the root and then each spine node's first child (the proposers put a node's most likely
+child first, so the spine is the drafter's own chain), at base + depth, the slots of their
+positions; then the other nodes in node order. A chain is all spine: every token in the slot of its
+position, as in a plain verify. The positions (hence the rotary embedding) stay the nodes' own. A
+node sees the committed context, slots 0 .. base - 1, and the slots of the nodes its row of
+`ancestors` marks (itself and its ancestors).
 
 For the batch-invariant C attention (cpu/csrc/attention.c) each node's keys are numbered
 logically: the context 0 .. base - 1, then its ancestors by depth, itself last, exactly the keys a
 plain decode of its root-to-node chain reads from slots 0 .. position. `keys` lists the slots of
 the logical keys from base on, so the kernel sums them in the plain order and gets plain
 decoding's bits. After the pass the cache (targets/native/cache.py, `StaticCache.reject`) copies
-the accepted path's K/V to slots base .. base + k - 1, where plain decoding would have put them.
+the accepted path's K/V to slots base .. base + k - 1, where plain decoding would have put them:
+nothing for the part of the path along the spine, which is there already.
 """
 
 from __future__ import annotations
@@ -98,9 +102,34 @@ def tree_slots(positions: torch.Tensor, ancestors: torch.Tensor, scratch: int) -
     real = positions != EMPTY  # [b, n]
     has = real.any(dim=1)  # [b]
     base = torch.where(has, torch.where(real, positions, torch.iinfo(torch.int64).max).min(dim=1).values, 0)
-    rank = real.long().cumsum(dim=1) - 1  # [b, n]: index among the row's real nodes
-    slots = torch.where(real, base[:, None] + rank, scratch)
     own = torch.eye(n, dtype=torch.bool, device=positions.device)[None]
     sees = (ancestors.to(device=positions.device, dtype=torch.bool) | own) & real[:, None, :] & real[:, :, None]
-    visible = torch.where(real, base[:, None] + sees.sum(dim=-1), 0)
+    count = sees.sum(dim=-1)  # [b, n]: a tree node's depth + 1
+    spine = on_spine(sees, count) & real
+    rest = real & ~spine
+    slots = torch.where(spine, base[:, None] + count - 1,  # the slot of its position
+                        base[:, None] + spine.sum(dim=1, keepdim=True) + rest.long().cumsum(dim=1) - 1)
+    if not distinct(torch.where(real, slots, -1 - torch.arange(n, device=slots.device))):
+        # `ancestors` is no tree's (a node sees a non-ancestor): no spine, node i at base + i
+        slots = base[:, None] + real.long().cumsum(dim=1) - 1
+    slots = torch.where(real, slots, scratch)
+    visible = torch.where(real, base[:, None] + count, 0)
     return TreeSlots(slots, base, real, sees, visible)
+
+
+def on_spine(sees: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """[b, n] bool: the nodes whose every ancestor (and itself) is its parent's first child, the
+    root included. sees [b, n, n] (ancestors and self), count [b, n] (their number). A node's
+    parent is the ancestor one level up; a child is first when no earlier node has its parent."""
+    b, n = count.shape
+    parent = sees & (count[:, None, :] == count[:, :, None] - 1)  # [b, n, n]: node j's parent k
+    siblings = torch.bmm(parent.float(), parent.float().transpose(1, 2)) > 0  # [b, n, n]: same parent
+    earlier = torch.ones(n, n, dtype=torch.bool, device=sees.device).tril(-1)[None]  # k < j
+    first = ~(siblings & earlier).any(dim=-1)  # [b, n]; the root has no parent: first
+    return ~(sees & ~first[:, None, :]).any(dim=-1)
+
+
+def distinct(values: torch.Tensor) -> bool:
+    """Whether each row of values [b, n] holds n different values."""
+    ordered = values.sort(dim=1).values
+    return not bool((ordered[:, 1:] == ordered[:, :-1]).any())
