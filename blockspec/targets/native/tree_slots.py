@@ -42,7 +42,8 @@ class TreeSlots:
     @property
     def end(self) -> int:
         """One past the largest tree slot: the attention reads slots below it (one host sync)."""
-        return int((self.base + self.real.sum(dim=1)).max())
+        ends = self.base + self.real.sum(dim=1)  # [b]
+        return int(ends.max()) if ends.numel() else 0
 
     def with_scratch(self, scratch: int) -> TreeSlots:
         """The same geometry with padding nodes writing to `scratch` (a grown cache's)."""
@@ -68,7 +69,7 @@ class TreeSlots:
         b, n = self.slots.shape
         index = torch.arange(n, device=self.slots.device)
         order = torch.where(self.sees, index, n).sort(dim=-1).values  # [b, n, n]: seen nodes first
-        w = max(1, int(self.sees.sum(dim=-1).max()))
+        w = max(1, int(self.sees.sum(dim=-1).max())) if self.sees.numel() else 1
         padded = torch.cat([self.slots, self.slots.new_zeros(b, 1)], dim=1)  # [b, n + 1]: index n -> 0
         ext = torch.gather(padded[:, None, :].expand(b, n, n + 1), 2, order[:, :, :w])  # [b, n, w]
         return torch.cat([self.base[:, None, None].expand(b, n, 1), ext], dim=2).contiguous()
