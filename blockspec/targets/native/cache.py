@@ -157,7 +157,7 @@ class StaticCache:
         if not bool(move.any()):
             return
         rows, nodes = move.nonzero(as_tuple=True)  # [m]
-        src, dst = tree.slots[rows, nodes], dst[rows, nodes]  # slots, each source at or after its destination
+        src, dst = tree.slots[rows, nodes], dst[rows, nodes]  # [m] slots
         for i in range(self.store.num_layers):
             k, v = self.layer(i)
             k[rows, :, dst] = k[rows, :, src]  # the right side is gathered before any write

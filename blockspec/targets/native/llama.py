@@ -315,9 +315,9 @@ class NativeTarget:
         for padding nodes), ancestors [b, n, n] or [n, n] (`TokenTree.ancestor_mask`). The nodes
         take slots root .. root + n - 1 (targets/native/tree_slots.py); each node attends to the
         committed context and its ancestors only, with the bits its token gets in plain decoding
-        where the C attention runs. Returns
-        what `forward` does; then `cache.reject(keep)` with the accepted path's nodes moves their
-        K/V to the slots of their positions and forgets the rest."""
+        where the C attention runs. Returns what `forward` does; then `cache.reject(keep)` with
+        the accepted path's nodes moves their K/V to the slots of their positions and forgets the
+        rest."""
         b, n = positions.shape
         if ids.shape != (b, n) or ancestors.shape not in ((n, n), (b, n, n)):
             raise ConfigError(f"a tree pass takes ids and positions [b, n] and ancestors [n, n] or [b, n, n]; got "
