@@ -83,8 +83,9 @@ def chain_reference(target, prompt: list[int], tree: TokenTree, plain: bool = Fa
     return torch.stack(logits), torch.stack(feats)
 
 
-def tree_pass(target, trees: list[TokenTree], ancestors: torch.Tensor | None = None):
-    """One tree pass over rows of PROMPTS, trees padded to one width with EMPTY nodes."""
+def tree_pass(target, trees: list[TokenTree], ancestors: torch.Tensor | None = None, threads: int = 1):
+    """One tree pass (on `threads` threads) over rows of PROMPTS, trees padded to one width with
+    EMPTY nodes."""
     prompts = PROMPTS[: len(trees)]
     cache = prefilled(target, prompts)
     n = max(map(len, trees))
@@ -94,7 +95,11 @@ def tree_pass(target, trees: list[TokenTree], ancestors: torch.Tensor | None = N
         ancestors = torch.zeros(len(trees), n, n, dtype=torch.bool)
         for row, t in enumerate(trees):
             ancestors[row, : len(t), : len(t)] = t.ancestor_mask()
-    logits, feats = target.forward_tree(ids, pos, ancestors, cache, LAYERS)
+    torch.set_num_threads(threads)
+    try:
+        logits, feats = target.forward_tree(ids, pos, ancestors, cache, LAYERS)
+    finally:
+        torch.set_num_threads(1)
     return cache, logits, feats
 
 
@@ -127,6 +132,22 @@ def test_each_node_has_the_bits_of_its_chain_and_of_plain_decoding(family, mode,
     assert unequal_nodes(target, trees[:1], logits, feats, plain=True) == []
     if shape == "ragged":  # padding nodes get zeros, as a ragged `forward` gives them
         assert not logits[2, len(SMALL):].any() and not feats[2, len(SMALL):].any()
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_a_tree_pass_has_the_same_bits_on_two_threads(shape, monkeypatch) -> None:
+    """The kernels split a pass between threads by rows and key chunks; a node's arithmetic is
+    its own whatever the split (a context of 300 keys crosses the attention's 256-key chunks).
+    With the tests above (one thread: a node's bits are its chain's), a node's bits are its
+    chain's on any number of threads. (The prefill runs on one thread both times: a prompt of
+    hundreds of tokens goes through PyTorch's GEMM, which is not batch or thread invariant.)"""
+    target = target_of("qwen3", torch.float32, "program", monkeypatch)
+    trees = SHAPES[shape]
+    monkeypatch.setattr(f"{__name__}.PROMPTS", [list(range(1, 61)) * 5, PROMPTS[1], PROMPTS[2]])
+    _, one, one_feats = tree_pass(target, trees)
+    _, two, two_feats = tree_pass(target, trees, threads=2)
+    assert torch.equal(one, two) and torch.equal(one_feats, two_feats)
 
 
 @needs_kernel
