@@ -125,7 +125,7 @@ def _load() -> object | None:
     fn.fast_rows = {torch.float32: fn.max_rows[torch.float32], torch.bfloat16: int(lib.bs_rows_fast_bf16())}
     fn.attention = {torch.float32: lib.bs_attention, torch.bfloat16: lib.bs_attention_bf16}
     for f in fn.attention.values():
-        f.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_int]
+        f.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 9 + [ctypes.c_float, ctypes.c_int]
         f.restype = ctypes.c_int
     fn.rms_norm = {torch.float32: lib.bs_rms_norm, torch.bfloat16: lib.bs_rms_norm_bf16}
     for f in fn.rms_norm.values():
@@ -154,7 +154,7 @@ def _load() -> object | None:
         f.restype = ctypes.c_int
     fn.layers, fn.layers_bf16, fn.layers_layout = lib.bs_layers, lib.bs_layers_bf16, lib.bs_layers_layout
     for f in (fn.layers, fn.layers_bf16):
-        f.argtypes = [ctypes.c_void_p] * 24 + [ctypes.c_int]
+        f.argtypes = [ctypes.c_void_p] * 25 + [ctypes.c_int]
         f.restype = ctypes.c_int
     fn.layers_layout.argtypes = [ctypes.c_void_p]
     fn.layers_layout.restype = ctypes.c_int
@@ -191,7 +191,7 @@ def _agrees(fn: object) -> bool:
         qd, kd, vd = q.to(dtype), k.to(dtype), v.to(dtype)
         att = torch.empty(1, 1, 2, 20)
         fn.attention[dtype](qd.data_ptr(), kd.data_ptr(), vd.data_ptr(), att.data_ptr(), visible.data_ptr(), None,
-                            1, 1, 1, 2, 20, 80, 80, 4, 0.25, 1)
+                            None, 1, 1, 1, 2, 20, 80, 80, 4, 0, 0.25, 1)
         want_att = torch.nn.functional.scaled_dot_product_attention(qd.double(), kd.double(), vd.double(),
                                                                     attn_mask=causal, scale=0.25).float()
         xn, wn = torch.randn(2, 21, generator=g).to(dtype), torch.rand(21, generator=g).to(dtype)

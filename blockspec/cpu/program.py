@@ -25,7 +25,7 @@ from blockspec.cpu.int8 import Int8Weight
 from blockspec.cpu.qkv import QKVPlacement
 
 DTYPES = (torch.float32, torch.bfloat16)
-DIMS = 18  # the int64 geometry values `run` passes (cpu/csrc/layers.c's D_COUNT; `build` checks)
+DIMS = 19  # the int64 geometry values `run` passes (cpu/csrc/layers.c's D_COUNT; `build` checks)
 INT8_KIND = 16  # a product's kind in the table: 16 + bits for an integer product (cpu/csrc/layers.c)
 ENV = "BLOCKSPEC_LAYER_LOOP"  # "0": keep the Python loops (to compare, or to rule the C loop out)
 Watched = tuple[dict | None, str | None, torch.Tensor]  # (holder such as module._parameters, key, tensor)
@@ -144,15 +144,16 @@ class LayerProgram:
     def run(self, x: torch.Tensor, place: QKVPlacement, visible: torch.Tensor, horizon: int, cache: KVStoreRows,
             *, inter: int, scale: float, ctx: torch.Tensor | None = None, capture: list[int] | None = None,
             features: torch.Tensor | None = None, packed_max: int = 0,
-            start: torch.Tensor | None = None) -> torch.Tensor | None:
+            start: torch.Tensor | None = None, tree: torch.Tensor | None = None) -> torch.Tensor | None:
         """x [b, q, H] (consumed) -> the last layer's output [b, q, H], before the final norm; K/V
         written into `cache` as the Python loop writes them. ctx [t, H]: rows that go through each
         layer's q/k/v projection before the block's and have no queries (the drafter's context;
         `place` then starts its queries at t). capture [layers]: the column of `features`
         [b, q, F] that takes each layer's output, or -1. packed_max: the most rows a bf16 product
         reads its packed copy for. start [b, q]: each query's first key (cached_attention), or
-        None. None where the kernel reports a failure (then nothing but
-        repeatable K/V writes happened: the caller reruns its own loop)."""
+        None. tree [b, q, 1 + w]: a token tree's keys (cached_attention), or None. None where
+        the kernel reports a failure (then nothing but repeatable K/V writes happened: the
+        caller reruns its own loop)."""
         fn = kernels.kernel()
         dtype = self.dtype
         b, q, hidden = x.shape
@@ -169,7 +170,8 @@ class LayerProgram:
                           dtype=torch.int64)
         layers = len(store.keys)
         dims = [t, tokens, hidden, layers, h, kvh, d, inter, b, q, cache.batch, k0.shape[2], s_row, s_head, s_slot,
-                horizon, 0 if features is None else features.shape[-1], packed_max]
+                horizon, 0 if features is None else features.shape[-1], packed_max,
+                0 if tree is None else tree.shape[-1] - 1]
         assert len(dims) == DIMS  # the order of cpu/csrc/layers.c's D_* values
         dims_t = torch.tensor(dims, dtype=torch.int64)  # named: a temporary would be freed before the call
         kin = torch.empty(t + tokens, hidden, dtype=dtype)
@@ -190,7 +192,7 @@ class LayerProgram:
             x.data_ptr(), xb.data_ptr(), dims_t.data_ptr(), scal.data_ptr(),
             self.table.data_ptr(), kv.data_ptr(), place.cos.data_ptr(), place.sin.data_ptr(), place.q_rows.data_ptr(),
             place.q_cols.data_ptr(), place.kv_rows.data_ptr(), place.kv_slots.data_ptr(), visible.data_ptr(),
-            0 if start is None else start.data_ptr(), kin.data_ptr(), qkv.data_ptr(), qs.data_ptr(), att.data_ptr(),
+            0 if start is None else start.data_ptr(), 0 if tree is None else tree.data_ptr(), kin.data_ptr(), qkv.data_ptr(), qs.data_ptr(), att.data_ptr(),
             o_in.data_ptr(), gate_up.data_ptr(), act.data_ptr(), acc.data_ptr(), cap.data_ptr(),
             0 if features is None else features.data_ptr(), torch.get_num_threads())
         return x if rc == 0 else None

@@ -18,8 +18,17 @@
  *
  * Layouts: q [b, kvh, g * n, d] (the g query heads of one KV head together, n tokens each);
  * k, v: a cache [b, kvh, cap, d] with batch and head strides in elements; visible [b, n]: the
- * number of keys (a prefix) each token sees, 0 for padding; out [b, kvh, g * n, d] fp32. q, k and
- * v are fp32 (bs_attention) or bf16 (bs_attention_bf16).
+ * number of keys each token sees, 0 for padding; out [b, kvh, g * n, d] fp32. q, k and v are fp32
+ * (bs_attention) or bf16 (bs_attention_bf16).
+ *
+ * Keys are numbered LOGICALLY: a token's keys are 0 .. visible - 1 in the order its sums take
+ * them. Without `tree` logical key j is cache slot j (the cache is indexed by position). A token
+ * tree's nodes share positions, so their keys are not a prefix of the cache: tree [b, n, 1 + tw]
+ * gives each token its base (logical keys below it are slots 0 .. base - 1, the committed
+ * context) and then the slots of its logical keys base, base + 1, ... (its ancestors by depth,
+ * then itself). Chunks, the order of every sum and the partial results all follow logical
+ * indices, so a tree node gets the bits its token gets in plain decoding, where the same keys
+ * sit in slots 0 .. visible - 1.
  */
 #include <math.h>
 #include <omp.h>
@@ -38,18 +47,26 @@
 #define KEY_CHUNK 256 /* a multiple of 16 */
 #define PREFETCH_KEYS 8 /* keys ahead */
 
-/* R (<= CH) query rows of one KV head, rows idx[r] of q and out (stride d), over the keys
+/* the cache slot of logical key j of a token whose logical keys from `base` on are ext[0], ext[1], ... */
+static inline int64_t key_slot(int64_t j, int64_t base, const int64_t *ext) { return j < base ? j : ext[j - base]; }
+
+/* R (<= CH) query rows of one KV head, rows idx[r] of q and out (stride d), over the logical keys
  * [j0, j0 + KEY_CHUNK) of k, v (row stride d) that each sees (keys lo[r] .. seen[r] - 1 in all,
- * some of them in this chunk). The keys and values are loaded once for the R rows; each row's
- * arithmetic is the same whatever R and the other rows (it is the loop body of the r-th row):
- * scores in key order, the softmax with the chunk's maximum subtracted, then the weighted sum of
- * values in key order. A row whose keys all lie in this chunk gets its output; any other writes
- * (maximum, sum, unnormalised output) to part + slot[r] * (d + 2). scores: CH * KEY_CHUNK floats. */
+ * some of them in this chunk; logical key j is slot key_slot(j, base[r], ext[r])). The keys below
+ * every row's base are loaded once for the R rows; a row's keys from its base on (a tree node's
+ * ancestors, a few) are loaded for it alone, after them. Each row's arithmetic is the same
+ * whatever R and the other rows (it is the loop body of the r-th row): scores in logical key
+ * order, each by the same products and reduction tree, the softmax with the chunk's maximum
+ * subtracted, then the weighted sum of values in logical key order. A row whose keys all lie in
+ * this chunk gets its output; any other writes (maximum, sum, unnormalised output) to part +
+ * slot[r] * (d + 2). scores: CH * KEY_CHUNK floats. T: 0 where no row has a base (no tree: the
+ * per-row key code is compiled out, so chains run the code they ran before trees). */
 static inline __attribute__((always_inline)) void chunk_rows(const void *q, const void *k, const void *v,
                                                              float *out, float *part, const int64_t *idx,
                                                              const int64_t *slot, float *scores, const int64_t *seen,
-                                                             const int64_t *lo, int64_t j0, int64_t d, float scale,
-                                                             const int R, const int bf) {
+                                                             const int64_t *lo, const int64_t *base,
+                                                             const int64_t *const *ext, int64_t j0, int64_t d,
+                                                             float scale, const int R, const int T, const int bf) {
     const int64_t dv = d & ~(int64_t)15, stride = KEY_CHUNK;
     int64_t most = 0, least = KEY_CHUNK, len[CH], beg[CH]; /* per row: its keys [beg, len) of the chunk */
     int whole[CH];
@@ -69,12 +86,19 @@ static inline __attribute__((always_inline)) void chunk_rows(const void *q, cons
         whole[r] = lo[r] / KEY_CHUNK == (seen[r] - 1) / KEY_CHUNK;
         dst[r] = whole[r] ? out + idx[r] * d : part + slot[r] * (d + 2) + 2;
     }
+    /* keys [least, shared) of the chunk are slot j0 + j for every row (all of them without a tree) */
+    int64_t shared = most;
+#pragma GCC unroll 4
+    for (int r = 0; r < R && T; r++) {
+        const int64_t b0 = base[r] - j0;
+        if (b0 < shared) shared = b0 > least ? b0 : least;
+    }
     k = at(k, j0 * d, bf);
     v = at(v, j0 * d, bf);
     /* scores, four keys at a time: each is reduced by reduce16's tree (reduce16x4) */
     const int64_t row_bytes = d * (bf ? 2 : 4);
-    for (int64_t j = least & ~(int64_t)3; j < most; j += 4) {
-        const int C = most - j < 4 ? (int)(most - j) : 4;
+    for (int64_t j = least & ~(int64_t)3; j < shared; j += 4) {
+        const int C = shared - j < 4 ? (int)(shared - j) : 4;
         /* the keys of a later group, and this group's values for the pass after this one: each
          * item streams its own strip of the cache, too short for the hardware prefetcher to
          * ramp up (BENCHMARKS.md, "Kernel measurements") */
@@ -122,6 +146,21 @@ static inline __attribute__((always_inline)) void chunk_rows(const void *q, cons
             }
         }
     }
+    /* each row's own keys from `shared` on: the same products, reduction and tail per key (loops
+     * over rows unrolled, as every loop here, so the per-row arrays stay in registers) */
+#pragma GCC unroll 4
+    for (int r = 0; r < R && T; r++) {
+        for (int64_t j = shared > beg[r] ? shared : beg[r]; j < len[r]; j++) {
+            const void *kr = at(k, -j0 * d + key_slot(j0 + j, base[r], ext[r]) * d, bf);
+            v16 acc = (v16){0};
+            for (int64_t i = 0; i < dv; i += 16) acc = fma16(acc, load(qf, r * d + i, 0), load(kr, i, bf));
+            float s = reduce16(acc);
+            for (int64_t i = dv; i < d; i++) s += qf[r * d + i] * scalar(kr, i, bf);
+            s *= scale;
+            scores[r * stride + j] = s;
+            top[r] = s > top[r] ? s : top[r];
+        }
+    }
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) {
         for (int64_t j = beg[r]; j < len[r]; j += 16) {
@@ -141,7 +180,7 @@ static inline __attribute__((always_inline)) void chunk_rows(const void *q, cons
         for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
             for (int u = 0; u < 4; u++) o[r][u] = (v16){0};
-        for (int64_t j = least; j < most; j++) {
+        for (int64_t j = least; j < shared; j++) {
             v16 vv[4];
 #pragma GCC unroll 4
             for (int u = 0; u < 4; u++) vv[u] = u < nv ? load(v, j * d + i0 + 16 * u, bf) : (v16){0};
@@ -154,6 +193,14 @@ static inline __attribute__((always_inline)) void chunk_rows(const void *q, cons
             }
         }
 #pragma GCC unroll 4
+        for (int r = 0; r < R && T; r++) /* then each row's own keys, still in logical order */
+            for (int64_t j = shared > beg[r] ? shared : beg[r]; j < len[r]; j++) {
+                const void *vr = at(v, -j0 * d + key_slot(j0 + j, base[r], ext[r]) * d, bf);
+                const v16 p = (v16){0} + scores[r * stride + j];
+#pragma GCC unroll 4
+                for (int u = 0; u < 4; u++) o[r][u] = fma16(o[r][u], p, u < nv ? load(vr, i0 + 16 * u, bf) : (v16){0});
+            }
+#pragma GCC unroll 4
         for (int r = 0; r < R; r++)
             for (int u = 0; u < nv; u++) memcpy(dst[r] + i0 + 16 * u, &o[r][u], sizeof o[r][u]);
     }
@@ -161,7 +208,8 @@ static inline __attribute__((always_inline)) void chunk_rows(const void *q, cons
     for (int r = 0; r < R; r++) {
         for (int64_t i = dv; i < d; i++) {
             float t = 0.0f;
-            for (int64_t j = beg[r]; j < len[r]; j++) t += scores[r * stride + j] * scalar(v, j * d + i, bf);
+            for (int64_t j = beg[r]; j < len[r]; j++)
+                t += scores[r * stride + j] * scalar(v, (T ? key_slot(j0 + j, base[r], ext[r]) - j0 : j) * d + i, bf);
             dst[r][i] = t;
         }
     }
@@ -175,6 +223,24 @@ static inline __attribute__((always_inline)) void chunk_rows(const void *q, cons
         const float inv = seen[r] > lo[r] ? 1.0f / total[r] : 0.0f;
         for (int64_t i = 0; i < d; i++) dst[r][i] *= inv;
     }
+}
+
+/* chunk_rows of a token tree's rows: instantiated here, outside `attention`, so the code that
+ * chains and plain decoding run stays as it was (the same inlining and registers) */
+#define TREE_ROWS_ARGS const void *q, const void *k, const void *v, float *out, float *part, const int64_t *idx, \
+    const int64_t *slot, float *scores, const int64_t *seen, const int64_t *lo, const int64_t *base,         \
+    const int64_t *const *ext, int64_t j0, int64_t d, float scale, int R
+#define TREE_ROWS_BODY(BF)                                                                                   \
+    switch (R) {                                                                                            \
+    case 4: chunk_rows(q, k, v, out, part, idx, slot, scores, seen, lo, base, ext, j0, d, scale, 4, 1, BF); break; \
+    case 3: chunk_rows(q, k, v, out, part, idx, slot, scores, seen, lo, base, ext, j0, d, scale, 3, 1, BF); break; \
+    case 2: chunk_rows(q, k, v, out, part, idx, slot, scores, seen, lo, base, ext, j0, d, scale, 2, 1, BF); break; \
+    default: chunk_rows(q, k, v, out, part, idx, slot, scores, seen, lo, base, ext, j0, d, scale, 1, 1, BF); break; \
+    }
+static __attribute__((noinline)) void tree_rows_f32(TREE_ROWS_ARGS) { TREE_ROWS_BODY(0) }
+static __attribute__((noinline)) void tree_rows_bf16(TREE_ROWS_ARGS) { TREE_ROWS_BODY(1) }
+static inline void tree_rows(TREE_ROWS_ARGS, const int bf) {
+    (bf ? tree_rows_bf16 : tree_rows_f32)(q, k, v, out, part, idx, slot, scores, seen, lo, base, ext, j0, d, scale, R);
 }
 
 /* out[d] of a query from its `chunks` partial results p (each: maximum, sum, d unnormalised
@@ -192,14 +258,28 @@ static void combine(float *out, const float *p, int64_t chunks, int64_t d) {
     for (int64_t i = 0; i < d; i++) out[i] *= inv;
 }
 
-/* the keys a query token sees end at visible[i] (at most horizon) and start at start[i] (0 when
- * start is null: the whole prefix; a sliding window's first key otherwise) */
-static inline int64_t keys_to(const int64_t *visible, int64_t i, int64_t horizon) {
-    return visible[i] < horizon ? visible[i] : horizon;
+/* the logical keys a query token sees end at visible[i] (at most horizon, and with a tree at most
+ * its base + tw) and start at start[i] (0 when start is null: the whole prefix; a sliding window's
+ * first key otherwise) */
+static inline int64_t keys_to(const int64_t *visible, int64_t i, int64_t horizon, const int64_t *tree, int64_t tw) {
+    int64_t s = visible[i] < horizon ? visible[i] : horizon;
+    if (tree && s > tree[i * (tw + 1)] + tw) s = tree[i * (tw + 1)] + tw;
+    return s;
 }
 static inline int64_t keys_from(const int64_t *start, int64_t i, int64_t to) {
     const int64_t f = start ? start[i] : 0;
     return f < 0 ? 0 : f < to ? f : to;
+}
+
+/* whether every slot a tree token reads lies in the cache's first horizon slots */
+static int tree_fits(const int64_t *visible, const int64_t *start, const int64_t *tree, int64_t tw, int64_t b,
+                     int64_t n, int64_t horizon) {
+    for (int64_t t = 0; t < b * n; t++) {
+        const int64_t s = keys_to(visible, t, horizon, tree, tw), f = keys_from(start, t, s), *own = tree + t * (tw + 1);
+        for (int64_t j = own[0] > f ? own[0] : f; j < s; j++)
+            if (own[1 + j - own[0]] < 0 || own[1 + j - own[0]] >= horizon) return 0;
+    }
+    return 1;
 }
 
 /* Work items: (batch row, KV head, key chunk, up to CH of the row's query rows that see a key in
@@ -212,10 +292,11 @@ static inline int64_t keys_from(const int64_t *start, int64_t i, int64_t to) {
  * does not change any row's arithmetic (chunk_rows). */
 static inline __attribute__((always_inline)) int attention(const void *q, const void *k, const void *v, float *out,
                                                            const int64_t *visible, const int64_t *start,
-                                                           int64_t b, int64_t kvh,
+                                                           const int64_t *tree, int64_t tw, int64_t b, int64_t kvh,
                                                            int64_t g, int64_t n, int64_t d, int64_t sb, int64_t sh,
                                                            int64_t horizon, float scale, int threads, const int bf) {
     const int64_t m = g * n;
+    if (tree && !tree_fits(visible, start, tree, tw, b, n, horizon)) return -2;
     /* per batch row: its live query rows (head-major, as laid out in q) and the keys each sees
      * (from, sees), its chunks, and where its longer queries' partial results go (per KV head,
      * row, chunk) */
@@ -232,7 +313,7 @@ static inline __attribute__((always_inline)) int attention(const void *q, const 
     for (int64_t bi = 0; bi < b && !failed; bi++) {
         int64_t c = 0, most = 0;
         for (int64_t r = 0; r < m; r++) {
-            const int64_t s = keys_to(visible, bi * n + r % n, horizon), f = keys_from(start, bi * n + r % n, s);
+            const int64_t t = bi * n + r % n, s = keys_to(visible, t, horizon, tree, tw), f = keys_from(start, t, s);
             if (s <= f) continue;
             live[bi * m + c] = r, from[bi * m + c] = f, sees[bi * m + c++] = s;
             most = s > most ? s : most;
@@ -286,7 +367,7 @@ static inline __attribute__((always_inline)) int attention(const void *q, const 
             const int64_t bi = bh / kvh;
             if (count[bi] == m) continue;
             for (int64_t r = 0; r < m; r++) {
-                const int64_t s = keys_to(visible, bi * n + r % n, horizon);
+                const int64_t s = keys_to(visible, bi * n + r % n, horizon, tree, tw);
                 if (s <= keys_from(start, bi * n + r % n, s)) memset(out + (bh * m + r) * d, 0, (size_t)d * sizeof(float));
             }
         }
@@ -296,19 +377,23 @@ static inline __attribute__((always_inline)) int attention(const void *q, const 
             const int64_t *f = item + i * FIELDS, bi = f[0], hi = f[1], ch = f[2], j0 = ch * KEY_CHUNK;
             const int R = (int)f[3];
             const int64_t qr = (bi * kvh + hi) * m, kv = bi * sb + hi * sh;
-            int64_t idx[CH], seen[CH], lo[CH], slot[CH];
+            int64_t idx[CH], seen[CH], lo[CH], slot[CH], base[CH];
+            const int64_t *ext[CH];
             for (int r = 0; r < R; r++) {
                 const int64_t li = f[4 + r];
                 idx[r] = live[bi * m + li], seen[r] = sees[bi * m + li], lo[r] = from[bi * m + li];
                 slot[r] = slot0[bi] + (hi * count[bi] + li) * chunks[bi] + ch;
+                const int64_t *own = tree ? tree + (bi * n + idx[r] % n) * (tw + 1) : 0;
+                base[r] = own ? own[0] : INT64_MAX, ext[r] = own ? own + 1 : 0;
             }
             const void *qp = at(q, qr * d, bf), *kp = at(k, kv, bf), *vp = at(v, kv, bf);
             float *op = out + qr * d;
-            switch (R) {
-            case 4: chunk_rows(qp, kp, vp, op, part, idx, slot, scores, seen, lo, j0, d, scale, 4, bf); break;
-            case 3: chunk_rows(qp, kp, vp, op, part, idx, slot, scores, seen, lo, j0, d, scale, 3, bf); break;
-            case 2: chunk_rows(qp, kp, vp, op, part, idx, slot, scores, seen, lo, j0, d, scale, 2, bf); break;
-            default: chunk_rows(qp, kp, vp, op, part, idx, slot, scores, seen, lo, j0, d, scale, 1, bf); break;
+            if (tree) tree_rows(qp, kp, vp, op, part, idx, slot, scores, seen, lo, base, ext, j0, d, scale, R, bf);
+            else switch (R) {
+            case 4: chunk_rows(qp, kp, vp, op, part, idx, slot, scores, seen, lo, base, ext, j0, d, scale, 4, 0, bf); break;
+            case 3: chunk_rows(qp, kp, vp, op, part, idx, slot, scores, seen, lo, base, ext, j0, d, scale, 3, 0, bf); break;
+            case 2: chunk_rows(qp, kp, vp, op, part, idx, slot, scores, seen, lo, base, ext, j0, d, scale, 2, 0, bf); break;
+            default: chunk_rows(qp, kp, vp, op, part, idx, slot, scores, seen, lo, base, ext, j0, d, scale, 1, 0, bf); break;
             }
         }
         if (slots) { /* the queries longer than a chunk, once every chunk is done */
@@ -331,15 +416,16 @@ static inline __attribute__((always_inline)) int attention(const void *q, const 
     return failed ? -1 : 0;
 }
 
-/* Returns 0, or -1 when scratch memory could not be allocated. */
+/* tree: null, or [b, n, 1 + tw] (see the top of this file). Returns 0, -1 when scratch memory could
+ * not be allocated, -2 when a tree slot lies outside [0, horizon) (nothing written). */
 int bs_attention(const float *q, const float *k, const float *v, float *out, const int64_t *visible,
-                 const int64_t *start, int64_t b, int64_t kvh, int64_t g, int64_t n, int64_t d, int64_t sb, int64_t sh,
-                 int64_t horizon, float scale, int threads) {
-    return attention(q, k, v, out, visible, start, b, kvh, g, n, d, sb, sh, horizon, scale, threads, 0);
+                 const int64_t *start, const int64_t *tree, int64_t b, int64_t kvh, int64_t g, int64_t n, int64_t d,
+                 int64_t sb, int64_t sh, int64_t horizon, int64_t tw, float scale, int threads) {
+    return attention(q, k, v, out, visible, start, tree, tw, b, kvh, g, n, d, sb, sh, horizon, scale, threads, 0);
 }
 
 int bs_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, float *out, const int64_t *visible,
-                      const int64_t *start, int64_t b, int64_t kvh, int64_t g, int64_t n, int64_t d, int64_t sb,
-                      int64_t sh, int64_t horizon, float scale, int threads) {
-    return attention(q, k, v, out, visible, start, b, kvh, g, n, d, sb, sh, horizon, scale, threads, 1);
+                      const int64_t *start, const int64_t *tree, int64_t b, int64_t kvh, int64_t g, int64_t n,
+                      int64_t d, int64_t sb, int64_t sh, int64_t horizon, int64_t tw, float scale, int threads) {
+    return attention(q, k, v, out, visible, start, tree, tw, b, kvh, g, n, d, sb, sh, horizon, scale, threads, 1);
 }

@@ -34,10 +34,10 @@ int bs_rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t 
 int bs_rope_kv(ROPE_KV_ARGS(float));
 int bs_rope_kv_bf16(ROPE_KV_ARGS(uint16_t));
 int bs_attention(const float *q, const float *k, const float *v, float *out, const int64_t *visible,
-                 const int64_t *start, int64_t b, int64_t kvh, int64_t g, int64_t n, int64_t d, int64_t sb, int64_t sh,
-                 int64_t horizon, float scale, int threads);
+                 const int64_t *start, const int64_t *tree, int64_t b, int64_t kvh, int64_t g, int64_t n, int64_t d,
+                 int64_t sb, int64_t sh, int64_t horizon, int64_t tw, float scale, int threads);
 int bs_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, float *out, const int64_t *visible,
-                      const int64_t *start, int64_t b, int64_t kvh, int64_t g, int64_t n, int64_t d, int64_t sb,
-                      int64_t sh, int64_t horizon, float scale, int threads);
+                      const int64_t *start, const int64_t *tree, int64_t b, int64_t kvh, int64_t g, int64_t n,
+                      int64_t d, int64_t sb, int64_t sh, int64_t horizon, int64_t tw, float scale, int threads);
 
 #endif

@@ -121,7 +121,7 @@ static int product(const int64_t *p, const void *x, const void *res, void *y, fl
 /* dims, in order */
 enum { D_CTX, D_TOKENS, D_HIDDEN, D_LAYERS, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_BATCH, D_Q_LEN,
        D_CACHE_ROWS, D_CACHE_SLOTS, D_STRIDE_ROW, D_STRIDE_HEAD, D_STRIDE_SLOT, D_HORIZON, D_FEAT_WIDTH,
-       D_PACKED_MAX, D_COUNT };
+       D_PACKED_MAX, D_TREE_WIDTH, D_COUNT };
 
 /* bf: 0 fp32, 1 bf16 (every tensor below but att and acc in that dtype). dims: the D_* values;
  * scal: rms eps, q-norm eps, k-norm eps, attention scale.
@@ -132,7 +132,8 @@ enum { D_CTX, D_TOKENS, D_HIDDEN, D_LAYERS, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_I
  * cache (the batch's first row). The tokens are the [batch, q_len] block in row-major order;
  * cos, sin [ctx + tokens, d], q_rows, q_cols [tokens], kv_rows, kv_slots [ctx + tokens] and the
  * cache geometry as bs_rope_kv takes them (queries from token ctx on), visible, start (null, or
- * each query's first key), horizon and scale as bs_attention. Scratch: qkv [ctx + tokens, (heads + 2 kv_heads) d], q [batch, kv_heads,
+ * each query's first key), tree (null, or a token tree's keys: [batch, q_len, 1 + tree width]), horizon
+ * and scale as bs_attention. Scratch: qkv [ctx + tokens, (heads + 2 kv_heads) d], q [batch, kv_heads,
  * groups * q_len, d], att (fp32) like q, o_in [tokens, heads d], gate_up [tokens, 2 inter], act
  * [tokens, inter], acc (fp32, bf16 only) as large as the largest product's output.
  * capture [layers]: a column offset into features [tokens, feat_width] for that layer's output,
@@ -141,7 +142,8 @@ enum { D_CTX, D_TOKENS, D_HIDDEN, D_LAYERS, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_I
 static inline int layers_loop(void *x, void *xb, const int64_t *dims, const float *scal, const int64_t *lw,
                               const int64_t *kv, const void *cos, const void *sin, const int64_t *q_rows,
                               const int64_t *q_cols, const int64_t *kv_rows, const int64_t *kv_slots,
-                              const int64_t *visible, const int64_t *start, void *kin, void *qkv, void *q, float *att,
+                              const int64_t *visible, const int64_t *start, const int64_t *tree, void *kin,
+                              void *qkv, void *q, float *att,
                               void *o_in,
                               void *gate_up, void *act, float *acc, const int64_t *capture, void *features,
                               int threads, const int bf) {
@@ -171,10 +173,12 @@ static inline int layers_loop(void *x, void *xb, const int64_t *dims, const floa
                              dims[D_CACHE_SLOTS], dims[D_STRIDE_ROW], dims[D_STRIDE_HEAD], dims[D_STRIDE_SLOT],
                              threads);
         if (rc) return 20 + rc;
-        rc = bf ? bs_attention_bf16(q, k_cache, v_cache, att, visible, start, batch, kv_heads, groups, q_len, d,
-                                    dims[D_STRIDE_ROW], dims[D_STRIDE_HEAD], dims[D_HORIZON], scale, threads)
-                : bs_attention(q, k_cache, v_cache, att, visible, start, batch, kv_heads, groups, q_len, d,
-                               dims[D_STRIDE_ROW], dims[D_STRIDE_HEAD], dims[D_HORIZON], scale, threads);
+        rc = bf ? bs_attention_bf16(q, k_cache, v_cache, att, visible, start, tree, batch, kv_heads, groups, q_len,
+                                    d, dims[D_STRIDE_ROW], dims[D_STRIDE_HEAD], dims[D_HORIZON], dims[D_TREE_WIDTH],
+                                    scale, threads)
+                : bs_attention(q, k_cache, v_cache, att, visible, start, tree, batch, kv_heads, groups, q_len, d,
+                               dims[D_STRIDE_ROW], dims[D_STRIDE_HEAD], dims[D_HORIZON], dims[D_TREE_WIDTH], scale,
+                               threads);
         if (rc) return 31;
         /* [batch, kv_heads, groups, q_len, d] -> [batch, q_len, heads d], PyTorch's permute (bf16:
          * the attention's output rounded to bf16 first, as the Python loop casts it) */
@@ -211,13 +215,14 @@ static inline int layers_loop(void *x, void *xb, const int64_t *dims, const floa
 #define LAYERS_ARGS(T_)                                                                                   \
     T_ *x, T_ *xb, const int64_t *dims, const float *scal, const int64_t *lw, const int64_t *kv, const T_ *cos, \
         const T_ *sin, const int64_t *q_rows, const int64_t *q_cols, const int64_t *kv_rows,                 \
-        const int64_t *kv_slots, const int64_t *visible, const int64_t *start, T_ *kin, T_ *qkv, T_ *q,       \
+        const int64_t *kv_slots, const int64_t *visible, const int64_t *start, const int64_t *tree, T_ *kin,   \
+        T_ *qkv, T_ *q,                                                                                   \
         float *att, T_ *o_in, T_ *gate_up, T_ *act, float *acc, const int64_t *capture, T_ *features,        \
         int threads
 #define LAYERS_CALL(BF)                                                                                   \
     if (dims[D_HEADS] % dims[D_KV_HEADS]) return 1;                                                       \
-    return layers_loop(x, xb, dims, scal, lw, kv, cos, sin, q_rows, q_cols, kv_rows, kv_slots, visible, start, kin, \
-                       qkv, q, att, o_in, gate_up, act, acc, capture, features, threads, BF);
+    return layers_loop(x, xb, dims, scal, lw, kv, cos, sin, q_rows, q_cols, kv_rows, kv_slots, visible, start, tree, \
+                       kin, qkv, q, att, o_in, gate_up, act, acc, capture, features, threads, BF);
 
 int bs_layers(LAYERS_ARGS(float)) { LAYERS_CALL(0) }
 

@@ -36,13 +36,18 @@ def visible_keys(positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | 
 
 
 def cached_attention(qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, visible: torch.Tensor,
-                     horizon: int, scale: float, start: torch.Tensor | None = None) -> torch.Tensor | None:
+                     horizon: int, scale: float, start: torch.Tensor | None = None,
+                     tree: torch.Tensor | None = None) -> torch.Tensor | None:
     """softmax(q k^T scale) v per query over its visible keys -> [b, kvh, g * q, d] in qg's dtype.
 
     qg [b, kvh, g * q, d]; k_cache, v_cache [b, kvh, cap, d] (only the first `horizon` slots are
-    read); visible from `visible_keys`; start [b, q] (int64, optional): each query's first key
-    (a sliding window's), else 0. None where the kernel does not handle these tensors (a dtype
-    other than fp32/bf16, a cache that is not a plain contiguous tensor).
+    read); visible from `visible_keys` (each query's number of keys); start [b, q] (int64,
+    optional): each query's first key (a sliding window's), else 0. tree [b, q, 1 + w] (int64,
+    optional; targets/native/tree_slots.py): a token tree's keys, where key j of a query is slot
+    j below its base tree[.., 0] and slot tree[.., 1 + j - base] from there (its ancestors by
+    depth, then itself), summed in that order as plain decoding sums the same keys. None where
+    the kernel does not handle these tensors (a dtype other than fp32/bf16, a cache that is not a
+    plain contiguous tensor).
     """
     k = kernels.kernel()
     fn = None if k is None else k.attention.get(qg.dtype)
@@ -54,9 +59,15 @@ def cached_attention(qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     n = visible.shape[1]
     q = qg.contiguous()
     out = torch.empty(b, kvh, m, d, dtype=torch.float32)
+    if tree is not None and (tree.dtype != torch.int64 or tree.shape[:2] != (b, n) or not tree.is_contiguous()):
+        raise ValueError(f"a tree's keys must be a contiguous int64 [{b}, {n}, 1 + w] table, got "
+                         f"{tree.dtype} {tuple(tree.shape)}")
     rc = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), visible.data_ptr(),
-            None if start is None else start.data_ptr(), b, kvh, m // n, n, d, k_cache.stride(0), k_cache.stride(1),
-            horizon, scale, torch.get_num_threads())
+            None if start is None else start.data_ptr(), None if tree is None else tree.data_ptr(), b, kvh, m // n, n,
+            d, k_cache.stride(0), k_cache.stride(1), horizon, 0 if tree is None else tree.shape[2] - 1, scale,
+            torch.get_num_threads())
+    if rc == -2:
+        raise ValueError(f"a tree node's key lies outside the cache's first {horizon} slots; reserve the cache first")
     if rc != 0:
         raise MemoryError("the CPU attention kernel could not allocate its scratch memory")
     return out if qg.dtype == torch.float32 else out.to(qg.dtype)

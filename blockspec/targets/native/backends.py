@@ -32,6 +32,7 @@ from blockspec.cpu.program import LayerProgram, target_program
 from blockspec.cpu.qkv import QKVPlacement, block_places
 from blockspec.targets.native.attention import cached_attention
 from blockspec.targets.native.cache import StaticCache, attention_mask
+from blockspec.targets.native.tree_slots import TreeSlots
 from blockspec.targets.slots import EMPTY
 from blockspec.targets.sdpa import sdpa
 
@@ -57,6 +58,8 @@ class Pass:
     cache: StaticCache
     place: QKVPlacement | None = None  # the placement kernel's plan (KernelBackend), or None
     masks: tuple | None = None  # `sdpa_masks`, made at the first layer that needs them
+    tree: TreeSlots | None = None  # a token tree's pass: its slots and what each node sees
+    tree_keys: torch.Tensor | None = None  # [b, q, 1 + w]: the attention kernel's table of tree keys, or None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -209,9 +212,11 @@ class TorchBackend:
         return out.view(b, kvh, gq, d)
 
     def _masks(self, p: Pass) -> tuple[torch.Tensor | None, bool | tuple[tuple[int, int], ...]]:
-        """`sdpa_masks` of this pass, made once for its layers."""
+        """`sdpa_masks` of this pass (a tree's: its nodes' visibility), made once for its layers."""
         if p.masks is None:
-            p.masks = sdpa_masks(p.positions, p.cache, p.horizon, self.net.cfg.groups)
+            groups = self.net.cfg.groups
+            p.masks = ((p.tree.attention_mask(p.horizon, groups), False) if p.tree is not None
+                       else sdpa_masks(p.positions, p.cache, p.horizon, groups))
         return p.masks
 
 
@@ -296,7 +301,7 @@ class KernelBackend(TorchBackend):
 
     def attention(self, qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p: Pass) -> torch.Tensor:
         out = None if p.visible is None else cached_attention(qg, k_cache, v_cache, p.visible, p.horizon,
-                                                               self.net.scale)
+                                                               self.net.scale, tree=p.tree_keys)
         return out if out is not None else super().attention(qg, k_cache, v_cache, p)
 
     def run_program(self, x: torch.Tensor, p: Pass, layer_ids: tuple[int, ...]
@@ -330,8 +335,8 @@ class KernelBackend(TorchBackend):
                 capture[i] = j * hidden
         features = torch.empty(b, q, len(layer_ids) * hidden, dtype=x.dtype) if layer_ids else None
         out = program.run(x.clone(), place, p.visible, p.horizon, p.cache, inter=cfg.intermediate_size,
-                          scale=net.scale, capture=capture, features=features,
-                          packed_max=BF16_MAX_ROWS)  # x.clone(): x stays for a rerun
+                          scale=net.scale, capture=capture, features=features, packed_max=BF16_MAX_ROWS,
+                          tree=p.tree_keys)  # x.clone(): x stays for a rerun
         return None if out is None else (out, features)
 
     def build_program(self) -> LayerProgram | None:

@@ -11,6 +11,12 @@ Invariant: for every row, slots below its committed length hold the K/V of its c
 slots at or beyond it hold garbage that no query can see (they are only read after being
 rewritten). Slot `capacity` is a scratch slot absorbing writes for padding positions (EMPTY).
 
+A token tree's pass (`NativeTarget.forward_tree`) is the one exception to "slot = position": its
+nodes share positions, so they take slots root .. root + n - 1 (targets/native/tree_slots.py: the
+spine at its positions' slots, then the rest), and the cache remembers those slots until `reject`
+copies the accepted path's K/V to slots root .. root + k - 1, the slots of their positions. After
+that the invariant above holds again.
+
 `StaticCache` is a window of rows of a shared `KVStore`: the engine keeps the running batch in
 rows 0..n-1 and prefills joining requests straight into rows n.. (`spawn` / `merge`), so joining
 and leaving copy at most the rows that move.
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from blockspec.targets.native.tree_slots import TreeSlots
 from blockspec.targets.slots import EMPTY
 
 
@@ -89,6 +96,7 @@ class StaticCache:
         self.horizon = 0  # slots [0, horizon) may hold data of some row
         self.fresh = False  # reserve() was called for the coming forward
         self.length = torch.zeros(batch, dtype=torch.long, device=store.device)  # committed per row
+        self.tree: TreeSlots | None = None  # the last forward's tree slots, until `reject`
 
     # ---- storage --------------------------------------------------------------------------------
     @property
@@ -115,14 +123,45 @@ class StaticCache:
         """Called by the forward: rows now hold data up to their largest position."""
         self.length = torch.maximum(self.length, positions.max(dim=1).values + 1)
         self.fresh = False
+        self.tree = None
+
+    def note_tree(self, tree: TreeSlots) -> None:
+        """Called by a tree pass instead of `note_written`: rows hold their nodes in slots
+        base .. base + nodes - 1 until `reject` keeps one path of them."""
+        has = tree.real.any(dim=1)
+        self.length = torch.where(has, tree.base + tree.real.sum(dim=1), self.length)
+        self.fresh = False
+        self.tree = tree
 
     # ---- the TargetCache protocol -----------------------------------------------------------------
     def lengths(self) -> torch.Tensor:
         return self.length
 
     def reject(self, keep: torch.Tensor) -> None:
-        """Block slots beyond each row's kept prefix are simply forgotten (overwritten later)."""
-        self.length = self.length - (~keep).sum(dim=1)
+        """Block slots beyond each row's kept prefix are simply forgotten (overwritten later).
+
+        After a tree pass keep [b, n] marks the accepted path's nodes (root first, any nodes of
+        the tree): their K/V move to slots base .. base + k - 1 in every layer (already computed
+        at those positions), the row's length becomes base + k, and the other nodes' slots lie
+        beyond it. Nodes already there (the path's part along the spine) do not move."""
+        tree, self.tree = self.tree, None
+        if tree is None:
+            self.length = self.length - (~keep).sum(dim=1)
+            return
+        keep = keep.to(device=tree.slots.device, dtype=torch.bool) & tree.real  # [b, n]
+        kept = keep.sum(dim=1)  # [b]
+        self.length = torch.where(tree.real.any(dim=1), tree.base + kept, self.length)
+        rank = keep.long().cumsum(dim=1) - 1
+        dst = tree.base[:, None] + rank  # [b, n]: where a kept node goes
+        move = keep & (tree.slots != dst)
+        if not bool(move.any()):
+            return
+        rows, nodes = move.nonzero(as_tuple=True)  # [m]
+        src, dst = tree.slots[rows, nodes], dst[rows, nodes]  # [m] slots
+        for i in range(self.store.num_layers):
+            k, v = self.layer(i)
+            k[rows, :, dst] = k[rows, :, src]  # the right side is gathered before any write
+            v[rows, :, dst] = v[rows, :, src]
 
     def compact(self, ratio: float) -> None:
         """Nothing to do: rejected slots are reused in place."""
@@ -145,8 +184,11 @@ class StaticCache:
                 index = torch.tensor(order, device=k.device)
                 k[: len(order), :, span] = k[index, :, span]
                 v[: len(order), :, span] = v[index, :, span]
-        self.length = self.length[torch.as_tensor(order, dtype=torch.long, device=self.length.device)]
+        index = torch.as_tensor(order, dtype=torch.long, device=self.length.device)
+        self.length = self.length[index]
         self.batch = len(order)
+        if self.tree is not None:  # rows leaving between a tree pass and its `reject`
+            self.tree = self.tree.select_rows(index.to(self.tree.slots.device))
 
     def spawn(self, batch: int) -> StaticCache:
         """A cache for `batch` new rows right after this one's, in the same store."""
@@ -168,6 +210,8 @@ class StaticCache:
                 ]
         self.batch += other.batch
         self.horizon = max(self.horizon, other.horizon)
+        if self.tree is not None:  # rows joining between a tree pass and its `reject` hold no node
+            self.tree = self.tree.extended(other.batch, self.scratch)
         self.length = torch.cat([self.length, other.length.to(self.length.device)])
         self.fresh = False
 

@@ -22,6 +22,7 @@ from torch.nn import functional as F
 
 from blockspec.cpu.linear import fast_cpu_single_row
 from blockspec.cpu.packed_cache import pack_cached
+from blockspec.errors import ConfigError
 from blockspec.targets.base import TargetInfo
 from blockspec.targets.native.attention import visible_keys
 from blockspec.targets.native.backends import (
@@ -36,6 +37,7 @@ from blockspec.targets.native.backends import (
 )
 from blockspec.targets.native.cache import KVStore, StaticCache
 from blockspec.targets.native.config import NativeConfig
+from blockspec.targets.native.tree_slots import TreeSlots, tree_slots
 from blockspec.targets.rope import Rotary, rope_inv_freq
 from blockspec.targets.slots import EMPTY
 
@@ -137,6 +139,7 @@ class NativeLlama(nn.Module):
         real: torch.Tensor | None = None,
         resume: tuple[int, torch.Tensor] | None = None,
         greedy: bool = False,
+        tree: TreeSlots | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """ids, positions [b, q] (EMPTY = padding) -> logits [b, q|1, V], features [b, q, L*H].
 
@@ -152,6 +155,9 @@ class NativeLlama(nn.Module):
 
         resume (start, x [b, q, H]): x is the output of layer start - 1 (a captured feature), and
         the pass runs layers start.. only; the skipped layers leave no K/V in the cache.
+
+        tree: the q tokens are a token tree's nodes (`NativeTarget.forward_tree`), placed and
+        masked as it says (targets/native/tree_slots.py) instead of by position.
         """
         backend = self.backend if self.backend is not None else self.use("exact")
         cfg = self.cfg
@@ -161,9 +167,12 @@ class NativeLlama(nn.Module):
             x = self.embed(ids if real is None else ids.reshape(-1)[real])
         elif real is not None:
             x = x.reshape(b * q, -1)[real]
-        p = self._pass(positions, cache, real, x.dtype)
+        p = self._pass(positions, cache, real, x.dtype, tree)
         x, features = backend.layers(x, p, start, layer_ids)
-        cache.note_written(positions)
+        if tree is None:
+            cache.note_written(positions)
+        else:
+            cache.note_tree(tree)
         x = backend.norm(x, self.norm, cfg.rms_norm_eps)
         last = cfg.num_layers - 1
         if last in layer_ids:  # HF's hidden_states[-1] is taken after the final norm
@@ -180,11 +189,19 @@ class NativeLlama(nn.Module):
         return out, features
 
     def _pass(self, positions: torch.Tensor, cache: StaticCache, real: torch.Tensor | None,
-              dtype: torch.dtype) -> Pass:
+              dtype: torch.dtype, tree: TreeSlots | None = None) -> Pass:
         """This forward's geometry (backends.Pass): K/V destinations, rope, what each query sees."""
         b, q = positions.shape
         horizon = cache.horizon if cache.fresh else int(positions.max()) + 1
-        write = cache.write_index(positions)  # [b, q]
+        visible = visible_keys(positions, dtype)
+        tree_keys = None
+        if tree is not None:  # slots by node index; each node sees the context and what `tree` says
+            write = tree.slots  # [b, q]
+            horizon = max(horizon, tree.end)
+            if visible is not None:
+                visible, tree_keys = tree.visible.contiguous(), tree.keys()
+        else:
+            write = cache.write_index(positions)  # [b, q]
         rows = torch.arange(b, device=positions.device)[:, None]
         if real is not None:  # rope and the K/V writes of the T real tokens only
             write, rows = write.reshape(-1)[real], torch.div(real, q, rounding_mode="floor")  # [T]
@@ -193,7 +210,8 @@ class NativeLlama(nn.Module):
         else:
             cos, sin = self.rotary(positions, dtype)  # [b, q, d]
             cos, sin = cos[:, :, None], sin[:, :, None]
-        return Pass(b, q, positions, real, rows, write, cos, sin, horizon, visible_keys(positions, dtype), cache)
+        return Pass(b, q, positions, real, rows, write, cos, sin, horizon, visible, cache, tree=tree,
+                    tree_keys=tree_keys)
 
     def packed_summary(self) -> str | None:
         """What `pack_weights` packed, e.g. "120 matrices in 4 bits, 1 in 8 bits", or None."""
@@ -250,7 +268,7 @@ class NativeTarget:
         backend = self.net.backend if self.net.backend is not None else self.net.use(self.net.compute)
         return backend.describe()
 
-    supports_trees = False  # the position-indexed cache holds one token per position
+    supports_trees = True  # `forward_tree`: nodes take slots by index (targets/native/tree_slots.py)
 
     @property
     def skips_padding(self) -> bool:
@@ -282,6 +300,33 @@ class NativeTarget:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Same contract as HFTarget.forward; positions are absolute, EMPTY marks padding."""
         return self._run(ids, positions, cache, layer_ids, last_logits_only, greedy=False)
+
+    @torch.inference_mode()
+    def forward_tree(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        ancestors: torch.Tensor,
+        cache: StaticCache,
+        layer_ids: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One verify pass over a token tree per row, as HFTarget.forward_tree: ids, positions
+        [b, n] in node order (root first; a node's position is the root's plus its depth; EMPTY
+        for padding nodes), ancestors [b, n, n] or [n, n] (`TokenTree.ancestor_mask`). The nodes
+        take slots root .. root + n - 1 (targets/native/tree_slots.py); each node attends to the
+        committed context and its ancestors only, with the bits its token gets in plain decoding
+        where the C attention runs. Returns what `forward` does; then `cache.reject(keep)` with
+        the accepted path's nodes moves their K/V to the slots of their positions and forgets the
+        rest."""
+        b, n = positions.shape
+        if ids.shape != (b, n) or ancestors.shape not in ((n, n), (b, n, n)):
+            raise ConfigError(f"a tree pass takes ids and positions [b, n] and ancestors [n, n] or [b, n, n]; got "
+                              f"{tuple(ids.shape)}, {tuple(positions.shape)}, {tuple(ancestors.shape)}")
+        positions = positions.to(self.device)
+        tree = tree_slots(positions, ancestors, cache.scratch)
+        cache.reserve(max(tree.end, cache.horizon if cache.fresh else 0))
+        tree = tree.with_scratch(cache.scratch)  # the store may have grown, moving its scratch slot
+        return self.net(ids, positions, cache, layer_ids, real=padding_index(positions), tree=tree)
 
     @torch.inference_mode()
     def forward_greedy(

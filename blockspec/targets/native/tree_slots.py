@@ -1,0 +1,136 @@
+"""Where a token tree's nodes go in the native (position-indexed) cache, and what each one sees.
+
+A tree's nodes share positions (siblings sit at the same depth), so they cannot all take the
+slots of their positions as the tokens of a chain do. The tree's n real nodes take slots base ..
+base + n - 1, base being the root's position (padding nodes, EMPTY, the scratch slot): first the
+spine, the root and then each spine node's first child (the proposers put a node's most likely
+child first, so the spine is the drafter's own chain), at base + depth, the slots of their
+positions; then the other nodes in node order. A chain is all spine: every token in the slot of its
+position, as in a plain verify. The positions (hence the rotary embedding) stay the nodes' own. A
+node sees the committed context, slots 0 .. base - 1, and the slots of the nodes its row of
+`ancestors` marks (itself and its ancestors).
+
+For the batch-invariant C attention (cpu/csrc/attention.c) each node's keys are numbered
+logically: the context 0 .. base - 1, then its ancestors by depth, itself last, exactly the keys a
+plain decode of its root-to-node chain reads from slots 0 .. position. `keys` lists the slots of
+the logical keys from base on, so the kernel sums them in the plain order and gets plain
+decoding's bits. After the pass the cache (targets/native/cache.py, `StaticCache.reject`) copies
+the accepted path's K/V to slots base .. base + k - 1, where plain decoding would have put them:
+nothing for the part of the path along the spine, which is there already.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from blockspec.errors import ConfigError
+from blockspec.targets.slots import EMPTY
+
+
+@dataclass(frozen=True)
+class TreeSlots:
+    """One tree pass's geometry: per row [b] and per node [b, n] in node order."""
+
+    slots: torch.Tensor  # [b, n] int64: each node's cache slot (the scratch slot for padding)
+    base: torch.Tensor  # [b] int64: the root's position, the first tree slot (0 in a row of padding only)
+    real: torch.Tensor  # [b, n] bool: not padding
+    sees: torch.Tensor  # [b, n, n] bool: node i sees node j (itself, its ancestors; never padding)
+    visible: torch.Tensor  # [b, n] int64: how many keys each node sees (context + tree nodes), 0 for padding
+
+    @property
+    def end(self) -> int:
+        """One past the largest tree slot: the attention reads slots below it (one host sync)."""
+        ends = self.base + self.real.sum(dim=1)  # [b]
+        return int(ends.max()) if ends.numel() else 0
+
+    def with_scratch(self, scratch: int) -> TreeSlots:
+        """The same geometry with padding nodes writing to `scratch` (a grown cache's)."""
+        return replace(self, slots=torch.where(self.real, self.slots, scratch))
+
+    def select_rows(self, rows: torch.Tensor) -> TreeSlots:
+        """These rows (new row i = old row rows[i]), as the cache's `select_rows` keeps them."""
+        return TreeSlots(*(t[rows] for t in (self.slots, self.base, self.real, self.sees, self.visible)))
+
+    def extended(self, rows: int, scratch: int) -> TreeSlots:
+        """With `rows` more rows that hold no node (rows joining the cache)."""
+        b, n = self.slots.shape
+        return TreeSlots(torch.cat([self.slots, self.slots.new_full((rows, n), scratch)]),
+                         torch.cat([self.base, self.base.new_zeros(rows)]),
+                         torch.cat([self.real, self.real.new_zeros(rows, n)]),
+                         torch.cat([self.sees, self.sees.new_zeros(rows, n, n)]),
+                         torch.cat([self.visible, self.visible.new_zeros(rows, n)]))
+
+    def keys(self) -> torch.Tensor:
+        """[b, n, 1 + w] int64, w the most tree nodes a node sees: per node its base, then the slots
+        of the tree nodes it sees in node order (= by depth for a tree), unused entries 0: the
+        table `cached_attention` takes."""
+        b, n = self.slots.shape
+        index = torch.arange(n, device=self.slots.device)
+        order = torch.where(self.sees, index, n).sort(dim=-1).values  # [b, n, n]: seen nodes first
+        w = max(1, int(self.sees.sum(dim=-1).max())) if self.sees.numel() else 1
+        padded = torch.cat([self.slots, self.slots.new_zeros(b, 1)], dim=1)  # [b, n + 1]: index n -> 0
+        ext = torch.gather(padded[:, None, :].expand(b, n, n + 1), 2, order[:, :, :w])  # [b, n, w]
+        return torch.cat([self.base[:, None, None].expand(b, n, 1), ext], dim=2).contiguous()
+
+    def attention_mask(self, horizon: int, groups: int) -> torch.Tensor:
+        """Boolean mask [b, 1, groups * n, horizon] for PyTorch's attention over queries grouped per
+        KV head (as targets/native/cache.py's `attention_mask`). Padding nodes see slot 0 only, so
+        they stay finite."""
+        b, n = self.slots.shape
+        keys = torch.arange(horizon, device=self.slots.device)
+        visible = (keys[None, None, :] < self.base[:, None, None]).expand(b, n, horizon)  # the context
+        cols = torch.where(self.real, self.slots, 0)  # [b, n]; padding columns add nothing below
+        tree = torch.zeros(b, n, horizon, dtype=torch.int32, device=self.slots.device)
+        tree.scatter_add_(2, cols[:, None, :].expand(b, n, n), self.sees.to(torch.int32))
+        visible = (visible | (tree > 0)) & self.real[:, :, None]
+        visible = visible | ((keys[None, None, :] == 0) & ~self.real[:, :, None])
+        if groups > 1:
+            visible = visible[:, None].expand(b, groups, n, horizon).reshape(b, groups * n, horizon)
+        return visible[:, None]
+
+
+def tree_slots(positions: torch.Tensor, ancestors: torch.Tensor, scratch: int) -> TreeSlots:
+    """The geometry of a tree pass: positions [b, n] (root first, EMPTY for padding nodes),
+    ancestors [n, n] or [b, n, n] (`TokenTree.ancestor_mask`: row i marks what node i sees among
+    the nodes; a node always sees itself), `scratch` the cache's scratch slot."""
+    b, n = positions.shape
+    if ancestors.dim() == 2:
+        ancestors = ancestors[None].expand(b, n, n)
+    if ancestors.shape != (b, n, n):
+        raise ConfigError(f"a tree pass needs ancestors [n, n] or [b={b}, n={n}, n], got {tuple(ancestors.shape)}")
+    real = positions != EMPTY  # [b, n]
+    has = real.any(dim=1)  # [b]
+    base = torch.where(has, torch.where(real, positions, torch.iinfo(torch.int64).max).min(dim=1).values, 0)
+    own = torch.eye(n, dtype=torch.bool, device=positions.device)[None]
+    sees = (ancestors.to(device=positions.device, dtype=torch.bool) | own) & real[:, None, :] & real[:, :, None]
+    count = sees.sum(dim=-1)  # [b, n]: a tree node's depth + 1
+    spine = on_spine(sees, count) & real
+    rest = real & ~spine
+    slots = torch.where(spine, base[:, None] + count - 1,  # the slot of its position
+                        base[:, None] + spine.sum(dim=1, keepdim=True) + rest.long().cumsum(dim=1) - 1)
+    if not distinct(torch.where(real, slots, -1 - torch.arange(n, device=slots.device))):
+        # `ancestors` is no tree's (a node sees a non-ancestor): no spine, node i at base + i
+        slots = base[:, None] + real.long().cumsum(dim=1) - 1
+    slots = torch.where(real, slots, scratch)
+    visible = torch.where(real, base[:, None] + count, 0)
+    return TreeSlots(slots, base, real, sees, visible)
+
+
+def on_spine(sees: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """[b, n] bool: the nodes whose every ancestor (and itself) is its parent's first child, the
+    root included. sees [b, n, n] (ancestors and self), count [b, n] (their number). A node's
+    parent is the ancestor one level up; a child is first when no earlier node has its parent."""
+    b, n = count.shape
+    parent = sees & (count[:, None, :] == count[:, :, None] - 1)  # [b, n, n]: node j's parent k
+    siblings = torch.bmm(parent.float(), parent.float().transpose(1, 2)) > 0  # [b, n, n]: same parent
+    earlier = torch.ones(n, n, dtype=torch.bool, device=sees.device).tril(-1)[None]  # k < j
+    first = ~(siblings & earlier).any(dim=-1)  # [b, n]; the root has no parent: first
+    return ~(sees & ~first[:, None, :]).any(dim=-1)
+
+
+def distinct(values: torch.Tensor) -> bool:
+    """Whether each row of values [b, n] holds n different values."""
+    ordered = values.sort(dim=1).values
+    return not bool((ordered[:, 1:] == ordered[:, :-1]).any())
