@@ -262,3 +262,28 @@ def test_tree_nodes_is_validated() -> None:
         with pytest.raises(ConfigError, match="tree_nodes"):
             SpecConfig(tree_nodes=bad)
     assert SpecConfig(tree_nodes=0).tree_nodes == 0
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_the_adaptive_policy_spends_its_verify_width_on_trees(batch: int) -> None:
+    """With the adaptive policy (trimmed lone rows, whole-batch widths), every drafting step's
+    width goes to a tree of at most tree_nodes, the output stays plain greedy decoding's, the
+    trees accept through non-first choices, and the acceptance the policy prices steps by is
+    counted by depth."""
+    from blockspec.dflash.policy import AdaptiveBlock, CostModel
+
+    model, prompts, truth = _setup("llama", batch, seed=11)
+    drafter = RankedDrafter(model, prompts, truth, seed=11)
+    dec = SpecDecoder(HFTarget(model), drafter, SpecConfig(block_size=8, adaptive=True, tree_nodes=5))
+    costs = CostModel(max_block=8)
+    for size in (1, 2, 4):
+        costs.set(size, [1.0 + 0.01 * n for n in range(8)], [0.0] + [0.1] * 7)  # verified tokens nearly free
+    policy = AdaptiveBlock(8, costs=costs, sampled_costs=costs, thread_count=lambda: 1)
+    dec.adaptive_policy = policy
+    results = dec.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW))
+    assert [r.token_ids for r in results] == truth
+    assert sum(r.stats.tree_steps for r in results) > 0
+    assert max(policy.used) <= 6  # the root and at most tree_nodes proposed nodes
+    assert sum(sum(r.stats.accepted_by_rank[1:]) for r in results) > 0  # through second and third choices
+    counts = policy.acceptance["greedy"]  # by depth, from the tree steps
+    assert 0 < counts.accepted[0] <= counts.tries[0]
