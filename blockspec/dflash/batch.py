@@ -526,9 +526,10 @@ class DecodeBatch:
         budgets = [max(0, min(n - 1, self.tree_nodes)) for n in lengths]
         dists = self._tree_distributions(hidden, min(max(budgets), TREE_TOP_K))
         plan = self.lookup_plan() if self.lookup is not None else [[] for _ in rows]
+        branches = [list(cont[: min(depth, budget)]) for cont, budget in zip(plan, budgets)]
         # a live row's last generated token is `last`: read from the host, not the device
-        trees = [propose_tree(r.generated[-1], dist, cont[:depth], budget)
-                 for r, dist, cont, budget in zip(rows, dists, plan, budgets)]
+        trees = [propose_tree(r.generated[-1], dist, branch, budget)
+                 for r, dist, branch, budget in zip(rows, dists, branches, budgets)]
         packed = pack_trees(trees, self.cur_host, d)
         n = packed.ids.shape[1]
         self.verified = sum(len(t) for t in trees)
@@ -568,8 +569,8 @@ class DecodeBatch:
         self.cur = self.cur + n_new
         self.cur_host = [c + k for c, k in zip(self.cur_host, n_host)]
         self._plan = None
-        for i, (r, tree, a, k, cont) in enumerate(zip(rows, trees, walks, n_host, plan)):
-            self._record_tree(r, tree, a, k, committed[i], list(cont[: budgets[i]]))
+        for i, (r, tree, a, k, branch) in enumerate(zip(rows, trees, walks, n_host, branches)):
+            self._record_tree(r, tree, a, k, committed[i], branch)
             r.new_tokens = []
             self._commit(r, committed[i], token_lp[i][:k] if token_lp is not None and token_lp[i] is not None else None)
         return n

@@ -28,10 +28,22 @@ TREE_TOP_K = 8
 
 def propose_tree(root: int, distributions: Distributions, lookup: Sequence[int], budget: int) -> TokenTree:
     """A row's tree of at most `budget` proposed nodes: the lookup continuation (cut to the
-    budget) as one branch, the rest of the budget best-first from the drafter's distributions."""
+    budget) as one branch, the rest of the budget best-first from the drafter's distributions.
+    Where the branch shares a prefix with the drafter's tree, the nodes it did not need go to the
+    drafter's tree: best-first trees of growing budgets contain each other, so the larger one
+    shares at least as much of the branch and the total stays within the budget."""
     branch = list(lookup)[:budget]
-    inner = BestFirstProposer(budget - len(branch), max_depth=distributions.max_depth or None)
-    return LookupProposer(inner, len(branch)).propose(Draft(root, distributions, branch))
+    depth = distributions.max_depth or None
+
+    def grown(inner_budget: int) -> tuple[TokenTree, int]:
+        inner = BestFirstProposer(inner_budget, max_depth=depth)
+        tree = LookupProposer(inner, len(branch)).propose(Draft(root, distributions, branch))
+        return tree, len(tree) - len(inner.propose(Draft(root, distributions)))  # the branch's own nodes
+
+    tree, own = grown(budget - len(branch))
+    if branch and own < len(branch):
+        tree, _ = grown(budget - own)
+    return tree
 
 
 @dataclass(frozen=True)

@@ -287,3 +287,47 @@ def test_the_adaptive_policy_spends_its_verify_width_on_trees(batch: int) -> Non
     assert sum(sum(r.stats.accepted_by_rank[1:]) for r in results) > 0  # through second and third choices
     counts = policy.acceptance["greedy"]  # by depth, from the tree steps
     assert 0 < counts.accepted[0] <= counts.tries[0]
+
+
+def test_captured_features_follow_the_accepted_path() -> None:
+    """Capture mode (what data generation reads): the features of prompt + output are those of a
+    plain forward over them, though steps verified trees."""
+    model, prompts, truth = _setup("llama", 2, seed=12)
+    drafter = RankedDrafter(model, prompts, truth, seed=12)
+    dec = SpecDecoder(HFTarget(model), drafter, SpecConfig(block_size=8, tree_nodes=10))
+    results = dec.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW), capture_layer_ids=drafter.target_layer_ids)
+    target = HFTarget(model)
+    for p, r in zip(prompts, results):
+        assert r.token_ids == reference_greedy(model, p, MAX_NEW) and r.stats.tree_steps > 0
+        seq = p + r.token_ids
+        _, want = target.forward(torch.tensor([seq]), torch.arange(len(seq))[None], target.new_cache(1),
+                                 drafter.target_layer_ids)
+        assert r.features.shape == want[0].shape
+        assert torch.allclose(r.features[:-1], want[0, :-1].float(), atol=1e-5)
+
+
+def test_path_stats_count_depths_tried_and_sibling_ranks() -> None:
+    from blockspec.dflash.token_tree import TokenTree
+    from blockspec.dflash.tree_step import path_stats, propose_tree
+    from blockspec.dflash.proposers import PositionDistributions
+
+    #        0
+    #      / | \
+    #     1  2  3
+    #     |  |
+    #     4  5
+    tree = TokenTree((9, 1, 2, 3, 4, 5), (-1, 0, 0, 0, 1, 2))
+    through_third = path_stats(tree, TreeAcceptance((0, 3), 7), 2)  # node 3 has no children: nothing more tried
+    assert (through_third.tried, through_third.accepted, through_third.ranks) == (1, 1, (2,))
+    second_then_stop = path_stats(tree, TreeAcceptance((0, 2), 7), 2)  # node 2's child was tried, rejected
+    assert (second_then_stop.tried, second_then_stop.accepted, second_then_stop.ranks) == (2, 1, (1,))
+    deep = path_stats(tree, TreeAcceptance((0, 2, 5), 7), 3)
+    assert (deep.tried, deep.accepted, deep.ranks) == (2, 2, (1, 0))
+    cut = path_stats(tree, TreeAcceptance((0, 2, 5), 7), 2)  # a length limit commits node 2 only
+    assert (cut.tried, cut.accepted, cut.ranks) == (1, 1, (1,))
+    # a lookup branch takes its share of the budget; zero-probability candidates take none
+    dists = PositionDistributions(torch.tensor([[5, 6, 7], [8, 9, 10]]),
+                                  torch.tensor([[-0.1, -2.5, float("-inf")], [-0.2, -3.0, float("-inf")]]))
+    grown = propose_tree(4, dists, [6, 11], 5)
+    assert len(grown) == 6 and grown.children(0).keys() >= {5, 6} and 7 not in grown.tokens
+    assert [6, 11] in grown.paths() or any(p[:2] == [6, 11] for p in grown.paths())
