@@ -15,6 +15,7 @@ verification, `compact(ratio)`, `select_rows(rows)`; to take joining rows `merge
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -33,7 +34,8 @@ from blockspec.dflash.logit_bias import apply_logit_bias
 from blockspec.dflash.lookup import LookupConfig, TokenIndex
 from blockspec.dflash.sampling import ACCEPT_SLOT, BONUS_SLOT, RowRandom, probabilities
 from blockspec.dflash.verify import accept_greedy, verify_standard
-from blockspec.dflash.proposers import Distributions, PositionDistributions, SelectorDistributions
+from blockspec.dflash.proposers import (BestFirstProposer, Distributions, Draft, PositionDistributions,
+                                        SelectorDistributions)
 from blockspec.dflash.token_tree import TokenTree
 from blockspec.dflash.tree_step import TREE_TOP_K, gather_path, pack_trees, path_stats, propose_tree
 from blockspec.dflash.tree_verify import TreeAcceptance, keyed_draws, walk
@@ -471,16 +473,20 @@ class DecodeBatch:
                 from_lookup = self._lookup_proposals(block_ids)
                 if self._draft_q is not None and any(from_lookup):
                     self._draft_q = _one_hot_where(self._draft_q, block_ids[:, 1:], from_lookup)
+            # Constrained rows keep chains: their grammar cuts a chain at its first disallowed
+            # proposal (`_cut`), which a tree would need per branch.
+            trees = self.trees and all(r.constraint is None for r in rows)
+            if trees:
+                dists = self._tree_distributions(hidden[:, 1:q], min(q - 1, self.tree_nodes, TREE_TOP_K))
             if trim is not None:
-                chosen = trim(conf.tolist(), from_lookup)
+                # a tree's width buys its best nodes: trim by their path probabilities
+                chosen = trim(self._tree_confidences(dists, q - 1) if trees else conf.tolist(), from_lookup)
                 lengths = [max(1, min(q, int(n))) for n in (chosen if isinstance(chosen, list) else [chosen] * b)]
                 if len(lengths) != b:
                     raise ValueError(f"a trim returned {len(lengths)} verify lengths for {b} rows")
-            # Constrained rows keep chains: their grammar cuts a chain at its first disallowed
-            # proposal (`_cut`), which a tree would need per branch.
-            if self.trees and max(lengths) > 1 and all(r.constraint is None for r in rows):
+            if trees and max(lengths) > 1:
                 self._draft_q = None  # a tree step accepts by the target's keyed draws alone
-                return self._verify_tree(hidden[:, 1:q], lengths, top)
+                return self._verify_tree(dists, lengths, top, q - 1)
         else:
             self._plain_since_draft += 1
         lengths, masks = self._cut(block_ids, lengths)
@@ -513,18 +519,31 @@ class DecodeBatch:
         top, ids = top.cpu(), ids.cpu()
         return [PositionDistributions(ids[i], top[i]) for i in range(hidden.shape[0])]
 
-    def _verify_tree(self, hidden: torch.Tensor, lengths: list[int], top: int) -> int:
+    def _tree_confidences(self, dists: list[Distributions], width: int) -> list[list[float]]:
+        """Per row, `width` numbers whose running products are the draft probabilities of its
+        best-first tree's nodes in the order they are taken (then 0): what `trim` reads as a
+        chain's confidences, so the expected tokens of verifying w nodes are 1 plus the best w - 1
+        path probabilities, the acceptance a calibrated drafter's tree of that width expects."""
+        out = []
+        budget = min(width, self.tree_nodes)
+        for r, dist in zip(self.rows, dists):
+            logps = [lp for _, lp in BestFirstProposer(budget).ranked(Draft(r.generated[-1], dist))]
+            rates = [math.exp(lp - prev) for lp, prev in zip(logps, [0.0, *logps])]
+            out.append(rates + [0.0] * (width - len(rates)))
+        return out
+
+    def _verify_tree(self, dists: list[Distributions], lengths: list[int], top: int, depth: int) -> int:
         """A step that verifies a token tree per row (section 5.3 of docs/DESIGN.md): row i spends
-        lengths[i] - 1 proposed nodes (at most tree_nodes) best-first over its drafts hidden
-        [b, D, H], with its lookup continuation as one more branch; one `forward_tree` pass; the
+        lengths[i] - 1 proposed nodes (at most tree_nodes) best-first over its drafter's
+        distributions `dists` (depths 1..depth), its lookup continuation as one more branch; one
+        `forward_tree` pass; the
         walk (dflash/tree_verify.py) along the target's own tokens (argmax, or keyed draw at the
         node's output position) picks the path; the cache, the drafter's context and everything
         that reads a step's outputs then follow that path. Returns the largest tree's size."""
         rows = self.rows
-        b, depth = len(rows), hidden.shape[1]
+        b = len(rows)
         d = self.device
         budgets = [max(0, min(n - 1, self.tree_nodes)) for n in lengths]
-        dists = self._tree_distributions(hidden, min(max(budgets), TREE_TOP_K))
         plan = self.lookup_plan() if self.lookup is not None else [[] for _ in rows]
         branches = [list(cont[: min(depth, budget)]) for cont, budget in zip(plan, budgets)]
         # a live row's last generated token is `last`: read from the host, not the device
