@@ -331,3 +331,49 @@ def test_path_stats_count_depths_tried_and_sibling_ranks() -> None:
     grown = propose_tree(4, dists, [6, 11], 5)
     assert len(grown) == 6 and grown.children(0).keys() >= {5, 6} and 7 not in grown.tokens
     assert [6, 11] in grown.paths() or any(p[:2] == [6, 11] for p in grown.paths())
+
+
+def _unseeded_counts(lossy: bool, monkeypatch: pytest.MonkeyPatch):
+    """Counts of the first 3 tokens of 4000 unseeded sampled tree decodes (vocabulary 10) and the
+    target's exact joint distribution of them."""
+    from support import PROMPT, VOCAB, exact_joint
+
+    if lossy:  # planted: the drafter's first choice at every node is kept, whatever the target draws
+        def first_children(tree, tokens):
+            path = [0]
+            while tree.children(path[-1]):
+                path.append(next(iter(tree.children(path[-1]).values())))
+            return TreeAcceptance(tuple(path), int(tokens[path[-1]]))
+
+        monkeypatch.setattr(batch_module, "walk", first_children)
+    model = make_tiny_target("llama", vocab_size=VOCAB, seed=1)
+    sp = SamplingParams(max_new_tokens=3, ignore_eos=True, temperature=1.0)
+    drafter = new_drafter_for_target(model.config, mask_token_id=VOCAB - 1, num_layers=1, block_size=8,
+                                     dtype=torch.float64, seed=3)
+    dec = SpecDecoder(HFTarget(model), drafter, SpecConfig(block_size=8, tree_nodes=6))
+    longer = sp.with_(max_new_tokens=8)  # the first step's tree: 6 nodes over 7 depths
+    counts = torch.zeros(VOCAB, VOCAB, VOCAB)
+    accepted = 0
+    for _ in range(10):
+        for r in dec.generate([PROMPT] * 400, longer):  # no seed: each row draws its own
+            a, b, c = r.token_ids[:3]
+            counts[a, b, c] += 1
+            accepted += sum(r.stats.accepted_by_position)
+    return counts, exact_joint(model, sp), accepted
+
+
+def test_unseeded_sampled_trees_follow_the_target_distribution(monkeypatch: pytest.MonkeyPatch) -> None:
+    from support import chi2_pvalue
+
+    counts, joint, accepted = _unseeded_counts(False, monkeypatch)
+    assert accepted > 400  # the trees' proposals were accepted often: the test exercises them
+    assert chi2_pvalue(counts.sum((1, 2)), joint.sum((1, 2))) > 1e-3
+    assert chi2_pvalue(counts.sum(0), joint.sum(0)) > 1e-3  # (x2, x3): from the trees
+    assert chi2_pvalue(counts, joint) > 1e-3
+
+
+def test_chi_square_detects_a_lossy_tree_walk(monkeypatch: pytest.MonkeyPatch) -> None:
+    from support import chi2_pvalue
+
+    counts, joint, _ = _unseeded_counts(True, monkeypatch)
+    assert chi2_pvalue(counts.sum(0), joint.sum(0)) < 1e-6
