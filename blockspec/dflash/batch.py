@@ -536,10 +536,10 @@ class DecodeBatch:
         """A step that verifies a token tree per row (section 5.3 of docs/DESIGN.md): row i spends
         lengths[i] - 1 proposed nodes (at most tree_nodes) best-first over its drafter's
         distributions `dists` (depths 1..depth), its lookup continuation as one more branch; one
-        `forward_tree` pass; the
-        walk (dflash/tree_verify.py) along the target's own tokens (argmax, or keyed draw at the
-        node's output position) picks the path; the cache, the drafter's context and everything
-        that reads a step's outputs then follow that path. Returns the largest tree's size."""
+        `forward_tree` pass; the walk (dflash/tree_verify.py) along the target's own tokens
+        (argmax, or keyed draw at the node's output position) picks the path; the cache, the
+        drafter's context and everything that reads a step's outputs then follow that path.
+        Returns the largest tree's size."""
         rows = self.rows
         b = len(rows)
         d = self.device
