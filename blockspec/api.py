@@ -133,6 +133,7 @@ class Pipeline:
         block_size: int | None = None,
         adaptive_block: bool = True,
         lookup: LookupConfig | None = None,
+        tree_nodes: int = 0,
         drafter_source: str = "",
         target_source: str = "",
     ) -> None:
@@ -142,7 +143,7 @@ class Pipeline:
         size = block_size or (drafter.block_size if drafter is not None else 1)
         lookup = lookup if size > 1 else None
         self.decoder = SpecDecoder(target, drafter, SpecConfig(block_size=size, adaptive=adaptive_block and size > 1,
-                                                               lookup=lookup))
+                                                               lookup=lookup, tree_nodes=tree_nodes if size > 1 else 0))
         self.drafter_source = drafter_source
         self.target_source = target_source
 
@@ -164,6 +165,11 @@ class Pipeline:
     def lookup(self) -> LookupConfig | None:
         """The n-gram lookup proposals' settings, None when every proposal is drafted."""
         return self.decoder.spec.lookup
+
+    @property
+    def tree_nodes(self) -> int:
+        """The largest token tree a step verifies (0: chains only; `load`'s tree_nodes)."""
+        return self.decoder.spec.tree_nodes
 
     def encode(self, prompt: str | Messages, *, chat: bool | None = None, **template_kwargs: object) -> list[int]:
         return encode_prompt(self.tokenizer, prompt, chat=chat, chat_template_kwargs=template_kwargs or None)
@@ -289,6 +295,7 @@ def load(
     drafter_dtype: str = "auto",
     lookup: bool | LookupConfig = True,
     compute: str = "auto",
+    tree_nodes: int | None = None,
 ) -> Pipeline:
     """Loads a target (zoo name, directory or Hub id) and a drafter.
 
@@ -317,6 +324,10 @@ def load(
     faster on a CPU, lossless within the mode, native backend, fp32 only), or "auto" (the
     default): int8 for a zoo model converted from a quantised GGUF file, whose perplexity stays
     within 1% of exact (BENCHMARKS.md), exact for anything else. `pipeline.compute` says which.
+    tree_nodes: verify a token tree of up to this many proposed nodes per step instead of one
+    chain (docs/DESIGN.md section 5.3): each step spends its verify width best-first over the
+    drafter's top choices at every depth, so its second and third choices get verified too. Same
+    output. None or 0 (default): chains only. Targets with recurrent layers keep chains.
     """
     if dtype not in DTYPES:
         raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -326,6 +337,7 @@ def load(
         raise ConfigError(f"compute must be one of {', '.join(COMPUTES)}, got {compute!r}")
     governor()  # starts watching the other processes' load: the first step then knows it (cpu/threads.py)
     lookup_cfg = resolve_lookup(lookup)  # a bad value fails before the slow load
+    tree_nodes = SpecConfig(tree_nodes=tree_nodes or 0).tree_nodes  # likewise
     draft_dtype = resolve_drafter_dtype(drafter_dtype, dtype, device)
     from blockspec.targets.native.load import load_target
 
@@ -345,7 +357,7 @@ def load(
     else:
         draft = load_drafter(chosen, dtype=draft_dtype, device=device, draft_vocab=draft_vocab)
     return Pipeline(hf_target, tokenizer, draft, block_size=block_size, adaptive_block=adaptive_block,
-                    lookup=lookup_cfg, drafter_source=source, target_source=str(target))
+                    lookup=lookup_cfg, tree_nodes=tree_nodes, drafter_source=source, target_source=str(target))
 
 
 def resolve_lookup(lookup: bool | LookupConfig | None) -> LookupConfig | None:

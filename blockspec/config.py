@@ -12,6 +12,8 @@ from dataclasses import dataclass, replace
 from blockspec.errors import ConfigError
 
 MAX_BLOCK_SIZE = 64
+# The largest token tree a step may verify (SpecConfig.tree_nodes): one verify pass's nodes.
+MAX_TREE_NODES = 256
 
 
 def _require(ok: bool, message: str) -> None:
@@ -198,6 +200,11 @@ class SpecConfig:
     # (AdaptiveBlock(ragged=True); native targets on a CPU). Opt-in: its gain at concurrency 8 and
     # 16 stayed within run-to-run spread of the default (docs/DESIGN.md section 12).
     ragged_verify: bool = False
+    # The most proposed nodes a drafting step verifies as a token tree (docs/DESIGN.md section
+    # 5.3): each step spends its verify width best-first over the drafter's top choices at every
+    # depth, capped here. 0: chains only. Targets that cannot verify trees in one pass (recurrent
+    # layers) keep chains whatever this says.
+    tree_nodes: int = 0
 
     def __post_init__(self) -> None:
         _require(
@@ -215,4 +222,9 @@ class SpecConfig:
         _require(isinstance(self.adaptive, bool), f"adaptive must be True or False, got {self.adaptive!r}")
         _require(
             isinstance(self.ragged_verify, bool), f"ragged_verify must be True or False, got {self.ragged_verify!r}"
+        )
+        _require(
+            isinstance(self.tree_nodes, int) and not isinstance(self.tree_nodes, bool)
+            and 0 <= self.tree_nodes <= MAX_TREE_NODES,
+            f"tree_nodes must be an integer in [0, {MAX_TREE_NODES}] (0: chains only), got {self.tree_nodes!r}",
         )

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from blockspec.dflash.drafter import DFlashDrafter, new_drafter_for_target
+from blockspec.dflash.sampling import keyed
 from blockspec.targets.hf import HFTarget
 from blockspec.targets.slots import EMPTY
 
@@ -138,3 +139,40 @@ class OracleDrafter(_ScriptedBase):
             token = seq[pos] if seq is not None and pos < len(seq) else 0
             out.append((token + 1) % self.vocab if (pos + k) % self.wrong_every == 0 else token)
         return out
+
+
+class RankedDrafter(_ScriptedBase):
+    """Ranks the true token at each proposal 1st, 2nd, 3rd or nowhere among three near-equal
+    choices (logits 10, 9.9, 9.8), by a hash of (position, k, seed): a chain of first choices is
+    mostly rejected early, while a tree that holds the second and third choices accepts through
+    non-first children, and partial acceptance happens at every depth and every branch.
+    `received` records every draft pass's context (features, positions) for tests of what the
+    drafter is fed."""
+
+    RANKS = 4  # ranks 0..2: the truth is that choice; 3: it is none of them
+
+    def __init__(self, model, prompts, continuations, *, seed: int = 0, block_size: int = 16,
+                 target=None, absent_share: int = 1) -> None:
+        super().__init__(model, prompts, continuations, block_size=block_size,
+                         mask_token_id=model.config.vocab_size - 1, target=target)
+        self.seed = seed
+        self.absent_share = absent_share  # of every 3 + absent_share proposals, this many lack the truth
+        self.received: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def rank(self, pos: int, k: int) -> int:
+        return min(keyed(self.seed, pos * 64 + k) % (3 + self.absent_share), 3)
+
+    def forward(self, ctx_features, ctx_positions, block_embeds, block_positions, cache=None, attn_mask=None):
+        self.received.append((ctx_features.detach().double().cpu().clone(), ctx_positions.detach().cpu().clone()))
+        b, q, _ = block_embeds.shape
+        logits = torch.zeros(b, q, self.vocab, dtype=torch.float64)
+        for i, u in enumerate(self.scripts.identify(ctx_features, ctx_positions)):
+            seq, start = (None, 0) if u is None else (self.scripts.seqs[u], self.scripts.starts[u])
+            for k, pos in enumerate(block_positions[i].tolist()):
+                truth = _truth(seq, start, pos)
+                wrong = [(truth + 1 + j * 5) % (self.vocab - 1) for j in range(3)]  # never the truth, never MASK
+                r = self.rank(pos, k)
+                choices = wrong[:r] + [truth] + wrong[r:2] if r < 3 else wrong
+                for value, token in zip((10.0, 9.9, 9.8), choices):
+                    logits[i, k, token] = value
+        return logits

@@ -33,7 +33,10 @@ class Summary:
     run: RunRecord
     mean_tau: float | None
     histogram: dict[int, int]  # acceptance length -> number of steps
-    acceptance_by_position: list[float]  # P(draft position k accepted), k = 1..B-1
+    acceptance_by_position: list[float]  # P(draft position k accepted), k = 1..B-1 (a tree's: depth k)
+    # token trees: steps that verified one, and per rank among siblings the accepted nodes per such step
+    tree_steps: int = 0
+    acceptance_by_rank: list[float] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -45,6 +48,8 @@ class Summary:
             "mean_tau": None if self.mean_tau is None else round(self.mean_tau, 4),
             "acceptance_histogram": {str(k): v for k, v in sorted(self.histogram.items())},
             "acceptance_by_position": [round(x, 4) for x in self.acceptance_by_position],
+            "tree_steps": self.tree_steps,
+            "acceptance_by_rank": [round(x, 4) for x in self.acceptance_by_rank],
             # per request, wall clock: less sensitive than the pooled rate to a burst of outside load
             "median_request_tokens_per_s": round(statistics.median(r.tokens_per_s for r in self.run.records), 3)
             if self.run.records else None,
@@ -56,7 +61,13 @@ def summarize(run: RunRecord) -> Summary:
     steps = 0
     tokens_after_first = 0
     by_pos: list[int] = []
+    by_rank: list[int] = []
+    tree_steps = 0
     for r in run.records:
+        tree_steps += r.tree_steps or 0
+        for k, n in enumerate(r.accepted_by_rank or []):
+            by_rank.extend([0] * (k + 1 - len(by_rank)))
+            by_rank[k] += n
         if r.acceptance_lengths is not None:
             lengths += r.acceptance_lengths
         if r.accepted_by_position:
@@ -72,7 +83,8 @@ def summarize(run: RunRecord) -> Summary:
         tau = None
     n_steps = len(lengths)
     rates = [a / n_steps for a in by_pos] if n_steps else []
-    return Summary(run, tau, dict(Counter(lengths)), rates)
+    return Summary(run, tau, dict(Counter(lengths)), rates, tree_steps,
+                   [n / tree_steps for n in by_rank] if tree_steps else [])
 
 
 # ---- greedy lossless check ---------------------------------------------------------------------
@@ -328,7 +340,17 @@ def _acceptance_tables(summaries: Sequence[Summary]) -> list[str]:
     header = ["Task", "Runner"] + [f"k={k}" for k in range(1, width)]
     rows = [[s.run.task, s.run.runner] + [f"{x:.2f}" for x in s.acceptance_by_position]
             + [""] * (width - 1 - len(s.acceptance_by_position)) for s in spec]
-    return lines + _table(header, rows)
+    lines += _table(header, rows)
+    trees = [s for s in spec if s.tree_steps]
+    if trees:
+        ranks = max(len(s.acceptance_by_rank) for s in trees)
+        lines += ["", "Token trees: accepted nodes per tree step by rank among their siblings (rank 1: the "
+                  "drafter's first choice; a chain accepts rank 1 only):", ""]
+        header = ["Task", "Runner", "tree steps"] + [f"rank {k}" for k in range(1, ranks + 1)]
+        rows = [[s.run.task, s.run.runner, str(s.tree_steps)] + [f"{x:.2f}" for x in s.acceptance_by_rank]
+                + [""] * (ranks - len(s.acceptance_by_rank)) for s in trees]
+        lines += _table(header, rows)
+    return lines
 
 
 def _block_size_table(summaries: Sequence[Summary]) -> list[str]:

@@ -47,6 +47,9 @@ class Output:
     acceptance_lengths: list[int] | None = None
     accepted_by_position: list[int] | None = None
     sampling_rule: str | None = None  # how the engine verified it: "greedy", "keyed" or "standard"
+    # token trees: steps that verified one, and accepted nodes by rank among their siblings
+    tree_steps: int | None = None
+    accepted_by_rank: list[int] | None = None
 
 
 class Runner(Protocol):
@@ -75,7 +78,8 @@ class EngineRunner:
     max_concurrency = None
 
     def __init__(self, target: object, drafter: object | None, block_size: int, *, adaptive: bool = False,
-                 lookup: object | None = None, ragged: bool = False, sampling_rule: str | None = None) -> None:
+                 lookup: object | None = None, ragged: bool = False, sampling_rule: str | None = None,
+                 tree_nodes: int = 0) -> None:
         if block_size > 1 and drafter is None:
             raise ConfigError("a DFlash runner needs a drafter; load one or use block_size=1")
         if adaptive and block_size < 2:
@@ -93,6 +97,9 @@ class EngineRunner:
         self.name = "ar" if block_size == 1 else (f"{kind} auto<=b{block_size}" if adaptive else f"{kind} b{block_size}")
         if ragged:
             self.name += " ragged"
+        self.tree_nodes = tree_nodes if block_size > 1 else 0
+        if self.tree_nodes:
+            self.name += f" tree{self.tree_nodes}"
         if sampling_rule is not None and sampling_rule not in SAMPLING_RULES:
             raise ConfigError(f"sampling_rule must be one of {', '.join(SAMPLING_RULES)}, got {sampling_rule!r}")
         # Every sampled request verified by this rule (SamplingParams.sampling_rule) instead of
@@ -108,7 +115,7 @@ class EngineRunner:
 
         if concurrency not in self._engines:
             spec = SpecConfig(block_size=self.block_size, adaptive=self.adaptive, lookup=self.lookup,
-                              ragged_verify=self.ragged)
+                              ragged_verify=self.ragged, tree_nodes=self.tree_nodes)
             cfg = EngineConfig(spec, max_batch=concurrency, max_queue=1 << 20, own_thread=False)
             self._engines[concurrency] = Engine(self.target, self.drafter, cfg)
         return self._engines[concurrency]
@@ -149,6 +156,8 @@ class EngineRunner:
                 accepted_by_position=[a + b for a, b in zip(st.accepted_by_position, st.lookup_accepted_by_position)]
                 if speculative else None,
                 sampling_rule=st.sampling_rule if speculative else None,
+                tree_steps=st.tree_steps if speculative else None,
+                accepted_by_rank=list(st.accepted_by_rank) if speculative else None,
             ))
         return outputs
 
@@ -237,6 +246,8 @@ class RequestRecord:
     token_ids: list[int]
     text: str
     sampling_rule: str | None = None  # DFlash runners: how the request was verified (Output)
+    tree_steps: int | None = None  # DFlash runners with token trees (Output)
+    accepted_by_rank: list[int] | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -357,6 +368,7 @@ def run_task(
                 steps=out.steps, mean_tau=None if tau is None else round(tau, 4),
                 acceptance_lengths=out.acceptance_lengths, accepted_by_position=out.accepted_by_position,
                 token_ids=list(out.token_ids), text=text, sampling_rule=out.sampling_rule,
+                tree_steps=out.tree_steps, accepted_by_rank=out.accepted_by_rank,
             ))
             run.requests += 1
             run.generated_tokens += n

@@ -75,8 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from blockspec.datasets import DATASETS
 
     # the model flags of every verb that decodes; the decoding ones are sweeps here (--block-sizes,
-    # --adaptive, --lookup on|off|both), declared below
-    add_runtime_arguments(parser, MODEL)
+    # --adaptive, --lookup on|off|both), declared below, but for --tree-nodes N: each DFlash runner
+    # then runs as chains and as trees of N ('... treeN'), interleaved
+    add_runtime_arguments(parser, (*MODEL, "tree_nodes"))
     parser.add_argument("--drafter-layers", type=int, default=1, help="layers of a 'fresh' drafter (default 1)")
     parser.add_argument("--datasets", type=_names, default=("gsm8k",),
                         help=f"comma-separated prompt sets from: {', '.join(DATASETS)} (default gsm8k)")
@@ -326,13 +327,16 @@ def run(args: argparse.Namespace) -> int:
     rules = ("keyed", "standard") if args.sampling_rule == "both" else (args.sampling_rule,)
     if args.sampling_rule != "auto" and all(t == 0 for t in args.temperature):
         notes.append(f"--sampling-rule {args.sampling_rule} has no effect on greedy requests (--temperature 0)")
+    trees = (0, pipe.tree_nodes) if pipe.tree_nodes else (0,)  # chains, and trees where asked for
     for lookup in lookups:
         for rule in rules:
-            runners += [EngineRunner(pipe.target, pipe.drafter, b, lookup=lookup, sampling_rule=rule) for b in fixed]
-            if args.adaptive:
-                raggeds = {"off": (False,), "on": (True,), "both": (False, True)}[args.ragged_verify]
-                runners += [EngineRunner(pipe.target, pipe.drafter, max(block_sizes), adaptive=True, lookup=lookup,
-                                         ragged=ragged, sampling_rule=rule) for ragged in raggeds]
+            for tree in trees:
+                runners += [EngineRunner(pipe.target, pipe.drafter, b, lookup=lookup, sampling_rule=rule,
+                                         tree_nodes=tree) for b in fixed]
+                if args.adaptive:
+                    raggeds = {"off": (False,), "on": (True,), "both": (False, True)}[args.ragged_verify]
+                    runners += [EngineRunner(pipe.target, pipe.drafter, max(block_sizes), adaptive=True, lookup=lookup,
+                                             ragged=ragged, sampling_rule=rule, tree_nodes=tree) for ragged in raggeds]
     runners += _baseline_runners(args, pipe, block_sizes, notes)
     thinking = _thinking_modes(args.thinking, pipe.tokenizer, notes)
     settings = tuple(Setting(t, th) for t in args.temperature for th in thinking)

@@ -4,7 +4,7 @@ Each flag is one `RuntimeFlag` row: its name, the `blockspec.load` keyword it fe
 argparse options, with the choices validated by argparse (a bad value exits with status 2 and
 the usage line, before anything loads). A new runtime option is one row here, e.g.
 
-    RuntimeFlag("--tree-nodes", "tree_nodes", "decoding", dict(type=positive_int, default=None, help=...)),
+    RuntimeFlag("--compile", "compile", "decoding", dict(action="store_true", help=...)),
 
 `add_runtime_arguments` declares the rows a verb takes; `load_kwargs` turns the parsed flags
 into `blockspec.load(**kwargs)`, `command_args` back into a command line. Flags that differ on purpose keep their own declaration in
@@ -96,6 +96,11 @@ FLAGS: tuple[RuntimeFlag, ...] = (
         default=True, action=argparse.BooleanOptionalAction,
         help="where a sequence's last tokens occurred before, propose what followed them (n-gram lookup; "
              "same output; default: on; --no-lookup drafts every proposal with the drafter: pure DFlash)")),
+    RuntimeFlag("--tree-nodes", "tree_nodes", "decoding", dict(
+        default=None, type=positive_int, metavar="N",
+        help="verify a token tree of up to N proposed tokens per step instead of one chain: each step spends "
+             "its verify width best-first over the drafter's top choices at every depth (same output; default: "
+             "chains only; targets with recurrent layers keep chains)")),
 )
 
 BY_NAME = {f.kwarg: f for f in FLAGS}

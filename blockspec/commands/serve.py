@@ -59,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
     sock = bind(args.host, args.port)  # before loading: a busy port fails in a second, not a minute
     try:
         pipeline = load(**load_kwargs(args))
-        spec = SpecConfig(block_size=pipeline.block_size, adaptive=pipeline.adaptive_block, lookup=pipeline.lookup)
+        spec = SpecConfig(block_size=pipeline.block_size, adaptive=pipeline.adaptive_block, lookup=pipeline.lookup,
+                          tree_nodes=pipeline.tree_nodes)
         config = EngineConfig(spec, max_batch=args.max_batch, max_queue=args.max_queue)
         app = create_app(pipeline, engine_config=config, served_model_name=args.served_model_name,
                          api_key=args.api_key, max_request_bytes=max_bytes)

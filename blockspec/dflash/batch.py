@@ -15,6 +15,7 @@ verification, `compact(ratio)`, `select_rows(rows)`; to take joining rows `merge
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -33,6 +34,11 @@ from blockspec.dflash.logit_bias import apply_logit_bias
 from blockspec.dflash.lookup import LookupConfig, TokenIndex
 from blockspec.dflash.sampling import ACCEPT_SLOT, BONUS_SLOT, RowRandom, probabilities
 from blockspec.dflash.verify import accept_greedy, verify_standard
+from blockspec.dflash.proposers import (BestFirstProposer, Distributions, Draft, PositionDistributions,
+                                        SelectorDistributions)
+from blockspec.dflash.token_tree import TokenTree
+from blockspec.dflash.tree_step import TREE_TOP_K, gather_path, pack_trees, path_stats, propose_tree
+from blockspec.dflash.tree_verify import TreeAcceptance, keyed_draws, walk
 from blockspec.dflash.constraint import (RowMasks, TokenConstraint, argmax_masked, cut_block, first_masks, follow, masked,
                                          sample_masked)
 from blockspec.cpu.argmax import greedy_ids
@@ -52,8 +58,13 @@ class RequestStats:
     # accepted; accepted_by_position counts the drafter's proposals only.
     lookup_steps: int = 0
     lookup_accepted_by_position: list[int] = field(default_factory=list)
-    # How proposals were verified (SamplingParams.rule): "greedy", "keyed" or "standard".
+    # How proposals were verified (SamplingParams.rule): "greedy", "keyed" or "standard"; a
+    # sampled row's tree steps accept by the target's keyed draws whatever its rule.
     sampling_rule: str = "greedy"
+    # Steps that verified a token tree (their drafted depth d counts in accepted_by_position[d - 1]),
+    # and per rank among siblings how many accepted nodes had it (0: the drafter's first choice).
+    tree_steps: int = 0
+    accepted_by_rank: list[int] = field(default_factory=list)
 
     @property
     def steps(self) -> int:
@@ -79,6 +90,8 @@ class RequestStats:
             "accepted_by_position": list(self.accepted_by_position),
             "lookup_steps": self.lookup_steps,
             "lookup_accepted_by_position": list(self.lookup_accepted_by_position),
+            "tree_steps": self.tree_steps,
+            "accepted_by_rank": list(self.accepted_by_rank),
             "prefill_s": round(self.prefill_s, 6),
             "decode_s": round(self.decode_s, 6),
             "tokens_per_s": round(self.tokens_per_s(generated), 3),
@@ -200,9 +213,13 @@ class DecodeBatch:
         static_draft: bool = True,
         capture_layer_ids: tuple[int, ...] = (),
         lookup: LookupConfig | None = None,
+        tree_nodes: int = 0,
     ) -> None:
+        if not isinstance(tree_nodes, int) or isinstance(tree_nodes, bool) or tree_nodes < 0:
+            raise ConfigError(f"tree_nodes must be an integer >= 0 (0: chains only), got {tree_nodes!r}")
         self.target = target
         self.lookup = lookup
+        self.tree_nodes = tree_nodes
         self.drafter = drafter if max_block > 1 else None
         self.max_block = max_block if self.drafter is not None else 1
         self.compact_ratio = compact_ratio
@@ -276,6 +293,13 @@ class DecodeBatch:
         """Whether a ragged step costs what its rows verify in total (the target skips padding in
         its matmuls), rather than what its longest row does."""
         return self.target.skips_padding
+
+    @property
+    def trees(self) -> bool:
+        """Whether drafting steps verify token trees: tree_nodes > 0 and a target that verifies
+        them in one pass (`supports_trees`: attention-only targets; recurrent ones keep chains)."""
+        # only an explicit True: a wrapper or double without the attribute verifies chains
+        return self.tree_nodes > 0 and self.drafter is not None and getattr(self.target, "supports_trees", False) is True
 
     @property
     def all_greedy(self) -> bool:
@@ -449,11 +473,20 @@ class DecodeBatch:
                 from_lookup = self._lookup_proposals(block_ids)
                 if self._draft_q is not None and any(from_lookup):
                     self._draft_q = _one_hot_where(self._draft_q, block_ids[:, 1:], from_lookup)
+            # Constrained rows keep chains: their grammar cuts a chain at its first disallowed
+            # proposal (`_cut`), which a tree would need per branch.
+            trees = self.trees and all(r.constraint is None for r in rows)
+            if trees:
+                dists = self._tree_distributions(hidden[:, 1:q], min(q - 1, self.tree_nodes, TREE_TOP_K))
             if trim is not None:
-                chosen = trim(conf.tolist(), from_lookup)
+                # a tree's width buys its best nodes: trim by their path probabilities
+                chosen = trim(self._tree_confidences(dists, q - 1) if trees else conf.tolist(), from_lookup)
                 lengths = [max(1, min(q, int(n))) for n in (chosen if isinstance(chosen, list) else [chosen] * b)]
                 if len(lengths) != b:
                     raise ValueError(f"a trim returned {len(lengths)} verify lengths for {b} rows")
+            if trees and max(lengths) > 1:
+                self._draft_q = None  # a tree step accepts by the target's keyed draws alone
+                return self._verify_tree(dists, lengths, top, q - 1)
         else:
             self._plain_since_draft += 1
         lengths, masks = self._cut(block_ids, lengths)
@@ -466,6 +499,128 @@ class DecodeBatch:
         from_lookup = [min(m, n - 1) for m, n in zip(from_lookup, lengths)]
         return self._verify_and_commit(block_ids, positions, offsets, top, from_lookup, lengths, limit, padding,
                                        masks)
+
+    def _tree_distributions(self, hidden: torch.Tensor, top_k: int) -> list[Distributions]:
+        """Per row, the drafter's distributions its tree grows from, for hidden [b, D, H] (block
+        positions 1..D). DFlash: each position's top_k under the row's shaping (a greedy row: the
+        draft softmax itself), read back in one transfer. DFlash 2: the selector's conditional
+        scores over each position's candidates."""
+        head = self.target.head()
+        if self.drafter.candidate_selector is not None:
+            cands = self.drafter.candidates(hidden, head, normaliser=False)
+            return [SelectorDistributions(self.drafter.candidate_selector, hidden[i], cands.ids[i], cands.logits[i])
+                    for i in range(hidden.shape[0])]
+        logits = self.drafter.logits(hidden, head)  # [b, D, V]
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        if not self.all_greedy:  # sampled rows grow their trees where their own draws go
+            greedy = (self.temperature <= 0)[:, None, None]
+            logp = torch.where(greedy, logp, self._probs(logits).log())
+        top, ids = logp.topk(min(top_k, logp.shape[-1]), dim=-1)  # [b, D, k], descending
+        top, ids = top.cpu(), ids.cpu()
+        return [PositionDistributions(ids[i], top[i]) for i in range(hidden.shape[0])]
+
+    def _tree_confidences(self, dists: list[Distributions], width: int) -> list[list[float]]:
+        """Per row, `width` numbers whose running products are the draft probabilities of its
+        best-first tree's nodes in the order they are taken (then 0): what `trim` reads as a
+        chain's confidences, so the expected tokens of verifying w nodes are 1 plus the best w - 1
+        path probabilities, the acceptance a calibrated drafter's tree of that width expects."""
+        out = []
+        budget = min(width, self.tree_nodes)
+        for r, dist in zip(self.rows, dists):
+            logps = [lp for _, lp in BestFirstProposer(budget).ranked(Draft(r.generated[-1], dist))]
+            rates = [math.exp(lp - prev) for lp, prev in zip(logps, [0.0, *logps])]
+            out.append(rates + [0.0] * (width - len(rates)))
+        return out
+
+    def _verify_tree(self, dists: list[Distributions], lengths: list[int], top: int, depth: int) -> int:
+        """A step that verifies a token tree per row (section 5.3 of docs/DESIGN.md): row i spends
+        lengths[i] - 1 proposed nodes (at most tree_nodes) best-first over its drafter's
+        distributions `dists` (depths 1..depth), its lookup continuation as one more branch; one
+        `forward_tree` pass; the walk (dflash/tree_verify.py) along the target's own tokens
+        (argmax, or keyed draw at the node's output position) picks the path; the cache, the
+        drafter's context and everything that reads a step's outputs then follow that path.
+        Returns the largest tree's size."""
+        rows = self.rows
+        b = len(rows)
+        d = self.device
+        budgets = [max(0, min(n - 1, self.tree_nodes)) for n in lengths]
+        plan = self.lookup_plan() if self.lookup is not None else [[] for _ in rows]
+        branches = [list(cont[: min(depth, budget)]) for cont, budget in zip(plan, budgets)]
+        # a live row's last generated token is `last`: read from the host, not the device
+        trees = [propose_tree(r.generated[-1], dist, branch, budget)
+                 for r, dist, branch, budget in zip(rows, dists, branches, budgets)]
+        packed = pack_trees(trees, self.cur_host, d)
+        n = packed.ids.shape[1]
+        self.verified = sum(len(t) for t in trees)
+        self.tcache.reserve(max(self.cur_host) + n)
+        logits, feats = self.target.forward_tree(packed.ids, packed.positions, packed.ancestors, self.tcache,
+                                                 self.layer_ids)  # [b, n, V], [b, n, F]
+        if self.argmax_only:
+            tokens = greedy_ids(logits)  # [b, n]
+        else:
+            biased = apply_logit_bias(logits, [r.params.logit_bias for r in rows])
+            tokens = keyed_draws(self.random, self._probs(biased), [t.depths for t in trees], self._starts())
+        walks = [walk(t, h[: len(t)]) for t, h in zip(trees, tokens.tolist())]  # the one sync
+        n_host = [min(a.accepted + 1, r.remaining) for a, r in zip(walks, rows)]
+        m = max(n_host)
+        # [b, m]: each row's committed path nodes (its root first), padded with the root
+        path = torch.tensor([list(a.path[:k]) + [0] * (m - k) for a, k in zip(walks, n_host)], device=d)
+        keep = torch.zeros(b, n, dtype=torch.bool, device=d).scatter_(1, path, True)
+        self.tcache.reject(keep | packed.padding)  # padding never took a slot
+        committed = [a.committed(t)[:k] for a, t, k in zip(walks, trees, n_host)]
+        n_new = torch.tensor(n_host, device=d)
+        if self.drafter is not None:  # the path's features, in order: what the drafter reads next
+            path_feats = gather_path(feats, path)  # [b, m, F]
+            offsets = self.offsets[:m]
+            self.queue.append(path_feats, torch.where(offsets[None] < n_new[:, None], self.cur[:, None] + offsets,
+                                                      torch.full_like(path, EMPTY)))
+            self.draft_top = max(self.draft_top, top)
+        token_lp = None
+        if not self.argmax_only:  # the logits at a path node predict the path's next committed token
+            path_logits = gather_path(logits, path)  # [b, m, V]
+            padded = torch.tensor([c + [0] * (m - len(c)) for c in committed], device=d)
+            token_lp = token_logprobs(path_logits, padded, [r.params.logprobs for r in rows])
+        if self.capture:
+            host_feats = feats.float().cpu()
+            for i, (r, a, k) in enumerate(zip(rows, walks, n_host)):
+                r.captured.append(host_feats[i, list(a.path[:k])])
+        self.last = torch.tensor([c[-1] for c in committed], device=d)
+        self.cur = self.cur + n_new
+        self.cur_host = [c + k for c, k in zip(self.cur_host, n_host)]
+        self._plan = None
+        for i, (r, tree, a, k, branch) in enumerate(zip(rows, trees, walks, n_host, branches)):
+            self._record_tree(r, tree, a, k, committed[i], branch)
+            r.new_tokens = []
+            self._commit(r, committed[i], token_lp[i][:k] if token_lp is not None and token_lp[i] is not None else None)
+        return n
+
+    @staticmethod
+    def _record_tree(r: Row, tree: TokenTree, acceptance: TreeAcceptance, n: int, committed: list[int],
+                     branch: list[int]) -> None:
+        """A tree step's statistics for row r: its acceptance length, the rank of each accepted
+        node, and per depth tried / accepted (a row with a lookup branch books them as lookup's,
+        the prefix of its continuation that was committed; the policy prices its rows by these)."""
+        stats = path_stats(tree, acceptance, n)
+        r.stats.acceptance_lengths.append(n)
+        r.stats.tree_steps += 1
+        for rank in stats.ranks:
+            r.stats.accepted_by_rank.extend([0] * (rank + 1 - len(r.stats.accepted_by_rank)))
+            r.stats.accepted_by_rank[rank] += 1
+        if branch:
+            r.stats.lookup_steps += 1
+            proposals = committed[: stats.accepted]
+            matched = next((j for j, (x, y) in enumerate(zip(branch, proposals)) if x != y), min(len(branch), len(proposals)))
+            # the continuation's next token was tried where the path left it, or stopped below it
+            left = matched < stats.accepted or stats.tried > stats.accepted
+            acc, tries = r.stats.lookup_accepted_by_position, r.lookup_tries
+            accepted, tried = matched, min(len(branch), matched + int(left))
+        else:
+            acc, tries = r.stats.accepted_by_position, r.tries
+            accepted, tried = stats.accepted, stats.tried
+        for k in range(min(accepted, len(acc))):
+            acc[k] += 1
+        for k in range(min(tried, len(tries))):
+            tries[k] += 1
 
     def _cut(self, block_ids: torch.Tensor, lengths: list[int]) -> tuple[list[int], RowMasks | None]:
         """The verify lengths after cutting constrained rows' blocks [b, q] at the first proposal

@@ -68,9 +68,22 @@ def node_draws(tree: TokenTree, probs: torch.Tensor, seed: int, start: int) -> t
     n = len(tree)
     if probs.dim() != 2 or probs.shape[0] != n:
         raise ConfigError(f"probabilities must be [nodes={n}, vocab], got {tuple(probs.shape)}")
+    return keyed_draws(RowRandom([seed]), probs[None], [tree.depths], [start])[0]
+
+
+def keyed_draws(random: RowRandom, probs: torch.Tensor, depths: Sequence[Sequence[int]], starts: Sequence[int]
+                ) -> torch.Tensor:
+    """`node_draws` for a batch of trees in one call: ids [b, n] from probs [b, n, V], row r's
+    node i with the clocks of output position starts[r] + depths[r][i] under row r's seed
+    (`random`); nodes past len(depths[r]) (a shorter tree's padding) draw at starts[r]."""
+    b, n, v = probs.shape
+    if len(depths) != b or len(starts) != b or len(random.seeds) != b:
+        raise ConfigError(f"{b} rows of probabilities, {len(depths)} trees, {len(starts)} starts, "
+                          f"{len(random.seeds)} seeds")
     # one single-position row per node, each with the clocks of its own output position
-    draws = RowRandom([seed] * n).sample(probs[:, None], [start + d for d in tree.depths])  # [n, 1]
-    return draws[:, 0]
+    flat = random.subset([r for r in range(b) for _ in range(n)])
+    positions = [start + (ds[i] if i < len(ds) else 0) for ds, start in zip(depths, starts) for i in range(n)]
+    return flat.sample(probs.reshape(b * n, 1, v), positions).reshape(b, n)
 
 
 def walk_sampled(tree: TokenTree, probs: torch.Tensor, seed: int, start: int) -> TreeAcceptance:

@@ -102,7 +102,7 @@ class Engine:
         self.block = block = spec.block_size
         self.batch = DecodeBatch(target, drafter if block > 1 else None, max_block=block,
                                  compact_ratio=spec.compact_ratio, lookup=spec.lookup,
-                                 capture_layer_ids=capture_layer_ids)
+                                 capture_layer_ids=capture_layer_ids, tree_nodes=spec.tree_nodes)
         self.adaptive = AdaptiveBlock(block, ragged=spec.ragged_verify) if spec.adaptive and block > 1 else None
         self.scheduler = Scheduler(self.config.max_batch, self.config.max_queue)
         self.recorder = MetricsRecorder()

@@ -58,7 +58,7 @@ from blockspec.server.schemas import (
     parse_json,
     template_switches,
 )
-from blockspec.server.sse import DONE, Shapes, event, usage
+from blockspec.server.sse import DONE, Shapes, column_sums, event, usage
 from blockspec.server.structured import compile_error
 from blockspec.server.tools import (ToolStream, detect_family, forced_format, keeps_special_tokens, parse_calls,
                                     render_prompt)
@@ -145,7 +145,8 @@ def create_app(
         raise BlockspecError(f"max_request_bytes must be an integer >= 1024, got {max_request_bytes!r}")
     owns = engine is None
     if engine is None:
-        config = engine_config or EngineConfig(SpecConfig(block_size=pipeline.block_size, lookup=pipeline.lookup))
+        config = engine_config or EngineConfig(SpecConfig(block_size=pipeline.block_size, lookup=pipeline.lookup,
+                                                          tree_nodes=pipeline.tree_nodes))
         engine = Engine(pipeline.target, pipeline.drafter, config, tokenizer=pipeline.tokenizer)
     info = pipeline.target.info
     name = served_model_name or default_model_name(pipeline)
@@ -491,7 +492,10 @@ class _Job:
         lengths = [n for s in stats for n in s.acceptance_lengths]
         ttft = None if self.first_token_at is None else self.first_token_at - self.arrived
         self.state.metrics.generation_done(reasons[0] or "unknown", self.prompt_tokens(), self.completion_tokens(),
-                                           time.perf_counter() - self.arrived, ttft, lengths)
+                                           time.perf_counter() - self.arrived, ttft, lengths,
+                                           accepted_by_depth=column_sums([s.accepted_by_position for s in stats]),
+                                           accepted_by_rank=column_sums([s.accepted_by_rank for s in stats]),
+                                           tree_steps=sum(s.tree_steps for s in stats))
         return self.usage()
 
     def logprobs_of(self, choice: _Choice, ids: list[int], entries: list, offset: int = 0) -> dict | None:

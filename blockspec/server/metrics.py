@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import defaultdict
+from collections.abc import Sequence
 
 from blockspec.engine.metrics import Histogram
 
@@ -67,6 +68,9 @@ class ServerMetrics:
         self.latency = Histogram(LATENCY_BUCKETS)
         self.ttft = Histogram(LATENCY_BUCKETS)
         self.tau = Histogram(TAU_BUCKETS)
+        self.accepted_by_depth: list[int] = []  # drafted proposals accepted at depth d (chains: position d)
+        self.accepted_by_rank: list[int] = []  # token trees: accepted nodes by rank among their siblings
+        self.tree_steps = 0
 
     def request_done(self, route: str, status: int) -> None:
         with self._lock:
@@ -82,8 +86,10 @@ class ServerMetrics:
 
     def generation_done(
         self, finish_reason: str, prompt_tokens: int, completion_tokens: int, latency_s: float,
-        ttft_s: float | None, acceptance_lengths: list[int],
+        ttft_s: float | None, acceptance_lengths: list[int], *, accepted_by_depth: Sequence[int] = (),
+        accepted_by_rank: Sequence[int] = (), tree_steps: int = 0,
     ) -> None:
+        """Books a finished generation; the acceptance counts are its requests' sums (RequestStats)."""
         with self._lock:
             self.finished[finish_reason] += 1
             self.prompt_tokens += prompt_tokens
@@ -95,6 +101,11 @@ class ServerMetrics:
                 self.spec_steps += len(acceptance_lengths)
                 self.spec_tokens += sum(acceptance_lengths)
                 self.tau.observe(sum(acceptance_lengths) / len(acceptance_lengths))
+            for counts, into in ((accepted_by_depth, self.accepted_by_depth), (accepted_by_rank, self.accepted_by_rank)):
+                into.extend([0] * (len(counts) - len(into)))
+                for k, n in enumerate(counts):
+                    into[k] += n
+            self.tree_steps += tree_steps
 
     def render(self, engine_metrics: object | None = None) -> str:
         out: list[str] = []
@@ -123,6 +134,16 @@ class ServerMetrics:
             head("blockspec_tau", "gauge", "Mean acceptance length (tokens per decode step) over finished requests.")
             tau = self.spec_tokens / self.spec_steps if self.spec_steps else 0.0
             out.append(f"blockspec_tau {_num(tau)}")
+            head("blockspec_spec_accepted_by_depth_total", "counter",
+                 "Drafted tokens accepted at each depth of a step (a chain's position) by finished requests.")
+            for k, n in enumerate(self.accepted_by_depth):
+                out.append(f'blockspec_spec_accepted_by_depth_total{{depth="{k + 1}"}} {n}')
+            head("blockspec_spec_tree_steps_total", "counter", "Decode steps that verified a token tree.")
+            out.append(f"blockspec_spec_tree_steps_total {self.tree_steps}")
+            head("blockspec_spec_accepted_by_rank_total", "counter",
+                 "Token-tree nodes accepted, by rank among their siblings (1: the drafter's first choice).")
+            for k, n in enumerate(self.accepted_by_rank):
+                out.append(f'blockspec_spec_accepted_by_rank_total{{rank="{k + 1}"}} {n}')
             head("blockspec_request_tau", "histogram", "Acceptance length per finished request.")
             out += _histogram_lines("blockspec_request_tau", self.tau)
             head("blockspec_request_latency_seconds", "histogram", "End-to-end latency of generation requests.")

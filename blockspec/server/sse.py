@@ -22,6 +22,17 @@ def event(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
+def column_sums(rows: Sequence[Sequence[int] | None]) -> list[int]:
+    """Element-wise sums of count lists of different lengths (None: none)."""
+    out: list[int] = []
+    for row in rows:
+        row = row or ()
+        out.extend([0] * (len(row) - len(out)))
+        for k, n in enumerate(row):
+            out[k] += n
+    return out
+
+
 def usage(prompt_tokens: int, completion_tokens: int, stats: Sequence[object]) -> dict:
     """The OpenAI usage object plus DFlash statistics (over all choices) under the extension key
     `dflash`. tau is the mean acceptance length: tokens committed per decode step (accepted + 1)."""
@@ -39,6 +50,8 @@ def usage(prompt_tokens: int, completion_tokens: int, stats: Sequence[object]) -
             "steps": len(lengths),
             "block_size": int(getattr(stats[0], "block_size", 1)),
             "accepted_by_position": [sum(col) for col in zip(*by_position)],
+            "tree_steps": sum(int(getattr(s, "tree_steps", 0)) for s in stats),
+            "accepted_by_rank": column_sums([getattr(s, "accepted_by_rank", None) for s in stats]),
             "prefill_s": round(max(float(getattr(s, "prefill_s", 0.0)) for s in stats), 6),
             "decode_s": round(max(float(getattr(s, "decode_s", 0.0)) for s in stats), 6),
         }

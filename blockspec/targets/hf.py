@@ -232,12 +232,12 @@ class HFTarget:
         zero = torch.zeros((), dtype=self.dtype, device=visible.device)
         return torch.where(visible, zero, torch.finfo(self.dtype).min)
 
-    @torch.no_grad()
     @property
     def supports_trees(self) -> bool:
         """Attention-only models verify trees; Gated DeltaNet layers hold one branch's state."""
         return not self._linear
 
+    @torch.no_grad()
     def forward_tree(
         self,
         ids: torch.Tensor,

@@ -88,6 +88,20 @@ def test_bench_lookup_off_runs_the_drafter_alone(tmp_path, tiny_model_dir, tiny_
     assert sorted({s["runner"] for s in data["summaries"]}) == ["ar", "dflash b4"]
 
 
+def test_bench_tree_nodes_runs_chains_and_trees(tmp_path, tiny_model_dir, tiny_drafter_dir, capsys):
+    """--tree-nodes N: each DFlash runner as chains and as trees of N (the HF backend verifies
+    trees), both lossless; the report counts tree steps and acceptance by rank."""
+    rc, out = _bench(tmp_path, tiny_model_dir, tiny_drafter_dir, "--datasets", "gsm8k", "--block-sizes", "4",
+                     "--no-adaptive", "--lookup", "off", "--backend", "hf", "--tree-nodes", "3")
+    assert rc == 0, capsys.readouterr().err
+    data = json.loads((out / "results.json").read_text())
+    assert sorted({s["runner"] for s in data["summaries"]}) == ["ar", "dflash b4", "dflash b4 tree3"]
+    assert data["lossless"]["passed"] is True and "--tree-nodes 3" in data["meta"]["command"]
+    by_runner = {s["runner"]: s for s in data["summaries"]}
+    assert by_runner["dflash b4 tree3"]["tree_steps"] > 0 and by_runner["dflash b4"]["tree_steps"] == 0
+    assert "Token trees: accepted nodes per tree step by rank" in (out / "report.md").read_text()
+
+
 def test_bench_ragged_verify_both_adds_a_ragged_adaptive_runner(tmp_path, tiny_model_dir, tiny_drafter_dir, capsys):
     rc, out = _bench(tmp_path, tiny_model_dir, tiny_drafter_dir, "--datasets", "gsm8k", "--block-sizes", "4",
                      "--adaptive-only", "--lookup", "off", "--ragged-verify", "both", "--concurrency", "2",

@@ -13,6 +13,7 @@ from blockspec.errors import ConfigError
 # each verb with what it needs besides the runtime flags (serve: any free port; bench: one prompt)
 VERBS = {"generate": ["--prompt", "x"], "demo": [], "serve": ["--port", "0"], "bench": ["--limit", "1"]}
 DECODING_VERBS = ("generate", "demo", "serve")  # bench sweeps block sizes, adaptive and lookup instead
+TREE_VERBS = (*DECODING_VERBS, "bench")  # bench: --tree-nodes N runs chains and trees of N
 
 GOOD_MODEL = [
     *((["--dtype", d], "dtype", d) for d in ("float32", "bfloat16", "float16", "float64")),
@@ -29,10 +30,12 @@ GOOD_DECODING = [
     (["--no-lookup"], "lookup", False),
     (["--lookup"], "lookup", True),
 ]
+GOOD_TREES = [(["--tree-nodes", "8"], "tree_nodes", 8), (["--tree-nodes", "1"], "tree_nodes", 1)]
 BAD_MODEL = [["--dtype", "fp32"], ["--dtype", "int8"], ["--dtype", "auto"], ["--drafter-dtype", "int4"],
              ["--device", "gpu"], ["--device", "cuda:x"], ["--device", "CPU"], ["--device", ""],
              ["--compute", "int4"], ["--compute", "fast"]]
 BAD_DECODING = [["--block-size", "0"], ["--block-size", "-2"], ["--block-size", "four"]]
+BAD_TREES = [["--tree-nodes", "0"], ["--tree-nodes", "-1"], ["--tree-nodes", "many"]]
 
 
 @pytest.fixture
@@ -54,7 +57,8 @@ def _run(verb: str, flags: list[str]):
 
 @pytest.mark.parametrize("verb", VERBS)
 def test_each_verb_hands_load_the_same_accepted_values(verb: str, recorded: list[dict]) -> None:
-    cases = GOOD_MODEL + (GOOD_DECODING if verb in DECODING_VERBS else [])
+    cases = (GOOD_MODEL + (GOOD_DECODING if verb in DECODING_VERBS else [])
+             + (GOOD_TREES if verb in TREE_VERBS else []))
     for flags, key, value in cases:
         r = _run(verb, flags)
         assert r.returncode == 2 and r.stderr.strip().endswith("error: recorded"), (verb, flags, r.stderr)
@@ -66,12 +70,14 @@ def test_each_verb_hands_load_the_same_accepted_values(verb: str, recorded: list
                 "device": "cpu", "compute": "auto"}
     if verb in DECODING_VERBS:
         expected |= {"block_size": None, "adaptive_block": True, "lookup": True}
+    if verb in TREE_VERBS:
+        expected |= {"tree_nodes": None}  # chains only
     assert {k: recorded[-1][k] for k in expected} == expected
 
 
 @pytest.mark.parametrize("verb", VERBS)
 def test_each_verb_refuses_the_same_values_with_a_usage_error(verb: str, recorded: list[dict]) -> None:
-    for flags in BAD_MODEL + BAD_DECODING:
+    for flags in BAD_MODEL + BAD_DECODING + (BAD_TREES if verb in TREE_VERBS else []):
         r = _run(verb, flags)
         assert r.returncode == 2 and "Traceback" not in r.stderr, (verb, flags)
         assert r.stderr.startswith("usage: blockspec " + verb), (verb, flags, r.stderr)

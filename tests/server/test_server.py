@@ -402,3 +402,32 @@ def test_serve_cli_refuses_a_busy_port_before_loading(capsys):
         code = main(["serve", "--target", "/nonexistent/model", "--port", str(port)])
     assert code == 2
     assert "cannot listen on 127.0.0.1" in capsys.readouterr().err
+
+
+def test_a_tree_server_reports_acceptance_by_depth_and_rank(tiny_model_dir):
+    """--tree-nodes on the Hugging Face backend: the answer is plain greedy decoding's, and the
+    usage and /metrics count tree steps and acceptance by depth and rank."""
+    import torch
+
+    import blockspec
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        tree = blockspec.api.load(str(tiny_model_dir), "fresh", dtype="float64", block_size=4, backend="hf",
+                                  tree_nodes=3)
+        assert tree.tree_nodes == 3
+        expected = tree.generate(HELLO, max_new_tokens=6, temperature=0.0, block_size=1).text
+        with BackgroundServer(create_app(tree, served_model_name=MODEL)) as srv:
+            client = OpenAI(base_url=f"{srv.url}/v1", api_key="EMPTY")
+            response = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=6, temperature=0.0)
+            text = httpx.get(f"{srv.url}/metrics").text
+    finally:
+        torch.set_num_threads(threads)
+    assert response.choices[0].message.content == expected
+    dflash = response.usage.model_extra["dflash"]
+    assert dflash["tree_steps"] > 0 and isinstance(dflash["accepted_by_rank"], list)
+    steps = next(line for line in text.splitlines() if line.startswith("blockspec_spec_tree_steps_total "))
+    assert int(steps.split()[1]) == dflash["tree_steps"]
+    assert 'blockspec_spec_accepted_by_depth_total{depth="1"}' in text
+    assert "# TYPE blockspec_spec_accepted_by_rank_total counter" in text

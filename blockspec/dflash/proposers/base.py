@@ -33,7 +33,9 @@ class Distributions(Protocol):
 @dataclass(frozen=True)
 class PositionDistributions:
     """A DFlash drafter's per-position top-K: ids [D, K] and log-probabilities [D, K] (descending
-    along K), row d - 1 for depth d; the token before does not matter."""
+    along K), row d - 1 for depth d; the token before does not matter. Candidates of probability
+    0 (log-probability -inf: outside a draft vocabulary, a top-k or a nucleus) are left out, so a
+    tree never spends a verified node on a token its drafter rules out."""
 
     ids: torch.Tensor
     logprobs: torch.Tensor
@@ -42,8 +44,10 @@ class PositionDistributions:
         if self.ids.dim() != 2 or self.ids.shape != self.logprobs.shape:
             raise ConfigError(f"top-k ids {tuple(self.ids.shape)} and log-probabilities {tuple(self.logprobs.shape)} "
                               "must both be [depth, k]")
-        object.__setattr__(self, "_ids", self.ids.tolist())
-        object.__setattr__(self, "_lp", self.logprobs.float().tolist())
+        ids, lps = self.ids.tolist(), self.logprobs.float().tolist()
+        live = [[k for k, lp in enumerate(row) if lp != float("-inf")] for row in lps]
+        object.__setattr__(self, "_ids", [[row[k] for k in keep] for row, keep in zip(ids, live)])
+        object.__setattr__(self, "_lp", [[row[k] for k in keep] for row, keep in zip(lps, live)])
 
     @classmethod
     def from_logits(cls, logits: torch.Tensor, k: int) -> PositionDistributions:

@@ -33,12 +33,18 @@ class BestFirstProposer:
             raise ConfigError(f"a tree's max_depth must be >= 1 (or None), got {self.max_depth}")
 
     def propose(self, draft: Draft) -> TokenTree:
+        # taken best first, siblings come in rank order and parents before children
+        return TokenTree.from_paths(draft.root, [path for path, _ in self.ranked(draft)])
+
+    def ranked(self, draft: Draft) -> list[tuple[tuple[int, ...], float]]:
+        """The tree's nodes as (root path's proposed tokens, its log-probability), best first:
+        the first k of them are the best-first tree of budget k, for every k."""
         if self.budget == 0:
-            return TokenTree.chain(draft.root, [])
+            return []
         dists = need_distributions(draft, "best-first tree")
         deepest = dists.max_depth if self.max_depth is None else min(self.max_depth, dists.max_depth)
         if deepest < 1:
-            return TokenTree.chain(draft.root, [])
+            return []
         # a frontier entry: (-path log-probability, tie order, parent's path, parent's candidates, rank)
         heap: list = []
         order = 0
@@ -50,13 +56,12 @@ class BestFirstProposer:
                 order += 1
 
         push(0.0, (), dists.children(1, draft.root), 0)
-        chosen: list[tuple[int, ...]] = []  # paths in the order they were taken: best first
+        chosen: list[tuple[tuple[int, ...], float]] = []  # in the order they were taken: best first
         while heap and len(chosen) < self.budget:
             neg, _, parent_score, parent_path, cands, rank = heapq.heappop(heap)
             path = (*parent_path, cands[0][rank])
-            chosen.append(path)
+            chosen.append((path, -neg))
             push(parent_score, parent_path, cands, rank + 1)  # the next sibling
             if len(path) < deepest:
                 push(-neg, path, dists.children(len(path) + 1, path[-1]), 0)  # the best child
-        # taken best first, siblings come in rank order and parents before children
-        return TokenTree.from_paths(draft.root, chosen)
+        return chosen

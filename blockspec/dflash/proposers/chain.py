@@ -25,6 +25,8 @@ class ChainProposer:
         out, prev = [], draft.root
         for depth in range(1, min(self.length, dists.max_depth if dists is not None else 0) + 1):
             ids, _ = dists.children(depth, prev)
+            if not ids:  # the drafter rules every token out here: the chain ends
+                break
             prev = ids[0]
             out.append(prev)
         return TokenTree.chain(draft.root, out)

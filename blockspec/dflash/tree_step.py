@@ -1,0 +1,97 @@
+"""The pieces of a token-tree step (docs/DESIGN.md section 5.3) that `DecodeBatch` composes: each
+row's tree from its draft (proposers/), the batch's trees as one verify pass's tensors, and the
+statistics of the path a row accepted.
+
+A row's tree spends its verify budget best-first (`BestFirstProposer`) over the drafter's
+distributions; an n-gram lookup continuation, where the row has one, is one more branch
+(`LookupProposer`) and takes its share of the same budget, so a step verifies what its policy paid
+for whatever the proposals are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from blockspec.dflash.proposers import BestFirstProposer, Distributions, Draft, LookupProposer
+from blockspec.dflash.token_tree import TokenTree
+from blockspec.dflash.tree_verify import TreeAcceptance
+from blockspec.targets.slots import EMPTY
+
+# Candidates per depth a DFlash drafter's tree may choose among: the best-first tree of a
+# budget of B nodes never takes more than B siblings, and past the first few ranks the drafter's
+# choices are rarely accepted (BENCHMARKS.md, token trees).
+TREE_TOP_K = 8
+
+
+def propose_tree(root: int, distributions: Distributions, lookup: Sequence[int], budget: int) -> TokenTree:
+    """A row's tree of at most `budget` proposed nodes: the lookup continuation (cut to the
+    budget) as one branch, the rest of the budget best-first from the drafter's distributions.
+    Where the branch shares a prefix with the drafter's tree, the nodes it did not need go to the
+    drafter's tree: best-first trees of growing budgets contain each other, so the larger one
+    shares at least as much of the branch and the total stays within the budget."""
+    branch = list(lookup)[:budget]
+    depth = distributions.max_depth or None
+
+    def grown(inner_budget: int) -> tuple[TokenTree, int]:
+        inner = BestFirstProposer(inner_budget, max_depth=depth)
+        tree = LookupProposer(inner, len(branch)).propose(Draft(root, distributions, branch))
+        return tree, len(tree) - len(inner.propose(Draft(root, distributions)))  # the branch's own nodes
+
+    tree, own = grown(budget - len(branch))
+    if branch and own < len(branch):
+        tree, _ = grown(budget - own)
+    return tree
+
+
+@dataclass(frozen=True)
+class PackedTrees:
+    """A batch's trees as one verify pass's inputs: ids, positions [b, n] (node order, padded to
+    the largest tree; positions EMPTY at padding), ancestors [b, n, n] and padding [b, n]."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    ancestors: torch.Tensor
+    padding: torch.Tensor
+
+
+def pack_trees(trees: Sequence[TokenTree], cur: Sequence[int], device: torch.device | str) -> PackedTrees:
+    """The verify inputs of row r's tree rooted at position cur[r] (see PackedTrees)."""
+    b, n = len(trees), max(len(t) for t in trees)
+    ids = torch.zeros(b, n, dtype=torch.long)
+    positions = torch.full((b, n), EMPTY, dtype=torch.long)
+    ancestors = torch.zeros(b, n, n, dtype=torch.bool)
+    for r, (tree, c) in enumerate(zip(trees, cur)):
+        m = len(tree)
+        ids[r, :m] = torch.tensor(tree.tokens)
+        positions[r, :m] = torch.tensor(tree.positions(c))
+        ancestors[r, :m, :m] = tree.ancestor_mask()
+    return PackedTrees(ids.to(device), positions.to(device), ancestors.to(device), (positions == EMPTY).to(device))
+
+
+def gather_path(values: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
+    """values [b, n, F] at each row's path nodes path [b, m] (node indices) -> [b, m, F]."""
+    return values.gather(1, path[..., None].expand(-1, -1, values.shape[-1]))
+
+
+@dataclass(frozen=True)
+class PathStats:
+    """What one row's tree step tells the statistics: tried[d - 1] / accepted[d - 1] for each
+    depth d the walk reached with candidates there (accepted: it went on to depth d), and each
+    accepted node's rank among its siblings (0: its parent's first child, the drafter's best)."""
+
+    tried: int
+    accepted: int
+    ranks: tuple[int, ...]
+
+
+def path_stats(tree: TokenTree, acceptance: TreeAcceptance, committed: int) -> PathStats:
+    """The statistics of the first `committed` nodes of an accepted path (a length limit may cut
+    it): depths tried are those below the last committed node that had children."""
+    path = acceptance.path[:committed]
+    ranks = tuple(list(tree.children(parent).values()).index(child) for parent, child in zip(path, path[1:]))
+    accepted = len(path) - 1
+    stopped_with_children = len(path) == len(acceptance.path) and bool(tree.children(path[-1]))
+    return PathStats(tried=accepted + int(stopped_with_children), accepted=accepted, ranks=ranks)
