@@ -11,8 +11,8 @@ Three parts, each timed and reported on its own (one failing does not stop the o
    sizes, 8 layers) through the Hugging Face adapter in bf16: verify a block with rollback
    against a plain step, next to the same model with attention only (`blockspec.bench.hybrid_step`);
 3. greedy decoding of a random Qwen3-8B-shaped target: speculative output (random drafter plus
-   n-gram lookup, fixed blocks of 16) against plain decoding. In float32 it must be identical
-   (lossless); in bfloat16 the agreement is reported, not required: GPU kernels are not batch
+   n-gram lookup, fixed blocks of 16, as chains and as token trees of 15 nodes) against plain
+   decoding. In float32 both must be identical (lossless); in bfloat16 the agreement is reported, not required: GPU kernels are not batch
    invariant, so a 16-token verify pass may round a near-tie the other way than a 1-token step.
 
 Random weights say nothing about acceptance (no real weights travel to a rented GPU): the step
@@ -64,6 +64,7 @@ class Plan:
     decode_prompts: tuple[int, ...] = (40, 73, 101, 128)  # prompt lengths
     decode_new_tokens: int = 64
     decode_block: int = 16
+    decode_tree_nodes: int = 15  # the token-tree run's largest tree
 
     def __post_init__(self) -> None:
         from blockspec.bench.hybrid_step import SHAPES as HYBRID_SHAPES
@@ -82,7 +83,7 @@ FULL = Plan()
 TINY = Plan(step_shape="tiny", step_draft_layers=1, step_blocks="4", step_batches="1", step_context=16,
             step_steps=2, hybrid_shape="scaled", hybrid_hidden=160, hybrid_vocab=64, hybrid_layers=4,
             hybrid_block=4, hybrid_context=8, hybrid_batches=(1,), hybrid_repeats=1, decode_shape="tiny",
-            decode_prompts=(5, 9), decode_new_tokens=12, decode_block=4)
+            decode_prompts=(5, 9), decode_new_tokens=12, decode_block=4, decode_tree_nodes=3)
 
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
@@ -175,16 +176,28 @@ def decode_once(plan: Plan, device: str, dtype: str) -> dict:
     spec = SpecDecoder(target, drafter, SpecConfig(block_size=plan.decode_block, adaptive=False,
                                                    lookup=LookupConfig())).generate(prompts, params)
     t2 = time.perf_counter()
-    diffs = [_first_difference(p.token_ids, s.token_ids) for p, s in zip(plain, spec)]
+    tree = SpecDecoder(target, drafter, SpecConfig(block_size=plan.decode_block, adaptive=False, lookup=LookupConfig(),
+                                                   tree_nodes=plan.decode_tree_nodes)).generate(prompts, params)
+    t3 = time.perf_counter()
     total = sum(len(p.token_ids) for p in plain)
-    same = sum(len(p.token_ids) if d is None else d for p, d in zip(plain, diffs))
+
+    def against_plain(runs: list) -> tuple[list[int | None], float]:
+        diffs = [_first_difference(p.token_ids, s.token_ids) for p, s in zip(plain, runs)]
+        same = sum(len(p.token_ids) if d is None else d for p, d in zip(plain, diffs))
+        return diffs, round(same / total, 4)
+
+    diffs, agreement = against_plain(spec)
+    tree_diffs, tree_agreement = against_plain(tree)
     del target, drafter
     _free(device)
     return {"dtype": dtype, "rows": len(prompts), "tokens": total, "identical": all(d is None for d in diffs),
             "first_difference": diffs,  # per row: token index, or None
-            "agreement": round(same / total, 4),  # tokens before each row's first difference, over all
+            "agreement": agreement,  # tokens before each row's first difference, over all
             "mean_tau": round(sum(s.stats.mean_tau for s in spec) / len(spec), 3),
-            "plain_s": round(t1 - t0, 3), "speculative_s": round(t2 - t1, 3)}
+            "tree_nodes": plan.decode_tree_nodes, "tree_identical": all(d is None for d in tree_diffs),
+            "tree_first_difference": tree_diffs, "tree_agreement": tree_agreement,
+            "tree_steps": sum(t.stats.tree_steps for t in tree),
+            "plain_s": round(t1 - t0, 3), "speculative_s": round(t2 - t1, 3), "tree_s": round(t3 - t2, 3)}
 
 
 def greedy(plan: Plan, device: str) -> dict:
@@ -201,6 +214,9 @@ def greedy(plan: Plan, device: str) -> dict:
     if not exact["identical"]:
         raise AssertionError(f"float32 speculative output differs from plain decoding (first differences per row: "
                              f"{exact['first_difference']}): lossless decoding is broken on {device}")
+    if not exact["tree_identical"]:
+        raise AssertionError(f"float32 token-tree output differs from plain decoding (first differences per row: "
+                             f"{exact['tree_first_difference']}): lossless tree decoding is broken on {device}")
     return result
 
 
@@ -234,7 +250,9 @@ def summary(name: str, entry: dict) -> str:
         return f"{head}: {entry['error']}"
     if name == "greedy":
         lines = [f"  {d}: identical {r['identical']}, agreement {r['agreement']:.3f} over {r['tokens']} tokens, "
-                 f"mean tau {r['mean_tau']}" for d, r in ((k, entry[k]) for k in ("float32", "bfloat16"))]
+                 f"mean tau {r['mean_tau']}; trees of {r['tree_nodes']}: identical {r['tree_identical']}, "
+                 f"agreement {r['tree_agreement']:.3f}, {r['tree_steps']} tree steps"
+                 for d, r in ((k, entry[k]) for k in ("float32", "bfloat16"))]
         return "\n".join([head, *lines])
     return f"{head}\n{entry['table']}"
 

@@ -28,6 +28,7 @@ def test_every_part_runs_at_tiny_shapes_on_a_cpu(tmp_path: Path, capsys) -> None
         run = parts["greedy"][dtype]
         assert run["dtype"] == dtype and run["tokens"] == 2 * 12 and run["rows"] == 2
     assert parts["greedy"]["float32"]["identical"] and parts["greedy"]["float32"]["agreement"] == 1.0
+    assert parts["greedy"]["float32"]["tree_identical"] and parts["greedy"]["float32"]["tree_steps"] > 0
     printed = capsys.readouterr().out
     assert "[greedy] ok" in printed and "float32: identical True" in printed and "all parts ok" in printed
     assert "| layers | batch |" in printed and "| batch | block |" in printed
@@ -38,7 +39,8 @@ def test_a_speculative_difference_in_float32_fails_the_check(tmp_path: Path, mon
     bfloat16 difference is only reported."""
     def differing(plan, device, dtype):
         return {"dtype": dtype, "identical": False, "first_difference": [3, None], "agreement": 0.5, "tokens": 8,
-                "mean_tau": 1.0}
+                "mean_tau": 1.0, "tree_nodes": 3, "tree_identical": True, "tree_first_difference": [None, None],
+                "tree_agreement": 1.0, "tree_steps": 4}
 
     monkeypatch.setattr(cudacheck, "decode_once", differing)
     out = tmp_path / "c.json"
@@ -55,12 +57,20 @@ def test_a_speculative_difference_in_float32_fails_the_check(tmp_path: Path, mon
     entry = cudacheck.greedy(cudacheck.TINY, "cpu")  # bfloat16 may differ: reported, not required
     assert entry["float32"]["identical"] and not entry["bfloat16"]["identical"]
 
+    def tree_differs(plan, device, dtype):
+        return {**differing(plan, device, dtype), "identical": True, "tree_identical": False,
+                "tree_first_difference": [None, 5]}
+
+    monkeypatch.setattr(cudacheck, "decode_once", tree_differs)
+    with pytest.raises(AssertionError, match="token-tree output differs"):
+        cudacheck.greedy(cudacheck.TINY, "cpu")
+
 
 def test_float32_means_float32_on_cuda(monkeypatch) -> None:
     """The greedy part turns TF32 products off for its float32 run, and back as they were after."""
     seen = {}
     monkeypatch.setattr(cudacheck, "decode_once", lambda plan, device, dtype: seen.setdefault(
-        dtype, {"tf32": torch.backends.cuda.matmul.allow_tf32, "identical": True}))
+        dtype, {"tf32": torch.backends.cuda.matmul.allow_tf32, "identical": True, "tree_identical": True}))
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     before = torch.backends.cuda.matmul.allow_tf32
     try:
