@@ -41,16 +41,18 @@ def test_weights_become_the_integer_form_of_their_gguf_values() -> None:
     w, iw = _weight("Q4_1", 5, 96, seed=1)
     levels = iw.levels().float()  # 0..15
     assert levels.min() >= 0 and levels.max() <= 15
-    rebuilt = (iw.m[:, :3, None] + iw.d[:, :, None] * levels.view(5, 3, 32)).reshape(5, 96)
-    assert torch.equal(rebuilt, w) and iw.m.shape == (5, 16) and not iw.m[:, 3:].any()
+    d, m = iw.scales()
+    rebuilt = (m[:, :, None] + d[:, :, None] * levels.view(5, 3, 32)).reshape(5, 96)
+    assert torch.equal(rebuilt, w) and iw.shape == (5, 96)
+    assert iw.qs.shape == (1, 3, 256) and iw.m.shape == (1, 3, 16) and not iw.m[:, :, 5:].any()  # padded rows: 0
     w8, iw8 = _weight("Q8_0", 5, 64, seed=2)
-    assert torch.equal((iw8.d[:, :, None] * iw8.levels().float().view(5, 2, 32)).reshape(5, 64), w8)
+    assert torch.equal((iw8.scales()[0][:, :, None] * iw8.levels().float().view(5, 2, 32)).reshape(5, 64), w8)
     other = int8.quantize_weight(torch.randn(4, 64))  # not of a GGUF form: quantised, values change
     assert other.bits == 8 and not other.exact and other.levels().abs().max() == 127
     assert int8.quantize_weight(torch.randn(4, 40)) is None  # inputs not a multiple of 32
     assert int8.quantize_weight(torch.randn(4, 64).double()) is None
     with pytest.raises(ValueError, match="Int8Weight needs"):
-        int8.Int8Weight(4, iw.qs, iw.d, None, iw.source)
+        int8.Int8Weight(4, 5, iw.qs, iw.d, None, iw.source)
 
 
 @needs_kernel
