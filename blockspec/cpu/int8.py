@@ -87,14 +87,16 @@ def interleave(bits: int, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | N
     pad = groups * GROUP - out
 
     def grouped(t: torch.Tensor) -> torch.Tensor:  # [out, ...] -> [G, 16, ...], zero padded
-        return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]).view(groups, GROUP, *t.shape[1:])
+        t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
+        return t.view(groups, GROUP, *t.shape[1:])
 
     def lanes(t: torch.Tensor) -> torch.Tensor:  # [out, nb] -> [G, nb, 16]
         return grouped(t.float()).permute(0, 2, 1).contiguous()
 
     per = qs.shape[1] // nb  # bytes of a row's block: 16 (4 bits) or 32
-    q = grouped(qs.reshape(out, nb, per // 4, 4)).permute(0, 2, 3, 1, 4).reshape(groups, nb, per * GROUP)
-    return Int8Weight(bits, out, q.contiguous(), lanes(d), None if m is None else lanes(m), source, exact)
+    words = qs.contiguous().view(torch.int32).view(out, nb, per // 4)  # 4 bytes of a row moved as one
+    q = grouped(words).permute(0, 2, 3, 1).contiguous().view(qs.dtype).view(groups, nb, per * GROUP)
+    return Int8Weight(bits, out, q, lanes(d), None if m is None else lanes(m), source, exact)
 
 
 def from_packed(packed: PackedWeight) -> Int8Weight | None:
