@@ -112,7 +112,7 @@ static inline int32_t load4(const int8_t *p) { /* 4 bytes of x, to broadcast */
     return v;
 }
 
-/* ---- the integer sums of one block: MR rows of x (xb[r]: the row's block) x one group's 16 rows ---- */
+/* ---- the integer sums of one block: MR rows of x (xb: the tile's block, row r at xb + 32 r) x one group's 16 rows ---- */
 
 #if INT8_PATH == 2
 /* acc + the products of w's bytes (unsigned) with the 4 bytes of x at xb + off broadcast to every
