@@ -59,6 +59,34 @@ def step_costs(targets: dict[str, object], widths: list[int], context: int, reps
     return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
 
 
+def kernel_times(targets: dict[str, object], rows: list[int], reps: int) -> dict[str, dict[str, float]]:
+    """Microseconds of one product of each shape of the first layer and of the LM head, per mode
+    and number of rows (the fastest of `reps` timings, each a mean of enough calls to take a
+    millisecond or so; the modes interleaved). The exact mode's is its backend's product (the
+    packed kernel), int8's the integer kernel."""
+    nets = {m: t.net for m, t in targets.items()}
+    names = ("qkv", "o", "gate_up", "down")
+    out: dict[str, dict[str, float]] = {}
+    g = torch.Generator().manual_seed(2)
+    for name in (*names, "head"):
+        mods = {m: net.lm_head if name == "head" else getattr(net.layers[0], name) for m, net in nets.items()}
+        shape = tuple(mods["exact"].weight.shape)
+        for n in rows:
+            x = torch.randn(n, shape[1], generator=g)
+            calls = max(1, int(2e5 / (shape[0] * shape[1] * max(n, 4) / 1e4)))
+            best = {m: math.inf for m in nets}
+            for _ in range(reps):
+                for m, net in nets.items():
+                    t0 = time.perf_counter()
+                    for _ in range(calls):
+                        net.backend.product(mods[m], x)
+                    best[m] = min(best[m], (time.perf_counter() - t0) / calls)
+            key = f"{name} {shape[0]}x{shape[1]}, {n} rows"
+            out[key] = {**{m: round(v * 1e6, 1) for m, v in best.items()},
+                        "int8/exact": round(best["int8"] / best["exact"], 2)}
+    return out
+
+
 def _ids(encoded: object) -> list[int]:
     """Token ids from apply_chat_template, whichever form this transformers version returns."""
     if hasattr(encoded, "keys"):
@@ -136,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--costs", default="", help="also time verify passes of these widths against a plain step, "
                     "e.g. 8,16 (ratios: the modes interleaved)")
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--kernels", default="", help="also time each product shape (first layer, LM head) at these "
+                    "numbers of rows, e.g. 1,8,16 (the modes interleaved)")
     ap.add_argument("--profile", action="store_true", help="also split a plain and the verify passes by part")
     ap.add_argument("--threads", type=int, default=0, help="torch's (and the kernels') threads; 0 keeps the default")
     args = ap.parse_args(argv)
@@ -181,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
         report["verify_in_plain_steps"] = {m: {w: round(med[f"{m}_{w}"] / med[f"{m}_1"], 2) for w in widths}
                                            for m in targets}
         report["int8_over_exact"] = {w: round(med[f"int8_{w}"] / med[f"exact_{w}"], 2) for w in (1, *widths)}
+    if args.kernels:
+        report["kernel_us"] = kernel_times(targets, [int(n) for n in args.kernels.split(",")], args.reps)
     if args.profile:
         widths = [int(w) for w in args.costs.split(",")] if args.costs else [8]
         report["profile_ms"] = {m: profile_parts(t, widths, context=300, reps=args.reps) for m, t in targets.items()}

@@ -22,18 +22,21 @@ import torch
 from blockspec.cpu import kernels
 from blockspec.cpu.packed_weights import BLOCK, PackedWeight, QuantisedRows, identity
 
-LANES = 16  # fp32 lanes of the kernel's sums: 8 per block, blocks in pairs
+GROUP = 16  # weight rows interleaved per group (int8.c's layout): one fp32 lane of the kernel each
 _CHUNK = 4096  # weight rows per step of the PyTorch emulation (bounds its scratch memory)
 
 
 @dataclass(frozen=True)
 class Int8Weight(QuantisedRows):
-    """A [out, in] matrix as the integer kernels read it. bits 4: qs [out, in / 2] uint8 (GGUF
-    Q4_1's nibbles, cpu/packed_weights.py's layout), weight m + d q; bits 8: qs [out, in] int8,
-    weight d q. d [out, in / 32] fp32; m [out, nbp] fp32 (bits 4; nbp = in / 32 rounded up to 16,
-    zero padded), else None. `source`: the model weight's identity when made (packed_weights.identity)."""
+    """A [out, in] matrix as the integer kernels read it (int8.c's layout): rows in groups of 16
+    (G = out / 16 rounded up, zero padded), block by block. bits 4: qs [G, nb, 256] uint8 (GGUF
+    Q4_1's nibbles, 4 bytes of each of 16 rows in turn), weight m + d q; bits 8: qs [G, nb, 512]
+    int8 (4 values of each of 16 rows in turn), weight d q. d [G, nb, 16] fp32 (nb = in / 32);
+    m [G, nb, 16] fp32 (bits 4), else None. `source`: the model weight's identity when made
+    (packed_weights.identity)."""
 
     bits: int
+    out: int
     qs: torch.Tensor
     d: torch.Tensor
     m: torch.Tensor | None
@@ -41,30 +44,59 @@ class Int8Weight(QuantisedRows):
     exact: bool = field(default=True)  # whether the weights are the model's own values (from a GGUF's form)
 
     def __post_init__(self) -> None:
-        out, width = self.qs.shape
-        n_in = width * 2 if self.bits == 4 else width
-        nb = n_in // BLOCK
-        ok = (self.bits in (4, 8) and self.qs.dtype == (torch.uint8 if self.bits == 4 else torch.int8)
-              and self.qs.is_contiguous() and self.d.dtype == torch.float32 and self.d.shape == (out, nb)
-              and self.d.is_contiguous() and n_in % BLOCK == 0)
+        groups = -(-self.out // GROUP)
+        nb = self.d.shape[1] if self.d.dim() == 3 else -1
+        ok = (self.bits in (4, 8) and self.out > 0 and self.qs.dtype == (torch.uint8 if self.bits == 4 else torch.int8)
+              and self.qs.shape == (groups, nb, GROUP * BLOCK * self.bits // 8) and self.qs.is_contiguous()
+              and self.d.dtype == torch.float32 and self.d.shape == (groups, nb, GROUP) and self.d.is_contiguous())
         if self.bits == 4:
-            ok = ok and self.m is not None and self.m.shape == (out, _padded(nb)) and self.m.is_contiguous()
+            ok = ok and self.m is not None and self.m.shape == self.d.shape and self.m.dtype == torch.float32 \
+                and self.m.is_contiguous()
         if not ok:
-            raise ValueError(f"an Int8Weight needs bits 4 (qs uint8 [out, in / 2], m [out, nbp]) or 8 (qs int8 "
-                             f"[out, in]) with d fp32 [out, in / 32], in a multiple of {BLOCK}; got bits={self.bits}, "
-                             f"qs {self.qs.dtype} {tuple(self.qs.shape)}, d {tuple(self.d.shape)}")
+            raise ValueError(f"an Int8Weight needs bits 4 (qs uint8 [G, nb, 256], m fp32 [G, nb, 16]) or 8 (qs int8 "
+                             f"[G, nb, 512]) with d fp32 [G, nb, 16], G = out / 16 rounded up; got bits={self.bits}, "
+                             f"out={self.out}, qs {self.qs.dtype} {tuple(self.qs.shape)}, d {tuple(self.d.shape)}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.out, self.d.shape[1] * BLOCK
 
     def levels(self) -> torch.Tensor:
         """The integer weights [out, in] (4-bit levels 0..15, or the signed 8-bit values), int16."""
         out, n_in = self.shape
-        if self.bits == 8:
-            return self.qs.to(torch.int16)
-        q = self.qs.view(out, -1, 16)
-        return torch.cat([q & 15, q >> 4], dim=-1).reshape(out, n_in).to(torch.int16)
+        groups, nb = self.d.shape[:2]
+        per = self.qs.shape[2] // GROUP  # bytes of a row's block: 16 (4 bits) or 32
+        q = self.qs.view(groups, nb, per // 4, GROUP, 4).permute(0, 3, 1, 2, 4).reshape(groups * GROUP, nb, per)[:out]
+        if self.bits == 4:
+            q = torch.cat([q & 15, q >> 4], dim=-1)
+        return q.reshape(out, n_in).to(torch.int16)
+
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(d [out, nb], m [out, nb] or None): each block's scale and (4 bits) minimum."""
+        def rows(t: torch.Tensor) -> torch.Tensor:
+            return t.permute(0, 2, 1).reshape(-1, t.shape[1])[: self.out]
+        return rows(self.d), None if self.m is None else rows(self.m)
 
 
-def _padded(nb: int) -> int:
-    return (nb + LANES - 1) // LANES * LANES
+def interleave(bits: int, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, source: tuple[int, int],
+               exact: bool = True) -> Int8Weight:
+    """An Int8Weight from row-major values: qs [out, in / 2] uint8 (bits 4, GGUF Q4's byte order)
+    or [out, in] int8 (bits 8), d and m [out, in / 32] fp32 (m for bits 4 only)."""
+    out, nb = d.shape
+    groups = -(-out // GROUP)
+    pad = groups * GROUP - out
+
+    def grouped(t: torch.Tensor) -> torch.Tensor:  # [out, ...] -> [G, 16, ...], zero padded
+        t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
+        return t.view(groups, GROUP, *t.shape[1:])
+
+    def lanes(t: torch.Tensor) -> torch.Tensor:  # [out, nb] -> [G, nb, 16]
+        return grouped(t.float()).permute(0, 2, 1).contiguous()
+
+    per = qs.shape[1] // nb  # bytes of a row's block: 16 (4 bits) or 32
+    words = qs.contiguous().view(torch.int32).view(out, nb, per // 4)  # 4 bytes of a row moved as one
+    q = grouped(words).permute(0, 2, 3, 1).contiguous().view(qs.dtype).view(groups, nb, per * GROUP)
+    return Int8Weight(bits, out, q, lanes(d), None if m is None else lanes(m), source, exact)
 
 
 def from_packed(packed: PackedWeight) -> Int8Weight | None:
@@ -72,14 +104,8 @@ def from_packed(packed: PackedWeight) -> Int8Weight | None:
     levels and scales), or None for a bf16 model's packed copy."""
     if packed.dtype != torch.float32:
         return None
-    out, n_in = packed.shape
-    nb = n_in // BLOCK
-    d = packed.sc[..., 0].contiguous()
-    m = None
-    if packed.bits == 4:
-        m = torch.zeros(out, _padded(nb))
-        m[:, :nb] = packed.sc[..., 1]
-    return Int8Weight(packed.bits, packed.qs, d, m, packed.source)
+    return interleave(packed.bits, packed.qs, packed.sc[..., 0], packed.sc[..., 1] if packed.bits == 4 else None,
+                      packed.source)
 
 
 def quantize_weight(weight: torch.Tensor) -> Int8Weight | None:
@@ -89,7 +115,7 @@ def quantize_weight(weight: torch.Tensor) -> Int8Weight | None:
     if weight.dtype != torch.float32 or weight.dim() != 2 or weight.device.type != "cpu" or weight.shape[1] % BLOCK:
         return None
     q, d, _ = quantize_rows(weight.detach())
-    return Int8Weight(8, q.to(torch.int8).contiguous(), d.contiguous(), None, identity(weight), exact=False)
+    return interleave(8, q.to(torch.int8), d, None, identity(weight), exact=False)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -102,11 +128,12 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return q.reshape(n, k), d, d * q.sum(-1)
 
 
-def _reduce16(acc: torch.Tensor) -> torch.Tensor:
-    """vec.h's reduce16 over the last dimension (16): (a + a[8:]) folded to 4, (c0 + c2) + (c1 + c3)."""
-    b = acc[..., :8] + acc[..., 8:]
-    c = b[..., :4] + b[..., 4:]
-    return (c[..., 0] + c[..., 2]) + (c[..., 1] + c[..., 3])
+def _in_order(t: torch.Tensor) -> torch.Tensor:
+    """((0 + t[..., 0]) + t[..., 1]) + ... over the last dimension, one rounding per addition."""
+    acc = torch.zeros(t.shape[:-1])
+    for b in range(t.shape[-1]):
+        acc = acc + t[..., b]
+    return acc
 
 
 def reference_product(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None,
@@ -118,31 +145,17 @@ def reference_product(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None 
     x2 = x.reshape(-1, k).float()
     n, nb = x2.shape[0], k // BLOCK
     q, dx, sx = quantize_rows(x2)
-    steps = (nb + 1) // 2
-    qg = q.double().view(n, k // 4, 4)
+    qb = q.double().view(n, nb, BLOCK)
+    levels = w.levels()
+    wd, wm = w.scales()
     y = torch.empty(n, out_dim)
     for lo in range(0, out_dim, _CHUNK):
         hi = min(out_dim, lo + _CHUNK)
-        wl = w.levels()[lo:hi].double().view(hi - lo, k // 4, 4)
-        lanes = torch.einsum("ngt,ogt->nog", qg, wl).float()  # [n, o, in / 4]: exact integer sums of 4
-        scale = w.d[None, lo:hi] * dx[:, None]  # [n, o, nb]
-        t = scale.repeat_interleave(8, dim=-1) * lanes  # [n, o, nb * 8]
-        if nb % 2:
-            t = torch.cat([t, t.new_zeros(n, hi - lo, 8)], dim=-1)
-        t = t.view(n, hi - lo, steps, LANES)
-        acc = torch.zeros(n, hi - lo, LANES)
-        for p in range(steps):
-            acc = acc + t[:, :, p]
-        dot = _reduce16(acc)
-        if w.bits == 4:
-            nbp = w.m.shape[1]
-            s = torch.zeros(n, nbp)
-            s[:, :nb] = sx
-            prods = (w.m[None, lo:hi] * s[:, None]).view(n, hi - lo, nbp // LANES, LANES)
-            ms = torch.zeros(n, hi - lo, LANES)
-            for i in range(nbp // LANES):
-                ms = ms + prods[:, :, i]
-            dot = dot + _reduce16(ms)
+        wl = levels[lo:hi].double().view(hi - lo, nb, BLOCK)
+        sums = torch.einsum("nbt,obt->nob", qb, wl).float()  # [n, o, nb]: exact integers (|sum| < 2^20)
+        dot = _in_order((wd[None, lo:hi] * dx[:, None]) * sums)
+        if wm is not None:
+            dot = dot + _in_order(wm[None, lo:hi] * sx[:, None])
         y[:, lo:hi] = dot
     if bias is not None:
         y = y + bias.float()

@@ -36,8 +36,9 @@ BF16_MAX_ROWS = 4
 
 
 class QuantisedRows:
-    """What the packed forms share (`PackedWeight`, cpu/int8.py's `Int8Weight`): `qs` holds each
-    row's 4-bit pairs ([out, in / 2] uint8) or 8-bit values ([out, in] int8) after `bits`, and
+    """What the packed forms share (`PackedWeight`, cpu/int8.py's `Int8Weight`): `shape`, here from
+    `qs`, which holds each row's 4-bit pairs ([out, in / 2] uint8) or 8-bit values ([out, in] int8)
+    after `bits` (an Int8Weight holds them in groups of rows and says its shape itself), and
     `source` the identity of the model weight they were made from."""
 
     @property

@@ -41,16 +41,18 @@ def test_weights_become_the_integer_form_of_their_gguf_values() -> None:
     w, iw = _weight("Q4_1", 5, 96, seed=1)
     levels = iw.levels().float()  # 0..15
     assert levels.min() >= 0 and levels.max() <= 15
-    rebuilt = (iw.m[:, :3, None] + iw.d[:, :, None] * levels.view(5, 3, 32)).reshape(5, 96)
-    assert torch.equal(rebuilt, w) and iw.m.shape == (5, 16) and not iw.m[:, 3:].any()
+    d, m = iw.scales()
+    rebuilt = (m[:, :, None] + d[:, :, None] * levels.view(5, 3, 32)).reshape(5, 96)
+    assert torch.equal(rebuilt, w) and iw.shape == (5, 96)
+    assert iw.qs.shape == (1, 3, 256) and iw.m.shape == (1, 3, 16) and not iw.m[:, :, 5:].any()  # padded rows: 0
     w8, iw8 = _weight("Q8_0", 5, 64, seed=2)
-    assert torch.equal((iw8.d[:, :, None] * iw8.levels().float().view(5, 2, 32)).reshape(5, 64), w8)
+    assert torch.equal((iw8.scales()[0][:, :, None] * iw8.levels().float().view(5, 2, 32)).reshape(5, 64), w8)
     other = int8.quantize_weight(torch.randn(4, 64))  # not of a GGUF form: quantised, values change
     assert other.bits == 8 and not other.exact and other.levels().abs().max() == 127
     assert int8.quantize_weight(torch.randn(4, 40)) is None  # inputs not a multiple of 32
     assert int8.quantize_weight(torch.randn(4, 64).double()) is None
     with pytest.raises(ValueError, match="Int8Weight needs"):
-        int8.Int8Weight(4, iw.qs, iw.d, None, iw.source)
+        int8.Int8Weight(4, 5, iw.qs, iw.d, None, iw.source)
 
 
 @needs_kernel
@@ -90,18 +92,40 @@ def test_a_row_gets_its_bits_alone_in_a_batch_and_on_any_thread_split(kind: str)
         torch.set_num_threads(before)
 
 
-# Prints whether the kernel of this build has its emulation's bits.
+@needs_kernel
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_rows_processed_together_get_the_bits_they_get_alone(kind: str) -> None:
+    # 1..17 rows cover every tile of rows the kernel holds in registers (up to 8 with VNNI) and a
+    # tile left over; 37 outputs a group of 16 weight rows cut short
+    _, iw = _weight(kind, 37, 96, seed=11)
+    x = torch.randn(17, 96, generator=torch.Generator().manual_seed(5))
+    alone = torch.stack([int8.int8_linear(x[r : r + 1].clone(), iw)[0] for r in range(17)])
+    assert torch.equal(alone, int8.reference_product(x, iw))
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            for n in range(1, 18):
+                assert torch.equal(int8.int8_linear(x[:n], iw), alone[:n]), (threads, n)
+    finally:
+        torch.set_num_threads(before)
+
+
+# Prints whether the kernel of this build has its emulation's bits, and whether rows together get
+# the bits they get alone.
 SCRIPT = r"""
 import json, torch
 from test_int8 import _weight
 from blockspec.cpu import int8
 out = {"path": int8.int8_path(), "equal": []}
 for kind in ("Q4_1", "Q8_0"):
-    for width, rows in ((96, 1), (576, 6), (1568, 9)):
-        _, iw = _weight(kind, 9, width, seed=width)
+    for width, rows in ((96, 1), (576, 6), (1568, 9), (64, 17)):
+        _, iw = _weight(kind, 37, width, seed=width)
         x = torch.randn(rows, width, generator=torch.Generator().manual_seed(rows))
-        b = torch.randn(9)
-        out["equal"].append(torch.equal(int8.int8_linear(x, iw, b), int8.reference_product(x, iw, b)))
+        b = torch.randn(37)
+        y = int8.int8_linear(x, iw, b)
+        out["equal"].append(torch.equal(y, int8.reference_product(x, iw, b))
+                            and all(torch.equal(int8.int8_linear(x[r : r + 1], iw, b)[0], y[r]) for r in range(rows)))
 print(json.dumps(out))
 """
 
@@ -116,7 +140,7 @@ def test_forced_narrower_paths_have_the_same_arithmetic(flags: str, path: str) -
     run = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
-    assert out["path"] == path and out["equal"] == [True] * 6
+    assert out["path"] == path and out["equal"] == [True] * 8
 
 
 def test_without_a_kernel_the_emulation_runs(monkeypatch: pytest.MonkeyPatch) -> None:

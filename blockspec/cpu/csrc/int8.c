@@ -1,29 +1,35 @@
 /* Integer products for the int8 compute mode: y[n, out] = x[n, in] . w[out, in]^T (+ bias) (+ res),
  * with x quantised to 8 bits per row and block of 32 inputs and w held in 4 or 8 bits (GGUF's
- * Q4_1 and Q8_0 layouts, as cpu/packed_weights.py packs them), the block sums taken in integers.
+ * Q4_1 and Q8_0 values, interleaved by cpu/int8.py), the block sums taken in integers.
  *
  * Why: the exact mode rebuilds every packed weight as an fp32 number and multiplies in fp32, so a
  * few rows are already bound by the fp32 units; integer dot products (AVX-512 VNNI: 64 byte
- * products per instruction) do the same work for a fraction of the instructions.
+ * products per instruction) do the same work for a fraction of the instructions, provided the
+ * fp32 work is per block of 32 products and not per lane of 4.
  *
  * The arithmetic, defined exactly (cpu/int8.py emulates it in PyTorch, bit for bit):
  * - quantisation of a row, per block b of 32 inputs (as llama.cpp's Q8_1): a = max |x_i|,
  *   d = a / 127 (fp32), q_i = rint(x_i / d) clamped to [-127, 127] (0 where d is 0), and, for 4-bit
  *   weights, s = d * (float)sum q_i;
- * - blocks go in pairs (b, b + 1; a missing last one counts as zeros). For a pair, 16 int32 lanes:
- *   lane l < 8 sums the 4 products w q of inputs 4l..4l+3 of block b, lane 8 + l those of block
- *   b + 1 (w: the 4-bit level 0..15, or the signed 8-bit value); each lane goes to fp32 (exact) and
- *   acc[l] = acc[l] + (dw * dx) * lane, dw and dx the lane's block scales (one rounding each);
- * - the dot is reduce16(acc) (vec.h's tree); 4-bit weights add, after it, reduce16 of 16 lanes
- *   that accumulate m_b * s_b over blocks b = 16 i + l in order (m: the block's minimum);
+ * - per output and block b: the integer sum of the block's 32 products w q (w: the 4-bit level
+ *   0..15, or the signed 8-bit value; exact, and exact again as an fp32 number: |sum| < 2^20),
+ *   t_b = (dw_b * dx_b) * sum, dw and dx the block's two scales (one rounding each);
+ * - the dot is acc = ((0 + t_0) + t_1) + ... in block order; 4-bit weights add, after it,
+ *   ms = ((0 + m_0 s_0) + m_1 s_1) + ... (m: the block's minimum): acc + ms;
  * - then the bias (one addition) and the residual (res + that), as rows.c.
  * Every output depends on its own row of x and its own weight row only, in that fixed order, so a
  * row gets the same bits alone, beside others and on any thread split (batch invariance), and
- * the VNNI, AVX2 and plain C paths give the same bits (tested).
+ * the VNNI, AVX2 and plain C paths give the same bits (tested): they differ only in how they
+ * form the integer sums, which are exact whatever the grouping.
  *
- * Layouts: x fp32 [n, in], `in` a multiple of 32; 4-bit qs [out, in / 2] (byte i of a block: input
- * i in its low nibble, 16 + i in its high one), 8-bit qs [out, in] signed; wd [out, in / 32] the
- * blocks' d; wm [out, nbp] (4-bit only) the blocks' m, nbp = in / 32 rounded up to 16, zero padded.
+ * Layouts: x fp32 [n, in], `in` a multiple of 32. Weight rows go in groups of 16 (the last one
+ * zero padded), each group block by block, so one 64-byte load holds 4 inputs of 16 rows and a
+ * dot-product instruction sums them into the 16 rows' lanes against one broadcast 4 inputs of x
+ * (no lane reduction, one fp32 step per block and 16 outputs):
+ * - 4-bit qs [groups, nb, 4, 16, 4] uint8: [g, b, k, r, t] is byte 4k + t of row 16g + r's block b
+ *   in GGUF's Q4 order (input 4k + t in its low nibble, input 16 + 4k + t in its high one);
+ * - 8-bit qs [groups, nb, 8, 16, 4] int8: [g, b, k, r, t] is input 32b + 4k + t of row 16g + r;
+ * - wd [groups, nb, 16] the blocks' d, wm [groups, nb, 16] (4-bit only) the blocks' m.
  */
 #include <stdlib.h>
 
@@ -40,258 +46,300 @@
 /* which path this build runs: 2 VNNI, 1 AVX2, 0 plain C */
 int bs_int8_path(void) { return INT8_PATH; }
 
-/* one row: q [steps * 64] (zero padded), d16 [steps * 16] (each block's d in its 8 lanes, 0 for a
- * missing block), s [nbp] (d * sum q, zero padded) */
-static void quantize_row(const float *x, int8_t *q, float *d16, float *s, int64_t in, int64_t nbp) {
-    const int64_t nb = in / 32;
+#define GROUP 16 /* weight rows per group: one fp32 lane each */
+
+/* rows of x held in registers per pass over a group's weights */
+#if INT8_PATH == 2
+#define MR_MAX 8
+#elif INT8_PATH == 1
+#define MR_MAX 3
+#else
+#define MR_MAX 4
+#endif
+
+typedef int8_t q16 __attribute__((vector_size(16)));
+
+/* one row, per block b (block b's values at q + 32 stride b, its scalars at [stride b]): q [32],
+ * d (the scale), s (d * sum q), c (-128 * sum q: VNNI's offset for 8-bit weights, see block_sums).
+ * 16 lanes at a time, each lane's operations the scalar definition's: IEEE division, and rint as
+ * (t + 1.5 * 2^23) - 1.5 * 2^23 (round half to even for |t| < 2^22; here |t| <= 127) */
+static void quantize_row(const float *x, int8_t *q, float *d, float *s, int32_t *c, int64_t nb, int64_t stride) {
+    const v16 zero = {0}, magic = zero + 12582912.0f, top = zero + 127.0f, bottom = zero - 127.0f;
+    const i16 nosign = (i16){0} + 0x7fffffff;
     for (int64_t b = 0; b < nb; b++) {
-        const float *xb = x + 32 * b;
-        float a = 0.0f;
-        for (int i = 0; i < 32; i++) {
-            const float v = fabsf(xb[i]);
-            a = v > a ? v : a;
+        v16 v[2] = {load16(x + 32 * b), load16(x + 32 * b + 16)}, mag[2];
+        for (int h = 0; h < 2; h++) {
+            i16 bits;
+            memcpy(&bits, &v[h], sizeof bits);
+            bits &= nosign;
+            memcpy(&mag[h], &bits, sizeof bits);
         }
-        const float d = a / 127.0f;
-        int sum = 0;
-        for (int i = 0; i < 32; i++) {
-            int v = 0;
-            if (d > 0.0f) {
-                float t = rintf(xb[i] / d);
-                t = t > 127.0f ? 127.0f : t < -127.0f ? -127.0f : t;
-                v = (int)t;
+        /* the largest magnitude (a maximum: exact in any order) */
+        v16 m = select16(mag[1] > mag[0], mag[1], mag[0]), t;
+        t = __builtin_shufflevector(m, m, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+        m = select16(t > m, t, m);
+        t = __builtin_shufflevector(m, m, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+        m = select16(t > m, t, m);
+        t = __builtin_shufflevector(m, m, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+        m = select16(t > m, t, m);
+        const float a = m[0] > m[1] ? m[0] : m[1];
+        const float db = a / 127.0f;
+        int8_t *qb = q + 32 * stride * b;
+        i16 sums = {0};
+        for (int h = 0; h < 2; h++) {
+            i16 iq = {0};
+            if (db > 0.0f) {
+                v16 r = v[h] / db;
+                r = (r + magic) - magic;
+                r = select16(r > top, top, select16(r < bottom, bottom, r));
+                iq = __builtin_convertvector(r, i16);
             }
-            q[32 * b + i] = (int8_t)v;
-            sum += v;
+            const q16 packed = __builtin_convertvector(iq, q16);
+            memcpy(qb + 16 * h, &packed, sizeof packed);
+            sums += iq;
         }
-        for (int l = 0; l < 8; l++) d16[(b / 2) * 16 + (b % 2) * 8 + l] = d;
-        s[b] = d * (float)sum;
+        int sum = 0;
+        for (int l = 0; l < 16; l++) sum += sums[l];
+        d[stride * b] = db;
+        s[stride * b] = db * (float)sum;
+        c[stride * b] = -128 * sum;
     }
-    if (nb % 2) {
-        memset(q + 32 * nb, 0, 32);
-        for (int l = 0; l < 8; l++) d16[(nb / 2) * 16 + 8 + l] = 0.0f;
-    }
-    for (int64_t b = nb; b < nbp; b++) s[b] = 0.0f;
 }
 
-/* ---- the 16 lanes of one pair of blocks: a weight pair decoded once (wload), dotted with rows (wdot) ---- */
+static inline int32_t load4(const int8_t *p) { /* 4 bytes of x, to broadcast */
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* ---- the integer sums of one block: MR rows of x (xb: the tile's block, row r at xb + 32 r) x one group's 16 rows ---- */
 
 #if INT8_PATH == 2
+/* acc + the products of w's bytes (unsigned) with the 4 bytes of x at xb + off broadcast to every
+ * lane (signed), the broadcast read from memory by the instruction itself, at a constant offset
+ * from one pointer: written out, the compiler held each broadcast, or each address, in a
+ * register of its own and ran out of them */
 typedef struct {
-    __m512i a;     /* unsigned operand: the 4-bit levels, or |w| */
-    __mmask64 neg; /* 8-bit: where w < 0 (x is negated there) */
-} wv;
+    int8_t b[32 * MR_MAX];
+} xblock; /* a block of a tile's rows: what the instruction may read */
 
-static inline wv wload(const uint8_t *qs, int64_t p, const int bits, const int half) {
-    wv w;
-    if (bits == 4) {
-        const uint8_t *src = qs + 32 * p;
-        const __m256i raw = half ? _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)src))
-                                 : _mm256_loadu_si256((const __m256i *)src);
-        const __m256i m = _mm256_set1_epi8(15);
-        const __m256i lo = _mm256_and_si256(raw, m), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m);
-        const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); /* lo0 lo1 hi0 hi1 */
-        w.a = _mm512_shuffle_i64x2(v, v, _MM_SHUFFLE(3, 1, 2, 0));             /* lo0 hi0 lo1 hi1 */
-        w.neg = 0;
-    } else {
-        const int8_t *src = (const int8_t *)qs + 64 * p;
-        const __m512i raw = half ? _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)src))
-                                 : _mm512_loadu_si512((const void *)src);
-        w.a = _mm512_abs_epi8(raw); /* -128 -> 128 as an unsigned byte */
-        w.neg = _mm512_movepi8_mask(raw);
-    }
-    return w;
+static inline __attribute__((always_inline)) __m512i dpbusd_x4(__m512i acc, __m512i w, const int8_t *xb, const int off) {
+    __asm__("vpdpbusd %c3(%2)%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "r"(xb), "i"(off), "m"(*(const xblock *)xb));
+    return acc;
 }
 
-static inline i16 wdot(const wv *w, const int8_t *x, const int bits) {
-    __m512i xv = _mm512_loadu_si512((const void *)x);
-    if (bits == 8) xv = _mm512_mask_sub_epi8(xv, w->neg, _mm512_setzero_si512(), xv); /* |x| <= 127 */
-    return (i16)_mm512_dpbusd_epi32(_mm512_setzero_si512(), w->a, xv);
+static inline __attribute__((always_inline)) void block_sums(i16 *sum, const uint8_t *w, const int8_t *xb,
+                                                             const int32_t *corr, const int MR, const int bits) {
+    /* two dependency chains per row when few rows give the core too few independent sums */
+    const int two = MR <= 4;
+    __m512i a[MR_MAX][2];
+    for (int r = 0; r < MR; r++) {
+        /* 8-bit weights enter unsigned, w + 128: the sum is then w q + 128 sum q, and starts at
+         * -128 sum q */
+        a[r][0] = bits == 8 ? _mm512_set1_epi32(corr[r]) : _mm512_setzero_si512();
+        a[r][1] = _mm512_setzero_si512();
+    }
+    if (bits == 4) {
+        const __m512i m15 = _mm512_set1_epi8(15);
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) {
+            const __m512i raw = _mm512_loadu_si512((const void *)(w + 64 * k));
+            const __m512i lo = _mm512_and_si512(raw, m15), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m15);
+#pragma GCC unroll 8
+            for (int r = 0; r < MR; r++) {
+                a[r][0] = dpbusd_x4(a[r][0], lo, xb, 32 * r + 4 * k);
+                a[r][two] = dpbusd_x4(a[r][two], hi, xb, 32 * r + 16 + 4 * k);
+            }
+        }
+    } else {
+        const __m512i flip = _mm512_set1_epi8((char)0x80);
+#pragma GCC unroll 8
+        for (int k = 0; k < 8; k++) {
+            const __m512i u = _mm512_xor_si512(_mm512_loadu_si512((const void *)(w + 64 * k)), flip);
+#pragma GCC unroll 8
+            for (int r = 0; r < MR; r++)
+                a[r][k & two] = dpbusd_x4(a[r][k & two], u, xb, 32 * r + 4 * k);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; r++) sum[r] = (i16)_mm512_add_epi32(a[r][0], a[r][1]);
 }
 #elif INT8_PATH == 1
-typedef struct {
-    __m256i a[2], s[2]; /* per block: the unsigned operand; 8-bit: w itself (its signs) */
-} wv;
-
-static inline wv wload(const uint8_t *qs, int64_t p, const int bits, const int half) {
-    wv w;
-    for (int h = 0; h < 2; h++) {
-        if (h && half) {
-            w.a[h] = w.s[h] = _mm256_setzero_si256();
-            continue;
-        }
-        if (bits == 4) {
-            const __m128i raw = _mm_loadu_si128((const __m128i *)(qs + 32 * p + 16 * h)), m = _mm_set1_epi8(15);
-            w.a[h] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m), _mm_and_si128(raw, m));
-            w.s[h] = w.a[h];
-        } else {
-            const __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 64 * p + 32 * h));
-            w.a[h] = _mm256_abs_epi8(raw);
-            w.s[h] = raw;
-        }
-    }
-    return w;
-}
-
-static inline i16 wdot(const wv *w, const int8_t *x, const int bits) {
+static inline __attribute__((always_inline)) void block_sums(i16 *sum, const uint8_t *w, const int8_t *xb,
+                                                             const int32_t *corr, const int MR, const int bits) {
+    (void)corr;
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256i lanes[2];
-    for (int h = 0; h < 2; h++) {
-        __m256i xv = _mm256_loadu_si256((const __m256i *)(x + 32 * h));
-        if (bits == 8) xv = _mm256_sign_epi8(xv, w->s[h]);
-        /* pairs of u8 * s8 products: at most 2 * 128 * 127 in magnitude, no saturation */
-        lanes[h] = _mm256_madd_epi16(_mm256_maddubs_epi16(w->a[h], xv), ones);
-    }
-    i16 out;
-    memcpy(&out, lanes, sizeof out);
-    return out;
-}
-#else
-typedef struct {
-    int16_t v[64]; /* the pair's weights as integers, in input order */
-} wv;
-
-static inline wv wload(const uint8_t *qs, int64_t p, const int bits, const int half) {
-    wv w;
-    for (int h = 0; h < 2; h++)
-        for (int i = 0; i < 32; i++) {
-            int16_t v = 0;
-            if (!(h && half)) {
-                if (bits == 4) {
-                    const uint8_t byte = qs[32 * p + 16 * h + (i & 15)];
-                    v = i < 16 ? byte & 15 : byte >> 4;
-                } else {
-                    v = ((const int8_t *)qs)[64 * p + 32 * h + i];
+    __m256i a[MR_MAX][2]; /* rows 0-7 and 8-15 of the group */
+    for (int r = 0; r < MR; r++) a[r][0] = a[r][1] = _mm256_setzero_si256();
+    if (bits == 4) {
+        const __m256i m15 = _mm256_set1_epi8(15);
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++)
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(w + 64 * k + 32 * h));
+                const __m256i lo = _mm256_and_si256(raw, m15), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m15);
+#pragma GCC unroll 4
+                for (int r = 0; r < MR; r++) {
+                    /* 4 products of a level 0..15 and |q| <= 127 per 16-bit lane: no saturation */
+                    const __m256i p = _mm256_add_epi16(
+                        _mm256_maddubs_epi16(lo, _mm256_set1_epi32(load4(xb + 32 * r + 4 * k))),
+                        _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load4(xb + 32 * r + 16 + 4 * k))));
+                    a[r][h] = _mm256_add_epi32(a[r][h], _mm256_madd_epi16(p, ones));
                 }
             }
-            w.v[32 * h + i] = v;
-        }
-    return w;
-}
-
-static inline i16 wdot(const wv *w, const int8_t *x, const int bits) {
-    (void)bits;
-    i16 out;
-    for (int l = 0; l < 16; l++) {
-        int32_t s = 0;
-        for (int t = 0; t < 4; t++) s += (int32_t)w->v[4 * l + t] * x[4 * l + t];
-        out[l] = s;
+    } else {
+#pragma GCC unroll 8
+        for (int k = 0; k < 8; k++)
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++) {
+                const __m256i ws = _mm256_loadu_si256((const __m256i *)(w + 64 * k + 32 * h));
+                const __m256i wa = _mm256_abs_epi8(ws); /* -128 -> 128 as an unsigned byte */
+#pragma GCC unroll 4
+                for (int r = 0; r < MR; r++) {
+                    /* |w| times q with w's sign: pairs at most 2 * 128 * 127 in magnitude, no saturation */
+                    const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(load4(xb + 32 * r + 4 * k)), ws);
+                    a[r][h] = _mm256_add_epi32(a[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(wa, xs), ones));
+                }
+            }
     }
-    return out;
+    for (int r = 0; r < MR; r++) memcpy(&sum[r], a[r], sizeof sum[r]);
+}
+#else
+static inline void block_sums(i16 *sum, const uint8_t *w, const int8_t *xb, const int32_t *corr, const int MR,
+                              const int bits) {
+    (void)corr;
+    for (int r = 0; r < MR; r++)
+        for (int l = 0; l < GROUP; l++) {
+            int32_t s = 0;
+            if (bits == 4) {
+                for (int k = 0; k < 4; k++)
+                    for (int t = 0; t < 4; t++) {
+                        const uint8_t byte = w[64 * k + 4 * l + t];
+                        s += (byte & 15) * xb[32 * r + 4 * k + t] + (byte >> 4) * xb[32 * r + 16 + 4 * k + t];
+                    }
+            } else {
+                for (int k = 0; k < 8; k++)
+                    for (int t = 0; t < 4; t++) s += ((const int8_t *)w)[64 * k + 4 * l + t] * xb[32 * r + 4 * k + t];
+            }
+            sum[r][l] = s;
+        }
 }
 #endif
 
-/* rows held in registers per weight pass: MR * NC sums of 16 lanes */
-#if INT8_PATH == 2
-#define MR_MAX 4
-#else
-#define MR_MAX 2
-#endif
-
-/* the quantised rows: xq [n][steps * 64], xd [n][steps * 16], xs [n][nbp] */
+/* The quantised rows in tiles of MR_MAX rows, block by block, so that a tile's rows sit at fixed
+ * offsets from one pointer: q [tiles][nb][MR_MAX][32], d / s / c [tiles][nb][MR_MAX] (the last
+ * tile's missing rows unused) */
 typedef struct {
-    const int8_t *q;
-    const float *d, *s;
-    int64_t qrow, drow, nbp;
+    int8_t *q;
+    float *d, *s;
+    int32_t *c;
+    int64_t nb;
 } qrows;
 
-/* MR rows x NC (1 or 2) consecutive weight rows -> y[r * ldy + c] */
-static inline __attribute__((always_inline)) void tile_int8(qrows x, const uint8_t *qs, const float *wd,
-                                                            const float *wm, int64_t qrow, int64_t nb,
-                                                            const float *bias, const float *res, float *y,
-                                                            int64_t ldy, const int MR, const int NC, const int bits) {
-    const int64_t steps = (nb + 1) / 2;
-    v16 acc[MR_MAX][2];
-#pragma GCC unroll 4
-    for (int r = 0; r < MR; r++) acc[r][0] = acc[r][1] = (v16){0};
-    for (int64_t p = 0; p < steps; p++) {
-        const int half = 2 * p + 1 >= nb;
-        wv w[2];
-        v16 sw[2];
-#pragma GCC unroll 2
-        for (int c = 0; c < NC; c++) {
-            w[c] = wload(qs + c * qrow, p, bits, half);
-            const float d0 = wd[c * nb + 2 * p], d1 = half ? 0.0f : wd[c * nb + 2 * p + 1];
-            sw[c] = (v16){d0, d0, d0, d0, d0, d0, d0, d0, d1, d1, d1, d1, d1, d1, d1, d1};
+/* the MR rows of tile t against one group of 16 weight rows: columns j..j + 16 of y (`valid` of
+ * them real), rows MR_MAX t.. */
+static inline __attribute__((always_inline)) void tile_int8(qrows x, int64_t t, const uint8_t *gq, const float *gd,
+                                                            const float *gm, const float *bias, const float *res,
+                                                            float *y, int64_t ldy, int64_t j, int valid, const int MR,
+                                                            const int bits) {
+    const int64_t nb = x.nb, wstride = bits == 4 ? 256 : 512;
+    const int8_t *xq = x.q + t * nb * MR_MAX * 32;
+    const float *xd = x.d + t * nb * MR_MAX, *xs = x.s + t * nb * MR_MAX;
+    const int32_t *xc = x.c + t * nb * MR_MAX;
+    v16 acc[MR_MAX];
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; r++) acc[r] = (v16){0};
+    for (int64_t b = 0; b < nb; b++) {
+        i16 sum[MR_MAX];
+        block_sums(sum, gq + wstride * b, xq + b * MR_MAX * 32, xc + b * MR_MAX, MR, bits);
+        const v16 dw = load16(gd + GROUP * b);
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; r++)
+            acc[r] = acc[r] + (dw * xd[b * MR_MAX + r]) * __builtin_convertvector(sum[r], v16);
+    }
+    if (bits == 4) {
+        v16 ms[MR_MAX];
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; r++) ms[r] = (v16){0};
+        for (int64_t b = 0; b < nb; b++) {
+            const v16 m = load16(gm + GROUP * b);
+#pragma GCC unroll 8
+            for (int r = 0; r < MR; r++) ms[r] = ms[r] + m * xs[b * MR_MAX + r];
         }
-#pragma GCC unroll 4
-        for (int r = 0; r < MR; r++) {
-            const v16 sx = load16(x.d + r * x.drow + 16 * p);
-            const int8_t *xr = x.q + r * x.qrow + 64 * p;
-#pragma GCC unroll 2
-            for (int c = 0; c < NC; c++) {
-                const v16 lanes = __builtin_convertvector(wdot(&w[c], xr, bits), v16);
-                acc[r][c] = acc[r][c] + (sw[c] * sx) * lanes;
-            }
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; r++) acc[r] = acc[r] + ms[r];
+    }
+    for (int r = 0; r < MR; r++) {
+        float o[GROUP];
+        memcpy(o, &acc[r], sizeof o);
+        const int64_t row = t * MR_MAX + r;
+        float *yr = y + row * ldy + j;
+        const float *rr = res ? res + row * ldy + j : 0;
+        for (int l = 0; l < valid; l++) {
+            const float v = bias ? o[l] + bias[j + l] : o[l];
+            yr[l] = rr ? rr[l] + v : v;
         }
     }
-#pragma GCC unroll 4
-    for (int r = 0; r < MR; r++)
-#pragma GCC unroll 2
-        for (int c = 0; c < NC; c++) {
-            float t = reduce16(acc[r][c]);
-            if (bits == 4) {
-                v16 ms = {0};
-                for (int64_t b = 0; b < x.nbp; b += 16)
-                    ms = ms + load16(wm + c * x.nbp + b) * load16(x.s + r * x.nbp + b);
-                t = t + reduce16(ms);
-            }
-            t = bias ? t + bias[c] : t;
-            y[r * ldy + c] = res ? res[r * ldy + c] + t : t;
-        }
 }
 
-#define TILE_INT8(M, NC) tile_int8(xr, qs + j * qrow, wd + j * nb, wm ? wm + j * nbp : 0, qrow, nb, \
-                                   bias ? bias + j : 0, res ? res + r0 * out + j : 0, y + r0 * out + j, out, M, NC, bits)
-#if MR_MAX == 4
-#define WIDE_INT8(NC)                                                                                 \
-    case 4: TILE_INT8(4, NC); break;                                                                   \
-    case 3: TILE_INT8(3, NC); break;
-#else
-#define WIDE_INT8(NC)
+#define TILE_INT8(M) tile_int8(rows, t, gq, gd, gm, bias, res, y, out, j, valid, M, bits)
+
+/* every row of x against group g of the weight rows */
+static inline __attribute__((always_inline)) void group_int8(qrows rows, int64_t g, int64_t n, const uint8_t *qs,
+                                                             const float *wd, const float *wm, const float *bias,
+                                                             const float *res, float *y, int64_t out, const int bits) {
+    const int64_t nb = rows.nb, tiles = (n + MR_MAX - 1) / MR_MAX;
+    const uint8_t *gq = qs + g * nb * (bits == 4 ? 256 : 512);
+    const float *gd = wd + g * nb * GROUP, *gm = wm ? wm + g * nb * GROUP : 0;
+    const int64_t j = g * GROUP;
+    const int valid = out - j < GROUP ? (int)(out - j) : GROUP;
+    for (int64_t t = 0; t < tiles; t++) {
+        switch (n - t * MR_MAX < MR_MAX ? n - t * MR_MAX : MR_MAX) {
+#if MR_MAX >= 8
+        case 8: TILE_INT8(8); break;
+        case 7: TILE_INT8(7); break;
+        case 6: TILE_INT8(6); break;
+        case 5: TILE_INT8(5); break;
 #endif
-#define ROWS_INT8(NC)                                                                                 \
-    for (int64_t r0 = 0; r0 < n; r0 += MR_MAX) {                                                       \
-        qrows xr = rows;                                                                               \
-        xr.q += r0 * rows.qrow, xr.d += r0 * rows.drow, xr.s += r0 * rows.nbp;                         \
-        switch (n - r0 < MR_MAX ? n - r0 : MR_MAX) {                                                   \
-        WIDE_INT8(NC)                                                                                  \
-        case 2: TILE_INT8(2, NC); break;                                                               \
-        default: TILE_INT8(1, NC); break;                                                              \
-        }                                                                                              \
+#if MR_MAX >= 4
+        case 4: TILE_INT8(4); break;
+#endif
+        case 3: TILE_INT8(3); break;
+        case 2: TILE_INT8(2); break;
+        default: TILE_INT8(1); break;
+        }
     }
+}
 
 /* Returns 0; 1 if `in` is not a multiple of 32, 2 if the quantised rows could not be allocated.
- * Weight rows go in pairs, split evenly between `threads` OpenMP threads. */
+ * Groups of weight rows are split evenly between `threads` OpenMP threads. */
 static inline __attribute__((always_inline)) int int8_matmul(const float *x, const uint8_t *qs, const float *wd,
                                                              const float *wm, const float *bias, const float *res,
                                                              float *y, int64_t n, int64_t in, int64_t out,
                                                              int threads, const int bits) {
     if (in % 32) return 1;
     if (n <= 0 || out <= 0) return 0;
-    const int64_t nb = in / 32, steps = (nb + 1) / 2, nbp = (nb + 15) / 16 * 16;
-    const int64_t qrow = bits == 4 ? in / 2 : in;
-    int8_t *xq = malloc((size_t)(n * steps * 64));
-    float *xd = malloc((size_t)(n * steps * 16) * sizeof(float));
-    float *xs = malloc((size_t)(n * nbp) * sizeof(float));
-    if (!xq || !xd || !xs) {
-        free(xq), free(xd), free(xs);
+    const int64_t nb = in / 32, groups = (out + GROUP - 1) / GROUP, tiles = (n + MR_MAX - 1) / MR_MAX;
+    const int64_t slots = tiles * nb * MR_MAX;
+    qrows rows = {malloc((size_t)(slots * 32)), malloc((size_t)slots * sizeof(float)),
+                  malloc((size_t)slots * sizeof(float)), malloc((size_t)slots * sizeof(int32_t)), nb};
+    if (!rows.q || !rows.d || !rows.s || !rows.c) {
+        free(rows.q), free(rows.d), free(rows.s), free(rows.c);
         return 2;
     }
     _Pragma("omp parallel for schedule(static) num_threads(threads) if (n * in >= 65536)")
-    for (int64_t r = 0; r < n; r++)
-        quantize_row(x + r * in, xq + r * steps * 64, xd + r * steps * 16, xs + r * nbp, in, nbp);
-    const qrows rows = {xq, xd, xs, steps * 64, steps * 16, nbp};
-    const int64_t pairs = out / 2;
-    _Pragma("omp parallel for schedule(static) num_threads(threads)")
-    for (int64_t g = 0; g < pairs + out % 2; g++) {
-        const int64_t j = 2 * g;
-        if (g < pairs) {
-            ROWS_INT8(2)
-        } else {
-            ROWS_INT8(1)
-        }
+    for (int64_t r = 0; r < n; r++) {
+        const int64_t at = (r / MR_MAX) * nb * MR_MAX + r % MR_MAX; /* block 0's slot of row r */
+        quantize_row(x + r * in, rows.q + 32 * at, rows.d + at, rows.s + at, rows.c + at, nb, MR_MAX);
     }
-    free(xq), free(xd), free(xs);
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    for (int64_t g = 0; g < groups; g++) {
+        /* bits as a literal here: OpenMP's outlined body would otherwise receive it as a variable */
+        if (bits == 4) group_int8(rows, g, n, qs, wd, wm, bias, res, y, out, 4);
+        else group_int8(rows, g, n, qs, wd, wm, bias, res, y, out, 8);
+    }
+    free(rows.q), free(rows.d), free(rows.s), free(rows.c);
     return 0;
 }
 
