@@ -171,8 +171,13 @@ def test_without_kernels_the_emulation_gives_the_same_tokens() -> None:
 
 def test_auto_is_int8_only_for_an_fp32_cpu_model_from_a_gguf_file(monkeypatch) -> None:
     f32 = torch.float32
-    assert resolve_compute("auto", from_gguf=True, packed=True, dtype=f32, device="cpu") == "exact"  # not yet faster
-    monkeypatch.setattr(native_load, "AUTO_INT8_FOR_GGUF", True)  # the rule once int8 pays
+    assert resolve_compute("auto", from_gguf=True, packed=True, dtype=f32, device="cpu", int8_units="vnni") == "int8"
+    for slower in ("avx2", "c", "pytorch"):  # int8 not shown faster there
+        assert resolve_compute("auto", from_gguf=True, packed=True, dtype=f32, device="cpu", int8_units=slower) == "exact"
+    monkeypatch.setattr(native_load, "AUTO_INT8_FOR_GGUF", False)
+    assert resolve_compute("auto", from_gguf=True, packed=True, dtype=f32, device="cpu", int8_units="vnni") == "exact"
+    monkeypatch.setattr(native_load, "AUTO_INT8_FOR_GGUF", True)
+    monkeypatch.setattr(native_load, "int8_path", lambda: "vnni")
     assert resolve_compute("auto", from_gguf=True, packed=True, dtype=f32, device="cpu") == "int8"
     assert resolve_compute("auto", from_gguf=False, packed=True, dtype=f32, device="cpu") == "exact"
     assert resolve_compute("auto", from_gguf=True, packed=False, dtype=f32, device="cpu") == "exact"
@@ -187,7 +192,7 @@ def test_auto_is_int8_only_for_an_fp32_cpu_model_from_a_gguf_file(monkeypatch) -
 def test_auto_loads_a_zoo_conversion_in_int8_and_a_checkpoint_exactly(tmp_path, tiny_model_dir, monkeypatch) -> None:
     import transformers as tf
 
-    monkeypatch.setattr(native_load, "AUTO_INT8_FOR_GGUF", True)
+    monkeypatch.setattr(native_load, "int8_path", lambda: "vnni")  # whatever this CPU's units
 
     model_dir = tmp_path / "q4_1"
     shutil.copytree(tiny_model_dir, model_dir)

@@ -29,11 +29,12 @@ LL_TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def served(smollm2_dir):
-    """`blockspec serve` on the zoo's SmolLM2 (its shipped drafter), in a process of its own."""
+    """`blockspec serve` on the zoo's SmolLM2 (its shipped drafter), in a process of its own, in the
+    exact compute mode: the comparison is with lm-eval's `hf` backend, i.e. transformers' numerics."""
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "blockspec.cli", "serve", "--target", SERVED, "--port", "0", "--dtype", "float32",
-         "--max-batch", "4", "--log-level", "warning"],
+         "--compute", "exact", "--max-batch", "4", "--log-level", "warning"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         line = proc.stdout.readline()  # "serving '...' (...) at http://127.0.0.1:PORT/v1"

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from blockspec.cache_dir import packed_weights_file
+from blockspec.cpu.int8 import int8_path
 from blockspec.cpu.packed_cache import source_key
 from blockspec.errors import CheckpointError, ConfigError
 from blockspec.targets.native.backends import COMPUTES
@@ -20,25 +21,29 @@ from blockspec.targets.base import DTYPES
 
 PACK_ENV = "BLOCKSPEC_PACK_WEIGHTS"  # "0": stream the weights themselves, packable or not
 ZOO_MARKER = "blockspec-zoo.json"  # zoo/registry.py's MARKER: the directory was converted from a GGUF file
-# Whether compute="auto" takes int8 for a model converted from a quantised GGUF file. Its quality
-# holds (perplexity on held-out text within 1% of the exact mode's), but "auto" means the fastest
-# mode whose quality holds, and int8's verify passes of 8-16 tokens are not yet cheaper than
-# exact's (BENCHMARKS.md, "Compute modes"): until they are, "auto" stays exact.
-AUTO_INT8_FOR_GGUF = False
+# Whether compute="auto" takes int8 for a model converted from a quantised GGUF file: its quality
+# holds (perplexity on held-out text within 1% of the exact mode's) and, where the CPU has the
+# integer units of AUTO_INT8_PATHS, every pass is faster than exact's (BENCHMARKS.md, "Compute
+# modes"). Elsewhere (AVX2 or plain C products) int8 was not shown to be faster, so auto is exact.
+AUTO_INT8_FOR_GGUF = True
+AUTO_INT8_PATHS = ("vnni",)
 log = logging.getLogger("blockspec.load")
 
 
-def resolve_compute(compute: str, *, from_gguf: bool, packed: bool, dtype: torch.dtype, device: str | torch.device
-                    ) -> str:
+def resolve_compute(compute: str, *, from_gguf: bool, packed: bool, dtype: torch.dtype, device: str | torch.device,
+                    int8_units: str | None = None) -> str:
     """The compute mode "auto" means for a model: "int8" for an fp32 CPU model converted from a
-    quantised GGUF file (packed: its weights kept their GGUF levels), "exact" for anything else
-    (a Hugging Face checkpoint keeps transformers' numerics unless int8 is asked for)."""
+    quantised GGUF file (packed: its weights kept their GGUF levels) on a CPU whose int8 products
+    (`int8_units`, default `cpu.int8.int8_path()`) are in AUTO_INT8_PATHS, "exact" for anything
+    else (a Hugging Face checkpoint keeps transformers' numerics unless int8 is asked for)."""
     if compute not in COMPUTES:
         raise ConfigError(f"compute must be one of {', '.join(COMPUTES)}, got {compute!r}")
     if compute != "auto":
         return compute
     cpu = torch.device(device).type == "cpu"
-    return "int8" if AUTO_INT8_FOR_GGUF and from_gguf and packed and cpu and dtype == torch.float32 else "exact"
+    if not (AUTO_INT8_FOR_GGUF and from_gguf and packed and cpu and dtype == torch.float32):
+        return "exact"
+    return "int8" if (int8_path() if int8_units is None else int8_units) in AUTO_INT8_PATHS else "exact"
 
 
 def is_native_supported(hf_config: object) -> bool:
