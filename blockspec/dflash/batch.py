@@ -29,7 +29,7 @@ from blockspec.dflash.drafter import DFlashDrafter, DraftContextCache
 from blockspec.dflash.feature_queue import FeatureQueue
 from blockspec.dflash.static_drafter import StaticDrafter
 from blockspec.targets.slots import EMPTY
-from blockspec.targets.base import Target, TargetCache, greedy_forward
+from blockspec.targets.base import Target, TargetCache, greedy_forward, greedy_forward_tree
 from blockspec.dflash.logit_bias import apply_logit_bias
 from blockspec.dflash.lookup import LookupConfig, TokenIndex
 from blockspec.dflash.sampling import ACCEPT_SLOT, BONUS_SLOT, RowRandom, probabilities
@@ -553,11 +553,12 @@ class DecodeBatch:
         n = packed.ids.shape[1]
         self.verified = sum(len(t) for t in trees)
         self.tcache.reserve(max(self.cur_host) + n)
-        logits, feats = self.target.forward_tree(packed.ids, packed.positions, packed.ancestors, self.tcache,
-                                                 self.layer_ids)  # [b, n, V], [b, n, F]
-        if self.argmax_only:
-            tokens = greedy_ids(logits)  # [b, n]
+        if self.argmax_only:  # the target's argmax only: a native target skips most of its head
+            tokens, feats = greedy_forward_tree(self.target, packed.ids, packed.positions, packed.ancestors,
+                                                self.tcache, self.layer_ids)  # [b, n], [b, n, F]
         else:
+            logits, feats = self.target.forward_tree(packed.ids, packed.positions, packed.ancestors, self.tcache,
+                                                     self.layer_ids)  # [b, n, V], [b, n, F]
             biased = apply_logit_bias(logits, [r.params.logit_bias for r in rows])
             tokens = keyed_draws(self.random, self._probs(biased), [t.depths for t in trees], self._starts())
         walks = [walk(t, h[: len(t)]) for t, h in zip(trees, tokens.tolist())]  # the one sync

@@ -126,3 +126,21 @@ def greedy_forward(
         return fast(target, ids, positions, cache, layer_ids, last_logits_only)
     logits, feats = target.forward(ids, positions, cache, layer_ids, last_logits_only)
     return greedy_ids(logits), feats
+
+
+def greedy_forward_tree(
+    target: Target,
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    ancestors: torch.Tensor,
+    cache: TargetCache,
+    layer_ids: tuple[int, ...] = (),
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`target.forward_tree`, but each node's greedy id [b, n] in place of its logits, as
+    `greedy_forward` is for `forward`: a class with `forward_tree_greedy` (the native target)
+    skips most of its head; any other computes the logits."""
+    fast = getattr(type(target), "forward_tree_greedy", None)
+    if fast is not None:
+        return fast(target, ids, positions, ancestors, cache, layer_ids)
+    logits, feats = target.forward_tree(ids, positions, ancestors, cache, layer_ids)
+    return greedy_ids(logits), feats

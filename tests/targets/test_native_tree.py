@@ -24,6 +24,7 @@ from blockspec.targets.native import load_native_target
 from blockspec.targets.native.backends import KernelBackend, TorchBackend
 from blockspec.targets.native.cache import StaticCache
 from blockspec.targets.native.tree_slots import tree_slots
+from blockspec.targets.base import greedy_forward_tree
 from blockspec.targets.slots import EMPTY
 
 VOCAB = 64
@@ -331,6 +332,31 @@ def test_greedy_tree_walks_commit_plain_greedy_decoding(monkeypatch) -> None:
         accepted.add((walk.accepted, walk.path[-1] != walk.accepted))
         assert committed == plain[: len(committed)]
     assert len({a for a, _ in accepted}) >= 3 and any(branch for _, branch in accepted)  # depths, later branches
+
+
+@pytest.mark.parametrize("mode", ["program", "loop", "int8", "pytorch"])
+def test_a_greedy_tree_pass_gives_the_argmax_of_each_nodes_logits(mode, monkeypatch) -> None:
+    """`greedy_forward_tree` (the native class's `forward_tree_greedy`: most of the head skipped)
+    gives every real node the argmax of the logits `forward_tree` computes, and the same features."""
+    if mode != "pytorch" and kernels.kernel() is None:
+        pytest.skip("the native CPU kernel did not build here")
+    target = target_of("llama", mode=mode, monkeypatch=monkeypatch)
+    assert type(target).forward_tree_greedy is not None
+    trees = SHAPES["ragged"]
+    _, logits, feats = tree_pass(target, trees)
+    prompts = PROMPTS[: len(trees)]
+    cache = prefilled(target, prompts)
+    n = max(map(len, trees))
+    ids = torch.tensor([list(t.tokens) + [0] * (n - len(t)) for t in trees])
+    pos = torch.tensor([t.positions(len(p)) + [EMPTY] * (n - len(t)) for t, p in zip(trees, prompts)])
+    ancestors = torch.zeros(len(trees), n, n, dtype=torch.bool)
+    for row, t in enumerate(trees):
+        ancestors[row, : len(t), : len(t)] = t.ancestor_mask()
+    best, greedy_feats = greedy_forward_tree(target, ids, pos, ancestors, cache, LAYERS)
+    assert best.shape == (len(trees), n)
+    for row, t in enumerate(trees):
+        assert best[row, : len(t)].tolist() == logits[row, : len(t)].argmax(-1).tolist()
+        assert torch.equal(greedy_feats[row, : len(t)], feats[row, : len(t)])
 
 
 @needs_kernel

@@ -318,6 +318,23 @@ class NativeTarget:
         where the C attention runs. Returns what `forward` does; then `cache.reject(keep)` with
         the accepted path's nodes moves their K/V to the slots of their positions and forgets the
         rest."""
+        return self._run_tree(ids, positions, ancestors, cache, layer_ids, greedy=False)
+
+    @torch.inference_mode()
+    def forward_tree_greedy(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        ancestors: torch.Tensor,
+        cache: StaticCache,
+        layer_ids: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward_tree`, but each node's greedy id [b, n] in place of its logits (see
+        `greedy_forward_tree`): on a CPU the head computes only near-maximal logits exactly."""
+        return self._run_tree(ids, positions, ancestors, cache, layer_ids, greedy=True)
+
+    def _run_tree(self, ids: torch.Tensor, positions: torch.Tensor, ancestors: torch.Tensor, cache: StaticCache,
+                  layer_ids: tuple[int, ...], greedy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         b, n = positions.shape
         if ids.shape != (b, n) or ancestors.shape not in ((n, n), (b, n, n)):
             raise ConfigError(f"a tree pass takes ids and positions [b, n] and ancestors [n, n] or [b, n, n]; got "
@@ -326,7 +343,7 @@ class NativeTarget:
         tree = tree_slots(positions, ancestors, cache.scratch)
         cache.reserve(max(tree.end, cache.horizon if cache.fresh else 0))
         tree = tree.with_scratch(cache.scratch)  # the store may have grown, moving its scratch slot
-        return self.net(ids, positions, cache, layer_ids, real=padding_index(positions), tree=tree)
+        return self.net(ids, positions, cache, layer_ids, real=padding_index(positions), tree=tree, greedy=greedy)
 
     @torch.inference_mode()
     def forward_greedy(
