@@ -510,12 +510,15 @@ class DecodeBatch:
             cands = self.drafter.candidates(hidden, head, normaliser=False)
             return [SelectorDistributions(self.drafter.candidate_selector, hidden[i], cands.ids[i], cands.logits[i])
                     for i in range(hidden.shape[0])]
-        logits = self.drafter.logits(hidden, head)  # [b, D, V]
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        if not self.all_greedy:  # sampled rows grow their trees where their own draws go
+        if self.all_greedy:
+            top, ids = self.drafter.top_logprobs(hidden, head, top_k)  # [b, D, k], descending
+        else:
+            logits = self.drafter.logits(hidden, head)  # [b, D, V]
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            # sampled rows grow their trees where their own draws go
             greedy = (self.temperature <= 0)[:, None, None]
             logp = torch.where(greedy, logp, self._probs(logits).log())
-        top, ids = logp.topk(min(top_k, logp.shape[-1]), dim=-1)  # [b, D, k], descending
+            top, ids = logp.topk(min(top_k, logp.shape[-1]), dim=-1)  # [b, D, k], descending
         top, ids = top.cpu(), ids.cpu()
         return [PositionDistributions(ids[i], top[i]) for i in range(hidden.shape[0])]
 

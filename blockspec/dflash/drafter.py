@@ -299,6 +299,19 @@ class DFlashDrafter(nn.Module):
         total = torch.logaddexp(scores.logsumexp(-1), outside)  # [b, n]
         return ids, torch.exp(scores.max(dim=-1).values - total)
 
+    def top_logprobs(self, hidden: torch.Tensor, head: nn.Module, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k most likely proposals at each position of hidden [.., H]: their draft
+        log-probabilities [.., k] (float32, descending) and token ids [.., k], the greedy
+        distribution `logits` gives, computed over the draft vocabulary alone when one is set
+        (the rest has probability 0) instead of over full-vocabulary logits."""
+        if self.draft_vocab is None:
+            logits = self.logits(hidden, head)  # [.., V]
+        else:
+            logits = self._draft_vocab_logits(hidden, head)  # [.., Vd]
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        top, index = logp.topk(min(k, logp.shape[-1]), dim=-1)  # [.., k]
+        return top, (index if self.draft_vocab is None else self.draft_vocab[index])
+
     def candidates(self, hidden: torch.Tensor, head: nn.Module, *, normaliser: bool = True) -> Candidates:
         """DFlash 2: the K = selector_top_k most likely tokens of the unary draft distribution
         at each position of hidden [.., H] (within the draft vocabulary when one is set), with
