@@ -13,7 +13,7 @@ from blockspec.errors import CheckpointError, ConfigError
 from blockspec.targets.base import DTYPES, Target, TargetCache, TargetInfo, greedy_forward
 from blockspec.targets.gated_delta import DeltaState, delta_forward, is_gated_delta
 from blockspec.targets.slots import EMPTY, SlotTable, gather_slots
-from blockspec.targets.tree_mask import tree_visibility
+from blockspec.targets.tree_mask import check_tree_pass, tree_visibility
 
 # Layer kinds the adapter decodes exactly: attention through per-slot masks, Gated DeltaNet
 # linear attention through states it rolls back (targets/gated_delta.py).
@@ -261,10 +261,7 @@ class HFTarget:
                 f"{self.info.model_type} has recurrent (Gated DeltaNet) layers, whose state after each node depends "
                 "on its branch; token trees need one state per branch, so this target verifies chains only"
             )
-        b, n = positions.shape
-        if ids.shape != (b, n) or ancestors.shape not in ((n, n), (b, n, n)):
-            raise ConfigError(f"a tree pass takes ids and positions [b, n] and ancestors [n, n] or [b, n, n]; got "
-                              f"{tuple(ids.shape)}, {tuple(positions.shape)}, {tuple(ancestors.shape)}")
+        check_tree_pass(ids, positions, ancestors)
         return self.forward(ids, positions, cache, layer_ids, ancestors=ancestors)
 
     @torch.no_grad()

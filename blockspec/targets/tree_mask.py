@@ -15,6 +15,15 @@ from blockspec.errors import ConfigError
 from blockspec.targets.slots import EMPTY, SlotTable
 
 
+def check_tree_pass(ids: torch.Tensor, positions: torch.Tensor, ancestors: torch.Tensor) -> None:
+    """A tree pass's arguments, as every target's `forward_tree` takes them: ids and positions
+    [b, n], ancestors [n, n] or [b, n, n]; a ConfigError naming the shapes otherwise."""
+    b, n = positions.shape
+    if ids.shape != (b, n) or ancestors.shape not in ((n, n), (b, n, n)):
+        raise ConfigError(f"a tree pass takes ids and positions [b, n] and ancestors [n, n] or [b, n, n]; got "
+                          f"{tuple(ids.shape)}, {tuple(positions.shape)}, {tuple(ancestors.shape)}")
+
+
 def tree_visibility(slots: SlotTable, positions: torch.Tensor, ancestors: torch.Tensor, *,
                     sliding_window: int | None = None) -> torch.Tensor:
     """Boolean mask [b, 1, n, S]: True where tree node i of a row may attend to a slot.

@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from support import ragged_prompts
-from test_packed import _q4_model, gguf_round_trip, needs_kernel
+from test_packed import _q4_model, needs_kernel, q4_model_dir
 
 from blockspec.config import SamplingParams, SpecConfig
 from blockspec.dflash.drafter import init_drafter_weights, new_drafter_for_target
@@ -190,18 +189,8 @@ def test_auto_is_int8_only_for_an_fp32_cpu_model_from_a_gguf_file(monkeypatch) -
 
 @needs_kernel
 def test_auto_loads_a_zoo_conversion_in_int8_and_a_checkpoint_exactly(tmp_path, tiny_model_dir, monkeypatch) -> None:
-    import transformers as tf
-
     monkeypatch.setattr(native_load, "int8_path", lambda: "vnni")  # whatever this CPU's units
-
-    model_dir = tmp_path / "q4_1"
-    shutil.copytree(tiny_model_dir, model_dir)
-    model = tf.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2 and "proj" in name:
-                p.copy_(gguf_round_trip(p))
-    model.save_pretrained(str(model_dir))
+    model_dir = q4_model_dir(tiny_model_dir, tmp_path / "q4_1")
     target, _ = load_target(model_dir, compute="auto")
     assert target.compute == "exact"  # not marked as converted from a GGUF file
     (model_dir / ZOO_MARKER).write_text("{}")
@@ -217,7 +206,7 @@ def test_auto_loads_a_zoo_conversion_in_int8_and_a_checkpoint_exactly(tmp_path, 
     with pytest.raises(ConfigError, match="needs the native backend"):
         load_target(model_dir, backend="hf", compute="int8")
     with pytest.raises(ConfigError, match="fp32 models on a CPU"):
-        load_native_target(model, dtype="bfloat16", compute="int8")
+        load_native_target(model_dir, dtype="bfloat16", compute="int8")
 
 
 def test_a_model_without_kernels_for_its_dtype_runs_pytorch() -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -32,6 +34,21 @@ def gguf_round_trip(weight: torch.Tensor, kind: str = "Q4_1") -> torch.Tensor:
     back = quants.dequantize(quants.quantize(weight.detach().float().numpy(), qtype), qtype)
     assert back.dtype == np.float32
     return torch.from_numpy(np.ascontiguousarray(back)).reshape(weight.shape)
+
+
+def q4_model_dir(source: Path, model_dir: Path) -> Path:
+    """A copy of the model directory `source` at `model_dir` whose projections hold Q4_1 GGUF
+    weights, as a conversion of a GGUF file has them (not marked as one: no zoo marker)."""
+    import transformers as tf
+
+    shutil.copytree(source, model_dir)
+    model = tf.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and "proj" in name:
+                p.copy_(gguf_round_trip(p))
+    model.save_pretrained(str(model_dir))
+    return model_dir
 
 
 def test_gguf_q4_1_weights_pack_exactly_and_others_do_not() -> None:
@@ -241,20 +258,9 @@ def test_packing_can_be_turned_off_from_the_environment(monkeypatch: pytest.Monk
 
 @needs_kernel
 def test_bench_reports_a_packed_target_and_stays_lossless(tmp_path, tiny_model_dir, tiny_drafter_dir) -> None:
-    import shutil
-
-    import transformers as tf
-
     from blockspec.cli import main
 
-    model_dir = tmp_path / "q4_1"
-    shutil.copytree(tiny_model_dir, model_dir)
-    model = tf.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2 and "proj" in name:
-                p.copy_(gguf_round_trip(p))
-    model.save_pretrained(str(model_dir))
+    model_dir = q4_model_dir(tiny_model_dir, tmp_path / "q4_1")
     out = tmp_path / "out"
     rc = main(["bench", "--target", str(model_dir), "--drafter", str(tiny_drafter_dir), "--datasets", "gsm8k",
                "--limit", "2", "--max-new-tokens", "8", "--adaptive-only", "--no-progress", "--no-warmup",

@@ -22,7 +22,6 @@ from torch.nn import functional as F
 
 from blockspec.cpu.linear import fast_cpu_single_row
 from blockspec.cpu.packed_cache import pack_cached
-from blockspec.errors import ConfigError
 from blockspec.targets.base import TargetInfo
 from blockspec.targets.native.attention import visible_keys
 from blockspec.targets.native.backends import (
@@ -40,6 +39,7 @@ from blockspec.targets.native.config import NativeConfig
 from blockspec.targets.native.tree_slots import TreeSlots, tree_slots
 from blockspec.targets.rope import Rotary, rope_inv_freq
 from blockspec.targets.slots import EMPTY
+from blockspec.targets.tree_mask import check_tree_pass
 
 
 class NativeLayer(nn.Module):
@@ -335,10 +335,7 @@ class NativeTarget:
 
     def _run_tree(self, ids: torch.Tensor, positions: torch.Tensor, ancestors: torch.Tensor, cache: StaticCache,
                   layer_ids: tuple[int, ...], greedy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        b, n = positions.shape
-        if ids.shape != (b, n) or ancestors.shape not in ((n, n), (b, n, n)):
-            raise ConfigError(f"a tree pass takes ids and positions [b, n] and ancestors [n, n] or [b, n, n]; got "
-                              f"{tuple(ids.shape)}, {tuple(positions.shape)}, {tuple(ancestors.shape)}")
+        check_tree_pass(ids, positions, ancestors)
         positions = positions.to(self.device)
         tree = tree_slots(positions, ancestors, cache.scratch)
         cache.reserve(max(tree.end, cache.horizon if cache.fresh else 0))
