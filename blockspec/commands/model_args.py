@@ -82,7 +82,8 @@ FLAGS: tuple[RuntimeFlag, ...] = (
         default="auto", choices=COMPUTE_NAMES,
         help="the target's arithmetic on a CPU: exact (fp32 as transformers computes it), int8 (8-bit "
              "activations against the 4- / 8-bit weights, integer dot products; DFlash equals int8's own plain "
-             "decoding), auto (default: the fastest mode whose quality holds; today exact)")),
+             "decoding), auto (default: int8 for the zoo's GGUF conversions on a CPU with AVX-512 VNNI, where "
+             "its quality is shown to hold; exact everywhere else)")),
     RuntimeFlag("--block-size", "block_size", "decoding", dict(
         default=None, type=positive_int,
         help="the largest block a step verifies (default: the drafter's); with --no-adaptive-block, every "
