@@ -488,3 +488,66 @@ def test_the_one_call_reject_moves_what_a_copy_per_layer_moves(seed: int) -> Non
     assert torch.equal(caches[0].store.kv, caches[1].store.kv)
     assert torch.equal(caches[0].lengths(), caches[1].lengths())
     assert all(torch.equal(k, kk) for k, kk in zip(caches[0].store.keys, caches[1].store.keys))
+
+
+def random_tree(gen: torch.Generator, n: int) -> TokenTree:
+    """A random tree of n nodes in breadth-first order (each node's parent at the depth above)."""
+    parents, depths = [-1], [0]
+    for i in range(1, n):
+        depth = depths[-1] + int(torch.randint(0, 2, (1,), generator=gen)) if depths[-1] else 1
+        above = [j for j in range(i) if depths[j] == depth - 1]
+        if not above:
+            depth -= 1
+            above = [j for j in range(i) if depths[j] == depth - 1]
+        parents.append(above[int(torch.randint(0, len(above), (1,), generator=gen))])
+        depths.append(depth)
+    return TokenTree(tuple(range(100, 100 + n)), tuple(parents))
+
+
+def assert_same_geometry(a, b) -> None:
+    for name in ("slots", "base", "real", "sees", "visible"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert torch.equal(a.keys(), b.keys()) and a.end == b.end
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_host_geometry_equals_the_tensor_geometry(seed: int) -> None:
+    """`tree_slots` on CPU tensors runs on host integers: every field, the key table and the end
+    equal the tensor formulation's, for ragged random trees, a row of padding only, a mask that is
+    no tree's (a node that sees its sibling or cousin) and one mask for every row."""
+    from blockspec.targets.native import tree_slots as geometry
+
+    gen = torch.Generator().manual_seed(seed)
+    trees = [random_tree(gen, int(torch.randint(1, 17, (1,), generator=gen))) for _ in range(4)]
+    n = max(map(len, trees)) + int(torch.randint(0, 3, (1,), generator=gen))
+    positions = torch.full((5, n), EMPTY)
+    ancestors = torch.zeros(5, n, n, dtype=torch.bool)
+    for row, t in enumerate(trees):  # row 4: padding only (a row that joined)
+        positions[row, : len(t)] = torch.tensor(t.positions(int(torch.randint(0, 50, (1,), generator=gen))))
+        ancestors[row, : len(t), : len(t)] = t.ancestor_mask()
+    ancestors[4] = torch.rand(n, n, generator=gen) < 0.3  # padding rows' masks are never read
+    assert_same_geometry(geometry._host_tree_slots(positions, ancestors, 99),
+                         geometry._tensor_tree_slots(positions, ancestors, 99))
+    big = max(range(4), key=lambda r: len(trees[r]))
+    if len(trees[big]) > 2:
+        bad = ancestors.clone()
+        bad[big, len(trees[big]) - 1, 1] = True  # the last node sees node 1 as well
+        assert_same_geometry(geometry._host_tree_slots(positions, bad, 99),
+                             geometry._tensor_tree_slots(positions, bad, 99))
+    one = trees[big]
+    pos = torch.tensor([one.positions(7), one.positions(30)])
+    assert_same_geometry(geometry.tree_slots(pos, one.ancestor_mask(), 64),
+                         geometry._tensor_tree_slots(pos, one.ancestor_mask()[None].expand(2, -1, -1), 64))
+
+
+def test_the_host_geometry_of_a_mask_that_is_no_trees_takes_node_order() -> None:
+    from blockspec.targets.native import tree_slots as geometry
+
+    positions = torch.tensor([TREE.positions(9), SMALL.positions(7) + [EMPTY] * 4])
+    ancestors = torch.zeros(2, 10, 10, dtype=torch.bool)
+    for row, t in enumerate((TREE, SMALL)):
+        ancestors[row, : len(t), : len(t)] = t.ancestor_mask()
+    ancestors[0, 1:3, 0] = False  # nodes 1 and 2 do not see the root: they and the root would share a slot
+    host = geometry._host_tree_slots(positions, ancestors, 99)
+    assert_same_geometry(host, geometry._tensor_tree_slots(positions, ancestors, 99))
+    assert host.slots.tolist() == [list(range(9, 19)), list(range(7, 13)) + [99] * 4]
