@@ -120,3 +120,21 @@ def test_a_tree_step_runs_the_drafters_head_once(monkeypatch: pytest.MonkeyPatch
             assert calls.count("top_logprobs") == int(tree), calls
             assert "greedy_tokens" not in calls and "greedy_with_confidence" not in calls, calls
     assert tree_steps > 1 and [r.generated for r in rows] == truth
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("ties", [False, True])
+def test_a_ranking_reused_from_the_same_distributions_equals_a_fresh_one(seed: int, ties: bool) -> None:
+    """A step ranks its rows' nodes to price the tree, then builds it: the second ranking is the
+    first one's prefix, equal to ranking afresh, for budgets in any order, depths cut or not, the
+    distributions exhausted or not, ties and zero-probability candidates included."""
+    shared = random_dists(seed, depth=4, k=3, ties=ties, dead=True)
+    gen = torch.Generator().manual_seed(seed)
+    for budget in torch.randint(0, 90, (12,), generator=gen).tolist() + [200, 3]:
+        for depth in (None, 2):
+            fresh = PositionDistributions(shared.ids, shared.logprobs)  # nothing ranked from it yet
+            want = BestFirstProposer(budget, max_depth=depth).ranked(Draft(5, fresh))
+            assert BestFirstProposer(budget, max_depth=depth).ranked(Draft(5, shared)) == want
+            assert BestFirstProposer(budget, max_depth=depth).propose(Draft(5, shared)) == \
+                BestFirstProposer(budget, max_depth=depth).propose(Draft(5, fresh))
+    assert len(BestFirstProposer(200).ranked(Draft(5, shared))) < 200  # exhausted: every node ranked

@@ -50,6 +50,8 @@ class PositionDistributions:
         ids, lps = lists if lists is not None else (self.ids.tolist(), self.logprobs.float().tolist())
         neg = float("-inf")
         live = [None if neg not in row else [k for k, lp in enumerate(row) if lp != neg] for row in lps]
+        # best-first rankings taken from these distributions, by (root, depth) (proposers/best_first.py)
+        object.__setattr__(self, "rankings", {})
         object.__setattr__(self, "_ids", [row if keep is None else [row[k] for k in keep] for row, keep in zip(ids, live)])
         object.__setattr__(self, "_lp", [row if keep is None else [row[k] for k in keep] for row, keep in zip(lps, live)])
 
