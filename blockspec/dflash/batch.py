@@ -427,7 +427,6 @@ class DecodeBatch:
         top = max(self.cur_host) + q
         block_ids = torch.empty(b, q, dtype=torch.long, device=d)
         block_ids[:, 0] = self.last
-        greedy = self.all_greedy
         starts = self._starts()
         from_lookup = [0] * b
         lengths = [q] * b  # tokens each row verifies
@@ -446,38 +445,22 @@ class DecodeBatch:
             hidden = self.draft(ctx_feats, ctx_pos, embeds, positions, self.dcache)
             conf = None
             selector = self.drafter.candidate_selector is not None
+            # Constrained rows keep chains: their grammar cuts a chain at its first disallowed
+            # proposal (`_cut`), which a tree would need per branch.
+            trees = self.trees and all(r.constraint is None for r in rows)
             # a DFlash 2 walk goes on from the lookup continuation that will replace its first proposals
-            forced = self._lookup_forced(q) if selector and self.lookup is not None else None
-            if greedy and trim is not None:
-                block_ids[:, 1:], conf = self.drafter.greedy_with_confidence(hidden[:, 1:q], self.target.head(),
-                                                                             self.last, forced)
-            elif greedy:
-                block_ids[:, 1:] = self.drafter.greedy_tokens(hidden[:, 1:q], self.target.head(), self.last,
-                                                              forced)  # [b, q-1]
-            if greedy and not selector:
-                self._mask_greedy_drafts(hidden[:, 1:q], block_ids)
-            elif selector:
-                block_ids[:, 1:], conf, self._draft_q = self._sample_walk(hidden[:, 1:q], forced, trim is not None,
-                                                                          self._wants_q())
+            forced = self._lookup_forced(q) if selector and self.lookup is not None and not trees else None
+            if trees:
+                # A tree step reads the drafter's top choices alone, never a chain's proposals: the
+                # draft head runs once (block_ids[:, 1:] stays unset; a tree step that verifies no
+                # proposal reads only block_ids[:, :1]).
+                dists = self._tree_distributions(hidden[:, 1:q], min(q - 1, self.tree_nodes, TREE_TOP_K))
             else:
-                draft_logits = self.drafter.logits(hidden[:, 1:q], self.target.head())  # [b, q-1, V]
-                draft_probs = self._probs(draft_logits)
-                # drawn with the draws the target's own sample at each position takes (dflash/sampling.py)
-                block_ids[:, 1:] = self.random.sample(draft_probs, starts)
-                if self._wants_q():
-                    self._draft_q = draft_probs
-                if trim is not None:
-                    conf = draft_confidence(draft_probs)  # [b, q-1]
-                self._mask_drafts(draft_probs, block_ids, starts)
+                conf = self._draft_chain(hidden[:, 1:q], block_ids, forced, trim is not None, starts)
             if self.lookup is not None:
                 from_lookup = self._lookup_proposals(block_ids)
                 if self._draft_q is not None and any(from_lookup):
                     self._draft_q = _one_hot_where(self._draft_q, block_ids[:, 1:], from_lookup)
-            # Constrained rows keep chains: their grammar cuts a chain at its first disallowed
-            # proposal (`_cut`), which a tree would need per branch.
-            trees = self.trees and all(r.constraint is None for r in rows)
-            if trees:
-                dists = self._tree_distributions(hidden[:, 1:q], min(q - 1, self.tree_nodes, TREE_TOP_K))
             if trim is not None:
                 # a tree's width buys its best nodes: trim by their path probabilities
                 chosen = trim(self._tree_confidences(dists, q - 1) if trees else conf.tolist(), from_lookup)
@@ -500,6 +483,35 @@ class DecodeBatch:
         return self._verify_and_commit(block_ids, positions, offsets, top, from_lookup, lengths, limit, padding,
                                        masks)
 
+    def _draft_chain(self, hidden: torch.Tensor, block_ids: torch.Tensor, forced: torch.Tensor | None,
+                     confidence: bool, starts: list[int]) -> torch.Tensor | None:
+        """A chain step's proposals from the draft hidden states [b, q-1, H], written into
+        block_ids[:, 1:] [b, q]: greedy argmax, a DFlash 2 walk or keyed draws (sets `_draft_q`
+        where the standard rule needs it). Returns with `confidence` the drafts' confidences
+        [b, q-1] a trim reads, else None."""
+        conf = None
+        greedy = self.all_greedy
+        selector = self.drafter.candidate_selector is not None
+        if greedy and confidence:
+            block_ids[:, 1:], conf = self.drafter.greedy_with_confidence(hidden, self.target.head(), self.last, forced)
+        elif greedy:
+            block_ids[:, 1:] = self.drafter.greedy_tokens(hidden, self.target.head(), self.last, forced)  # [b, q-1]
+        if greedy and not selector:
+            self._mask_greedy_drafts(hidden, block_ids)
+        elif selector:
+            block_ids[:, 1:], conf, self._draft_q = self._sample_walk(hidden, forced, confidence, self._wants_q())
+        else:
+            draft_logits = self.drafter.logits(hidden, self.target.head())  # [b, q-1, V]
+            draft_probs = self._probs(draft_logits)
+            # drawn with the draws the target's own sample at each position takes (dflash/sampling.py)
+            block_ids[:, 1:] = self.random.sample(draft_probs, starts)
+            if self._wants_q():
+                self._draft_q = draft_probs
+            if confidence:
+                conf = draft_confidence(draft_probs)  # [b, q-1]
+            self._mask_drafts(draft_probs, block_ids, starts)
+        return conf
+
     def _tree_distributions(self, hidden: torch.Tensor, top_k: int) -> list[Distributions]:
         """Per row, the drafter's distributions its tree grows from, for hidden [b, D, H] (block
         positions 1..D). DFlash: each position's top_k under the row's shaping (a greedy row: the
@@ -519,8 +531,7 @@ class DecodeBatch:
             greedy = (self.temperature <= 0)[:, None, None]
             logp = torch.where(greedy, logp, self._probs(logits).log())
             top, ids = logp.topk(min(top_k, logp.shape[-1]), dim=-1)  # [b, D, k], descending
-        top, ids = top.cpu(), ids.cpu()
-        return [PositionDistributions(ids[i], top[i]) for i in range(hidden.shape[0])]
+        return PositionDistributions.batch(ids, top)
 
     def _tree_confidences(self, dists: list[Distributions], width: int) -> list[list[float]]:
         """Per row, `width` numbers whose running products are the draft probabilities of its

@@ -34,6 +34,8 @@ def propose_tree(root: int, distributions: Distributions, lookup: Sequence[int],
     shares at least as much of the branch and the total stays within the budget."""
     branch = list(lookup)[:budget]
     depth = distributions.max_depth or None
+    if not branch:  # the drafter's tree alone (what `grown` gives without a branch, built once)
+        return BestFirstProposer(budget, max_depth=depth).propose(Draft(root, distributions))
 
     def grown(inner_budget: int) -> tuple[TokenTree, int]:
         inner = BestFirstProposer(inner_budget, max_depth=depth)
@@ -58,17 +60,28 @@ class PackedTrees:
 
 
 def pack_trees(trees: Sequence[TokenTree], cur: Sequence[int], device: torch.device | str) -> PackedTrees:
-    """The verify inputs of row r's tree rooted at position cur[r] (see PackedTrees)."""
+    """The verify inputs of row r's tree rooted at position cur[r] (see PackedTrees). Built from
+    host lists, one tensor each, since a step packs its trees on its critical path."""
     b, n = len(trees), max(len(t) for t in trees)
-    ids = torch.zeros(b, n, dtype=torch.long)
-    positions = torch.full((b, n), EMPTY, dtype=torch.long)
-    ancestors = torch.zeros(b, n, n, dtype=torch.bool)
+    ids, positions = [], []
+    rows: list[int] = []  # the ancestor mask's True entries: (row, node, ancestor or itself)
+    nodes: list[int] = []
+    seen: list[int] = []
     for r, (tree, c) in enumerate(zip(trees, cur)):
-        m = len(tree)
-        ids[r, :m] = torch.tensor(tree.tokens)
-        positions[r, :m] = torch.tensor(tree.positions(c))
-        ancestors[r, :m, :m] = tree.ancestor_mask()
-    return PackedTrees(ids.to(device), positions.to(device), ancestors.to(device), (positions == EMPTY).to(device))
+        pad = n - len(tree)
+        ids.append([*tree.tokens, *[0] * pad])
+        positions.append([*(c + d for d in tree.depths), *[EMPTY] * pad])
+        lineage: list[list[int]] = []  # per node: its ancestors from the root, then itself
+        for i, p in enumerate(tree.parents):
+            line = [*(lineage[p] if p >= 0 else ()), i]
+            lineage.append(line)
+            rows.extend([r] * len(line))
+            nodes.extend([i] * len(line))
+            seen.extend(line)
+    ancestors = torch.zeros(b, n, n, dtype=torch.bool)
+    ancestors[torch.tensor(rows), torch.tensor(nodes), torch.tensor(seen)] = True
+    pos = torch.tensor(positions)
+    return PackedTrees(torch.tensor(ids).to(device), pos.to(device), ancestors.to(device), (pos == EMPTY).to(device))
 
 
 def gather_path(values: torch.Tensor, path: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ from blockspec.errors import ConfigError
 from blockspec.targets.native import attention as native_attention
 from blockspec.targets.native import load_native_target
 from blockspec.targets.native.backends import KernelBackend, TorchBackend
-from blockspec.targets.native.cache import StaticCache
+from blockspec.targets.native.cache import KVStore, StaticCache
 from blockspec.targets.native.tree_slots import tree_slots
 from blockspec.targets.base import greedy_forward_tree
 from blockspec.targets.slots import EMPTY
@@ -257,8 +257,8 @@ def test_a_path_already_in_place_and_a_chain_reject_copy_nothing(monkeypatch) ->
     lengths, as before trees."""
     target = target_of("llama")
     copies = []
-    layer = StaticCache.layer
-    monkeypatch.setattr(StaticCache, "layer", lambda self, i: copies.append(i) or layer(self, i))
+    move = StaticCache.move_slots
+    monkeypatch.setattr(StaticCache, "move_slots", lambda self, *a: copies.append(len(a[0])) or move(self, *a))
     cache, _, _ = tree_pass(target, [TREE, CHAIN])
     keep = torch.zeros(2, len(TREE), dtype=torch.bool)
     keep[0, TREE.path(9)] = True  # 0, 1, 4, 7, 9: the first child at every depth
@@ -277,7 +277,7 @@ def test_a_path_already_in_place_and_a_chain_reject_copy_nothing(monkeypatch) ->
     keep[0, TREE.path(8)] = True
     copies.clear()
     cache.reject(keep)
-    assert sorted(set(copies)) == list(range(target.net.cfg.num_layers))
+    assert copies == [3]  # one call for every layer, moving nodes 2, 6 and 8 (the path 0, 2, 6, 8)
 
 
 def test_the_spine_takes_the_slots_of_its_positions_and_the_rest_follows() -> None:
@@ -440,3 +440,114 @@ def test_kernel_refuses_tree_slots_outside_the_horizon() -> None:
     table = torch.tensor([[[2, 2, 0], [2, 2, 9]]])
     with pytest.raises(ValueError, match="outside the cache"):
         native_attention.cached_attention(q, k, v, torch.tensor([[3, 4]]), 8, 1.0, tree=table)
+
+
+def reference_reject(cache: StaticCache, keep: torch.Tensor) -> None:
+    """`reject` after a tree pass as it moved K/V layer by layer, each layer's sources gathered
+    before its writes: what the one-call copy over the stacked store must equal."""
+    tree, cache.tree = cache.tree, None
+    keep = keep & tree.real
+    cache.length = torch.where(tree.real.any(dim=1), tree.base + keep.sum(dim=1), cache.length)
+    dst = tree.base[:, None] + keep.long().cumsum(dim=1) - 1
+    rows, nodes = (keep & (tree.slots != dst)).nonzero(as_tuple=True)
+    src, dst = tree.slots[rows, nodes], dst[rows, nodes]
+    for i in range(cache.store.num_layers):
+        k, v = cache.layer(i)
+        k[rows, :, dst] = k[rows, :, src]
+        v[rows, :, dst] = v[rows, :, src]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_one_call_reject_moves_what_a_copy_per_layer_moves(seed: int) -> None:
+    """Random K/V in a window of a store's rows (rows below and above it untouched), random trees
+    and random accepted paths (lookup-like branches deeper than the spine included): the stacked
+    copy leaves the store bit-identical to copying layer by layer."""
+    gen = torch.Generator().manual_seed(seed)
+    trees = [TREE, CHAIN, SMALL, TokenTree((1, 2, 3, 4, 5), (-1, 0, 0, 2, 3))]  # the last: its deepest branch is second
+    b, n = len(trees), max(map(len, trees))
+    base = torch.randint(0, 20, (b,), generator=gen)
+    positions = torch.full((b, n), EMPTY)
+    ancestors = torch.zeros(b, n, n, dtype=torch.bool)
+    keep = torch.zeros(b, n, dtype=torch.bool)
+    for row, t in enumerate(trees):
+        positions[row, : len(t)] = torch.tensor(t.positions(int(base[row])))
+        ancestors[row, : len(t), : len(t)] = t.ancestor_mask()
+        leaf = t.leaves()[int(torch.randint(0, len(t.leaves()), (1,), generator=gen))]
+        path = t.path(leaf)[: int(torch.randint(1, len(t.path(leaf)) + 1, (1,), generator=gen))]
+        keep[row, path] = True
+    caches = []
+    for _ in range(2):
+        torch.manual_seed(seed)
+        store = KVStore(3, 2, 4, dtype=torch.float32, device="cpu", rows=b + 2, capacity=40)
+        store.kv.normal_()
+        cache = StaticCache(store, row0=1, batch=b)
+        cache.note_tree(tree_slots(positions, ancestors, cache.scratch))
+        caches.append(cache)
+    caches[0].reject(keep)
+    reference_reject(caches[1], keep)
+    assert torch.equal(caches[0].store.kv, caches[1].store.kv)
+    assert torch.equal(caches[0].lengths(), caches[1].lengths())
+    assert all(torch.equal(k, kk) for k, kk in zip(caches[0].store.keys, caches[1].store.keys))
+
+
+def random_tree(gen: torch.Generator, n: int) -> TokenTree:
+    """A random tree of n nodes in breadth-first order (each node's parent at the depth above)."""
+    parents, depths = [-1], [0]
+    for i in range(1, n):
+        depth = depths[-1] + int(torch.randint(0, 2, (1,), generator=gen)) if depths[-1] else 1
+        above = [j for j in range(i) if depths[j] == depth - 1]
+        if not above:
+            depth -= 1
+            above = [j for j in range(i) if depths[j] == depth - 1]
+        parents.append(above[int(torch.randint(0, len(above), (1,), generator=gen))])
+        depths.append(depth)
+    return TokenTree(tuple(range(100, 100 + n)), tuple(parents))
+
+
+def assert_same_geometry(a, b) -> None:
+    for name in ("slots", "base", "real", "sees", "visible"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert torch.equal(a.keys(), b.keys()) and a.end == b.end
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_host_geometry_equals_the_tensor_geometry(seed: int) -> None:
+    """`tree_slots` on CPU tensors runs on host integers: every field, the key table and the end
+    equal the tensor formulation's, for ragged random trees, a row of padding only, a mask that is
+    no tree's (a node that sees its sibling or cousin) and one mask for every row."""
+    from blockspec.targets.native import tree_slots as geometry
+
+    gen = torch.Generator().manual_seed(seed)
+    trees = [random_tree(gen, int(torch.randint(1, 17, (1,), generator=gen))) for _ in range(4)]
+    n = max(map(len, trees)) + int(torch.randint(0, 3, (1,), generator=gen))
+    positions = torch.full((5, n), EMPTY)
+    ancestors = torch.zeros(5, n, n, dtype=torch.bool)
+    for row, t in enumerate(trees):  # row 4: padding only (a row that joined)
+        positions[row, : len(t)] = torch.tensor(t.positions(int(torch.randint(0, 50, (1,), generator=gen))))
+        ancestors[row, : len(t), : len(t)] = t.ancestor_mask()
+    ancestors[4] = torch.rand(n, n, generator=gen) < 0.3  # padding rows' masks are never read
+    assert_same_geometry(geometry._host_tree_slots(positions, ancestors, 99),
+                         geometry._tensor_tree_slots(positions, ancestors, 99))
+    big = max(range(4), key=lambda r: len(trees[r]))
+    if len(trees[big]) > 2:
+        bad = ancestors.clone()
+        bad[big, len(trees[big]) - 1, 1] = True  # the last node sees node 1 as well
+        assert_same_geometry(geometry._host_tree_slots(positions, bad, 99),
+                             geometry._tensor_tree_slots(positions, bad, 99))
+    one = trees[big]
+    pos = torch.tensor([one.positions(7), one.positions(30)])
+    assert_same_geometry(geometry.tree_slots(pos, one.ancestor_mask(), 64),
+                         geometry._tensor_tree_slots(pos, one.ancestor_mask()[None].expand(2, -1, -1), 64))
+
+
+def test_the_host_geometry_of_a_mask_that_is_no_trees_takes_node_order() -> None:
+    from blockspec.targets.native import tree_slots as geometry
+
+    positions = torch.tensor([TREE.positions(9), SMALL.positions(7) + [EMPTY] * 4])
+    ancestors = torch.zeros(2, 10, 10, dtype=torch.bool)
+    for row, t in enumerate((TREE, SMALL)):
+        ancestors[row, : len(t), : len(t)] = t.ancestor_mask()
+    ancestors[0, 1:3, 0] = False  # nodes 1 and 2 do not see the root: they and the root would share a slot
+    host = geometry._host_tree_slots(positions, ancestors, 99)
+    assert_same_geometry(host, geometry._tensor_tree_slots(positions, ancestors, 99))
+    assert host.slots.tolist() == [list(range(9, 19)), list(range(7, 13)) + [99] * 4]

@@ -9,7 +9,7 @@ on it (proposers/dflash2.py). Proposers only read these, so one tree builder ser
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 from typing import Protocol
 
 import torch
@@ -39,15 +39,29 @@ class PositionDistributions:
 
     ids: torch.Tensor
     logprobs: torch.Tensor
+    lists: InitVar[tuple[list[list[int]], list[list[float]]] | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, lists: tuple[list[list[int]], list[list[float]]] | None) -> None:
+        """lists: ids.tolist() and logprobs.float().tolist() when the caller has them already
+        (`batch` reads a whole batch back at once)."""
         if self.ids.dim() != 2 or self.ids.shape != self.logprobs.shape:
             raise ConfigError(f"top-k ids {tuple(self.ids.shape)} and log-probabilities {tuple(self.logprobs.shape)} "
                               "must both be [depth, k]")
-        ids, lps = self.ids.tolist(), self.logprobs.float().tolist()
-        live = [[k for k, lp in enumerate(row) if lp != float("-inf")] for row in lps]
-        object.__setattr__(self, "_ids", [[row[k] for k in keep] for row, keep in zip(ids, live)])
-        object.__setattr__(self, "_lp", [[row[k] for k in keep] for row, keep in zip(lps, live)])
+        ids, lps = lists if lists is not None else (self.ids.tolist(), self.logprobs.float().tolist())
+        neg = float("-inf")
+        live = [None if neg not in row else [k for k, lp in enumerate(row) if lp != neg] for row in lps]
+        # best-first rankings taken from these distributions, by (root, depth) (proposers/best_first.py)
+        object.__setattr__(self, "rankings", {})
+        object.__setattr__(self, "_ids", [row if keep is None else [row[k] for k in keep] for row, keep in zip(ids, live)])
+        object.__setattr__(self, "_lp", [row if keep is None else [row[k] for k in keep] for row, keep in zip(lps, live)])
+
+    @classmethod
+    def batch(cls, ids: torch.Tensor, logprobs: torch.Tensor) -> list[PositionDistributions]:
+        """One per row of a batch's top-k ids and log-probabilities [b, D, k], read back to the
+        host in one transfer each."""
+        ids, logprobs = ids.cpu(), logprobs.float().cpu()
+        id_rows, lp_rows = ids.tolist(), logprobs.tolist()
+        return [cls(ids[i], logprobs[i], (id_rows[i], lp_rows[i])) for i in range(ids.shape[0])]
 
     @classmethod
     def from_logits(cls, logits: torch.Tensor, k: int) -> PositionDistributions:

@@ -45,6 +45,15 @@ class BestFirstProposer:
         deepest = dists.max_depth if self.max_depth is None else min(self.max_depth, dists.max_depth)
         if deepest < 1:
             return []
+        # The nodes come out in the same order whatever the budget (it only says when to stop), so
+        # a ranking taken before from the same distributions (a step prices its tree, then builds
+        # it) holds every shorter one as a prefix.
+        memo = getattr(dists, "rankings", None)
+        key = (draft.root, deepest)
+        if memo is not None and key in memo:
+            known, complete = memo[key]
+            if complete or len(known) >= self.budget:
+                return known[: self.budget]
         # a frontier entry: (-path log-probability, tie order, parent's path, parent's candidates, rank)
         heap: list = []
         order = 0
@@ -64,4 +73,6 @@ class BestFirstProposer:
             push(parent_score, parent_path, cands, rank + 1)  # the next sibling
             if len(path) < deepest:
                 push(-neg, path, dists.children(len(path) + 1, path[-1]), 0)  # the best child
-        return chosen
+        if memo is not None:
+            memo[key] = (chosen, not heap)
+        return list(chosen)

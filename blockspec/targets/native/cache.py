@@ -38,7 +38,10 @@ def _grow(n: int, floor: int = 64) -> int:
 
 
 class KVStore:
-    """Per-layer keys and values, each [rows, kv_heads, capacity + 1, head_dim] (zero-filled)."""
+    """Per-layer keys and values, each [rows, kv_heads, capacity + 1, head_dim] (zero-filled):
+    views of one tensor `kv` [2, layers, rows, kv_heads, capacity + 1, head_dim] (keys, then
+    values), so a copy that touches every layer (a tree pass's `reject`) is one indexing operation
+    instead of two per layer."""
 
     def __init__(
         self,
@@ -54,6 +57,7 @@ class KVStore:
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
         self.rows, self.capacity = 0, 0
+        self.kv = torch.zeros(2, num_layers, 0, kv_heads, 1, head_dim, dtype=dtype, device=self.device)
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.ensure(rows, capacity)
@@ -64,17 +68,12 @@ class KVStore:
             return
         new_rows = max(rows, self.rows, 1)
         new_cap = max(_grow(capacity), self.capacity)
-        shape = (new_rows, self.kv_heads, new_cap + 1, self.head_dim)
-        keys, values = [], []
-        for i in range(self.num_layers):
-            k = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            v = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            if self.rows:
-                k[: self.rows, :, : self.capacity] = self.keys[i][:, :, : self.capacity]
-                v[: self.rows, :, : self.capacity] = self.values[i][:, :, : self.capacity]
-            keys.append(k)
-            values.append(v)
-        self.keys, self.values = keys, values
+        kv = torch.zeros(2, self.num_layers, new_rows, self.kv_heads, new_cap + 1, self.head_dim, dtype=self.dtype,
+                         device=self.device)
+        if self.rows:
+            kv[:, :, : self.rows, :, : self.capacity] = self.kv[:, :, :, :, : self.capacity]
+        self.kv = kv
+        self.keys, self.values = list(kv[0].unbind(0)), list(kv[1].unbind(0))
         self.rows, self.capacity = new_rows, new_cap
 
     def nbytes(self) -> int:
@@ -157,11 +156,13 @@ class StaticCache:
         if not bool(move.any()):
             return
         rows, nodes = move.nonzero(as_tuple=True)  # [m]
-        src, dst = tree.slots[rows, nodes], dst[rows, nodes]  # [m] slots
-        for i in range(self.store.num_layers):
-            k, v = self.layer(i)
-            k[rows, :, dst] = k[rows, :, src]  # the right side is gathered before any write
-            v[rows, :, dst] = v[rows, :, src]
+        self.move_slots(rows, tree.slots[rows, nodes], dst[rows, nodes])
+
+    def move_slots(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copies the K/V of slot src[i] to slot dst[i] in row rows[i] (all [m]), every layer in one
+        indexing operation over the store's stacked tensor; every source is read before any write."""
+        kv = self.store.kv[:, :, self.row0 : self.row0 + self.batch]  # [2, layers, batch, kv_heads, slots, head_dim]
+        kv[:, :, rows, :, dst] = kv[:, :, rows, :, src]
 
     def compact(self, ratio: float) -> None:
         """Nothing to do: rejected slots are reused in place."""

@@ -21,7 +21,7 @@ nothing for the part of the path along the spine, which is there already.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -38,10 +38,15 @@ class TreeSlots:
     real: torch.Tensor  # [b, n] bool: not padding
     sees: torch.Tensor  # [b, n, n] bool: node i sees node j (itself, its ancestors; never padding)
     visible: torch.Tensor  # [b, n] int64: how many keys each node sees (context + tree nodes), 0 for padding
+    # `keys()` and `end`, where they were computed with the rest (on the host): None, computed on demand
+    table: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    known_end: int | None = field(default=None, repr=False, compare=False)
 
     @property
     def end(self) -> int:
         """One past the largest tree slot: the attention reads slots below it (one host sync)."""
+        if self.known_end is not None:
+            return self.known_end
         ends = self.base + self.real.sum(dim=1)  # [b]
         return int(ends.max()) if ends.numel() else 0
 
@@ -66,6 +71,8 @@ class TreeSlots:
         """[b, n, 1 + w] int64, w the most tree nodes a node sees: per node its base, then the slots
         of the tree nodes it sees in node order (= by depth for a tree), unused entries 0: the
         table `cached_attention` takes."""
+        if self.table is not None:
+            return self.table
         b, n = self.slots.shape
         index = torch.arange(n, device=self.slots.device)
         order = torch.where(self.sees, index, n).sort(dim=-1).values  # [b, n, n]: seen nodes first
@@ -100,6 +107,14 @@ def tree_slots(positions: torch.Tensor, ancestors: torch.Tensor, scratch: int) -
         ancestors = ancestors[None].expand(b, n, n)
     if ancestors.shape != (b, n, n):
         raise ConfigError(f"a tree pass needs ancestors [n, n] or [b={b}, n={n}, n], got {tuple(ancestors.shape)}")
+    if positions.device.type == "cpu" and ancestors.device.type == "cpu":
+        return _host_tree_slots(positions, ancestors, scratch)
+    return _tensor_tree_slots(positions, ancestors, scratch)
+
+
+def _tensor_tree_slots(positions: torch.Tensor, ancestors: torch.Tensor, scratch: int) -> TreeSlots:
+    """`tree_slots` in tensor operations (where the tensors live on an accelerator)."""
+    b, n = positions.shape
     real = positions != EMPTY  # [b, n]
     has = real.any(dim=1)  # [b]
     base = torch.where(has, torch.where(real, positions, torch.iinfo(torch.int64).max).min(dim=1).values, 0)
@@ -134,3 +149,77 @@ def distinct(values: torch.Tensor) -> bool:
     """Whether each row of values [b, n] holds n different values."""
     ordered = values.sort(dim=1).values
     return not bool((ordered[:, 1:] == ordered[:, :-1]).any())
+
+
+def _host_tree_slots(positions: torch.Tensor, ancestors: torch.Tensor, scratch: int) -> TreeSlots:
+    """`tree_slots` for CPU tensors, on host integers: each node's visible nodes as a bit mask.
+    A tree pass is a few dozen nodes, where the tensor formulation's ~60 small operations cost
+    more than the arithmetic; this one makes the same geometry (tested equal) plus the key table
+    and the end, with five tensors out."""
+    b, n = positions.shape
+    pos = positions.tolist()
+    if n <= 62:  # each row of the mask as one int64
+        masks = (ancestors.to(torch.int64) << torch.arange(n)).sum(dim=-1).tolist()  # [b][n]
+    else:
+        masks = [[sum(1 << j for j, v in enumerate(row) if v) for row in rows] for rows in ancestors.tolist()]
+    slots, bases, reals, sees_rows, visible, counts = [], [], [], [], [], []
+    tree_shaped = True
+    for r in range(b):
+        real = [p != EMPTY for p in pos[r]]
+        base = min((p for p, ok in zip(pos[r], real) if ok), default=0)
+        live = sum(1 << i for i in range(n) if real[i])
+        sees = [(masks[r][i] | 1 << i) & live if real[i] else 0 for i in range(n)]
+        count = [s.bit_count() for s in sees]  # a tree node's depth + 1
+        level = [0] * (n + 1)  # per count: the nodes with that many visible nodes
+        for i in range(n):
+            level[count[i]] |= 1 << i
+        # a node's parents: the nodes it sees one level up (one in a tree); a child is first when
+        # no earlier node shares a parent with it, and the spine is what sees first children only
+        seen_parents, later = 0, 0
+        for i in range(n):
+            parents = sees[i] & level[count[i] - 1] if count[i] else 0
+            if parents & seen_parents:
+                later |= 1 << i
+            seen_parents |= parents
+        spine = [real[i] and not sees[i] & later for i in range(n)]
+        on_spine = sum(spine)
+        row, rest = [], 0
+        for i in range(n):
+            if spine[i]:
+                row.append(base + count[i] - 1)  # the slot of its position
+            else:
+                rest += real[i]
+                row.append(base + on_spine + rest - 1)
+        if len({x for x, ok in zip(row, real) if ok}) != sum(real):
+            tree_shaped = False  # no tree's mask (a node sees a non-ancestor): every row in node order
+        slots.append(row)
+        bases.append(base)
+        reals.append(real)
+        sees_rows.append(sees)
+        counts.append(count)
+    width = max(1, max((c for count in counts for c in count), default=0))
+    table, ends = [], []
+    for r in range(b):
+        if not tree_shaped:
+            taken = 0
+            for i in range(n):
+                taken += reals[r][i]
+                slots[r][i] = bases[r] + taken - 1
+        slots[r] = [x if ok else scratch for x, ok in zip(slots[r], reals[r])]
+        visible.append([bases[r] + c if ok else 0 for c, ok in zip(counts[r], reals[r])])
+        ends.append(bases[r] + sum(reals[r]))
+        row = slots[r]
+        for i in range(n):  # per node: its base, then the slots of the nodes it sees in node order, then 0
+            keys, m = [bases[r]], sees_rows[r][i]
+            while m:
+                low = m & -m
+                keys.append(row[low.bit_length() - 1])
+                m ^= low
+            table.append(keys + [0] * (width + 1 - len(keys)))
+    real_t = torch.tensor(reals, dtype=torch.bool).reshape(b, n)
+    own = torch.eye(n, dtype=torch.bool)[None]
+    sees_t = (ancestors.to(torch.bool) | own) & real_t[:, None, :] & real_t[:, :, None]
+    return TreeSlots(torch.tensor(slots, dtype=torch.int64).reshape(b, n), torch.tensor(bases, dtype=torch.int64),
+                     real_t, sees_t, torch.tensor(visible, dtype=torch.int64).reshape(b, n),
+                     table=torch.tensor(table, dtype=torch.int64).reshape(b, n, 1 + width),
+                     known_end=max(ends, default=0))
