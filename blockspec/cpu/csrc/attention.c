@@ -9,8 +9,10 @@
  * partial sums over the head dimension, one fixed reduction tree), a softmax with the maximum
  * subtracted (exp16, lane by lane), then the weighted sum of values in key order; over more than
  * KEY_CHUNK keys, that per chunk of keys (fixed boundaries from key 0), the chunks then joined in
- * order. Up to CH query rows of one KV head share each key and value load, and four keys' sums
- * are reduced together, but every score and output element gets its own, fixed arithmetic. So a
+ * order. Up to CH query rows of one KV head share each key and value load, the 16 sums of four
+ * rows and four keys are reduced together (reduce16x16: reduce16's tree in every lane), and the
+ * rows' sums of weights run side by side, but every score, sum and output element gets its own,
+ * fixed arithmetic. So a
  * query gets the same bits alone or in any block, batch or thread split (batch invariance, as
  * rows.c for the projections). Products and sums are fused multiply-adds (fma16, as rows.c).
  * Each item prefetches its keys and values, and the chunks share a lone row's long context
