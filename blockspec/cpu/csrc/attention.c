@@ -9,8 +9,10 @@
  * partial sums over the head dimension, one fixed reduction tree), a softmax with the maximum
  * subtracted (exp16, lane by lane), then the weighted sum of values in key order; over more than
  * KEY_CHUNK keys, that per chunk of keys (fixed boundaries from key 0), the chunks then joined in
- * order. Up to CH query rows of one KV head share each key and value load, and four keys' sums
- * are reduced together, but every score and output element gets its own, fixed arithmetic. So a
+ * order. Up to CH query rows of one KV head share each key and value load, the 16 sums of four
+ * rows and four keys are reduced together (reduce16x16: reduce16's tree in every lane), and the
+ * rows' sums of weights run side by side, but every score, sum and output element gets its own,
+ * fixed arithmetic. So a
  * query gets the same bits alone or in any block, batch or thread split (batch invariance, as
  * rows.c for the projections). Products and sums are fused multiply-adds (fma16, as rows.c).
  * Each item prefetches its keys and values, and the chunks share a lone row's long context
@@ -49,6 +51,56 @@
 
 /* the cache slot of logical key j of a token whose logical keys from `base` on are ext[0], ext[1], ... */
 static inline int64_t key_slot(int64_t j, int64_t base, const int64_t *ext) { return j < base ? j : ext[j - base]; }
+
+/* The unscaled scores of R (<= CH) query rows qf [R, D] (fp32) against C (<= 4) consecutive keys kj
+ * [C, D]: lane 4 r + c is reduce16 of row r's and key c's 16-wide fused products in order, the
+ * arithmetic of every score here; the 16 sums reduced together (reduce16x16). D a literal: the
+ * keys' addresses are constant offsets of one pointer. */
+static inline __attribute__((always_inline)) v16 scores4x4(const float *qf, const void *kj, const int R, const int C,
+                                                           const int D, const int bf) {
+    v16 a[16];
+#pragma GCC unroll 16
+    for (int n = 0; n < 16; n++) a[n] = (v16){0};
+#pragma GCC unroll 8
+    for (int i = 0; i < D; i += 16) {
+        v16 qv[CH];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) qv[r] = load16(qf + r * D + i);
+#pragma GCC unroll 4
+        for (int c = 0; c < C; c++) {
+            const v16 kv = load(kj, c * D + i, bf);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) a[4 * r + c] = fma16(a[4 * r + c], qv[r], kv);
+        }
+    }
+    return reduce16x16(a);
+}
+
+/* the same for any head dimension d (its first dv = d rounded down to 16 inputs; the caller adds
+ * the tail): sr[r][c] the unscaled score of row r and key j + c */
+static inline __attribute__((always_inline)) void scores_any(v4 *sr, const float *qf, const void *k, int64_t j,
+                                                             const int C, const int R, int64_t d, int64_t dv,
+                                                             const int bf) {
+    v16 acc[CH][4];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) acc[r][c] = (v16){0};
+    for (int64_t i = 0; i < dv; i += 16) {
+        v16 qv[CH];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) qv[r] = load(qf, r * d + i, 0);
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) {
+            if (c >= C) break;
+            const v16 kv = load(k, (j + c) * d + i, bf);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) acc[r][c] = fma16(acc[r][c], qv[r], kv);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) sr[r] = reduce16x4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+}
 
 /* R (<= CH) query rows of one KV head, rows idx[r] of q and out (stride d), over the logical keys
  * [j0, j0 + KEY_CHUNK) of k, v (row stride d) that each sees (keys lo[r] .. seen[r] - 1 in all,
@@ -95,8 +147,8 @@ static inline __attribute__((always_inline)) void chunk_rows(const void *q, cons
     }
     k = at(k, j0 * d, bf);
     v = at(v, j0 * d, bf);
-    /* scores, four keys at a time: each is reduced by reduce16's tree (reduce16x4) */
     const int64_t row_bytes = d * (bf ? 2 : 4);
+    /* scores, four keys at a time: each is reduced by reduce16's tree (reduce16x4) */
     for (int64_t j = least & ~(int64_t)3; j < shared; j += 4) {
         const int C = shared - j < 4 ? (int)(shared - j) : 4;
         /* the keys of a later group, and this group's values for the pass after this one: each
@@ -106,26 +158,17 @@ static inline __attribute__((always_inline)) void chunk_rows(const void *q, cons
             __builtin_prefetch((const char *)at(k, (j + PREFETCH_KEYS) * d, bf) + off, 0, 3);
             __builtin_prefetch((const char *)at(v, j * d, bf) + off, 0, 3);
         }
-        v16 acc[CH][4];
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++)
-#pragma GCC unroll 4
-            for (int c = 0; c < 4; c++) acc[r][c] = (v16){0};
-        for (int64_t i = 0; i < dv; i += 16) {
-            v16 qv[CH];
-#pragma GCC unroll 4
-            for (int r = 0; r < R; r++) qv[r] = load(qf, r * d + i, 0);
-#pragma GCC unroll 4
-            for (int c = 0; c < 4; c++) {
-                if (c >= C) break;
-                const v16 kv = load(k, (j + c) * d + i, bf);
-#pragma GCC unroll 4
-                for (int r = 0; r < R; r++) acc[r][c] = fma16(acc[r][c], qv[r], kv);
-            }
-        }
+        v4 sr[CH];
+        if (d == 64 || d == 128) { /* the head dimensions of the models served: addresses from constants */
+            const void *kj = at(k, j * d, bf);
+            const v16 s16 = C == 4 ? (d == 64 ? scores4x4(qf, kj, R, 4, 64, bf) : scores4x4(qf, kj, R, 4, 128, bf))
+                                   : (d == 64 ? scores4x4(qf, kj, R, C, 64, bf) : scores4x4(qf, kj, R, C, 128, bf));
+            memcpy(sr, &s16, (size_t)R * sizeof(v4));
+        } else
+            scores_any(sr, qf, k, j, C, R, d, dv, bf);
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
-            v4 s4 = reduce16x4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+            v4 s4 = sr[r];
             const int live = len[r] - j < C ? (int)(len[r] - j) : C;
             if (live <= 0) continue;
             if (dv < d) /* a head dimension that is not a multiple of 16: its tail, scalar */
@@ -165,12 +208,38 @@ static inline __attribute__((always_inline)) void chunk_rows(const void *q, cons
     for (int r = 0; r < R; r++) {
         for (int64_t j = beg[r]; j < len[r]; j += 16) {
             const int64_t left = len[r] - j < 16 ? len[r] - j : 16;
+            if (left == 16) {
+                const v16 e = exp16(load16(scores + r * stride + j) - top[r]);
+                memcpy(scores + r * stride + j, &e, sizeof e);
+                continue;
+            }
             v16 x = (v16){0} - 100.0f; /* lanes past the row's keys: exp underflows to 0 */
             memcpy(&x, scores + r * stride + j, (size_t)left * sizeof(float));
             const v16 e = exp16(x - top[r]);
             memcpy(scores + r * stride + j, &e, (size_t)left * sizeof(float));
-            for (int64_t c = 0; c < left; c++) total[r] += e[c];
         }
+    }
+    /* each row's sum of its weights in key order: one chain of additions per row, the rows' chains
+     * interleaved (alone, each addition waits for the one before) */
+    int64_t cb = 0, ce = KEY_CHUNK; /* the keys every row sees */
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        cb = beg[r] > cb ? beg[r] : cb;
+        ce = len[r] < ce ? len[r] : ce;
+    }
+    {
+        const int64_t mid0 = cb < ce ? cb : most, mid1 = cb < ce ? ce : most;
+        for (int64_t j = least; j < mid0; j++)
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++)
+                if (j >= beg[r] && j < len[r]) total[r] += scores[r * stride + j];
+        for (int64_t j = mid0; j < mid1; j++)
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) total[r] += scores[r * stride + j];
+        for (int64_t j = mid1; j < most; j++)
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++)
+                if (j >= beg[r] && j < len[r]) total[r] += scores[r * stride + j];
     }
     /* values, in slabs of four vectors of the head dimension held in registers for the R rows */
     for (int64_t i0 = 0; i0 < dv; i0 += 64) {
