@@ -456,8 +456,8 @@ class DecodeBatch:
 
         `trim` (block > 1) sees the drafts' confidences and picks how many tokens of the drafted
         block to verify (see Trim); without it the whole block is verified. Where the batch
-        verifies trees (`trees`), `tree=False` makes an untrimmed step verify chains instead (a
-        trim says so in its `Shape`). The only host synchronisation is the read-back of committed
+        verifies trees (`trees`), `tree=False` makes the step verify chains instead (a trim
+        offered trees says which in its `Shape`). The only host synchronisation is the read-back of committed
         tokens (and with `trim`, of confidences).
         """
         rows = self.rows
@@ -521,7 +521,7 @@ class DecodeBatch:
                     self._draft_q = _one_hot_where(self._draft_q, block_ids[:, 1:], from_lookup)
             # Constrained rows keep chains: their grammar cuts a chain at its first disallowed
             # proposal (`_cut`), which a tree would need per branch.
-            trees = self.trees and all(r.constraint is None for r in rows) and (tree or trim is not None)
+            trees = self.trees and tree and all(r.constraint is None for r in rows)
             if trees:
                 dists = self._tree_distributions(hidden[:, 1:q], min(q - 1, self.tree_nodes, TREE_TOP_K))
             if trim is not None:

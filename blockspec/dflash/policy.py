@@ -82,6 +82,12 @@ PROBE_SHARE = 0.05
 # rows, their confidences average out, and a wider draft costs more per step: with them batches
 # of 8 rows ran slower, while a lone row gained (docs/DESIGN.md section 12).
 TRIM_MAX_ROWS = 1
+# A trimmed step is offered trees (its drafter's top choices read back and ranked, for its trim to
+# price) while their mean promise comes within this share of the chain's, and every
+# TREE_OFFER_EVERY drafting steps regardless, so a run of doubtful drafts can still find them
+# paying; otherwise it is a chain step with none of that work.
+TREE_OFFER_MARGIN = 0.1
+TREE_OFFER_EVERY = 16
 # A ragged step's padding (the slots past a row's length, up to the longest row) skips the matmuls,
 # rope, the K/V writes and (the CPU kernel) attention; what is left of it (norms, unpacking) costs
 # little: a ragged step cost about what a uniform block of the same tokens does (measured:
@@ -502,7 +508,8 @@ class AdaptiveBlock:
         self.sampled_tree_costs = sampled_tree_costs or CostModel(max_block)
         self._model = self.costs  # the one the batch being stepped uses (`choose`)
         self._tree_model = self.tree_costs  # likewise, for its tree steps
-        self.tree_choice = False  # the untrimmed step being chosen verifies trees (`choose`)
+        self.tree_choice = False  # the step being chosen verifies trees, or a trimmed one is offered them (`choose`)
+        self._unoffered = 0  # trimmed drafting steps since trees were last offered
         self._offered = False  # the batch being stepped may verify trees (`choose`)
         # Acceptance by (depth, rank) per verification rule, what trees (and, where trees are
         # on, the chains beside them) are priced by (dflash/node_acceptance.py).
@@ -689,6 +696,9 @@ class AdaptiveBlock:
                 best = planned = tree_best
                 tree = True
                 rates = [max(c, t) for c, t in zip(rates, tree_rates)]
+            elif self._trims(batch, b):  # its trim decides from the drafts in hand
+                tree = (tree_rates[tree_best - 1] >= (1 - TREE_OFFER_MARGIN) * rates[best - 1]
+                        or self._unoffered + 1 >= TREE_OFFER_EVERY)
         lookup = self._lookup_option(batch, plan, rates[best - 1])
         self._probing = self._confirming = False
         confirm, self._confirm = self._confirm, None
@@ -717,6 +727,8 @@ class AdaptiveBlock:
             if best > 1:
                 best = self._challenge((bucket(b), tree), best)
         self.tree_choice = tree and best > 1 and lookup is None
+        if self._offered and best > 1 and lookup is None and self._trims(batch, b):
+            self._unoffered = 0 if self.tree_choice else self._unoffered + 1
         self.lookup_step = lookup
         self.last_choice = best
         self.forced = best != planned

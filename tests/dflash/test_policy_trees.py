@@ -199,3 +199,21 @@ def test_the_policy_with_trees_is_lossless_and_follows_tree_costs(tree_cost: flo
         assert any(k[1] > 0 for k in policy.node_acceptance("greedy").means)  # trials by rank were booked
     else:
         assert tree_steps == 0
+
+
+def test_a_lone_row_is_offered_trees_while_they_come_close() -> None:
+    """A trimmed step reads back and ranks its drafter's top choices only while trees promise
+    nearly what chains do, and every TREE_OFFER_EVERY drafting steps regardless."""
+    from blockspec.dflash.policy import TREE_OFFER_EVERY
+
+    lone = [_row(0.5)]
+    close = AdaptiveBlock(8, costs=_costs(0.05), tree_costs=_costs(0.05), plain_every=1000, challenge_every=1000)
+    close.choose(_tree_batch(lone))  # the plain check
+    assert close.choose(_tree_batch(lone)) > 1 and close.tree_choice  # no second choice seen yet: offered
+    dear = AdaptiveBlock(8, costs=_costs(0.05), tree_costs=_costs(2.0), plain_every=1000, challenge_every=1000)
+    offered = []
+    for _ in range(2 * TREE_OFFER_EVERY + 1):
+        dear.choose(_tree_batch(lone))
+        offered.append(dear.tree_choice)
+    assert offered[0] is False  # the plain check
+    assert [i for i, o in enumerate(offered) if o] == [TREE_OFFER_EVERY, 2 * TREE_OFFER_EVERY]
