@@ -217,3 +217,28 @@ def test_a_lone_row_is_offered_trees_while_they_come_close() -> None:
         offered.append(dear.tree_choice)
     assert offered[0] is False  # the plain check
     assert [i for i, o in enumerate(offered) if o] == [TREE_OFFER_EVERY, 2 * TREE_OFFER_EVERY]
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_tree_steps_are_calibrated_like_chain_steps() -> None:
+    """calibrate(tree=True) times what a tree step runs (draft pass, top choices ranked, a tree
+    packed, one tree pass walked), greedy and sampled, on the native target."""
+    import torch
+
+    from blockspec.dflash.batch import DecodeBatch
+    from blockspec.dflash.drafter import new_drafter_for_target
+    from blockspec.dflash.policy import calibrate
+    from blockspec.targets.native import load_native_target
+
+    model = make_tiny_target("llama", seed=21)
+    target = load_native_target(model, dtype=None, eos_token_ids=())
+    drafter = new_drafter_for_target(model.config, mask_token_id=47, num_layers=1, dtype=torch.float64)
+    batch = DecodeBatch(target, drafter, max_block=6, tree_nodes=3)
+    assert batch.trees
+    for sampled in (False, True):
+        totals, drafting = calibrate(batch, 2, 6, sampled=sampled, tree=True)
+        assert len(totals) == len(drafting) == 6 and drafting[0] == 0.0
+        assert all(0 < d < t for d, t in zip(drafting[1:], totals[1:]))
+    policy = AdaptiveBlock(6)
+    policy.calibrate_all(batch, 2)
+    assert all(m.known(2) for m in (policy.costs, policy.sampled_costs, policy.tree_costs, policy.sampled_tree_costs))
