@@ -61,6 +61,8 @@ class NodeAcceptance:
     cells: dict[tuple[int, int, int], Cell] = field(default_factory=dict)  # (depth, rank, band)
     pooled: dict[tuple[int, int], Cell] = field(default_factory=dict)  # (rank, band), over depths
     means: dict[tuple[int, int], Cell] = field(default_factory=dict)  # (depth, rank), with or without p
+    # (depth, rank, band) -> calibration ratio, until the next trial with p (a step prices many nodes)
+    _ratios: dict[tuple[int, int, int], float] = field(default_factory=dict, repr=False)
 
     def observe(self, depth: int, rank: int, p: float | None, accepted: bool) -> None:
         """Books one trial: a node at `depth` (1: the first proposal) of `rank` among its siblings
@@ -69,6 +71,7 @@ class NodeAcceptance:
         d, r = _depth(depth), _rank(rank)
         cells = [self.means.setdefault((d, r), Cell())]
         if p is not None:
+            self._ratios.clear()
             band = _band(p)
             cells += [self.cells.setdefault((d, r, band), Cell()), self.pooled.setdefault((r, band), Cell())]
         for i, c in enumerate(cells):
@@ -82,12 +85,15 @@ class NodeAcceptance:
         `depth` and `rank` is accepted once its parent is."""
         if p <= 0:
             return 0.0
-        band = _band(p)
-        pool = self.pooled.get((_rank(rank), band))
-        ratio = 1.0 if pool is None else (pool.accepted + WEIGHT) / (pool.predicted + WEIGHT)
-        cell = self.cells.get((_depth(depth), _rank(rank), band))
-        if cell is not None:
-            ratio = (cell.accepted + WEIGHT * ratio) / (cell.predicted + WEIGHT)
+        key = (_depth(depth), _rank(rank), _band(p))
+        ratio = self._ratios.get(key)
+        if ratio is None:
+            pool = self.pooled.get(key[1:])
+            ratio = 1.0 if pool is None else (pool.accepted + WEIGHT) / (pool.predicted + WEIGHT)
+            cell = self.cells.get(key)
+            if cell is not None:
+                ratio = (cell.accepted + WEIGHT * ratio) / (cell.predicted + WEIGHT)
+            self._ratios[key] = ratio
         return min(1.0, p * ratio)
 
     def mean_rate(self, depth: int, rank: int, first: float) -> float:

@@ -88,6 +88,7 @@ TRIM_MAX_ROWS = 1
 # paying; otherwise it is a chain step with none of that work.
 TREE_OFFER_MARGIN = 0.1
 TREE_OFFER_EVERY = 16
+GAINS_EVERY = 8  # steps between recomputations of a batch's tree gains (`_tree_gains`)
 # A ragged step's padding (the slots past a row's length, up to the longest row) skips the matmuls,
 # rope, the K/V writes and (the CPU kernel) attention; what is left of it (norms, unpacking) costs
 # little: a ragged step cost about what a uniform block of the same tokens does (measured:
@@ -328,10 +329,13 @@ def tree_expected_by_width(offer: TreeOffer, nodes: NodeAcceptance, width: int, 
     for depth, rank, parent, p in zip(offer.depths, offer.ranks, offer.parents, offer.probs):
         reach.append((reach[parent] if parent >= 0 else 1.0) * nodes.rate(depth, rank, p))
     branch = expected_by_block(lookup, 1 + len(lookup), remaining) if lookup else [1.0]
+    summed = [0.0]  # summed[k]: the first k nodes' chances
+    for x in reach:
+        summed.append(summed[-1] + x)
     out, cap = [], float(max(1, remaining))
     for w in range(1, width + 1):
         own = min(w - 1, len(branch) - 1)
-        out.append(min(cap, branch[own] + sum(reach[: w - 1 - own])))
+        out.append(min(cap, branch[own] + summed[min(w - 1 - own, len(reach))]))
     return out
 
 
@@ -510,6 +514,8 @@ class AdaptiveBlock:
         self._tree_model = self.tree_costs  # likewise, for its tree steps
         self.tree_choice = False  # the step being chosen verifies trees, or a trimmed one is offered them (`choose`)
         self._unoffered = 0  # trimmed drafting steps since trees were last offered
+        self._chosen = 0  # steps chosen so far
+        self._gains: dict[tuple[str, int], tuple[int, list[float]]] = {}  # `_tree_gains`, with when computed
         self._offered = False  # the batch being stepped may verify trees (`choose`)
         # Acceptance by (depth, rank) per verification rule, what trees (and, where trees are
         # on, the chains beside them) are priced by (dflash/node_acceptance.py).
@@ -616,22 +622,31 @@ class AdaptiveBlock:
         same size under its rule's acceptance by (depth, rank) (`NodeAcceptance.mean_rate`). A
         row with a lookup continuation expects what its chain does (its branch is lookup's)."""
         chain = [self.expected([r], [p] if plan else None) for r, p in zip(rows, plan or [[]] * len(rows))]
-        priors = self.priors()
-        gains: dict[str, list[float]] = {}
-        budget, depth = min(self.max_block - 1, tree_nodes), self.max_block - 1
+        budget = min(self.max_block - 1, tree_nodes)
+        gains = {rule: self._tree_gains(rule, budget) for rule in {r.params.rule for r in rows}}
         totals = [0.0] * self.max_block
         for i, r in enumerate(rows):
             rule = r.params.rule
-            if rule not in gains:
-                first, nodes = priors[rule], self.node_acceptance(rule)
-                tree = best_tree_expectations(lambda d, k: nodes.mean_rate(d, k, first[d - 1]), budget, depth, RANKS)
-                line = best_tree_expectations(lambda d, k: nodes.mean_rate(d, 0, first[d - 1]), budget, depth, 1)
-                gains[rule] = [t / c for t, c in zip(tree, line)]
             looked = bool(plan and plan[i])
             for j in range(self.max_block):
                 n = min(j, budget)  # proposed nodes: a wider step verifies tree_nodes of them
                 totals[j] += chain[i][n] if looked else min(chain[i][n] * gains[rule][n], max(1, r.remaining))
         return totals
+
+    def _tree_gains(self, rule: str, budget: int) -> list[float]:
+        """[G(0), ..., G(budget)]: the best tree's expected tokens over the chain's, of 0..budget
+        proposed nodes, under `rule`'s mean acceptance by (depth, rank). Recomputed every
+        GAINS_EVERY steps: the rates move slowly, and this is the policy's dearest arithmetic."""
+        key = (rule, budget)
+        stamp, gains = self._gains.get(key, (-GAINS_EVERY, []))
+        if self._chosen - stamp < GAINS_EVERY:
+            return gains
+        first, nodes, depth = self.priors()[rule], self.node_acceptance(rule), self.max_block - 1
+        tree = best_tree_expectations(lambda d, k: nodes.mean_rate(d, k, first[d - 1]), budget, depth, RANKS)
+        line = best_tree_expectations(lambda d, k: nodes.mean_rate(d, 0, first[d - 1]), budget, depth, 1)
+        gains = [t / c for t, c in zip(tree, line)]
+        self._gains[key] = (self._chosen, gains)
+        return gains
 
     def costs_for(self, batch: DecodeBatch) -> CostModel:
         """The step costs of `batch`: greedy ones, or sampled ones where a row samples."""
@@ -666,6 +681,7 @@ class AdaptiveBlock:
         step that verifies token trees (`tree_choice`; a lone row's trim decides for itself)."""
         self.lookup_step = None
         self._offered = self.tree_choice = False
+        self._chosen += 1
         if self.max_block <= 1 or batch.drafter is None:
             return 1
         b = len(batch.rows)
