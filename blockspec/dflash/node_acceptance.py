@@ -96,6 +96,16 @@ class NodeAcceptance:
             self._ratios[key] = ratio
         return min(1.0, p * ratio)
 
+    def relative_rate(self, depth: int, rank: int, p: float) -> float:
+        """`rate` in the units a chain is priced in, its first choices' draft probabilities: p
+        itself for rank 0, p times its rank's calibration over rank 0's (same depth and band)
+        for the others. Priced so, a chain step chooses what it would without trees, and a tree
+        only adds what its lower ranks are observed to add beside it."""
+        if rank == 0 or p <= 0:
+            return max(0.0, p)
+        first = self.rate(depth, 0, p)
+        return min(1.0, p * self.rate(depth, rank, p) / first) if first > 0 else 0.0
+
     def mean_rate(self, depth: int, rank: int, first: float) -> float:
         """The observed chance that a node at `depth` of `rank` is accepted once its parent is,
         whatever its drafter probability, shrunk towards a prior: `first` (the first choice's

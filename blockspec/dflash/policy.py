@@ -322,12 +322,13 @@ def tree_expected_by_width(offer: TreeOffer, nodes: NodeAcceptance, width: int, 
                            lookup: list[float]) -> list[float]:
     """[E(1), ..., E(width)] for one row's tree step of 1..width nodes (the root included):
     1 plus each of its first w - 1 best-first nodes' chance of acceptance, the product of the
-    calibrated rates (`NodeAcceptance.rate`) along its path, capped by the row's remaining
+    rates along its path, calibrated in a chain's units (`NodeAcceptance.relative_rate`: a
+    chain's trim reads its first choices' draft probabilities), capped by the row's remaining
     tokens. A row with a lookup continuation (`lookup`: its rates) spends the first nodes of its
     budget on that branch (as `propose_tree` does) and the rest on the drafter's best nodes."""
     reach: list[float] = []
     for depth, rank, parent, p in zip(offer.depths, offer.ranks, offer.parents, offer.probs):
-        reach.append((reach[parent] if parent >= 0 else 1.0) * nodes.rate(depth, rank, p))
+        reach.append((reach[parent] if parent >= 0 else 1.0) * nodes.relative_rate(depth, rank, p))
     branch = expected_by_block(lookup, 1 + len(lookup), remaining) if lookup else [1.0]
     summed = [0.0]  # summed[k]: the first k nodes' chances
     for x in reach:
@@ -811,10 +812,11 @@ class AdaptiveBlock:
 
         Where the step offers token trees (`TreeOffer`s), chains and trees are both priced, each
         by its own costs (the tree steps' verify part from `tree_costs`), and the step verifies
-        whichever is expected to commit more tokens per second (a `Shape`). Their proposals are
-        then priced by their acceptance observed by depth and rank (`NodeAcceptance.rate`), the
-        chain's as rank-0 nodes, since a drafter's probabilities of its lower-ranked choices
-        promise far more than they are accepted."""
+        whichever is expected to commit more tokens per second (a `Shape`). The chain is priced
+        as without trees (so its steps choose what they would), the tree's lower-ranked nodes
+        by their acceptance observed beside the first choices' (`NodeAcceptance.relative_rate`),
+        since a drafter's probabilities of its lower-ranked choices promise far more than they
+        are accepted."""
         rows = list(batch.rows)
         b = len(rows)
         table = self._model.table(b)
@@ -840,7 +842,6 @@ class AdaptiveBlock:
             if offers is not None:
                 self._trial_conf = confidence
                 nodes = [self.node_acceptance(r.params.rule) for r in rows]
-                confidence = [[n.rate(k + 1, 0, p) for k, p in enumerate(conf)] for n, conf in zip(nodes, confidence)]
             lookup_rates = [r.acceptance_rates(lookup_priors, lookup=True)[:m] if m else [] for r, m in zip(rows, looked)]
             expected = [expected_by_block(lr or conf, width, r.remaining)
                         for r, conf, lr in zip(rows, confidence, lookup_rates)]

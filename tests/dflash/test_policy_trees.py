@@ -242,3 +242,23 @@ def test_tree_steps_are_calibrated_like_chain_steps() -> None:
     policy = AdaptiveBlock(6)
     policy.calibrate_all(batch, 2)
     assert all(m.known(2) for m in (policy.costs, policy.sampled_costs, policy.tree_costs, policy.sampled_tree_costs))
+
+
+def test_trees_are_priced_in_the_chains_units() -> None:
+    """A chain step chooses with trees on what it chooses without them (its first choices keep
+    their draft probabilities), and a lower rank is priced by its acceptance relative to the
+    first choices' at the same depth and band."""
+    nodes = NodeAcceptance()
+    for i in range(400):  # first choices of 0.3 accepted 60%, second choices of 0.3 accepted 30%
+        nodes.observe(1, 0, 0.3, i % 10 < 6)
+        nodes.observe(1, 1, 0.3, i % 10 < 3)
+    assert nodes.relative_rate(1, 0, 0.3) == 0.3 and nodes.rate(1, 0, 0.3) == pytest.approx(0.6, abs=0.02)
+    assert nodes.relative_rate(1, 1, 0.3) == pytest.approx(0.15, abs=0.01)  # half a first choice's
+    rows = [_row()]
+    for tree_cost in (0.6, 2.0):  # trees too dear: the chain, with the length chains pick alone
+        policy = AdaptiveBlock(8, costs=_costs(0.05), tree_costs=_costs(tree_cost))
+        policy.nodes["greedy"] = nodes
+        policy._tree_model = policy.tree_costs
+        chosen = policy.trimmer(SimpleNamespace(rows=rows))([CHAIN_CONF], [0], [DOUBTFUL])
+        alone = AdaptiveBlock(8, costs=_costs(0.05)).trimmer(SimpleNamespace(rows=rows))([CHAIN_CONF], [0])
+        assert chosen == Shape(alone, False)
