@@ -128,7 +128,45 @@ RowStopCheck = Callable[[list[int]], int | None]
 # sampled proposals: whether a sampled proposal is verified must not depend on the proposal
 # itself (verifying only the likely-looking samples would bias the output towards them), and the
 # peaks are fixed before any sample is drawn. Greedy, the peak is the proposal's own probability.
-Trim = Callable[[list[list[float]], list[int]], int | list[int]]
+# Where the step may verify token trees, the trim is also given each row's `TreeOffer` and may
+# answer with a `Shape` that says whether the step verifies trees or chains (a plain length
+# verifies trees there).
+Trim = Callable[..., "int | list[int] | Shape"]
+
+
+@dataclass(frozen=True)
+class TreeOffer:
+    """A row's best-first tree nodes, best first (the first k of them are its tree of k nodes),
+    as a trim prices them: each node's depth (1: the first proposal), rank among its siblings (0:
+    the drafter's first choice), parent (an index into these nodes; -1: the root) and the
+    drafter's probability of its token given its parent's."""
+
+    depths: tuple[int, ...]
+    ranks: tuple[int, ...]
+    parents: tuple[int, ...]
+    probs: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A trim's answer where trees are offered: the verify length (one, or one per row) and
+    whether the step verifies token trees of those widths (else chains)."""
+
+    lengths: int | list[int]
+    tree: bool
+
+
+@dataclass(frozen=True)
+class NodeTrial:
+    """A proposed node of a tree step whose parent was accepted: batch row, depth, rank among its
+    siblings, the drafter's probability of it given its parent (None: not a drafted node, such as
+    a lookup branch's), and whether the walk went on through it."""
+
+    row: int
+    depth: int
+    rank: int
+    p: float | None
+    accepted: bool
 
 
 @dataclass
@@ -262,6 +300,10 @@ class DecodeBatch:
         # for rows verified by the standard rule (None when no row is)
         self._draft_q: torch.Tensor | None = None
         self.verified = 0  # tokens the last step verified, over all rows (a ragged step's padding not counted)
+        # The last step verified token trees, and the trials of their nodes (what the adaptive
+        # policy calibrates tree pricing by: dflash/node_acceptance.py).
+        self.tree_step = False
+        self.node_trials: list[NodeTrial] = []
         # Context the drafter has not read yet beyond the last step's: rows that joined (whole
         # prompts) and plain steps run since its last pass. `caught_up`: the last step's draft
         # pass read such a backlog, so its time is not what a step of its size costs.
@@ -409,16 +451,20 @@ class DecodeBatch:
         return probabilities(logits, self.temperature, self.top_k, self.top_p)
 
     @torch.inference_mode()
-    def step(self, block: int, trim: Trim | None = None) -> int:
+    def step(self, block: int, trim: Trim | None = None, tree: bool = True) -> int:
         """Drafts (block > 1), verifies and commits for every row; returns the block size used.
 
         `trim` (block > 1) sees the drafts' confidences and picks how many tokens of the drafted
-        block to verify (see Trim); without it the whole block is verified. The only host
-        synchronisation is the read-back of committed tokens (and with `trim`, of confidences).
+        block to verify (see Trim); without it the whole block is verified. Where the batch
+        verifies trees (`trees`), `tree=False` makes the step verify chains instead (a trim
+        offered trees says which in its `Shape`). The only host synchronisation is the read-back of committed
+        tokens (and with `trim`, of confidences).
         """
         rows = self.rows
         b = len(rows)
         self._draft_q = None
+        self.tree_step = False
+        self.node_trials = []
         remaining = [r.remaining for r in rows]
         q = max(1, min(block, self.max_block, max(remaining)))
         d = self.device
@@ -447,28 +493,33 @@ class DecodeBatch:
             selector = self.drafter.candidate_selector is not None
             # Constrained rows keep chains: their grammar cuts a chain at its first disallowed
             # proposal (`_cut`), which a tree would need per branch.
-            trees = self.trees and all(r.constraint is None for r in rows)
+            trees = self.trees and tree and all(r.constraint is None for r in rows)
+            # A fixed tree step reads the drafter's top choices alone, so its draft head runs once
+            # (block_ids[:, 1:] stays unset: a tree step reads only block_ids[:, :1]); a trim
+            # offered trees may still answer with a chain, which needs the chain's proposals.
+            chain = not trees or trim is not None
             # a DFlash 2 walk goes on from the lookup continuation that will replace its first proposals
-            forced = self._lookup_forced(q) if selector and self.lookup is not None and not trees else None
+            forced = self._lookup_forced(q) if selector and self.lookup is not None and chain else None
             if trees:
-                # A tree step reads the drafter's top choices alone, never a chain's proposals: the
-                # draft head runs once (block_ids[:, 1:] stays unset; a tree step that verifies no
-                # proposal reads only block_ids[:, :1]).
                 dists = self._tree_distributions(hidden[:, 1:q], min(q - 1, self.tree_nodes, TREE_TOP_K))
-            else:
+            if chain:
                 conf = self._draft_chain(hidden[:, 1:q], block_ids, forced, trim is not None, starts)
             if self.lookup is not None:
                 from_lookup = self._lookup_proposals(block_ids)
                 if self._draft_q is not None and any(from_lookup):
                     self._draft_q = _one_hot_where(self._draft_q, block_ids[:, 1:], from_lookup)
             if trim is not None:
-                # a tree's width buys its best nodes: trim by their path probabilities
-                chosen = trim(self._tree_confidences(dists, q - 1) if trees else conf.tolist(), from_lookup)
+                # where trees are offered, the trim prices each row's best nodes against its chain
+                chosen = (trim(conf.tolist(), from_lookup, self._tree_offers(dists, q - 1)) if trees
+                          else trim(conf.tolist(), from_lookup))
+                if isinstance(chosen, Shape):
+                    trees, chosen = trees and chosen.tree, chosen.lengths
                 lengths = [max(1, min(q, int(n))) for n in (chosen if isinstance(chosen, list) else [chosen] * b)]
                 if len(lengths) != b:
                     raise ValueError(f"a trim returned {len(lengths)} verify lengths for {b} rows")
             if trees and max(lengths) > 1:
                 self._draft_q = None  # a tree step accepts by the target's keyed draws alone
+                self.tree_step = True
                 return self._verify_tree(dists, lengths, top, q - 1)
         else:
             self._plain_since_draft += 1
@@ -533,17 +584,25 @@ class DecodeBatch:
             top, ids = logp.topk(min(top_k, logp.shape[-1]), dim=-1)  # [b, D, k], descending
         return PositionDistributions.batch(ids, top)
 
-    def _tree_confidences(self, dists: list[Distributions], width: int) -> list[list[float]]:
-        """Per row, `width` numbers whose running products are the draft probabilities of its
-        best-first tree's nodes in the order they are taken (then 0): what `trim` reads as a
-        chain's confidences, so the expected tokens of verifying w nodes are 1 plus the best w - 1
-        path probabilities, the acceptance a calibrated drafter's tree of that width expects."""
+    def _tree_offers(self, dists: list[Distributions], width: int) -> list[TreeOffer]:
+        """Per row, the nodes of its best-first tree of up to min(width, tree_nodes) nodes, in
+        the order they are taken (`TreeOffer`): what a trim prices trees of every width by."""
         out = []
         budget = min(width, self.tree_nodes)
         for r, dist in zip(self.rows, dists):
-            logps = [lp for _, lp in BestFirstProposer(budget).ranked(Draft(r.generated[-1], dist))]
-            rates = [math.exp(lp - prev) for lp, prev in zip(logps, [0.0, *logps])]
-            out.append(rates + [0.0] * (width - len(rates)))
+            ranked = BestFirstProposer(budget).ranked(Draft(r.generated[-1], dist))
+            index = {path: i for i, (path, _) in enumerate(ranked)}
+            logp = {path: lp for path, lp in ranked}
+            siblings: dict[tuple[int, ...], int] = {}
+            depths, ranks, parents, probs = [], [], [], []
+            for path, lp in ranked:
+                parent = path[:-1]
+                depths.append(len(path))
+                ranks.append(siblings.get(parent, 0))  # siblings are taken in rank order
+                siblings[parent] = ranks[-1] + 1
+                parents.append(index[parent] if parent else -1)
+                probs.append(math.exp(lp - (logp[parent] if parent else 0.0)))
+            out.append(TreeOffer(tuple(depths), tuple(ranks), tuple(parents), tuple(probs)))
         return out
 
     def _verify_tree(self, dists: list[Distributions], lengths: list[int], top: int, depth: int) -> int:
@@ -605,6 +664,8 @@ class DecodeBatch:
         self._plan = None
         for i, (r, tree, a, k, branch) in enumerate(zip(rows, trees, walks, n_host, branches)):
             self._record_tree(r, tree, a, k, committed[i], branch)
+            if not branch:  # a lookup branch's nodes are priced by lookup's own rates
+                self.node_trials.extend(node_trials(i, tree, a, dists[i]))
             r.new_tokens = []
             self._commit(r, committed[i], token_lp[i][:k] if token_lp is not None and token_lp[i] is not None else None)
         return n
@@ -945,6 +1006,25 @@ class DecodeBatch:
             if self.dcache is not None:
                 self.dcache.compact(self.compact_ratio)
         return gone
+
+
+def node_trials(row: int, tree: TokenTree, acceptance: TreeAcceptance, dist: Distributions) -> list[NodeTrial]:
+    """The trials of one row's tree step: every child of a node on the walk's path was tried
+    (the target's token there was known), and the one the walk went on through was accepted.
+    Each with its depth, its rank among its siblings and its drafter probability under `dist`."""
+    out = []
+    path = acceptance.path
+    for j, node in enumerate(path):
+        children = tree.children(node)
+        if not children:
+            continue
+        depth = tree.depths[node] + 1
+        ids, logps = dist.children(depth, tree.tokens[node]) if depth <= dist.max_depth else ([], [])
+        lp = dict(zip(ids, logps))
+        for rank, (token, child) in enumerate(children.items()):
+            p = math.exp(lp[token]) if token in lp else None
+            out.append(NodeTrial(row, depth, rank, p, j + 1 < len(path) and path[j + 1] == child))
+    return out
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, wanted: list[int | None]

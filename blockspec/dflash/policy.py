@@ -40,6 +40,12 @@ pass (a drafting step would overwrite its drafts with the continuation anyway), 
 every drafting size; with `ragged`, so can the rows of a batch, each its own share. None of this
 changes the output: which tokens get verified is decided from the drafts alone, and verification
 is exact for any length.
+Where the batch verifies token trees (DecodeBatch.trees), tree steps keep cost models of their
+own (`tree_costs`, calibrated and tracked like the chains'), and each step verifies a chain or a
+tree, whichever is expected to commit more tokens per second: a trimmed step from its drafts
+(each row's best-first nodes, `TreeOffer`), a batch's from mean rates. Both price proposals by
+the acceptance observed by depth and rank (dflash/node_acceptance.py), since a drafter's
+probabilities of its lower-ranked choices promise far more than they are accepted.
 """
 
 from __future__ import annotations
@@ -51,10 +57,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from blockspec.targets.base import greedy_forward
+from blockspec.targets.base import greedy_forward, greedy_forward_tree
 from blockspec.targets.slots import EMPTY
-from blockspec.dflash.batch import DecodeBatch, Row, Trim, draft_confidence
+from blockspec.dflash.batch import DecodeBatch, Row, Shape, TreeOffer, Trim, draft_confidence
+from blockspec.dflash.node_acceptance import RANKS, NodeAcceptance, best_tree_expectations
+from blockspec.dflash.proposers import BestFirstProposer, Draft, PositionDistributions
 from blockspec.dflash.sampling import RowRandom, probabilities
+from blockspec.dflash.tree_step import TREE_TOP_K, pack_trees, propose_tree
+from blockspec.dflash.tree_verify import keyed_draws
 
 
 MAX_INTERVAL = 256  # steps: the longest back-off of both checks (a probe, a plain step)
@@ -72,6 +82,13 @@ PROBE_SHARE = 0.05
 # rows, their confidences average out, and a wider draft costs more per step: with them batches
 # of 8 rows ran slower, while a lone row gained (docs/DESIGN.md section 12).
 TRIM_MAX_ROWS = 1
+# A trimmed step is offered trees (its drafter's top choices read back and ranked, for its trim to
+# price) while their mean promise comes within this share of the chain's, and every
+# TREE_OFFER_EVERY drafting steps regardless, so a run of doubtful drafts can still find them
+# paying; otherwise it is a chain step with none of that work.
+TREE_OFFER_MARGIN = 0.1
+TREE_OFFER_EVERY = 16
+GAINS_EVERY = 8  # steps between recomputations of a batch's tree gains (`_tree_gains`)
 # A ragged step's padding (the slots past a row's length, up to the longest row) skips the matmuls,
 # rope, the K/V writes and (the CPU kernel) attention; what is left of it (norms, unpacking) costs
 # little: a ragged step cost about what a uniform block of the same tokens does (measured:
@@ -301,6 +318,28 @@ def expected_by_block(rates: list[float], max_block: int, remaining: int) -> lis
     return [min(e, cap) for e in out]
 
 
+def tree_expected_by_width(offer: TreeOffer, nodes: NodeAcceptance, width: int, remaining: int,
+                           lookup: list[float]) -> list[float]:
+    """[E(1), ..., E(width)] for one row's tree step of 1..width nodes (the root included):
+    1 plus each of its first w - 1 best-first nodes' chance of acceptance, the product of the
+    rates along its path, calibrated in a chain's units (`NodeAcceptance.relative_rate`: a
+    chain's trim reads its first choices' draft probabilities), capped by the row's remaining
+    tokens. A row with a lookup continuation (`lookup`: its rates) spends the first nodes of its
+    budget on that branch (as `propose_tree` does) and the rest on the drafter's best nodes."""
+    reach: list[float] = []
+    for depth, rank, parent, p in zip(offer.depths, offer.ranks, offer.parents, offer.probs):
+        reach.append((reach[parent] if parent >= 0 else 1.0) * nodes.relative_rate(depth, rank, p))
+    branch = expected_by_block(lookup, 1 + len(lookup), remaining) if lookup else [1.0]
+    summed = [0.0]  # summed[k]: the first k nodes' chances
+    for x in reach:
+        summed.append(summed[-1] + x)
+    out, cap = [], float(max(1, remaining))
+    for w in range(1, width + 1):
+        own = min(w - 1, len(branch) - 1)
+        out.append(min(cap, branch[own] + summed[min(w - 1 - own, len(reach))]))
+    return out
+
+
 def calibration_sizes(max_block: int) -> list[int]:
     """Block sizes timed by `calibrate`; the others are interpolated. Dense at small sizes: on a
     CPU the kernel, and so the cost, changes with the row count (cpu/linear.py)."""
@@ -347,7 +386,8 @@ def time_sizes(run: Callable[[int], tuple[float, float]], sizes: list[int],
 
 @torch.inference_mode()
 def calibrate(batch: DecodeBatch, size: int, max_block: int, context: int = 8,
-              rounds: int = 3, confidence: bool | None = None, sampled: bool = False) -> tuple[list[float], list[float]]:
+              rounds: int = 3, confidence: bool | None = None, sampled: bool = False,
+              tree: bool = False) -> tuple[list[float], list[float]]:
     """Times one step's model work (target forward of n tokens, plus a draft pass for n > 1) at
     batch size `size` for the block sizes of `calibration_sizes` (`time_sizes`: interleaved
     rounds, the fastest of each), interpolating the rest.
@@ -360,6 +400,11 @@ def calibrate(batch: DecodeBatch, size: int, max_block: int, context: int = 8,
     (a greedy step may skip most of its head) shaped (temperature 1, top-p CALIBRATION_TOP_P)
     and drawn from, and a DFlash drafter's shaped draft distributions drawn from (a DFlash 2
     walk is timed greedy).
+    tree: time tree steps of n nodes instead (`DecodeBatch._verify_tree`'s work): after the
+    draft pass, the drafter's top choices read back and ranked best-first (the draft part, what
+    a trim sees), then a best-first tree of min(n - 1, tree_nodes) nodes per row built, packed,
+    verified in one `forward_tree` pass and walked (a DFlash 2 selector's trees are timed as a
+    DFlash drafter's).
     """
     if confidence is None:
         confidence = size <= TRIM_MAX_ROWS
@@ -375,6 +420,31 @@ def calibrate(batch: DecodeBatch, size: int, max_block: int, context: int = 8,
                torch.full((size,), CALIBRATION_TOP_P, device=d))
     random = RowRandom(list(range(size)))
     starts = [0] * size
+    head = target.head()
+
+    def tree_step(hidden: torch.Tensor, n: int) -> Callable[[], None]:
+        """The tree part of a drafting step of n nodes up to its trim; returns the rest."""
+        budget = min(n - 1, batch.tree_nodes)
+        top, ids = batch.drafter.top_logprobs(hidden[:, 1:n], head, min(budget, TREE_TOP_K))  # [size, n-1, k]
+        top, ids = top.cpu(), ids.cpu()
+        dists = [PositionDistributions(ids[i], top[i]) for i in range(size)]
+        for dist in dists:
+            BestFirstProposer(budget).ranked(Draft(0, dist))
+
+        def verify() -> None:
+            trees = [propose_tree(0, dist, [], budget) for dist in dists]
+            packed = pack_trees(trees, [context] * size, d)
+            m = packed.ids.shape[1]
+            tcache.reserve(context + m)
+            if sampled:
+                logits, _ = target.forward_tree(packed.ids, packed.positions, packed.ancestors, tcache, layer_ids)
+                keyed_draws(random, probabilities(logits, *shaping), [t.depths for t in trees], starts).tolist()
+            else:
+                greedy_forward_tree(target, packed.ids, packed.positions, packed.ancestors, tcache,
+                                    layer_ids)[0].tolist()
+            tcache.reject(torch.zeros(size, m, dtype=torch.bool, device=d))
+
+        return verify
 
     def run(n: int) -> tuple[float, float]:
         block_ids = torch.zeros(size, n, dtype=torch.long, device=d)  # drafted and verified alike
@@ -394,15 +464,20 @@ def calibrate(batch: DecodeBatch, size: int, max_block: int, context: int = 8,
                 batch.drafter.greedy_with_confidence(hidden[:, 1:n], target.head(), anchor)[1].tolist()
             else:
                 batch.drafter.greedy_tokens(hidden[:, 1:n], target.head(), anchor).tolist()
+            verify_tree = tree_step(hidden, n) if tree else None
         t1 = time.perf_counter()
-        tcache.reserve(context + n)
-        if sampled:  # as a sampled step does
+        if n > 1 and tree and batch.draft is not None:
+            verify_tree()
+        elif sampled:  # as a sampled step does
+            tcache.reserve(context + n)
             logits, _ = target.forward(block_ids, block_pos, tcache, layer_ids)
             random.sample(probabilities(logits, *shaping), starts).tolist()
         else:
+            tcache.reserve(context + n)
             greedy_forward(target, block_ids, block_pos, tcache, layer_ids)[0].tolist()  # as a greedy step does
         elapsed = time.perf_counter() - t0
-        tcache.reject(torch.zeros(size, n, dtype=torch.bool, device=d))
+        if not (n > 1 and tree and batch.draft is not None):
+            tcache.reject(torch.zeros(size, n, dtype=torch.bool, device=d))
         tcache.compact(1.0)
         if dcache is not None:
             dcache.compact(1.0)  # the dummy context took only empty slots: a growing cache drops them
@@ -419,7 +494,8 @@ class AdaptiveBlock:
                  probe_every: int = 8,
                  plain_every: int = 16, challenge_every: int = 16, costs: CostModel | None = None,
                  ragged: bool = False, thread_count: Callable[[], int] = torch.get_num_threads,
-                 sampled_costs: CostModel | None = None) -> None:
+                 sampled_costs: CostModel | None = None, tree_costs: CostModel | None = None,
+                 sampled_tree_costs: CostModel | None = None) -> None:
         self.max_block = max_block
         # Batches of several rows verify a length per row (`trimmer`) where the target packs
         # padding. Opt-in: on a CPU its gain stayed within run-to-run noise (docs/DESIGN.md
@@ -429,7 +505,24 @@ class AdaptiveBlock:
         # are priced apart: a sampled step computes the target's whole logits, shapes and draws.
         self.costs = costs or CostModel(max_block)
         self.sampled_costs = sampled_costs or CostModel(max_block)
+        # Token-tree steps (DecodeBatch.trees) are timed apart from chain steps of the same
+        # width: a tree step also ranks the drafter's top choices, packs the trees and moves the
+        # accepted path's keys and values, and what that costs changes with the code, so it is
+        # measured, calibrated like the chains' and tracked online, never assumed.
+        self.tree_costs = tree_costs or CostModel(max_block)
+        self.sampled_tree_costs = sampled_tree_costs or CostModel(max_block)
         self._model = self.costs  # the one the batch being stepped uses (`choose`)
+        self._tree_model = self.tree_costs  # likewise, for its tree steps
+        self.tree_choice = False  # the step being chosen verifies trees, or a trimmed one is offered them (`choose`)
+        self._unoffered = 0  # trimmed drafting steps since trees were last offered
+        self._chosen = 0  # steps chosen so far
+        self._gains: dict[tuple[str, int], tuple[int, list[float]]] = {}  # `_tree_gains`, with when computed
+        self._offered = False  # the batch being stepped may verify trees (`choose`)
+        # Acceptance by (depth, rank) per verification rule, what trees (and, where trees are
+        # on, the chains beside them) are priced by (dflash/node_acceptance.py).
+        self.nodes: dict[str, NodeAcceptance] = {}
+        self._trial_conf: list[list[float]] | None = None  # the confidences of the last trimmed step
+        self.tree_steps = 0  # steps run as trees
         # Acceptance per verification rule (SamplingParams.rule): rows of different rules share
         # a batch, and the standard rule accepts more sampled proposals than the keyed one.
         self.acceptance: dict[str, Acceptance] = {}
@@ -452,7 +545,8 @@ class AdaptiveBlock:
         self.base_plain_every = plain_every
         self.plain_checks: dict[int, tuple[int, int]] = {}  # bucket -> (drafting steps since, interval)
         self.base_challenge_every = challenge_every
-        self.challenges: dict[int, tuple[int, int, int, int]] = {}  # bucket -> (since, interval, turn, best)
+        # (bucket, tree steps) -> (since, interval, turn, best)
+        self.challenges: dict[tuple[int, bool], tuple[int, int, int, int]] = {}
         self.used: Counter[int] = Counter()  # steps run at each block size (tokens verified)
         self.forced = False  # the last choice was a check (probe, plain step, neighbour), not the best
         self._drafted: int | None = None  # the width the last trimmed step drafted
@@ -469,6 +563,10 @@ class AdaptiveBlock:
             self.acceptance[rule] = Acceptance.empty(max(0, self.max_block - 1))
         return self.acceptance[rule]
 
+    def node_acceptance(self, rule: str) -> NodeAcceptance:
+        """The acceptance by (depth, rank) of `rule`'s rows."""
+        return self.nodes.setdefault(rule, NodeAcceptance())
+
     def global_rates(self, *, lookup: bool = False, rule: str = "greedy") -> list[float]:
         """Batch-wide per-position acceptance rates of `rule`'s rows, shrunk towards the prior."""
         weight = 8.0
@@ -480,15 +578,27 @@ class AdaptiveBlock:
         """`global_rates` of every verification rule, what each row's own rates shrink towards."""
         return {rule: self.global_rates(lookup=lookup, rule=rule) for rule in RULES}
 
-    def record(self, rows: list[Row], before: list[tuple[list[int], ...]]) -> None:
-        """Adds the acceptance counted in the last step to the batch-wide rates of each row's rule."""
-        for r, (acc0, tries0, lacc0, ltries0) in zip(rows, before):
+    def record(self, rows: list[Row], before: list[tuple[list[int], ...]], trials: list | None = None,
+               confidences: list[list[float]] | None = None) -> None:
+        """Adds the acceptance counted in the last step to the batch-wide rates of each row's rule.
+        `trials`: a tree step's node trials (DecodeBatch.node_trials), booked by (depth, rank);
+        without them the step verified chains, whose proposals are rank-0 trials (with their
+        drafter probabilities where `confidences`, the trimmed step's, were read back)."""
+        for i, (r, (acc0, tries0, lacc0, ltries0)) in enumerate(zip(rows, before)):
             counts = self._acceptance(r.params.rule)
+            nodes = self.node_acceptance(r.params.rule)
+            conf = confidences[i] if confidences is not None else []
             for k in range(len(counts.tries)):
-                counts.accepted[k] += r.stats.accepted_by_position[k] - acc0[k]
-                counts.tries[k] += r.tries[k] - tries0[k]
+                accepted, tried = r.stats.accepted_by_position[k] - acc0[k], r.tries[k] - tries0[k]
+                counts.accepted[k] += accepted
+                counts.tries[k] += tried
                 counts.lookup_accepted[k] += r.stats.lookup_accepted_by_position[k] - lacc0[k]
                 counts.lookup_tries[k] += r.lookup_tries[k] - ltries0[k]
+                if trials is None and tried > 0:
+                    p = conf[k] if k < len(conf) else None
+                    nodes.observe(k + 1, 0, p, accepted > 0)
+        for t in trials or ():
+            self.node_acceptance(rows[t.row].params.rule).observe(t.depth, t.rank, t.p, t.accepted)
 
     def expected(self, rows: list[Row], plan: list[list[int]] | None = None) -> list[float]:
         """Expected committed tokens of the whole batch for block sizes 1..max_block. A row with
@@ -506,30 +616,79 @@ class AdaptiveBlock:
                 totals[j] += e
         return totals
 
+    def tree_expected(self, rows: list[Row], plan: list[list[int]] | None, tree_nodes: int) -> list[float]:
+        """Expected committed tokens of the whole batch for tree steps of 1..max_block nodes
+        (the root included; at most tree_nodes proposed), before the drafts exist: each row's
+        chain expectation (`expected`) times the gain of the best tree over the chain of the
+        same size under its rule's acceptance by (depth, rank) (`NodeAcceptance.mean_rate`). A
+        row with a lookup continuation expects what its chain does (its branch is lookup's)."""
+        chain = [self.expected([r], [p] if plan else None) for r, p in zip(rows, plan or [[]] * len(rows))]
+        budget = min(self.max_block - 1, tree_nodes)
+        gains = {rule: self._tree_gains(rule, budget) for rule in {r.params.rule for r in rows}}
+        totals = [0.0] * self.max_block
+        for i, r in enumerate(rows):
+            rule = r.params.rule
+            looked = bool(plan and plan[i])
+            for j in range(self.max_block):
+                n = min(j, budget)  # proposed nodes: a wider step verifies tree_nodes of them
+                totals[j] += chain[i][n] if looked else min(chain[i][n] * gains[rule][n], max(1, r.remaining))
+        return totals
+
+    def _tree_gains(self, rule: str, budget: int) -> list[float]:
+        """[G(0), ..., G(budget)]: the best tree's expected tokens over the chain's, of 0..budget
+        proposed nodes, under `rule`'s mean acceptance by (depth, rank). Recomputed every
+        GAINS_EVERY steps: the rates move slowly, and this is the policy's dearest arithmetic."""
+        key = (rule, budget)
+        stamp, gains = self._gains.get(key, (-GAINS_EVERY, []))
+        if self._chosen - stamp < GAINS_EVERY:
+            return gains
+        first, nodes, depth = self.priors()[rule], self.node_acceptance(rule), self.max_block - 1
+        tree = best_tree_expectations(lambda d, k: nodes.mean_rate(d, k, first[d - 1]), budget, depth, RANKS)
+        line = best_tree_expectations(lambda d, k: nodes.mean_rate(d, 0, first[d - 1]), budget, depth, 1)
+        gains = [t / c for t, c in zip(tree, line)]
+        self._gains[key] = (self._chosen, gains)
+        return gains
+
     def costs_for(self, batch: DecodeBatch) -> CostModel:
         """The step costs of `batch`: greedy ones, or sampled ones where a row samples."""
         return self.costs if batch.argmax_only else self.sampled_costs
+
+    def tree_costs_for(self, batch: DecodeBatch) -> CostModel:
+        """The tree step costs of `batch` (see `costs_for`)."""
+        return self.tree_costs if batch.argmax_only else self.sampled_tree_costs
+
+    @staticmethod
+    def offers_trees(batch: DecodeBatch) -> bool:
+        """Whether `batch`'s drafting steps may verify token trees (see DecodeBatch.trees)."""
+        return getattr(batch, "trees", False) is True and all(r.constraint is None for r in batch.rows)
 
     def calibrate_all(self, batch: DecodeBatch, max_batch: int, *, sampled: bool = True) -> None:
         """Calibrates every batch-size bucket up to `max_batch` that is not known yet, greedy
         steps and (with `sampled`) sampled ones."""
         if self.max_block <= 1 or batch.drafter is None:
             return
-        for model in (self.costs, self.sampled_costs) if sampled else (self.costs,):
+        models = [(self.costs, False, False), (self.sampled_costs, True, False)][: 2 if sampled else 1]
+        if getattr(batch, "trees", False) is True:
+            models += [(self.tree_costs, False, True), (self.sampled_tree_costs, True, True)][: 2 if sampled else 1]
+        for model, sampled_steps, tree in models:
             for size in buckets_up_to(max_batch):
                 if not model.known(size):
                     model.set(size, *calibrate(batch, size, self.max_block, confidence=self._trims(batch, size),
-                                               sampled=model is self.sampled_costs))
+                                               sampled=sampled_steps, tree=tree))
 
     def choose(self, batch: DecodeBatch) -> int:
         """The block size for the next step of `batch` (calibrating its batch size if new); 1
-        also where a step of lookup proposals alone is chosen (`lookup_step` says so)."""
+        also where a step of lookup proposals alone is chosen (`lookup_step` says so), and of a
+        step that verifies token trees (`tree_choice`; a lone row's trim decides for itself)."""
         self.lookup_step = None
+        self._offered = self.tree_choice = False
+        self._chosen += 1
         if self.max_block <= 1 or batch.drafter is None:
             return 1
         b = len(batch.rows)
         threads = self._thread_count()
-        if any([m.use_threads(threads) for m in (self.costs, self.sampled_costs)]):
+        if any([m.use_threads(threads) for m in (self.costs, self.sampled_costs, self.tree_costs,
+                                                 self.sampled_tree_costs)]):
             self._recheck()
         model = self._model = self.costs_for(batch)
         if not model.known(b):
@@ -540,6 +699,23 @@ class AdaptiveBlock:
         expected = self.expected(batch.rows, plan)
         rates = [tokens / cost for tokens, cost in zip(expected, costs)]
         best = planned = max(range(1, self.max_block + 1), key=lambda n: (rates[n - 1], -n))
+        tree = False
+        self._offered = self.offers_trees(batch)
+        if self._offered:
+            tree_model = self._tree_model = self.tree_costs_for(batch)
+            if not tree_model.known(b):
+                tree_model.set(b, *calibrate(batch, bucket(b), self.max_block, confidence=self._trims(batch, bucket(b)),
+                                             sampled=tree_model is self.sampled_tree_costs, tree=True))
+            tree_rates = [tokens / cost for tokens, cost in
+                          zip(self.tree_expected(batch.rows, plan, batch.tree_nodes), tree_model.table(b))]
+            tree_best = max(range(2, self.max_block + 1), key=lambda n: (tree_rates[n - 1], -n))
+            if tree_rates[tree_best - 1] > rates[best - 1]:
+                best = planned = tree_best
+                tree = True
+                rates = [max(c, t) for c, t in zip(rates, tree_rates)]
+            elif self._trims(batch, b):  # its trim decides from the drafts in hand
+                tree = (tree_rates[tree_best - 1] >= (1 - TREE_OFFER_MARGIN) * rates[best - 1]
+                        or self._unoffered + 1 >= TREE_OFFER_EVERY)
         lookup = self._lookup_option(batch, plan, rates[best - 1])
         self._probing = self._confirming = False
         confirm, self._confirm = self._confirm, None
@@ -548,7 +724,7 @@ class AdaptiveBlock:
             # nothing about what drafting costs (`step` leaves it out): without this repeat, costs
             # calibrated or measured under outside load that priced drafting out stayed for good
             # (the demo beside a busy process: plain in 150 of 154 steps).
-            best, lookup = confirm, None
+            best, lookup, tree = confirm, None, False
             self._probing = self._confirming = True
         elif best == 1 or lookup is not None:  # the drafter sits this step out
             self.plain_streak += 1
@@ -557,7 +733,7 @@ class AdaptiveBlock:
                 self.plain_spent = 0.0
                 self.probe_every = min(self.probe_every * 2, MAX_INTERVAL)
                 best, lookup = min(self.probe_block if b <= 1 else self.batch_probe_block, self.max_block), None
-                self._probing = True
+                self._probing, tree = True, False
             elif lookup is not None:
                 best = planned = 1
         else:
@@ -566,7 +742,10 @@ class AdaptiveBlock:
             self.plain_spent = self.probe_extra = 0.0  # the drafter is caught up: probes are cheap again
             best = self._check_plain(bucket(b), best)
             if best > 1:
-                best = self._challenge(bucket(b), best)
+                best = self._challenge((bucket(b), tree), best)
+        self.tree_choice = tree and best > 1 and lookup is None
+        if self._offered and best > 1 and lookup is None and self._trims(batch, b):
+            self._unoffered = 0 if self.tree_choice else self._unoffered + 1
         self.lookup_step = lookup
         self.last_choice = best
         self.forced = best != planned
@@ -629,7 +808,15 @@ class AdaptiveBlock:
         one more costs more than it is expected to commit. The cost of T verified tokens is that of a uniform
         block of T / rows tokens (interpolated), since the matmuls cost by rows, plus PAD_SHARE of
         what padding every row to the longest would add. Otherwise every row verifies the one
-        length the sum of their expectations makes best."""
+        length the sum of their expectations makes best.
+
+        Where the step offers token trees (`TreeOffer`s), chains and trees are both priced, each
+        by its own costs (the tree steps' verify part from `tree_costs`), and the step verifies
+        whichever is expected to commit more tokens per second (a `Shape`). The chain is priced
+        as without trees (so its steps choose what they would), the tree's lower-ranked nodes
+        by their acceptance observed beside the first choices' (`NodeAcceptance.relative_rate`),
+        since a drafter's probabilities of its lower-ranked choices promise far more than they
+        are accepted."""
         rows = list(batch.rows)
         b = len(rows)
         table = self._model.table(b)
@@ -637,17 +824,37 @@ class AdaptiveBlock:
         verify = [t - dr for t, dr in zip(table, drafts)]  # the verify part of each uniform size
         lookup_priors = self.priors(lookup=True)
         ragged = b > 1 and self._ragged(batch)
+        self._trial_conf = None
 
-        def trim(confidence: list[list[float]], looked: list[int]) -> int | list[int]:
+        def lengths(expected: list[list[float]], sunk: float, costs: list[float]) -> tuple[int | list[int], float]:
+            if not ragged:
+                width = len(expected[0])
+                totals = [sum(e[j] for e in expected) for j in range(width)]
+                n = max(range(1, width + 1), key=lambda n: (totals[n - 1] / (sunk + costs[n - 1]), -n))
+                return n, totals[n - 1] / (sunk + costs[n - 1])
+            return split_lengths(expected, sunk, costs, PAD_SHARE)
+
+        def trim(confidence: list[list[float]], looked: list[int], offers: list[TreeOffer] | None = None
+                 ) -> int | list[int] | Shape:
             width = len(confidence[0]) + 1 if confidence else 1
             self._drafted = width
             sunk = drafts[width - 1]
-            expected = [expected_by_block(r.acceptance_rates(lookup_priors, lookup=True)[:m] if m else conf, width,
-                                          r.remaining) for r, conf, m in zip(rows, confidence, looked)]
-            if not ragged:
-                totals = [sum(e[j] for e in expected) for j in range(width)]
-                return max(range(1, width + 1), key=lambda n: (totals[n - 1] / (sunk + verify[n - 1]), -n))
-            return split_lengths(expected, sunk, verify, PAD_SHARE)[0]
+            if offers is not None:
+                self._trial_conf = confidence
+                nodes = [self.node_acceptance(r.params.rule) for r in rows]
+            lookup_rates = [r.acceptance_rates(lookup_priors, lookup=True)[:m] if m else [] for r, m in zip(rows, looked)]
+            expected = [expected_by_block(lr or conf, width, r.remaining)
+                        for r, conf, lr in zip(rows, confidence, lookup_rates)]
+            chain, chain_rate = lengths(expected, sunk, verify)
+            if offers is None:
+                return chain
+            model = self._tree_model
+            tree_drafts = model.draft_table(b) or [0.0] * self.max_block
+            tree_verify = [t - dr for t, dr in zip(model.table(b), tree_drafts)]
+            trees = [tree_expected_by_width(offer, n, width, r.remaining, lr)
+                     for r, offer, n, lr in zip(rows, offers, nodes, lookup_rates)]
+            tree, tree_rate = lengths(trees, sunk, tree_verify)
+            return Shape(tree, True) if tree_rate > chain_rate else Shape(chain, False)
 
         return trim
 
@@ -666,7 +873,7 @@ class AdaptiveBlock:
         """Whether drafting steps of `rows` rows get trimmed (so read back confidences)."""
         return rows <= TRIM_MAX_ROWS or self._ragged(batch)
 
-    def _challenge(self, key: int, best: int) -> int:
+    def _challenge(self, key: tuple[int, bool], best: int) -> int:
         """`best`, or a drafting size next to it (best + 1 and best - 1 in turn) when one is due
         a fresh measurement; a new best restarts the back-off."""
         since, every, turn, last = self.challenges.get(key, (0, self.base_challenge_every, 0, best))
@@ -704,14 +911,19 @@ class AdaptiveBlock:
             # Wider drafts pay for a lone row only: a batch's widest row sets the padding of all.
             block, trim = self.widen(b, block) if b <= TRIM_MAX_ROWS else block, self.trimmer(batch)
         self._drafted = None  # set by `trim` (a step clipped to one token by its rows' limits drafts nothing)
+        self._trial_conf = None
         # a plain step proposes nothing, so no acceptance count moves (most steps of a large batch)
         before = _counts(batch.rows) if block > 1 else None
+        rows = list(batch.rows)
         t0 = time.perf_counter()
-        used = batch.step(block, trim)
+        used = batch.step(block, trim, tree=self.tree_choice) if self._offered else batch.step(block, trim)
         seconds = time.perf_counter() - t0
+        tree = getattr(batch, "tree_step", False) is True
+        model = self._tree_model if tree else self._model  # tree steps are timed apart
+        self.tree_steps += tree
         # A ragged step costs what a uniform one of its mean length does (the matmuls cost by rows).
         size = used if trim is None else max(1, min(self.max_block, round(batch.verified / b)))
-        drafts = self._model.draft_table(b)
+        drafts = model.draft_table(b)
         if drafts is not None and self._drafted not in (None, size):  # priced as if it had drafted only `size`
             seconds += drafts[size - 1] - drafts[self._drafted - 1]
         if not batch.caught_up:
@@ -719,13 +931,13 @@ class AdaptiveBlock:
             # more than its size does. Believed, it priced drafting out: a fresh engine at
             # concurrency 8 then ran many steps plain (docs/DESIGN.md section 12), and the probes,
             # each catching up on the whole run, kept confirming it.
-            self._model.observe(b, size, seconds)
+            model.observe(b, size, seconds)
         elif self._probing and not self._confirming and used > 1:
             self._confirm = block  # measured on the next step instead (`choose`)
         self._note_time(b, used, seconds)
         self.used[used] += 1
         if before is not None:
-            self.record(batch.rows, before)
+            self.record(rows, before, batch.node_trials if tree else None, self._trial_conf)
         return used
 
     def _note_time(self, batch_size: int, used: int, seconds: float) -> None:

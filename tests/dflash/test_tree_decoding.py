@@ -265,20 +265,23 @@ def test_tree_nodes_is_validated() -> None:
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-def test_the_adaptive_policy_spends_its_verify_width_on_trees(batch: int) -> None:
-    """With the adaptive policy (trimmed lone rows, whole-batch widths), every drafting step's
-    width goes to a tree of at most tree_nodes, the output stays plain greedy decoding's, the
-    trees accept through non-first choices, and the acceptance the policy prices steps by is
-    counted by depth."""
+def test_the_adaptive_policy_spends_its_verify_width_on_trees(batch: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the adaptive policy (trimmed lone rows, whole-batch widths) and tree steps that cost
+    what chain steps do, every drafting step's width goes to a tree of at most tree_nodes (the
+    drafter's second and third choices are right as often as its first), the output stays plain
+    greedy decoding's, the trees accept through non-first choices, and the acceptance the policy
+    prices steps by is counted by depth. The scripted costs stay as they are."""
     from blockspec.dflash.policy import AdaptiveBlock, CostModel
 
+    monkeypatch.setattr(CostModel, "observe", lambda self, batch, block, seconds: None)
     model, prompts, truth = _setup("llama", batch, seed=11)
     drafter = RankedDrafter(model, prompts, truth, seed=11)
     dec = SpecDecoder(HFTarget(model), drafter, SpecConfig(block_size=8, adaptive=True, tree_nodes=5))
     costs = CostModel(max_block=8)
     for size in (1, 2, 4):
         costs.set(size, [1.0 + 0.01 * n for n in range(8)], [0.0] + [0.1] * 7)  # verified tokens nearly free
-    policy = AdaptiveBlock(8, costs=costs, sampled_costs=costs, thread_count=lambda: 1)
+    policy = AdaptiveBlock(8, costs=costs, sampled_costs=costs, tree_costs=costs, sampled_tree_costs=costs,
+                           thread_count=lambda: 1)
     dec.adaptive_policy = policy
     results = dec.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW))
     assert [r.token_ids for r in results] == truth

@@ -1,0 +1,264 @@
+"""The adaptive policy with token trees (dflash/policy.py, dflash/node_acceptance.py): trees are
+priced by the acceptance observed by depth and rank, with their own step costs, and each step
+verifies a chain or a tree, whichever is expected to commit more tokens per second. Batches are
+stand-ins with the fields the policy reads and costs are scripted, so no result depends on the
+machine's load; the end-to-end checks decode with the ranked drafter and stay lossless."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from conftest import make_tiny_target
+from scripted import RankedDrafter
+from support import one_thread, ragged_prompts, reference_greedy  # noqa: F401 (fixture)
+
+from blockspec.config import SamplingParams, SpecConfig
+from blockspec.dflash.batch import Shape, TreeOffer
+from blockspec.dflash.node_acceptance import NodeAcceptance, best_tree_expectations
+from blockspec.dflash.policy import AdaptiveBlock, CostModel, tree_expected_by_width
+from blockspec.engine.decoder import SpecDecoder
+from blockspec.targets.hf import HFTarget
+
+# A doubtful first position (two near-equal choices), then confident ones under each: the
+# drafter's best-first tree of 5 nodes, best first.
+DOUBTFUL = TreeOffer(depths=(1, 1, 2, 2, 3), ranks=(0, 1, 0, 0, 0), parents=(-1, -1, 0, 1, 2),
+                     probs=(0.45, 0.45, 0.9, 0.9, 0.9))
+CHAIN_CONF = [0.45, 0.9, 0.9, 0.9, 0.9]  # the same draft's first choices
+
+
+def _row(rate: float = 0.5) -> SimpleNamespace:
+    return SimpleNamespace(remaining=100, params=SamplingParams(), constraint=None,
+                           acceptance_rates=lambda prior, lookup=False: [rate] * 7)
+
+
+def _costs(per_token: float, draft: float = 0.2) -> CostModel:
+    """Steps of 1 s plus `per_token` per verified token, plus a draft pass of `draft` s."""
+    costs = CostModel(max_block=8)
+    for rows in (1, 2):
+        costs.set(rows, [1.0] + [1.0 + draft + per_token * (n - 1) for n in range(2, 9)], [0.0] + [draft] * 7)
+    return costs
+
+
+def _trained(rank1_rate: float, trials: int = 400) -> NodeAcceptance:
+    """Acceptance observed over many steps: first choices as likely as their draft probability,
+    second choices of probability 0.45 accepted at `rank1_rate`."""
+    nodes = NodeAcceptance()
+    for i in range(trials):
+        nodes.observe(1, 0, 0.45, i % 20 < 9)
+        nodes.observe(1, 1, 0.45, i < rank1_rate * trials)
+        nodes.observe(2, 0, 0.9, i % 10 < 9)
+    return nodes
+
+
+def test_node_acceptance_starts_at_the_drafters_word_and_learns_by_rank() -> None:
+    nodes = NodeAcceptance()
+    assert nodes.rate(1, 0, 0.3) == pytest.approx(0.3) and nodes.rate(2, 1, 0.3) == pytest.approx(0.3)
+    assert nodes.rate(1, 0, 0.0) == 0.0 and nodes.rate(1, 0, 1.0) == 1.0
+    for i in range(300):  # second choices of probability 0.3 accepted 1 time in 10; first choices as promised
+        nodes.observe(1, 1, 0.3, i % 10 == 0)
+        nodes.observe(1, 0, 0.3, i % 10 < 3)
+    assert nodes.rate(1, 1, 0.3) == pytest.approx(0.1, abs=0.02)
+    assert nodes.rate(1, 0, 0.3) == pytest.approx(0.3, abs=0.02)
+    assert nodes.rate(3, 1, 0.3) < 0.15  # an unseen depth borrows its rank's ratio over all depths
+    assert nodes.rate(1, 2, 0.3) == pytest.approx(0.3)  # an unseen rank keeps the drafter's word
+    # mean rates (steps whose probabilities were not read back): observed, shrunk to a prior
+    assert nodes.mean_rate(1, 1, first=0.5) == pytest.approx((30 + 8 * 0.5 * 0.2) / (300 + 8))
+    assert NodeAcceptance().mean_rate(2, 2, first=0.5) == pytest.approx(0.5 * 0.2 ** 2)
+    for _ in range(50):
+        nodes.observe(2, 0, None, True)
+    assert nodes.rate(2, 0, 0.3) == pytest.approx(0.3, abs=0.02)  # trials without p: mean rates only
+    assert nodes.mean_rate(2, 0, first=0.5) > 0.9
+
+
+def test_best_tree_expectations() -> None:
+    chain = best_tree_expectations(lambda d, r: 0.5 if r == 0 else 0.0, 3, 8, 4)
+    assert chain == pytest.approx([1.0, 1.5, 1.75, 1.875])  # no second choices: the chain
+    tree = best_tree_expectations(lambda d, r: (0.5, 0.4, 0.1, 0.1)[r], 3, 8, 4)
+    assert tree == pytest.approx([1.0, 1.5, 1.9, 2.15])  # the second child (0.4) before depth 2 (0.25)
+    # rates rising with rank are capped by the rank above: a later sibling is never better
+    assert best_tree_expectations(lambda d, r: 0.2 * (r + 1), 2, 2, 3) == pytest.approx([1.0, 1.2, 1.4])
+    assert best_tree_expectations(lambda d, r: 0.5, 4, 1, 2) == pytest.approx([1.0, 1.5, 2.0, 2.0, 2.0])
+
+
+def test_tree_expectations_of_a_row_follow_its_offer_and_lookup() -> None:
+    nodes = NodeAcceptance()
+    e = tree_expected_by_width(DOUBTFUL, nodes, 6, 100, [])
+    assert e == pytest.approx([1.0, 1.45, 1.9, 1.9 + 0.405, 1.9 + 0.81, 1.9 + 0.81 + 0.3645])
+    assert tree_expected_by_width(DOUBTFUL, nodes, 6, 2, [])[-1] == 2.0  # capped by the remaining tokens
+    # a lookup branch of rates 0.8 takes the first nodes, the drafter's best nodes the rest
+    looked = tree_expected_by_width(DOUBTFUL, nodes, 4, 100, [0.8, 0.8])
+    assert looked == pytest.approx([1.0, 1.8, 1.8 + 0.64, 1.8 + 0.64 + 0.45])
+
+
+def test_trim_picks_a_tree_when_it_is_cheap_and_well_accepted() -> None:
+    rows = [_row()]
+    for rank1, tree_cost, want in ((0.4, 0.05, True),  # second choices pay, trees cost what chains do
+                                   (0.4, 0.6, False),  # ...but a tree step costs far more
+                                   (0.02, 0.05, False)):  # the drafter's second choices are rarely right
+        policy = AdaptiveBlock(8, costs=_costs(0.05), tree_costs=_costs(tree_cost))
+        policy.nodes["greedy"] = _trained(rank1)
+        policy._tree_model = policy.tree_costs
+        chosen = policy.trimmer(SimpleNamespace(rows=rows))(
+            [CHAIN_CONF], [0], [DOUBTFUL])
+        assert isinstance(chosen, Shape) and chosen.tree is want, (rank1, tree_cost, chosen)
+        assert chosen.lengths > 1
+    # where no trees are offered (tree_nodes 0, a constrained row) the trim verifies a chain
+    plain = AdaptiveBlock(8, costs=_costs(0.05)).trimmer(SimpleNamespace(rows=rows))
+    assert plain([CHAIN_CONF], [0]) in range(2, 7)
+
+
+def test_trim_prices_trees_by_observed_not_drafted_acceptance() -> None:
+    """Uncalibrated, the second choice's 0.45 makes the tree look worth its extra cost; observed
+    at 0.05, the policy keeps the chain."""
+    rows = [_row()]
+    fresh = AdaptiveBlock(8, costs=_costs(0.05), tree_costs=_costs(0.06))
+    fresh._tree_model = fresh.tree_costs
+    assert fresh.trimmer(SimpleNamespace(rows=rows))([CHAIN_CONF], [0], [DOUBTFUL]).tree
+    fresh.nodes["greedy"] = _trained(0.05)
+    assert not fresh.trimmer(SimpleNamespace(rows=rows))([CHAIN_CONF], [0], [DOUBTFUL]).tree
+
+
+def _tree_batch(rows: list, tree_nodes: int = 7, trees: bool = True, **fields) -> SimpleNamespace:
+    return SimpleNamespace(drafter=object(), argmax_only=True, rows=rows, trees=trees, tree_nodes=tree_nodes,
+                           lookup_plan=lambda: [[]] * len(rows), **fields)
+
+
+def test_a_batch_chooses_trees_by_their_mean_acceptance_and_cost() -> None:
+    rows = [_row(0.5), _row(0.5)]
+    for rank1, tree_cost, want in ((0.4, 0.05, True), (0.4, 0.6, False), (0.02, 0.05, False)):
+        policy = AdaptiveBlock(8, costs=_costs(0.05), tree_costs=_costs(tree_cost), plain_every=1000,
+                               challenge_every=1000)
+        nodes = policy.node_acceptance("greedy")
+        for i in range(400):
+            nodes.observe(1, 1, None, i < rank1 * 400)
+        assert policy.choose(_tree_batch(rows)) == 1  # a plain step first: its real cost
+        assert policy.choose(_tree_batch(rows)) > 1 and policy.tree_choice is want, (rank1, tree_cost)
+    policy.choose(_tree_batch(rows, trees=False))
+    assert policy.choose(_tree_batch(rows, trees=False)) > 1 and not policy.tree_choice  # chains only
+
+
+def test_tree_steps_are_timed_apart_from_chain_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tree step's time goes to the tree costs, a chain step's to the chain costs. Fake clock:
+    chain steps 1 + 0.1 n seconds, tree steps 1 + 0.05 n."""
+    from blockspec.dflash import policy as adaptive
+
+    clock = SimpleNamespace(t=0.0)
+    monkeypatch.setattr(adaptive, "time", SimpleNamespace(perf_counter=lambda: clock.t))
+    rows = [SimpleNamespace(remaining=100, params=SamplingParams(), constraint=None,
+                            acceptance_rates=lambda prior, lookup=False: [0.6] * 7,
+                            stats=SimpleNamespace(accepted_by_position=[0] * 7, lookup_accepted_by_position=[0] * 7),
+                            tries=[0] * 7, lookup_tries=[0] * 7) for _ in range(2)]
+    seen = []
+
+    def step(block: int, trim: object = None, tree: bool = True) -> int:
+        batch.tree_step = tree and block > 1
+        seen.append((block, batch.tree_step))
+        clock.t += 1.0 + (0.05 if batch.tree_step else 0.1) * block
+        batch.verified = 2 * block
+        return block
+
+    batch = _tree_batch(rows, step=step, verified=0, caught_up=False, skips_padding=False, tree_step=False,
+                        node_trials=[])
+    policy = AdaptiveBlock(8, costs=_costs(0.1, draft=0.0), tree_costs=_costs(0.1, draft=0.0), challenge_every=1000)
+    nodes = policy.node_acceptance("greedy")
+    for i in range(400):
+        nodes.observe(1, 1, None, i < 160)
+    for _ in range(6):
+        policy.step(batch)
+    trees = [n for n, t in seen if t]
+    assert trees and policy.tree_steps == len(trees)
+    assert all(policy.tree_costs.measured[2][n] == pytest.approx(1.0 + 0.05 * n) for n in set(trees))
+    assert set(policy.costs.measured[2]) == {n for n, t in seen if not t}  # the plain check's step
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("tree_cost", [0.01, 1.0])
+def test_the_policy_with_trees_is_lossless_and_follows_tree_costs(tree_cost: float,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the ranked drafter (second and third choices often right) the policy verifies trees
+    when tree steps are cheap and chains when they are dear; greedy output is plain decoding's.
+    The scripted costs stay as they are (real steps are not timed into them)."""
+    monkeypatch.setattr(CostModel, "observe", lambda self, batch, block, seconds: None)
+    model = make_tiny_target("llama", seed=11)
+    prompts = ragged_prompts(1, seed=28, vocab=48)
+    truth = [reference_greedy(model, p, 24) for p in prompts]
+    drafter = RankedDrafter(model, prompts, truth, seed=11)
+    dec = SpecDecoder(HFTarget(model), drafter, SpecConfig(block_size=8, adaptive=True, tree_nodes=5))
+    costs, tree_costs = CostModel(max_block=8), CostModel(max_block=8)
+    costs.set(1, [1.0 + 0.01 * n for n in range(8)], [0.0] + [0.1] * 7)
+    tree_costs.set(1, [1.0] + [1.0 + tree_cost * n for n in range(1, 8)], [0.0] + [0.1] * 7)
+    policy = AdaptiveBlock(8, costs=costs, sampled_costs=costs, tree_costs=tree_costs, sampled_tree_costs=tree_costs,
+                           thread_count=lambda: 1, plain_every=1000, challenge_every=1000)
+    dec.adaptive_policy = policy
+    results = dec.generate(prompts, SamplingParams(max_new_tokens=24))
+    assert [r.token_ids for r in results] == truth
+    tree_steps = sum(r.stats.tree_steps for r in results)
+    if tree_cost < 0.1:
+        assert tree_steps > 0 and policy.tree_steps == tree_steps
+        assert any(k[1] > 0 for k in policy.node_acceptance("greedy").means)  # trials by rank were booked
+    else:
+        assert tree_steps == 0
+
+
+def test_a_lone_row_is_offered_trees_while_they_come_close() -> None:
+    """A trimmed step reads back and ranks its drafter's top choices only while trees promise
+    nearly what chains do, and every TREE_OFFER_EVERY drafting steps regardless."""
+    from blockspec.dflash.policy import TREE_OFFER_EVERY
+
+    lone = [_row(0.5)]
+    close = AdaptiveBlock(8, costs=_costs(0.05), tree_costs=_costs(0.05), plain_every=1000, challenge_every=1000)
+    close.choose(_tree_batch(lone))  # the plain check
+    assert close.choose(_tree_batch(lone)) > 1 and close.tree_choice  # no second choice seen yet: offered
+    dear = AdaptiveBlock(8, costs=_costs(0.05), tree_costs=_costs(2.0), plain_every=1000, challenge_every=1000)
+    offered = []
+    for _ in range(2 * TREE_OFFER_EVERY + 1):
+        dear.choose(_tree_batch(lone))
+        offered.append(dear.tree_choice)
+    assert offered[0] is False  # the plain check
+    assert [i for i, o in enumerate(offered) if o] == [TREE_OFFER_EVERY, 2 * TREE_OFFER_EVERY]
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_tree_steps_are_calibrated_like_chain_steps() -> None:
+    """calibrate(tree=True) times what a tree step runs (draft pass, top choices ranked, a tree
+    packed, one tree pass walked), greedy and sampled, on the native target."""
+    import torch
+
+    from blockspec.dflash.batch import DecodeBatch
+    from blockspec.dflash.drafter import new_drafter_for_target
+    from blockspec.dflash.policy import calibrate
+    from blockspec.targets.native import load_native_target
+
+    model = make_tiny_target("llama", seed=21)
+    target = load_native_target(model, dtype=None, eos_token_ids=())
+    drafter = new_drafter_for_target(model.config, mask_token_id=47, num_layers=1, dtype=torch.float64)
+    batch = DecodeBatch(target, drafter, max_block=6, tree_nodes=3)
+    assert batch.trees
+    for sampled in (False, True):
+        totals, drafting = calibrate(batch, 2, 6, sampled=sampled, tree=True)
+        assert len(totals) == len(drafting) == 6 and drafting[0] == 0.0
+        assert all(0 < d < t for d, t in zip(drafting[1:], totals[1:]))
+    policy = AdaptiveBlock(6)
+    policy.calibrate_all(batch, 2)
+    assert all(m.known(2) for m in (policy.costs, policy.sampled_costs, policy.tree_costs, policy.sampled_tree_costs))
+
+
+def test_trees_are_priced_in_the_chains_units() -> None:
+    """A chain step chooses with trees on what it chooses without them (its first choices keep
+    their draft probabilities), and a lower rank is priced by its acceptance relative to the
+    first choices' at the same depth and band."""
+    nodes = NodeAcceptance()
+    for i in range(400):  # first choices of 0.3 accepted 60%, second choices of 0.3 accepted 30%
+        nodes.observe(1, 0, 0.3, i % 10 < 6)
+        nodes.observe(1, 1, 0.3, i % 10 < 3)
+    assert nodes.relative_rate(1, 0, 0.3) == 0.3 and nodes.rate(1, 0, 0.3) == pytest.approx(0.6, abs=0.02)
+    assert nodes.relative_rate(1, 1, 0.3) == pytest.approx(0.15, abs=0.01)  # half a first choice's
+    rows = [_row()]
+    for tree_cost in (0.6, 2.0):  # trees too dear: the chain, with the length chains pick alone
+        policy = AdaptiveBlock(8, costs=_costs(0.05), tree_costs=_costs(tree_cost))
+        policy.nodes["greedy"] = nodes
+        policy._tree_model = policy.tree_costs
+        chosen = policy.trimmer(SimpleNamespace(rows=rows))([CHAIN_CONF], [0], [DOUBTFUL])
+        alone = AdaptiveBlock(8, costs=_costs(0.05)).trimmer(SimpleNamespace(rows=rows))([CHAIN_CONF], [0])
+        assert chosen == Shape(alone, False)
