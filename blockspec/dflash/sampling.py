@@ -39,6 +39,29 @@ def probabilities(
     return probs
 
 
+# Rows of the standard rule draw their chain proposals from their draft distribution sharpened
+# to this fraction of its temperature (`sharpened`): the rule accepts sum min(p, q), and the
+# drafter's shaped q is flatter than the target's p where they agree, so a sharper q overlaps p
+# more (blockspec/bench/sampletau.py measures the rules; docs/DESIGN.md section 6). Any q is
+# lossless as long as the rule tests each proposal against the q it was drawn from. Keyed rows
+# keep the request's q: their text does not depend on the drafts, only their acceptance does.
+STANDARD_DRAFT_FACTOR = 0.5
+
+
+def sharpened(probs: torch.Tensor, factor: float | None = None) -> torch.Tensor:
+    """probs [..., V] at `factor` times their temperature on the same support: probs ** (1 /
+    factor), renormalised (zeros stay zero; a one-hot stays itself). factor None:
+    STANDARD_DRAFT_FACTOR; 1: probs unchanged."""
+    f = STANDARD_DRAFT_FACTOR if factor is None else factor
+    if not f > 0:
+        raise ValueError(f"a sharpening factor must be > 0, got {f}")
+    if f == 1.0:
+        return probs
+    # divided by each row's peak first, so the power cannot underflow the whole row to zero
+    out = (probs / probs.amax(dim=-1, keepdim=True)).pow_(1.0 / f)
+    return out.div_(out.sum(dim=-1, keepdim=True))
+
+
 NUCLEUS_HEAD = 64  # tokens sorted first per position by `_top_p` (x8 until the nucleus fits)
 
 
