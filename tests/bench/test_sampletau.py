@@ -14,6 +14,7 @@ from conftest import make_tiny_target
 from blockspec.bench import sampletau
 from blockspec.bench.sampletau import SampleTauConfig, SampleTauResult, Walk, measure_prompt
 from blockspec.config import SamplingParams, SpecConfig
+from blockspec.dflash import sampling
 from blockspec.dflash.drafter import new_drafter_for_target
 from blockspec.engine.decoder import SpecDecoder
 from blockspec.errors import ConfigError
@@ -44,15 +45,16 @@ def tiny():
 
 def test_standard_rule_tau_is_what_unseeded_decodes_reach() -> None:
     target, drafter = tiny()
-    cfg = SampleTauConfig(temperature=1.0, top_p=1.0, widths=(3,), factors=(1.0,), max_new_tokens=24)
+    f = sampling.STANDARD_DRAFT_FACTOR  # what the decoder's standard-rule rows draw with
+    cfg = SampleTauConfig(temperature=1.0, top_p=1.0, widths=(3,), factors=(f,), max_new_tokens=16)
     total = SampleTauResult()
     g = torch.Generator().manual_seed(0)
-    for _ in range(30):
+    for _ in range(16):
         total.add(measure_prompt(target, drafter, PROMPT, cfg, g))
-    expected = total.tallies["standard f=1"][3].tau
+    expected = total.tallies[f"standard f={f:g}"][3].tau
     dec = SpecDecoder(target, drafter, SpecConfig(block_size=3))
     torch.manual_seed(1)
-    outs = dec.generate([PROMPT] * 300, SamplingParams(max_new_tokens=24, temperature=1.0, ignore_eos=True))
+    outs = dec.generate([PROMPT] * 160, SamplingParams(max_new_tokens=16, temperature=1.0, ignore_eos=True))
     lengths = [n for r in outs for n in r.stats.acceptance_lengths]
     assert {r.stats.sampling_rule for r in outs} == {"standard"}
     measured = sum(lengths) / len(lengths)
