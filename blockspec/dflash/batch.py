@@ -32,6 +32,7 @@ from blockspec.targets.slots import EMPTY
 from blockspec.targets.base import Target, TargetCache, greedy_forward, greedy_forward_tree
 from blockspec.dflash.logit_bias import apply_logit_bias
 from blockspec.dflash.lookup import LookupConfig, TokenIndex
+from blockspec.dflash import sampling
 from blockspec.dflash.sampling import ACCEPT_SLOT, BONUS_SLOT, RowRandom, probabilities, sharpened
 from blockspec.dflash.verify import accept_greedy, verify_standard
 from blockspec.dflash.proposers import (BestFirstProposer, Distributions, Draft, PositionDistributions,
@@ -641,7 +642,7 @@ class DecodeBatch:
         their proposals come from it, and the rule tests them against it. Other rows keep theirs
         (a keyed row's coupling with the target's draw is that of the request's q)."""
         rows = [i for i, rule in enumerate(self.rules) if rule == "standard"]
-        if not rows:
+        if not rows or sampling.STANDARD_DRAFT_FACTOR == 1.0:
             return draft_probs
         if len(rows) == len(self.rows):
             return sharpened(draft_probs)

@@ -40,12 +40,13 @@ def probabilities(
 
 
 # Rows of the standard rule draw their chain proposals from their draft distribution sharpened
-# to this fraction of its temperature (`sharpened`): the rule accepts sum min(p, q), and the
-# drafter's shaped q is flatter than the target's p where they agree, so a sharper q overlaps p
-# more (blockspec/bench/sampletau.py measures the rules; docs/DESIGN.md section 6). Any q is
-# lossless as long as the rule tests each proposal against the q it was drawn from. Keyed rows
-# keep the request's q: their text does not depend on the drafts, only their acceptance does.
-STANDARD_DRAFT_FACTOR = 0.5
+# to this fraction of its temperature (`sharpened`). The rule accepts sum min(p, q); where the
+# drafter's q is flatter than the target's p a sharper q overlaps p more. Any q is lossless as
+# long as the rule tests each proposal against the q it was drawn from. 1 (the request's own q)
+# until a measurement shows a sharper one pays end to end: `python -m blockspec.bench.sampletau`
+# finds the expected gain on the shipped drafter small (BENCHMARKS.md; docs/DESIGN.md section 6).
+# Keyed rows always keep the request's q: their text does not depend on the drafts.
+STANDARD_DRAFT_FACTOR = 1.0
 
 
 def sharpened(probs: torch.Tensor, factor: float | None = None) -> torch.Tensor:

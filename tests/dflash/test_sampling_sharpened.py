@@ -1,7 +1,8 @@
-"""Standard-rule rows draw their chain proposals from a sharpened draft distribution
-(`sampling.sharpened`, STANDARD_DRAFT_FACTOR): the q the rule tests them against is that
-sharpened q, the output still follows the target (chi-square), and the same statistic catches
-the lossy twin that draws from the sharpened q but tests against the request's."""
+"""Standard-rule rows may draw their chain proposals from a sharpened draft distribution
+(`sampling.sharpened`, STANDARD_DRAFT_FACTOR < 1; 1, the request's own q, by default): the q the
+rule tests them against is then that sharpened q, the output still follows the target
+(chi-square), and the same statistic catches the lossy twin that draws from the sharpened q but
+tests against the request's."""
 
 from __future__ import annotations
 
