@@ -6,7 +6,7 @@ Decodes the first prompts of a set (batch 1, the settings every verb uses: adapt
 n-gram lookup) with sampled requests verified by the keyed rule, then the standard rule
 (alternating per prompt), and times, inside every step, what sampling adds to the model work:
 temperature / top-k / top-p shaping of the target's and the drafter's logits
-(`probabilities`), the keyed draws (`RowRandom.sample`, `race`, `uniforms`), the one-hot drafts
+(`probabilities`), the standard rule's sharper draft distribution (`sharpened`), the keyed draws (`RowRandom.sample`, `race`, `uniforms`), the one-hot drafts
 of lookup proposals and the standard rule itself (`verify_standard`: acceptance tests and the
 residual draw). Prints a Markdown table: per rule, steps, milliseconds per step, of which
 sampling, and its share.
@@ -25,6 +25,7 @@ import torch
 # (module path, attribute) of every sampling function a step calls; class methods as "Class.method"
 SAMPLING = (
     ("blockspec.dflash.batch", "probabilities"),
+    ("blockspec.dflash.batch", "sharpened"),
     ("blockspec.dflash.batch", "verify_standard"),
     ("blockspec.dflash.batch", "_one_hot_where"),
     ("blockspec.dflash.sampling", "RowRandom.sample"),

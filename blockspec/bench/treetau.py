@@ -128,6 +128,16 @@ class AnchorDrafts:
     @torch.inference_mode()
     def at(self, anchor: int) -> Distributions:
         """Distributions for depths 1..block-1 after the token at position `anchor`."""
+        hidden = self.hidden(anchor)
+        head = self.target.head()
+        if self.drafter.candidate_selector is not None:
+            cands = self.drafter.candidates(hidden[:, 1:], head, normaliser=False)
+            return SelectorDistributions(self.drafter.candidate_selector, hidden[0, 1:], cands.ids[0], cands.logits[0])
+        return PositionDistributions.from_logits(self.drafter.logits(hidden[0, 1:], head), self.top_k)
+
+    @torch.inference_mode()
+    def hidden(self, anchor: int) -> torch.Tensor:
+        """The drafter's hidden states [1, block, H] for the block after the token at `anchor`."""
         if anchor < self.fed:
             raise ConfigError("anchors must be asked for in increasing order")
         q = self.drafter.block_size
@@ -140,14 +150,7 @@ class AnchorDrafts:
             embeds = embeds * self.scale
         hidden = self.drafter(ctx, ctx_pos, embeds, torch.arange(anchor, anchor + q)[None], self.cache)  # [1, q, H]
         self.fed = anchor
-        head = self.target.head()
-        if self.drafter.candidate_selector is not None:
-            cands = self.drafter.candidates(hidden[:, 1:], head, normaliser=False)
-            dists: Distributions = SelectorDistributions(self.drafter.candidate_selector, hidden[0, 1:],
-                                                         cands.ids[0], cands.logits[0])
-        else:
-            dists = PositionDistributions.from_logits(self.drafter.logits(hidden[0, 1:], head), self.top_k)
-        return dists
+        return hidden
 
 
 def decode_taus(tokens: list[int], start: int, drafts_at, proposers: dict[str, Proposer]) -> TreeTauResult:

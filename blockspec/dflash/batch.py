@@ -32,7 +32,8 @@ from blockspec.targets.slots import EMPTY
 from blockspec.targets.base import Target, TargetCache, greedy_forward, greedy_forward_tree
 from blockspec.dflash.logit_bias import apply_logit_bias
 from blockspec.dflash.lookup import LookupConfig, TokenIndex
-from blockspec.dflash.sampling import ACCEPT_SLOT, BONUS_SLOT, RowRandom, probabilities
+from blockspec.dflash import sampling
+from blockspec.dflash.sampling import ACCEPT_SLOT, BONUS_SLOT, RowRandom, probabilities, sharpened
 from blockspec.dflash.verify import accept_greedy, verify_standard
 from blockspec.dflash.proposers import (BestFirstProposer, Distributions, Draft, PositionDistributions,
                                         SelectorDistributions)
@@ -554,11 +555,12 @@ class DecodeBatch:
         else:
             draft_logits = self.drafter.logits(hidden, self.target.head())  # [b, q-1, V]
             draft_probs = self._probs(draft_logits)
+            drawn = self._standard_sharpened(draft_probs)  # [b, q-1, V]: what each row draws from
             # drawn with the draws the target's own sample at each position takes (dflash/sampling.py)
-            block_ids[:, 1:] = self.random.sample(draft_probs, starts)
+            block_ids[:, 1:] = self.random.sample(drawn, starts)
             if self._wants_q():
-                self._draft_q = draft_probs
-            if confidence:
+                self._draft_q = drawn
+            if confidence:  # the request's q: the policy prices acceptance by its peaks
                 conf = draft_confidence(draft_probs)  # [b, q-1]
             self._mask_drafts(draft_probs, block_ids, starts)
         return conf
@@ -706,6 +708,20 @@ class DecodeBatch:
         if all(c is None for c in constraints):
             return lengths, None
         return cut_block(constraints, block_ids.tolist(), lengths, self.target.info.vocab_size)
+
+    def _standard_sharpened(self, draft_probs: torch.Tensor) -> torch.Tensor:
+        """draft_probs [b, n, V] with the standard rule's rows sharpened (`sampling.sharpened`):
+        their proposals come from it, and the rule tests them against it. Other rows keep theirs
+        (a keyed row's coupling with the target's draw is that of the request's q; a constrained
+        row redraws from the request's q masked by its grammar, `_mask_drafts`)."""
+        rows = [i for i, (rule, r) in enumerate(zip(self.rules, self.rows))
+                if rule == "standard" and r.constraint is None]
+        if not rows or sampling.STANDARD_DRAFT_FACTOR == 1.0:
+            return draft_probs
+        if len(rows) == len(self.rows):
+            return sharpened(draft_probs)
+        index = torch.tensor(rows, device=draft_probs.device)
+        return draft_probs.index_copy(0, index, sharpened(draft_probs[index]))
 
     def _mask_drafts(self, draft_probs: torch.Tensor, block_ids: torch.Tensor, starts: list[int]) -> None:
         """Redraws the proposals of sampled constrained rows from their draft distributions

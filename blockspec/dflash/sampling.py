@@ -39,6 +39,30 @@ def probabilities(
     return probs
 
 
+# Rows of the standard rule draw their chain proposals from their draft distribution sharpened
+# to this fraction of its temperature (`sharpened`). The rule accepts sum min(p, q); where the
+# drafter's q is flatter than the target's p a sharper q overlaps p more. Any q is lossless as
+# long as the rule tests each proposal against the q it was drawn from. 1 (the request's own q)
+# until a measurement shows a sharper one pays end to end: `python -m blockspec.bench.sampletau`
+# finds the expected gain on the shipped drafter small (BENCHMARKS.md; docs/DESIGN.md section 6).
+# Keyed rows always keep the request's q: their text does not depend on the drafts.
+STANDARD_DRAFT_FACTOR = 1.0
+
+
+def sharpened(probs: torch.Tensor, factor: float | None = None) -> torch.Tensor:
+    """probs [..., V] at `factor` times their temperature on the same support: probs ** (1 /
+    factor), renormalised (zeros stay zero; a one-hot stays itself). factor None:
+    STANDARD_DRAFT_FACTOR; 1: probs unchanged."""
+    f = STANDARD_DRAFT_FACTOR if factor is None else factor
+    if not f > 0:
+        raise ValueError(f"a sharpening factor must be > 0, got {f}")
+    if f == 1.0:
+        return probs
+    # divided by each row's peak first, so the power cannot underflow the whole row to zero
+    out = (probs / probs.amax(dim=-1, keepdim=True)).pow_(1.0 / f)
+    return out.div_(out.sum(dim=-1, keepdim=True))
+
+
 NUCLEUS_HEAD = 64  # tokens sorted first per position by `_top_p` (x8 until the nucleus fits)
 
 
