@@ -164,7 +164,8 @@ class Engine:
     def run_until_idle(self, on_finished: Callable[[int], None] | None = None) -> None:
         """Decodes on the calling thread until nothing is waiting or running, for an engine made
         with EngineConfig(own_thread=False); the submitted requests' handles then hold results.
-        on_finished(n) hears after each step how many requests ended in it (progress bars)."""
+        on_finished(n) hears after each step how many requests ended in it (progress bars); what
+        it submits runs before this returns."""
         if self.config.own_thread:
             raise ConfigError("run_until_idle() is for engines made with EngineConfig(own_thread=False); "
                               "this one decodes on its own thread: wait on the request handles")
@@ -175,6 +176,8 @@ class Engine:
             now = self.scheduler.depth + len(self._requests)
             if on_finished is not None and now < left:
                 on_finished(left - now)
+                # it may have submitted work (a request replacing the one that ended)
+                now = self.scheduler.depth + len(self._requests)
             left = now
 
     @property

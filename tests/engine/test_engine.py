@@ -386,6 +386,24 @@ def test_stop_cancels_queued_and_running(setup) -> None:
     assert queued.result(timeout=10).finish_reason == "cancelled"
 
 
+def test_run_until_idle_runs_what_its_callback_submits_after_the_last_request_ends(setup) -> None:
+    """The callback hears that the only running request ended and submits another: that one is
+    decoded before run_until_idle returns, not left queued with its handle waiting forever."""
+    model, target, prompts, truths = setup
+    drafter = OracleDrafter(model, target, prompts, truths, wrong_every=5)
+    engine = Engine(target, drafter, EngineConfig(SpecConfig(block_size=6), max_batch=2, own_thread=False))
+    first = engine.submit(prompts[0], SamplingParams(max_new_tokens=30))
+    later = []
+
+    def replace(_ended: int) -> None:
+        if not later:
+            later.append(engine.submit(prompts[1], SamplingParams(max_new_tokens=30)))
+
+    engine.run_until_idle(replace)
+    assert first.result(timeout=0).token_ids == truths[0]
+    assert later[0].result(timeout=0).token_ids == truths[1]
+
+
 def test_engine_without_own_thread_decodes_on_the_callers_thread(setup) -> None:
     model, target, prompts, truths = setup
     drafter = OracleDrafter(model, target, prompts, truths, wrong_every=5)
