@@ -78,6 +78,6 @@ def test_the_engine_reproduces_a_seed_with_requests_coming_and_going(model, refe
             prompt, params = waiting.pop(0)
             mates.append(engine.submit(prompt, params))
 
-    engine.run_until_idle(more)
-    assert handle.result().token_ids == reference
-    assert len(mates) > 2 and all(m.result().finish_reason == "length" for m in mates)
+    engine.run_until_idle(more)  # every request has ended when it returns: no result waits
+    assert handle.result(timeout=0).token_ids == reference
+    assert len(mates) > 2 and all(m.result(timeout=0).finish_reason == "length" for m in mates)
