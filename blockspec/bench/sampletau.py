@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from blockspec.bench.treetau import AnchorDrafts
+from blockspec.bench import treetau
+from blockspec.bench.treetau import AnchorDrafts, continuation
 from blockspec.dflash.proposers import BestFirstProposer, Draft, PositionDistributions
 from blockspec.dflash.sampling import RowRandom, probabilities, sample_from, sharpened
 from blockspec.dflash.token_tree import TokenTree
@@ -116,20 +117,19 @@ class Walk:
 
 
 @dataclass
-class Tally:
-    """Expected tokens and steps of one rule at one width, summed over prompts."""
+class Tally(treetau.Tally):
+    """Expected tokens and steps of one rule at one width, summed over prompts, and the
+    expected acceptances of its first proposal."""
 
-    tokens: float = 0.0
-    steps: float = 0.0
     first: float = 0.0
-
-    @property
-    def tau(self) -> float:
-        return self.tokens / self.steps if self.steps else 0.0
 
     @property
     def first_rate(self) -> float:
         return self.first / self.steps if self.steps else 0.0
+
+    def add(self, other: Tally) -> None:
+        super().add(other)
+        self.first += other.first
 
 
 @dataclass
@@ -147,10 +147,7 @@ class SampleTauResult:
     def add(self, other: SampleTauResult) -> None:
         for name, by_w in other.tallies.items():
             for w, t in by_w.items():
-                mine = self.tallies.setdefault(name, {}).setdefault(w, Tally())
-                mine.tokens += t.tokens
-                mine.steps += t.steps
-                mine.first += t.first
+                self.tallies.setdefault(name, {}).setdefault(w, Tally()).add(t)
         for k, (top, bound) in other.siblings.items():
             a, b = self.siblings.get(k, (0.0, 0.0))
             self.siblings[k] = (a + top, b + bound)
@@ -167,33 +164,18 @@ def rule_names(cfg: SampleTauConfig) -> list[str]:
     return names
 
 
-@torch.inference_mode()
 def sampled_continuation(target: object, layer_ids: tuple[int, ...], prompt: list[int], cfg: SampleTauConfig,
                          generator: torch.Generator) -> tuple[list[int], torch.Tensor]:
     """A continuation of `prompt` sampled from the target at the config's temperature / top-p
     (up to max_new_tokens, to its first stop token included) and the target features of every
     token fed, as plain decoding computes them."""
     t, k, tp = _shaping(cfg)
-    cache = target.new_cache(1)
-    p = len(prompt)
-    n = cfg.max_new_tokens
-    cache.reserve(p, p + n)
-    logits, feats = target.forward(torch.tensor([prompt]), torch.arange(p)[None], cache, layer_ids,
-                                   last_logits_only=True)
 
     def draw(last: torch.Tensor) -> int:
-        probs = probabilities(last[:, -1:], t, k, tp)[0, 0]  # [V]
+        probs = probabilities(last, t, k, tp)[0, 0]  # [V]
         return int(sample_from(probs, torch.rand((), generator=generator, dtype=torch.float64)))
 
-    out, parts = [draw(logits)], [feats[0]]
-    stops = set(target.info.eos_token_ids)
-    while len(out) < n and out[-1] not in stops:
-        pos = p + len(out) - 1
-        cache.reserve(pos + 1, p + n)
-        logits, feats = target.forward(torch.tensor([[out[-1]]]), torch.tensor([[pos]]), cache, layer_ids)
-        out.append(draw(logits))
-        parts.append(feats[0])
-    return out, torch.cat(parts)
+    return continuation(target, layer_ids, prompt, cfg.max_new_tokens, draw)
 
 
 def _shaping(cfg: SampleTauConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

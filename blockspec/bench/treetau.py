@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -62,12 +62,16 @@ class TreeTauConfig:
 class Tally:
     """Committed tokens and steps of one proposer's decodes."""
 
-    tokens: int = 0
-    steps: int = 0
+    tokens: float = 0
+    steps: float = 0
 
     @property
     def tau(self) -> float:
         return self.tokens / self.steps if self.steps else 0.0
+
+    def add(self, other: Tally) -> None:
+        self.tokens += other.tokens
+        self.steps += other.steps
 
 
 @dataclass
@@ -78,9 +82,7 @@ class TreeTauResult:
 
     def add(self, other: TreeTauResult) -> None:
         for name, t in other.tallies.items():
-            mine = self.tallies.setdefault(name, Tally())
-            mine.tokens += t.tokens
-            mine.steps += t.steps
+            self.tallies.setdefault(name, Tally()).add(t)
 
 
 def proposers_for(cfg: TreeTauConfig, dflash2: bool) -> dict[str, Proposer]:
@@ -94,25 +96,32 @@ def proposers_for(cfg: TreeTauConfig, dflash2: bool) -> dict[str, Proposer]:
 
 
 @torch.inference_mode()
-def greedy_continuation(target: object, layer_ids: tuple[int, ...], prompt: list[int], n: int
-                        ) -> tuple[list[int], torch.Tensor]:
-    """The target's greedy continuation of `prompt` (up to n tokens, to its first stop token
-    included) and the target features [len(prompt) + len(continuation) - 1, F] of every token
-    fed to it, as plain decoding computes them."""
+def continuation(target: object, layer_ids: tuple[int, ...], prompt: list[int], n: int,
+                 pick: Callable[[torch.Tensor], int]) -> tuple[list[int], torch.Tensor]:
+    """A continuation of `prompt` (up to n tokens, to its first stop token included), each token
+    `pick`ed from the target's last logits [1, 1, V], and the target features
+    [len(prompt) + len(continuation) - 1, F] of every token fed to it, as plain decoding computes
+    them."""
     cache = target.new_cache(1)
     p = len(prompt)
     cache.reserve(p, p + n)
     logits, feats = target.forward(torch.tensor([prompt]), torch.arange(p)[None], cache, layer_ids,
                                    last_logits_only=True)
-    out, parts = [int(logits[0, -1].argmax())], [feats[0]]
+    out, parts = [pick(logits[:, -1:])], [feats[0]]
     stops = set(target.info.eos_token_ids)
     while len(out) < n and out[-1] not in stops:
         pos = p + len(out) - 1
         cache.reserve(pos + 1, p + n)
         logits, feats = target.forward(torch.tensor([[out[-1]]]), torch.tensor([[pos]]), cache, layer_ids)
-        out.append(int(logits[0, -1].argmax()))
+        out.append(pick(logits[:, -1:]))
         parts.append(feats[0])
     return out, torch.cat(parts)
+
+
+def greedy_continuation(target: object, layer_ids: tuple[int, ...], prompt: list[int], n: int
+                        ) -> tuple[list[int], torch.Tensor]:
+    """The target's greedy continuation of `prompt` and its features (`continuation`)."""
+    return continuation(target, layer_ids, prompt, n, lambda last: int(last[0, -1].argmax()))
 
 
 class AnchorDrafts:
