@@ -77,6 +77,17 @@ WIDEN_SHARE = 0.05  # a step drafts past its chosen block while that costs at mo
 # gained (measured: docs/DESIGN.md section 12). So the next probe waits until the plain steps since
 # the last one took 1 / PROBE_SHARE times its extra cost.
 PROBE_SHARE = 0.05
+# Once a real step has measured what drafting costs at a batch's size, a batch of several rows
+# probes only while its best drafting size is expected to commit at least (1 - BATCH_PROBE_MARGIN)
+# times plain decoding's tokens per second. Its expectation sums its rows', so one row's easier
+# stretch moves it little, and each probe's draft pass catches up on every row's context: at
+# concurrency 8 on a CPU, where drafting was expected at about 0.8 of plain decoding, the probes
+# alone cost about 3% of the run and never found drafting paying (BENCHMARKS.md, "What a plain
+# step carries"). Until then it probes as a lone row always does (a lone row's acceptance swings
+# with its text), since only a real step corrects a calibration that outside load priced wrong;
+# and drafting is priced by `CostModel.least_table` there, so that steps slowed by a burst of
+# load do not stop the probes that would measure them again.
+BATCH_PROBE_MARGIN = 0.1
 # Widening and trimming run for batches of at most this many rows (trimming also for larger ones
 # with AdaptiveBlock(ragged=True): a length per row). Where a batch verifies one length for all its
 # rows, their confidences average out, and a wider draft costs more per step: with them batches
@@ -219,6 +230,21 @@ class CostModel:
 
     def cost(self, batch: int, block: int) -> float:
         return self.table(batch)[block - 1]
+
+    def least_table(self, batch: int) -> list[float]:
+        """`table`, each drafting size at most its calibration scaled as plain decoding's cost
+        moved: what it costs unless outside load slowed its own last steps. Its measurements
+        only move with plain decoding's damped, so a burst that priced drafting out would
+        otherwise keep it out (only a drafting step re-measures it)."""
+        out = self.table(batch)
+        base = self.calibrated[bucket(batch)]
+        drift = out[0] / base[0] if base[0] > 0 else 1.0
+        return out[:1] + [min(t, c * drift) for t, c in zip(out[1:], base[1:])]
+
+    def drafting_measured(self, batch: int) -> bool:
+        """Whether a real step of a drafting size (2 or more) was measured in `batch`'s bucket
+        at the current thread count (else its drafting costs are the calibration's guess)."""
+        return any(n > 1 for n in self.measured.get(bucket(batch), {}))
 
     def observe(self, batch: int, block: int, seconds: float) -> None:
         """Adds the measured time of one real step."""
@@ -728,7 +754,9 @@ class AdaptiveBlock:
             self._probing = self._confirming = True
         elif best == 1 or lookup is not None:  # the drafter sits this step out
             self.plain_streak += 1
-            if self.plain_streak >= self.probe_every and self.plain_spent * PROBE_SHARE >= self.probe_extra:
+            if (self.plain_streak >= self.probe_every and self.plain_spent * PROBE_SHARE >= self.probe_extra
+                    and (not model.drafting_measured(b)
+                         or self.probe_may_pay(b, [e / c for e, c in zip(expected, model.least_table(b))]))):
                 self.plain_streak = 0
                 self.plain_spent = 0.0
                 self.probe_every = min(self.probe_every * 2, MAX_INTERVAL)
@@ -750,6 +778,12 @@ class AdaptiveBlock:
         self.last_choice = best
         self.forced = best != planned
         return best
+
+    @staticmethod
+    def probe_may_pay(rows: int, rates: list[float]) -> bool:
+        """Whether a batch of `rows` rows whose block sizes 1..n are expected to commit at most
+        `rates` tokens per second may probe (see BATCH_PROBE_MARGIN): always for a lone row."""
+        return rows <= 1 or len(rates) < 2 or max(rates[1:]) >= (1 - BATCH_PROBE_MARGIN) * rates[0]
 
     def _lookup_option(self, batch: DecodeBatch, plan: list[list[int]], to_beat: float) -> list[int] | None:
         """Per row verify lengths of a step without a draft pass, where the rows with an n-gram

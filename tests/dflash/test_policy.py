@@ -118,11 +118,66 @@ def test_adaptive_policy_probes_while_plain_decoding_wins() -> None:
     policy = AdaptiveBlock(8, costs=costs, probe_block=3, probe_every=4)
     choices = [policy.choose(Batch) for _ in range(12)]
     assert choices == [1, 1, 1, 3, 1, 1, 1, 1, 1, 1, 1, 3]  # probes back off: after 4, then 8
-    rows = [SimpleNamespace(remaining=100, acceptance_rates=lambda prior, lookup=False: [0.0] * 7)] * 16
-    batch = SimpleNamespace(drafter=object(), argmax_only=True, rows=rows, lookup_plan=lambda: [[]] * 16)
-    costs.set(16, [1.0] + [10.0] * 7)
+    def batch_of(rate: float) -> SimpleNamespace:
+        rows = [SimpleNamespace(remaining=100, acceptance_rates=lambda prior, lookup=False: [rate] * 7)] * 16
+        return SimpleNamespace(drafter=object(), argmax_only=True, rows=rows, lookup_plan=lambda: [[]] * 16)
+
+    # block 2 commits 1.5 tokens a row for 1.6x a plain step: drafting just loses, so the batch
+    # probes, with 2 tokens a row
+    costs.set(16, [1.0, 1.6] + [10.0] * 6)
     policy = AdaptiveBlock(8, costs=costs, probe_block=3, probe_every=4)
-    assert [policy.choose(batch) for _ in range(4)] == [1, 1, 1, 2]  # a batch probes with 2 tokens a row
+    assert [policy.choose(batch_of(0.5)) for _ in range(4)] == [1, 1, 1, 2]
+
+
+def test_a_batch_probes_only_while_drafting_comes_close_to_plain_decoding() -> None:
+    """A batch of several rows whose best drafting size is expected far below plain decoding
+    (here 1 + a tokens a row for 2x a plain step) never probes; one within BATCH_PROBE_MARGIN
+    does, and so does a lone row however far drafting is."""
+    from blockspec.dflash import policy as adaptive
+
+    def probes(rows: int, rate: float) -> list[int]:
+        costs = CostModel(max_block=8)
+        costs.set(rows, [1.0, 2.0] + [10.0] * 6)
+        row = SimpleNamespace(remaining=100, acceptance_rates=lambda prior, lookup=False: [rate] * 7)
+        batch = SimpleNamespace(drafter=object(), argmax_only=True, rows=[row] * rows, lookup_plan=lambda: [[]] * rows)
+        costs.observe(rows, 2, 2.0)  # a real drafting step confirmed the calibration
+        policy = AdaptiveBlock(8, costs=costs, probe_every=4)
+        return [i for i in range(1, 41) if policy.choose(batch) > 1]
+
+    assert adaptive.BATCH_PROBE_MARGIN == 0.1
+    assert probes(8, 0.6) == []  # 1.6 / 2 = 0.8 of plain decoding
+    assert probes(8, 0.85) == [4, 12, 28]  # 0.925 of it: within the margin, the usual back-off
+    assert probes(1, 0.0) == [4, 12, 28]  # a lone row probes whatever the estimate
+    assert AdaptiveBlock.probe_may_pay(8, [1.0, 0.9, 0.5]) and not AdaptiveBlock.probe_may_pay(8, [1.0, 0.89, 0.5])
+    costs = CostModel(max_block=8)
+    costs.set(8, [1.0, 2.0] + [10.0] * 6)
+    costs.use_threads(2)
+    assert not costs.drafting_measured(8)
+    costs.observe(8, 1, 1.0)
+    assert not costs.drafting_measured(8)  # plain steps say nothing of drafting's cost
+    costs.observe(5, 2, 2.0)
+    assert costs.drafting_measured(8) and not costs.drafting_measured(16)  # per bucket
+    costs.use_threads(3)
+    assert not costs.drafting_measured(8)  # and per thread count
+    costs.use_threads(2)
+    assert costs.drafting_measured(8)
+    # drafting costs never measured by a real step (a calibration under outside load may have
+    # priced them wrong): the batch probes, and the probe's repeat measures them
+    busy = CostModel(max_block=8)
+    busy.set(8, [1.0] + [10.0] * 7)
+    row = SimpleNamespace(remaining=100, acceptance_rates=lambda prior, lookup=False: [0.6] * 7)
+    batch = SimpleNamespace(drafter=object(), argmax_only=True, rows=[row] * 8, lookup_plan=lambda: [[]] * 8)
+    policy = AdaptiveBlock(8, costs=busy, probe_every=4)
+    assert [i for i in range(1, 41) if policy.choose(batch) > 1] == [4, 12, 28]
+    # drafting measured dear (a burst of load) is priced at the least of its measurement and its
+    # calibration scaled like plain decoding's cost (which a burst slows alike)
+    costs = CostModel(max_block=8)
+    costs.set(8, [1.0, 1.2] + [10.0] * 6)
+    costs.observe(8, 1, 1.0)
+    costs.observe(8, 2, 2.4)  # a drafting step during a burst
+    assert costs.cost(8, 2) == pytest.approx(2.4) and costs.least_table(8)[:2] == pytest.approx([1.0, 1.2])
+    costs.observe(8, 1, 3.0)  # plain decoding slowed too: the whole machine did
+    assert costs.cost(8, 1) > 1.0 and costs.least_table(8)[1] == pytest.approx(1.2 * costs.cost(8, 1))
 
 
 def test_adaptive_probes_cost_at_most_their_share_of_plain_decoding(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -134,6 +189,7 @@ def test_adaptive_probes_cost_at_most_their_share_of_plain_decoding(monkeypatch:
 
     clock = SimpleNamespace(t=0.0)
     monkeypatch.setattr(adaptive, "time", SimpleNamespace(perf_counter=lambda: clock.t))
+    monkeypatch.setattr(adaptive, "BATCH_PROBE_MARGIN", 1.0)  # this batch probes however far drafting is
     rows = [SimpleNamespace(remaining=100, acceptance_rates=lambda prior, lookup=False: [0.0] * 7,
                             params=SamplingParams(),
                             stats=SimpleNamespace(accepted_by_position=[0] * 7, lookup_accepted_by_position=[0] * 7),
