@@ -18,7 +18,9 @@ or a large batch falls back to plain decoding instead of losing to it. While blo
 small probe block (4 tokens for a lone row, 2 for a batch) runs now and then (backing off
 exponentially, and never costing more than PROBE_SHARE of the plain decoding time since the
 last probe) to notice when drafting pays again; a probe whose draft pass caught up on the plain
-steps' context runs once more, and that repeat's time is what drafting gets priced by. The other
+steps' context runs once more, and that repeat's time is what drafting gets priced by. A batch of
+several rows probes only while drafting is expected within BATCH_PROBE_MARGIN of plain decoding
+(once a real step has measured drafting at its size). The other
 way round, while drafting wins, a plain step runs first and then now and then (also backing off)
 in each batch-size bucket:
 otherwise plain decoding's cost would only ever be the calibration's guess scaled like the
@@ -755,7 +757,7 @@ class AdaptiveBlock:
         elif best == 1 or lookup is not None:  # the drafter sits this step out
             self.plain_streak += 1
             if (self.plain_streak >= self.probe_every and self.plain_spent * PROBE_SHARE >= self.probe_extra
-                    and (not model.drafting_measured(b)
+                    and (b <= 1 or not model.drafting_measured(b)
                          or self.probe_may_pay(b, [e / c for e, c in zip(expected, model.least_table(b))]))):
                 self.plain_streak = 0
                 self.plain_spent = 0.0
