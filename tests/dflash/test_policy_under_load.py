@@ -158,3 +158,25 @@ def test_each_thread_count_keeps_its_own_measurements(monkeypatch: pytest.Monkey
     assert costs.cost(ROWS, 1) == pytest.approx(1.0) and 1 in costs.other_threads
     costs.set(ROWS, [1.0] * 8)  # a new calibration forgets every count's measurements
     assert ROWS not in costs.measured and ROWS not in costs.other_threads[1]
+
+
+def test_a_batch_stops_probing_once_drafting_is_measured_far_from_paying(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch whose drafting steps really cost 2.1x a plain step and more (a CPU at 8 rows):
+    drafting commits at most 0.81 of plain decoding's tokens per second at RATE. The first probe
+    and its repeat measure that; after them the batch decodes plainly, where it used to go on
+    probing (each probe catching up on every row's context)."""
+    machine = Machine(monkeypatch)
+    machine.cost = lambda n: 1.0 if n == 1 else 2.1 + 0.6 * (n - 2)
+    costs = CostModel(max_block=8)
+    costs.set(ROWS, [machine.cost(n) for n in range(1, 9)])
+    policy = AdaptiveBlock(8, costs=costs)
+    blocks = machine.run(policy, 600)
+    drafted = [i for i, n in enumerate(blocks) if n > 1]
+    assert len(drafted) == 2 and drafted[1] == drafted[0] + 1, drafted  # one probe, one repeat
+
+    monkeypatch.setattr(adaptive, "BATCH_PROBE_MARGIN", 1.0)  # the gate off: the policy before it
+    machine = Machine(monkeypatch)
+    machine.cost = lambda n: 1.0 if n == 1 else 2.1 + 0.6 * (n - 2)
+    costs = CostModel(max_block=8)
+    costs.set(ROWS, [machine.cost(n) for n in range(1, 9)])
+    assert sum(n > 1 for n in machine.run(AdaptiveBlock(8, costs=costs), 600)) > 6
