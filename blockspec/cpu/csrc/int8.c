@@ -272,6 +272,9 @@ static inline __attribute__((always_inline)) void tile_int8(qrows x, int64_t t, 
 #pragma GCC unroll 8
         for (int r = 0; r < MR; r++) acc[r] = acc[r] + ms[r];
     }
+    /* unrolled as every loop over rows here: a loop the compiler kept would index acc, which then
+     * lives in memory, stored to at every block of the loops above */
+#pragma GCC unroll 8
     for (int r = 0; r < MR; r++) {
         float o[GROUP];
         memcpy(o, &acc[r], sizeof o);
