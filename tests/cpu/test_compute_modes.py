@@ -115,6 +115,46 @@ def test_int8_layer_program_has_the_python_loops_bits(monkeypatch: pytest.Monkey
 
 
 @needs_kernel
+def test_int8_prompt_runs_in_chunks_with_the_bits_of_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pass of consecutive positions longer than the int8 mode's chunk runs chunk after chunk,
+    each through the one-call layer program, and gives every logit, greedy id, feature and K/V
+    entry the one pass gives; a prompt after some context too."""
+    backends = importlib.import_module("blockspec.targets.native.backends")
+    target = load_native_target(_q4_model(seed=9), dtype="float32", compute="int8")
+    assert target.net.backend.prompt_chunk() == backends.PROMPT_CHUNK
+    monkeypatch.setattr(backends, "PROMPT_CHUNK", 8)
+    passes: list[int] = []
+    layers = Int8Backend.layers
+    monkeypatch.setattr(Int8Backend, "layers", lambda self, x, p, *a: passes.append(p.q) or layers(self, x, p, *a))
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 48, (1, 37), generator=g)
+    runs = {}
+    for way in ("chunks", "one pass"):
+        if way == "one pass":
+            monkeypatch.setattr(Int8Backend, "prompt_chunk", lambda self: 0)
+        passes.clear()
+        cache = target.new_cache(1, capacity=40)
+        first = target.forward(ids[:, :21], torch.arange(21)[None], cache, (1, 3))
+        then = target.forward_greedy(ids[:, 21:], torch.arange(21, 37)[None], cache, (1,), last_logits_only=True)
+        k, v = cache.layer(2)
+        runs[way] = (first, then, k[:, :, :37].clone(), v[:, :, :37].clone(), list(passes))
+        if way == "chunks":
+            assert target.net.backend.program is not None and target.net.backend.program.fits()
+    (first, then, k, v, passes_c), (first1, then1, k1, v1, passes_1) = runs["chunks"], runs["one pass"]
+    assert passes_c == [8, 8, 5, 8, 8] and passes_1 == [21, 16]
+    assert torch.equal(first[0], first1[0]) and torch.equal(first[1], first1[1])  # logits of every position, features
+    assert then[0].shape == (1, 1) and torch.equal(then[0], then1[0]) and torch.equal(then[1], then1[1])
+    assert torch.equal(k, k1) and torch.equal(v, v1)
+    # not consecutive (a batch, padding): one pass
+    passes.clear()
+    monkeypatch.setattr(Int8Backend, "prompt_chunk", lambda self: 8)
+    pos = torch.arange(21)[None].repeat(2, 1)
+    pos[1, :3] = EMPTY
+    target.forward(ids[:, :21].repeat(2, 1), pos, target.new_cache(2, capacity=24))
+    assert passes == [21]
+
+
+@needs_kernel
 @pytest.mark.parametrize("gguf", [True, False])
 def test_int8_dflash_equals_int8_plain_decoding_on_ragged_batches(gguf: bool) -> None:
     """Lossless within the mode, for a GGUF model and for an fp32 one whose weights the mode

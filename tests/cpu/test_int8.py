@@ -111,6 +111,25 @@ def test_rows_processed_together_get_the_bits_they_get_alone(kind: str) -> None:
         torch.set_num_threads(before)
 
 
+@needs_kernel
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_many_rows_by_a_wide_matrix_take_panels_with_the_same_bits(kind: str) -> None:
+    # 700 outputs of 1568 inputs: more weight than one panel of groups (int8.c's PANEL_BYTES), so
+    # a thread's groups go in several panels, each taken by 3 tiles of rows in turn, the last
+    # group cut short
+    _, iw = _weight(kind, 700, 1568, seed=13)
+    x = torch.randn(19, 1568, generator=torch.Generator().manual_seed(6))
+    want = int8.reference_product(x, iw)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            assert torch.equal(int8.int8_linear(x, iw), want), threads
+            assert torch.equal(int8.int8_linear(x[11:12].clone(), iw)[0], want[11])
+    finally:
+        torch.set_num_threads(before)
+
+
 # Prints whether the kernel of this build has its emulation's bits, and whether rows together get
 # the bits they get alone.
 SCRIPT = r"""
@@ -119,10 +138,10 @@ from test_int8 import _weight
 from blockspec.cpu import int8
 out = {"path": int8.int8_path(), "equal": []}
 for kind in ("Q4_1", "Q8_0"):
-    for width, rows in ((96, 1), (576, 6), (1568, 9), (64, 17)):
-        _, iw = _weight(kind, 37, width, seed=width)
+    for width, rows, outs in ((96, 1, 37), (576, 6, 37), (1568, 9, 37), (64, 17, 37), (1568, 19, 700)):
+        _, iw = _weight(kind, outs, width, seed=width)
         x = torch.randn(rows, width, generator=torch.Generator().manual_seed(rows))
-        b = torch.randn(37)
+        b = torch.randn(outs)
         y = int8.int8_linear(x, iw, b)
         out["equal"].append(torch.equal(y, int8.reference_product(x, iw, b))
                             and all(torch.equal(int8.int8_linear(x[r : r + 1], iw, b)[0], y[r]) for r in range(rows)))
@@ -140,7 +159,7 @@ def test_forced_narrower_paths_have_the_same_arithmetic(flags: str, path: str) -
     run = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
-    assert out["path"] == path and out["equal"] == [True] * 8
+    assert out["path"] == path and out["equal"] == [True] * 10
 
 
 def test_without_a_kernel_the_emulation_runs(monkeypatch: pytest.MonkeyPatch) -> None:

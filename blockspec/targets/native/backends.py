@@ -38,6 +38,10 @@ from blockspec.targets.sdpa import sdpa
 
 COMPUTES = ("exact", "int8", "auto")
 PACKED_HEAD_ROWS = 6  # greedy rows whose ids come from a packed head's logits (`KernelBackend._packed_head_takes`)
+# Tokens per pass of a long prompt in the int8 mode (`Int8Backend.prompt_chunk`): a chunk the
+# one-call layer program takes (cpu/program.py: no Python loop), whose activations stay in the
+# outer caches between a layer's kernels (docs/DESIGN.md section 12)
+PROMPT_CHUNK = 128
 
 
 @dataclass
@@ -112,6 +116,11 @@ class TorchBackend:
     def describe(self) -> str:
         """The compute mode and the kernels that run it, e.g. "exact (pytorch)"."""
         return f"{self.compute} ({self.name})"
+
+    def prompt_chunk(self) -> int:
+        """Tokens per pass in which `NativeLlama.forward` runs a longer pass of consecutive
+        positions (a prompt) through every layer, chunk after chunk; 0: in one pass."""
+        return 0
 
     # -- the forward --------------------------------------------------------------------------------
 
@@ -395,6 +404,12 @@ class Int8Backend(KernelBackend):
 
     def describe(self) -> str:
         return f"int8 ({int8_path()})"
+
+    def prompt_chunk(self) -> int:
+        """PROMPT_CHUNK where the layer program takes that many rows; every row's bits are the
+        same in chunks as in one pass (batch-invariant products and attention)."""
+        fn = kernels.kernel()
+        return PROMPT_CHUNK if fn is not None and fn.max_rows.get(torch.float32, 0) >= PROMPT_CHUNK else 0
 
     def weight(self, module: nn.Linear) -> Int8Weight | None:
         w = self.weights.get(module)

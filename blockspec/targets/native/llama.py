@@ -160,6 +160,33 @@ class NativeLlama(nn.Module):
         masked as it says (targets/native/tree_slots.py) instead of by position.
         """
         backend = self.backend if self.backend is not None else self.use("exact")
+        b, q = ids.shape
+        chunk = backend.prompt_chunk() if tree is None and resume is None and real is None and b == 1 else 0
+        if 0 < chunk < q and _consecutive(positions[0]):
+            # a long pass in chunks, each through every layer before the next: the chunk's queries
+            # find the earlier chunks' K/V in the cache, and every product and attention row has
+            # the bits it has in one pass (batch invariance), so only the speed changes
+            parts = [self._hidden(ids[:, a : a + chunk], positions[:, a : a + chunk], cache, layer_ids, None, None,
+                                  None, backend) for a in range(0, q, chunk)]
+            x = torch.cat([h for h, _ in parts], dim=1)
+            features = torch.cat([f for _, f in parts], dim=1) if layer_ids else None
+        else:
+            x, features = self._hidden(ids, positions, cache, layer_ids, real, resume, tree, backend)
+        if real is not None:
+            features = spread(features, real, b, q) if features is not None else None
+            if last_logits_only:  # the last column of every row, padding or not
+                x = spread(x, real, b, q)
+        x = x[:, -1:] if last_logits_only else x
+        out = backend.head(x, greedy)  # [b, q|1, V] or ids [b, q|1]; [T, ..] without padding
+        if real is not None and not last_logits_only:
+            out = spread(out[:, None], real, b, q)[..., 0] if greedy else spread(out, real, b, q)
+        return out, features
+
+    def _hidden(self, ids: torch.Tensor, positions: torch.Tensor, cache: StaticCache, layer_ids: tuple[int, ...],
+                real: torch.Tensor | None, resume: tuple[int, torch.Tensor] | None, tree: TreeSlots | None,
+                backend: TorchBackend) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward`'s layers: (the final norm's output [b, q, H] or [T, H], features [b, q, F] or
+        [T, F] or None), the K/V written into `cache`."""
         cfg = self.cfg
         b, q = ids.shape
         start, x = resume if resume is not None else (0, None)
@@ -178,15 +205,7 @@ class NativeLlama(nn.Module):
         if last in layer_ids:  # HF's hidden_states[-1] is taken after the final norm
             at = layer_ids.index(last) * cfg.hidden_size
             features[..., at : at + cfg.hidden_size] = x
-        if real is not None:
-            features = spread(features, real, b, q) if features is not None else None
-            if last_logits_only:  # the last column of every row, padding or not
-                x = spread(x, real, b, q)
-        x = x[:, -1:] if last_logits_only else x
-        out = backend.head(x, greedy)  # [b, q|1, V] or ids [b, q|1]; [T, ..] without padding
-        if real is not None and not last_logits_only:
-            out = spread(out[:, None], real, b, q)[..., 0] if greedy else spread(out, real, b, q)
-        return out, features
+        return x, features
 
     def _pass(self, positions: torch.Tensor, cache: StaticCache, real: torch.Tensor | None,
               dtype: torch.dtype, tree: TreeSlots | None = None) -> Pass:
@@ -219,6 +238,12 @@ class NativeLlama(nn.Module):
         if not bits:
             return None
         return ", ".join(f"{n} {'matrices' if n > 1 else 'matrix'} in {b} bits" for b, n in sorted(bits.items()))
+
+
+def _consecutive(positions: torch.Tensor) -> bool:
+    """Whether positions [q] (CPU) run p, p + 1, ..., each token after the ones before it."""
+    return positions.device.type == "cpu" and bool((positions[1:] - positions[:-1] == 1).all()) \
+        and int(positions[0]) >= 0
 
 
 def padding_index(positions: torch.Tensor) -> torch.Tensor | None:
