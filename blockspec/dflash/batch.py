@@ -502,7 +502,11 @@ class DecodeBatch:
             # a DFlash 2 walk goes on from the lookup continuation that will replace its first proposals
             forced = self._lookup_forced(q) if selector and self.lookup is not None and chain else None
             if trees:
-                dists = self._tree_distributions(hidden[:, 1:q], min(q - 1, self.tree_nodes, TREE_TOP_K))
+                # an all-greedy DFlash batch's chain is the top-k's first column: one head pass for both
+                shared = chain and self.all_greedy and not selector
+                dists, conf = self._tree_distributions(hidden[:, 1:q], min(q - 1, self.tree_nodes, TREE_TOP_K),
+                                                       block_ids if shared else None)
+                chain = chain and not shared
             if chain:
                 conf = self._draft_chain(hidden[:, 1:q], block_ids, forced, trim is not None, starts)
             if self.lookup is not None:
@@ -565,18 +569,27 @@ class DecodeBatch:
             self._mask_drafts(draft_probs, block_ids, starts)
         return conf
 
-    def _tree_distributions(self, hidden: torch.Tensor, top_k: int) -> list[Distributions]:
+    def _tree_distributions(self, hidden: torch.Tensor, top_k: int, chain_ids: torch.Tensor | None = None
+                            ) -> tuple[list[Distributions], torch.Tensor | None]:
         """Per row, the drafter's distributions its tree grows from, for hidden [b, D, H] (block
         positions 1..D). DFlash: each position's top_k under the row's shaping (a greedy row: the
         draft softmax itself), read back in one transfer. DFlash 2: the selector's conditional
-        scores over each position's candidates."""
+        scores over each position's candidates.
+        With `chain_ids` [b, D + 1] (an all-greedy DFlash batch), also writes the greedy chain
+        into chain_ids[:, 1:] and returns its confidences [b, D]: the top-k's first column and
+        its probability, which are the draft argmax and its softmax peak (the same tie rule:
+        cpu/top_k.py), so the chain needs no head pass of its own. Else the confidences are None."""
         head = self.target.head()
         if self.drafter.candidate_selector is not None:
             cands = self.drafter.candidates(hidden, head, normaliser=False)
             return [SelectorDistributions(self.drafter.candidate_selector, hidden[i], cands.ids[i], cands.logits[i])
-                    for i in range(hidden.shape[0])]
+                    for i in range(hidden.shape[0])], None
+        conf = None
         if self.all_greedy:
             top, ids = self.drafter.top_logprobs(hidden, head, top_k)  # [b, D, k], descending
+            if chain_ids is not None:
+                chain_ids[:, 1:] = ids[..., 0]
+                conf = top[..., 0].exp()  # [b, D]
         else:
             logits = self.drafter.logits(hidden, head)  # [b, D, V]
             logp = torch.log_softmax(logits.float(), dim=-1)
@@ -584,7 +597,7 @@ class DecodeBatch:
             greedy = (self.temperature <= 0)[:, None, None]
             logp = torch.where(greedy, logp, self._probs(logits).log())
             top, ids = logp.topk(min(top_k, logp.shape[-1]), dim=-1)  # [b, D, k], descending
-        return PositionDistributions.batch(ids, top)
+        return PositionDistributions.batch(ids, top), conf
 
     def _tree_offers(self, dists: list[Distributions], width: int) -> list[TreeOffer]:
         """Per row, the nodes of its best-first tree of up to min(width, tree_nodes) nodes, in

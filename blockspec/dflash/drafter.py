@@ -28,6 +28,7 @@ from torch.nn import functional as F
 from blockspec.errors import CheckpointError, ConfigError
 from blockspec.cpu.argmax import argmax_and_peak, greedy_ids
 from blockspec.cpu.linear import linear, project
+from blockspec.cpu.top_k import top_logprobs
 from blockspec.dflash.checkpoint import (
     CONFIG_NAME,
     DRAFT_VOCAB_NAME,
@@ -303,13 +304,14 @@ class DFlashDrafter(nn.Module):
         """The k most likely proposals at each position of hidden [.., H]: their draft
         log-probabilities [.., k] (float32, descending) and token ids [.., k], the greedy
         distribution `logits` gives, computed over the draft vocabulary alone when one is set
-        (the rest has probability 0) instead of over full-vocabulary logits."""
+        (the rest has probability 0) instead of over full-vocabulary logits. Equal logits rank the
+        lower token id first (cpu/top_k.py), as `greedy_tokens` breaks ties: the first column is
+        the greedy proposal (draft_vocab is sorted, so its order is the token ids')."""
         if self.draft_vocab is None:
             logits = self.logits(hidden, head)  # [.., V]
         else:
             logits = self._draft_vocab_logits(hidden, head)  # [.., Vd]
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        top, index = logp.topk(min(k, logp.shape[-1]), dim=-1)  # [.., k]
+        top, index = top_logprobs(logits, min(k, logits.shape[-1]))  # [.., k]
         return top, (index if self.draft_vocab is None else self.draft_vocab[index])
 
     def candidates(self, hidden: torch.Tensor, head: nn.Module, *, normaliser: bool = True) -> Candidates:
