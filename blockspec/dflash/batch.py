@@ -502,10 +502,10 @@ class DecodeBatch:
             # a DFlash 2 walk goes on from the lookup continuation that will replace its first proposals
             forced = self._lookup_forced(q) if selector and self.lookup is not None and chain else None
             if trees:
-                # an all-greedy DFlash batch's chain is the top-k's first column: one head pass for both
-                shared = chain and self.all_greedy and not selector
+                # an all-greedy batch's chain comes from the head pass its trees grow from
+                shared = chain and self.all_greedy
                 dists, conf = self._tree_distributions(hidden[:, 1:q], min(q - 1, self.tree_nodes, TREE_TOP_K),
-                                                       block_ids if shared else None)
+                                                       block_ids if shared else None, forced)
                 chain = chain and not shared
             if chain:
                 conf = self._draft_chain(hidden[:, 1:q], block_ids, forced, trim is not None, starts)
@@ -552,8 +552,9 @@ class DecodeBatch:
             block_ids[:, 1:], conf = self.drafter.greedy_with_confidence(hidden, self.target.head(), self.last, forced)
         elif greedy:
             block_ids[:, 1:] = self.drafter.greedy_tokens(hidden, self.target.head(), self.last, forced)  # [b, q-1]
-        if greedy and not selector:
-            self._mask_greedy_drafts(hidden, block_ids)
+        if greedy:  # a DFlash 2 batch's greedy walk above is its chain: no sampled walk over it
+            if not selector:
+                self._mask_greedy_drafts(hidden, block_ids)
         elif selector:
             block_ids[:, 1:], conf, self._draft_q = self._sample_walk(hidden, forced, confidence, self._wants_q())
         else:
@@ -569,22 +570,25 @@ class DecodeBatch:
             self._mask_drafts(draft_probs, block_ids, starts)
         return conf
 
-    def _tree_distributions(self, hidden: torch.Tensor, top_k: int, chain_ids: torch.Tensor | None = None
-                            ) -> tuple[list[Distributions], torch.Tensor | None]:
+    def _tree_distributions(self, hidden: torch.Tensor, top_k: int, chain_ids: torch.Tensor | None = None,
+                            forced: torch.Tensor | None = None) -> tuple[list[Distributions], torch.Tensor | None]:
         """Per row, the drafter's distributions its tree grows from, for hidden [b, D, H] (block
         positions 1..D). DFlash: each position's top_k under the row's shaping (a greedy row: the
         draft softmax itself), read back in one transfer. DFlash 2: the selector's conditional
         scores over each position's candidates.
-        With `chain_ids` [b, D + 1] (an all-greedy DFlash batch), also writes the greedy chain
-        into chain_ids[:, 1:] and returns its confidences [b, D]: the top-k's first column and
-        its probability, which are the draft argmax and its softmax peak (the same tie rule:
-        cpu/top_k.py), so the chain needs no head pass of its own. Else the confidences are None."""
+        With `chain_ids` [b, D + 1] (an all-greedy batch), also writes the greedy chain into
+        chain_ids[:, 1:] and returns its confidences [b, D], from the same head pass. DFlash: the
+        top-k's first column and its probability, which are the draft argmax and its softmax peak
+        (the same tie rule: cpu/top_k.py). DFlash 2: the selector's greedy walk over the same
+        candidates (`forced` as `Drafter.walk` takes it). Else the confidences are None."""
         head = self.target.head()
-        if self.drafter.candidate_selector is not None:
-            cands = self.drafter.candidates(hidden, head, normaliser=False)
-            return [SelectorDistributions(self.drafter.candidate_selector, hidden[i], cands.ids[i], cands.logits[i])
-                    for i in range(hidden.shape[0])], None
         conf = None
+        if self.drafter.candidate_selector is not None:
+            cands = self.drafter.candidates(hidden, head, normaliser=chain_ids is not None)
+            if chain_ids is not None:
+                chain_ids[:, 1:], conf = self.drafter.greedy_with_confidence(hidden, head, self.last, forced, cands=cands)
+            return [SelectorDistributions(self.drafter.candidate_selector, hidden[i], cands.ids[i], cands.logits[i])
+                    for i in range(hidden.shape[0])], conf
         if self.all_greedy:
             top, ids = self.drafter.top_logprobs(hidden, head, top_k)  # [b, D, k], descending
             if chain_ids is not None:

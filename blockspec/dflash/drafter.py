@@ -281,18 +281,21 @@ class DFlashDrafter(nn.Module):
         return self.draft_vocab[greedy_ids(self._draft_vocab_logits(hidden, head))]
 
     def greedy_with_confidence(self, hidden: torch.Tensor, head: nn.Module, anchor: torch.Tensor | None = None,
-                               forced: torch.Tensor | None = None, *, confidence: bool = True
-                               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                               forced: torch.Tensor | None = None, *, confidence: bool = True,
+                               cands: Candidates | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`greedy_tokens` [b, n] and the draft probability of each [b, n] (float32): how likely
         the drafter thinks its proposal is, which is what an adaptive step trims its verify by.
         DFlash 2: the walk's choice within the unary distribution whose candidates' logits are
-        replaced by the selector's scores (the tokens outside the candidates keep their mass)."""
+        replaced by the selector's scores (the tokens outside the candidates keep their mass);
+        `cands`: `candidates(hidden, head)` computed already (with the normaliser where
+        `confidence`), which saves the head pass."""
         if self.candidate_selector is None:
             logits = self._draft_vocab_logits(hidden, head) if self.draft_vocab is not None else self.logits(hidden, head)
             top, conf = argmax_and_peak(logits)
             ids = self.draft_vocab[top] if self.draft_vocab is not None else top
             return ids, conf
-        cands = self.candidates(hidden, head, normaliser=confidence)
+        if cands is None:
+            cands = self.candidates(hidden, head, normaliser=confidence)
         ids, scores = self.walk(hidden, cands, anchor, keep_scores if confidence else pick_best, forced)
         if not confidence:
             return ids, None

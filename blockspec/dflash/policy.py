@@ -460,6 +460,8 @@ def calibrate(batch: DecodeBatch, size: int, max_block: int, context: int = 8,
                 random.sample(draft_probs, starts).tolist()
                 if confidence:
                     draft_confidence(draft_probs).tolist()
+            elif tree and batch.drafter.candidate_selector is None:
+                pass  # a greedy tree step's chain, where it has one, is its top-k's first column (tree_step)
             elif confidence:  # what trimmed steps compute: proposals and their confidences
                 batch.drafter.greedy_with_confidence(hidden[:, 1:n], target.head(), anchor)[1].tolist()
             else:
