@@ -693,8 +693,12 @@ class DecodeBatch:
     def _record_tree(r: Row, tree: TokenTree, acceptance: TreeAcceptance, n: int, committed: list[int],
                      branch: list[int]) -> None:
         """A tree step's statistics for row r: its acceptance length, the rank of each accepted
-        node, and per depth tried / accepted (a row with a lookup branch books them as lookup's,
-        the prefix of its continuation that was committed; the policy prices its rows by these)."""
+        node, and per depth tried / accepted by the drafter's first-choice chain, the tree's
+        spine: what that chain alone would have accepted, since the walk follows the target's own
+        tokens whatever the tree (a row with a lookup branch books them as lookup's, the prefix of
+        its continuation that was committed). The policy prices chains by these and trees by
+        their gain over the chain (`NodeTrial`s by depth and rank), so the tree's own acceptance
+        by depth must not count here, or its siblings' share counted twice."""
         stats = path_stats(tree, acceptance, n)
         r.stats.acceptance_lengths.append(n)
         r.stats.tree_steps += 1
@@ -711,7 +715,9 @@ class DecodeBatch:
             accepted, tried = matched, min(len(branch), matched + int(left))
         else:
             acc, tries = r.stats.accepted_by_position, r.tries
-            accepted, tried = stats.accepted, stats.tried
+            spine = next((j for j, rank in enumerate(stats.ranks) if rank), len(stats.ranks))
+            # the path left the spine at depth spine + 1, where the spine's node was tried and lost
+            accepted, tried = (spine, spine + 1) if spine < stats.accepted else (stats.accepted, stats.tried)
         for k in range(min(accepted, len(acc))):
             acc[k] += 1
         for k in range(min(tried, len(tries))):

@@ -711,7 +711,10 @@ class AdaptiveBlock:
             tree_rates = [tokens / cost for tokens, cost in
                           zip(self.tree_expected(batch.rows, plan, batch.tree_nodes), tree_model.table(b))]
             tree_best = max(range(2, self.max_block + 1), key=lambda n: (tree_rates[n - 1], -n))
-            if tree_rates[tree_best - 1] > rates[best - 1]:
+            # A trimmed step drafts where its chain pays: its trim, seeing the drafts, answers with
+            # a chain more often than these mean rates promise a tree, and such a step then paid
+            # a draft pass that plain decoding would not have.
+            if tree_rates[tree_best - 1] > rates[best - 1] and not (best == 1 and self._trims(batch, b)):
                 best = planned = tree_best
                 tree = True
                 rates = [max(c, t) for c, t in zip(rates, tree_rates)]
