@@ -714,11 +714,13 @@ class AdaptiveBlock:
             # A trimmed step drafts where its chain pays: its trim, seeing the drafts, answers with
             # a chain more often than these mean rates promise a tree, and such a step then paid
             # a draft pass that plain decoding would not have.
-            if tree_rates[tree_best - 1] > rates[best - 1] and not (best == 1 and self._trims(batch, b)):
-                best = planned = tree_best
+            trims = self._trims(batch, b)
+            if tree_rates[tree_best - 1] > rates[best - 1] and not (best == 1 and trims):
+                # a trimmed step drafts no narrower than its chain would: its trim may answer with that chain
+                best = planned = max(best, tree_best) if trims else tree_best
                 tree = True
                 rates = [max(c, t) for c, t in zip(rates, tree_rates)]
-            elif self._trims(batch, b):  # its trim decides from the drafts in hand
+            elif trims:  # its trim decides from the drafts in hand
                 tree = (tree_rates[tree_best - 1] >= (1 - TREE_OFFER_MARGIN) * rates[best - 1]
                         or self._unoffered + 1 >= TREE_OFFER_EVERY)
         lookup = self._lookup_option(batch, plan, rates[best - 1])
