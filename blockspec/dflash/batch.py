@@ -62,8 +62,9 @@ class RequestStats:
     # How proposals were verified (SamplingParams.rule): "greedy", "keyed" or "standard"; a
     # sampled row's tree steps accept by the target's keyed draws whatever its rule.
     sampling_rule: str = "greedy"
-    # Steps that verified a token tree (their drafted depth d counts in accepted_by_position[d - 1]),
-    # and per rank among siblings how many accepted nodes had it (0: the drafter's first choice).
+    # Steps that verified a token tree (accepted_by_position counts what their first-choice chain
+    # would have accepted), and per rank among siblings how many accepted nodes had it (0: the
+    # drafter's first choice).
     tree_steps: int = 0
     accepted_by_rank: list[int] = field(default_factory=list)
 
