@@ -43,6 +43,7 @@ from blockspec.dflash.tree_verify import TreeAcceptance, keyed_draws, walk
 from blockspec.dflash.constraint import (RowMasks, TokenConstraint, argmax_masked, cut_block, first_masks, follow, masked,
                                          sample_masked)
 from blockspec.cpu.argmax import greedy_ids
+from blockspec.cpu.top_k import top_logprobs
 from blockspec.cpu.linear import project
 
 @dataclass
@@ -601,7 +602,8 @@ class DecodeBatch:
             # sampled rows grow their trees where their own draws go
             greedy = (self.temperature <= 0)[:, None, None]
             logp = torch.where(greedy, logp, self._probs(logits).log())
-            top, ids = logp.topk(min(top_k, logp.shape[-1]), dim=-1)  # [b, D, k], descending
+            # renormalising log-probabilities changes them by rounding only; the kernel's tie order
+            top, ids = top_logprobs(logp, min(top_k, logp.shape[-1]))  # [b, D, k], descending
         return PositionDistributions.batch(ids, top), conf
 
     def _tree_offers(self, dists: list[Distributions], width: int) -> list[TreeOffer]:
