@@ -711,11 +711,12 @@ class AdaptiveBlock:
             tree_rates = [tokens / cost for tokens, cost in
                           zip(self.tree_expected(batch.rows, plan, batch.tree_nodes), tree_model.table(b))]
             tree_best = max(range(2, self.max_block + 1), key=lambda n: (tree_rates[n - 1], -n))
-            # A trimmed step drafts where its chain pays: its trim, seeing the drafts, answers with
-            # a chain more often than these mean rates promise a tree, and such a step then paid
-            # a draft pass that plain decoding would not have.
+            # A step drafts where its chain pays: trees priced by these mean rates (before the
+            # drafts exist) promised more than they accepted where chains did not pay (a trimmed
+            # step's trim then answered with a chain, a batch's 3-wide trees took second choices
+            # rarely), and such steps paid a draft pass that plain decoding would not have.
             trims = self._trims(batch, b)
-            if tree_rates[tree_best - 1] > rates[best - 1] and not (best == 1 and trims):
+            if tree_rates[tree_best - 1] > rates[best - 1] and best > 1:
                 # a trimmed step drafts no narrower than its chain would: its trim may answer with that chain
                 best = planned = max(best, tree_best) if trims else tree_best
                 tree = True

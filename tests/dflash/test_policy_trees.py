@@ -264,9 +264,10 @@ def test_trees_are_priced_in_the_chains_units() -> None:
         assert chosen == Shape(alone, False)
 
 
-def test_a_trimmed_step_drafts_where_and_as_wide_as_its_chain_would() -> None:
-    """A lone row's trim may answer with a chain, so trees never make its step draft where the
-    chain would decode plainly, nor narrower than the chain's best width."""
+def test_a_step_drafts_where_its_chain_would_and_a_trimmed_one_as_wide() -> None:
+    """Trees priced before the drafts exist never make a step draft where the chain would decode
+    plainly (a lone row or a batch), and a lone row's trim may answer with a chain, so its draft
+    is never narrower than the chain's best width."""
     nodes = _trained(0.9)  # second choices very often right: trees promise much
 
     def policy(costs: CostModel, tree_costs: CostModel) -> AdaptiveBlock:
@@ -275,10 +276,11 @@ def test_a_trimmed_step_drafts_where_and_as_wide_as_its_chain_would() -> None:
         return p
 
     cheap_trees = CostModel(max_block=8)
-    cheap_trees.set(1, [1.0] * 8, [0.0] * 8)  # a tree of any width costs a plain step
-    weak = [_row(0.02)]  # the chain is rarely accepted: plain decoding pays best
-    p = policy(_costs(0.3, draft=0.5), cheap_trees)
-    assert [p.choose(_tree_batch(weak)) for _ in range(3)] == [1, 1, 1]
+    for rows in (1, 2):
+        cheap_trees.set(rows, [1.0] * 8, [0.0] * 8)  # a tree of any width costs a plain step
+    for weak in ([_row(0.02)], [_row(0.02), _row(0.02)]):  # chains rarely accepted: plain pays best
+        p = policy(_costs(0.3, draft=0.5), cheap_trees)
+        assert [p.choose(_tree_batch(weak)) for _ in range(3)] == [1, 1, 1]
     narrow_trees = CostModel(max_block=8)
     narrow_trees.set(1, [1.0, 1.0, 1.0] + [9.0] * 5, [0.0] * 8)  # trees pay at widths 2-3 only
     strong = [_row(0.9)]
