@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from blockspec.config import SamplingParams, SpecConfig
+from blockspec.config import DEFAULT_TREE_NODES, SamplingParams, SpecConfig
 from blockspec.cpu.openmp import release_thread_pool
 from blockspec.cpu.threads import governor
 from blockspec.errors import CheckpointError, ConfigError
@@ -327,7 +327,9 @@ def load(
     tree_nodes: verify a token tree of up to this many proposed nodes per step instead of one
     chain (docs/DESIGN.md section 5.3): each step spends its verify width best-first over the
     drafter's top choices at every depth, so its second and third choices get verified too. Same
-    output. None or 0 (default): chains only. Targets with recurrent layers keep chains.
+    output. None (default): DEFAULT_TREE_NODES (15); with the adaptive block size each step still
+    verifies a chain where that is expected to pay better. 0: chains only. Targets with recurrent
+    layers keep chains.
     """
     if dtype not in DTYPES:
         raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -337,7 +339,7 @@ def load(
         raise ConfigError(f"compute must be one of {', '.join(COMPUTES)}, got {compute!r}")
     governor()  # starts watching the other processes' load: the first step then knows it (cpu/threads.py)
     lookup_cfg = resolve_lookup(lookup)  # a bad value fails before the slow load
-    tree_nodes = SpecConfig(tree_nodes=tree_nodes or 0).tree_nodes  # likewise
+    tree_nodes = SpecConfig(tree_nodes=DEFAULT_TREE_NODES if tree_nodes is None else tree_nodes).tree_nodes  # likewise
     draft_dtype = resolve_drafter_dtype(drafter_dtype, dtype, device)
     from blockspec.targets.native.load import load_target
 

@@ -14,6 +14,10 @@ from blockspec.errors import ConfigError
 MAX_BLOCK_SIZE = 64
 # The largest token tree a step may verify (SpecConfig.tree_nodes): one verify pass's nodes.
 MAX_TREE_NODES = 256
+# The largest token tree `blockspec.load`, the command line and the server verify per step unless
+# told otherwise (0: chains only); the adaptive policy verifies one only where it expects it to pay
+# (BENCHMARKS.md, token trees). SpecConfig itself defaults to chains.
+DEFAULT_TREE_NODES = 15
 
 
 def _require(ok: bool, message: str) -> None:
@@ -203,7 +207,8 @@ class SpecConfig:
     # The most proposed nodes a drafting step verifies as a token tree (docs/DESIGN.md section
     # 5.3): each step spends its verify width best-first over the drafter's top choices at every
     # depth, capped here. 0: chains only. Targets that cannot verify trees in one pass (recurrent
-    # layers) keep chains whatever this says.
+    # layers) keep chains whatever this says. `blockspec.load` and the command line default to
+    # DEFAULT_TREE_NODES.
     tree_nodes: int = 0
 
     def __post_init__(self) -> None:

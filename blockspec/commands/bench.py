@@ -76,7 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     # the model flags of every verb that decodes; the decoding ones are sweeps here (--block-sizes,
     # --adaptive, --lookup on|off|both), declared below, but for --tree-nodes N: each DFlash runner
-    # then runs as chains and as trees of N ('... treeN'), interleaved
+    # then runs as chains and as trees of N ('... treeN'), interleaved; without it as the default
+    # trees, --tree-nodes 0 as chains
     add_runtime_arguments(parser, (*MODEL, "tree_nodes"))
     parser.add_argument("--drafter-layers", type=int, default=1, help="layers of a 'fresh' drafter (default 1)")
     parser.add_argument("--datasets", type=_names, default=("gsm8k",),
@@ -327,7 +328,9 @@ def run(args: argparse.Namespace) -> int:
     rules = ("keyed", "standard") if args.sampling_rule == "both" else (args.sampling_rule,)
     if args.sampling_rule != "auto" and all(t == 0 for t in args.temperature):
         notes.append(f"--sampling-rule {args.sampling_rule} has no effect on greedy requests (--temperature 0)")
-    trees = (0, pipe.tree_nodes) if pipe.tree_nodes else (0,)  # chains, and trees where asked for
+    # --tree-nodes N: chains and trees of N, interleaved; without it the default (trees of
+    # DEFAULT_TREE_NODES); --tree-nodes 0: chains
+    trees = (0, pipe.tree_nodes) if args.tree_nodes else (pipe.tree_nodes,)
     for lookup in lookups:
         for rule in rules:
             for tree in trees:

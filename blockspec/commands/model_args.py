@@ -36,6 +36,17 @@ def device_name(text: str) -> str:
     return text
 
 
+def non_negative_int(text: str) -> int:
+    """argparse type of a count >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """argparse type of a count >= 1."""
     try:
@@ -98,10 +109,11 @@ FLAGS: tuple[RuntimeFlag, ...] = (
         help="where a sequence's last tokens occurred before, propose what followed them (n-gram lookup; "
              "same output; default: on; --no-lookup drafts every proposal with the drafter: pure DFlash)")),
     RuntimeFlag("--tree-nodes", "tree_nodes", "decoding", dict(
-        default=None, type=positive_int, metavar="N",
+        default=None, type=non_negative_int, metavar="N",
         help="verify a token tree of up to N proposed tokens per step instead of one chain: each step spends "
-             "its verify width best-first over the drafter's top choices at every depth (same output; default: "
-             "chains only; targets with recurrent layers keep chains)")),
+             "its verify width best-first over the drafter's top choices at every depth, where the adaptive "
+             "policy expects it to pay (same output; default: 15; 0: chains only; targets with recurrent "
+             "layers keep chains)")),
 )
 
 BY_NAME = {f.kwarg: f for f in FLAGS}

@@ -15,7 +15,8 @@ product's (`_q4_bf16` / `_q8_bf16`).
 The same library holds `cpu/csrc/attention.c`, the target's batch-invariant attention for a few
 query tokens (targets/native/attention.py), `cpu/csrc/norm.c`, RMSNorm in one call instead of
 PyTorch's ten small operators (`rms_norm` below), `cpu/csrc/peak.c`, a draft head's argmax with
-its softmax probability (`argmax_peak` below) or alone (`argmax`), `bs_greedy_head` in rows.c, the
+its softmax probability (`argmax_peak` below) or alone (`argmax`), `cpu/csrc/topk.c`, its top-k
+with their log-softmax (`top_k`), `bs_greedy_head` in rows.c, the
 greedy ids of an fp32 LM head screened in bf16 (cpu/greedy_head.py), and `cpu/csrc/rope.c`, a layer's
 query/key norms, rotary embedding and K/V cache writes in one call (cpu/qkv.py).
 
@@ -42,7 +43,7 @@ import torch
 from blockspec.cache_dir import cache_root
 
 SOURCES = tuple(Path(__file__).parent / "csrc" / name
-                for name in ("rows.c", "attention.c", "norm.c", "peak.c", "rope.c", "layers.c", "conv.c", "int8.c"))  # one library
+                for name in ("rows.c", "attention.c", "norm.c", "peak.c", "topk.c", "rope.c", "layers.c", "conv.c", "int8.c"))  # one library
 HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("vec.h", "kernels.h"))
 DISABLE_ENV = "BLOCKSPEC_CPU_KERNELS"
 # Extra compiler flags after -march=native, e.g. "-mno-avx512vnni" to build (and test) the int8
@@ -135,6 +136,11 @@ def _load() -> object | None:
     for f in fn.argmax_peak.values():
         f.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int]
         f.restype = ctypes.c_int
+    fn.top_k = {torch.float32: lib.bs_top_k, torch.bfloat16: lib.bs_top_k_bf16}
+    for f in fn.top_k.values():
+        f.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int]
+        f.restype = ctypes.c_int
+    fn.top_k_max = int(lib.bs_top_k_max())
     fn.rope_kv = {torch.float32: lib.bs_rope_kv, torch.bfloat16: lib.bs_rope_kv_bf16}
     for f in fn.rope_kv.values():
         f.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 6 + [ctypes.c_void_p] * 2 + [ctypes.c_float] * 2
@@ -204,6 +210,10 @@ def _agrees(fn: object) -> bool:
         want_peak = torch.softmax(logits.double(), -1).amax(-1).float()
         alone = torch.empty(2, dtype=torch.int64)
         fn.argmax_peak[dtype](logits.data_ptr(), 2, 37, alone.data_ptr(), None, 1)
+        top3, top3_logp = torch.empty(2, 3, dtype=torch.int64), torch.empty(2, 3)
+        if fn.top_k[dtype](logits.data_ptr(), 2, 37, 3, top3_logp.data_ptr(), top3.data_ptr(), 1):
+            return False
+        want_logp, want_top3 = torch.log_softmax(logits.double(), -1).topk(3, dim=-1)  # no ties in random logits
         # one token's two query heads and one key/value head of 20 (rope after a head norm)
         qkv, angle = torch.randn(1, 80, generator=g).to(dtype), torch.rand(1, 10, generator=g).repeat(1, 2)
         cos, sin, wq = angle.cos().to(dtype), angle.sin().to(dtype), torch.rand(20, generator=g).to(dtype)
@@ -233,6 +243,7 @@ def _agrees(fn: object) -> bool:
                 and torch.allclose(normed.double(), want_norm, atol=4 * tol, rtol=4 * tol)
                 and torch.equal(top, logits.float().argmax(-1)) and torch.equal(alone, top)
                 and torch.allclose(peak, want_peak, atol=1e-5)
+                and torch.equal(top3, want_top3) and torch.allclose(top3_logp.double(), want_logp, atol=1e-5)
                 and torch.allclose(roped, want_rope, atol=8 * tol, rtol=8 * tol)):
             return False
     return True
@@ -379,6 +390,25 @@ def _peak(logits: torch.Tensor, with_peak: bool) -> tuple[torch.Tensor, torch.Te
     f(x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], top.data_ptr(), None if peak is None else peak.data_ptr(),
       torch.get_num_threads())
     return top, peak
+
+
+def top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(log-softmax [.., k] float32, ids [.., k] int64) of the k largest logits [.., V] (fp32 or
+    bf16, on the CPU), larger first and the lower id first on equal logits, through
+    `cpu/csrc/topk.c`; None where the kernel does not take them (no kernel, other dtypes,
+    autograd, k outside 1..min(V, its limit))."""
+    fn = kernel()
+    f = None if fn is None else fn.top_k.get(logits.dtype)
+    n = logits.shape[-1]
+    if f is None or not 1 <= k <= min(n, fn.top_k_max) or (torch.is_grad_enabled() and logits.requires_grad):
+        return None
+    x = logits.detach().contiguous()
+    rows = x.numel() // n
+    logp = torch.empty(*x.shape[:-1], k, dtype=torch.float32)
+    ids = torch.empty(*x.shape[:-1], k, dtype=torch.int64)
+    if rows and f(x.data_ptr(), rows, n, k, logp.data_ptr(), ids.data_ptr(), torch.get_num_threads()):
+        return None
+    return logp, ids
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:

@@ -43,6 +43,7 @@ from blockspec.dflash.tree_verify import TreeAcceptance, keyed_draws, walk
 from blockspec.dflash.constraint import (RowMasks, TokenConstraint, argmax_masked, cut_block, first_masks, follow, masked,
                                          sample_masked)
 from blockspec.cpu.argmax import greedy_ids
+from blockspec.cpu.top_k import top_logprobs
 from blockspec.cpu.linear import project
 
 @dataclass
@@ -62,8 +63,9 @@ class RequestStats:
     # How proposals were verified (SamplingParams.rule): "greedy", "keyed" or "standard"; a
     # sampled row's tree steps accept by the target's keyed draws whatever its rule.
     sampling_rule: str = "greedy"
-    # Steps that verified a token tree (their drafted depth d counts in accepted_by_position[d - 1]),
-    # and per rank among siblings how many accepted nodes had it (0: the drafter's first choice).
+    # Steps that verified a token tree (accepted_by_position counts what their first-choice chain
+    # would have accepted), and per rank among siblings how many accepted nodes had it (0: the
+    # drafter's first choice).
     tree_steps: int = 0
     accepted_by_rank: list[int] = field(default_factory=list)
 
@@ -502,7 +504,11 @@ class DecodeBatch:
             # a DFlash 2 walk goes on from the lookup continuation that will replace its first proposals
             forced = self._lookup_forced(q) if selector and self.lookup is not None and chain else None
             if trees:
-                dists = self._tree_distributions(hidden[:, 1:q], min(q - 1, self.tree_nodes, TREE_TOP_K))
+                # an all-greedy batch's chain comes from the head pass its trees grow from
+                shared = chain and self.all_greedy
+                dists, conf = self._tree_distributions(hidden[:, 1:q], min(q - 1, self.tree_nodes, TREE_TOP_K),
+                                                       block_ids if shared else None, forced)
+                chain = chain and not shared
             if chain:
                 conf = self._draft_chain(hidden[:, 1:q], block_ids, forced, trim is not None, starts)
             if self.lookup is not None:
@@ -548,8 +554,9 @@ class DecodeBatch:
             block_ids[:, 1:], conf = self.drafter.greedy_with_confidence(hidden, self.target.head(), self.last, forced)
         elif greedy:
             block_ids[:, 1:] = self.drafter.greedy_tokens(hidden, self.target.head(), self.last, forced)  # [b, q-1]
-        if greedy and not selector:
-            self._mask_greedy_drafts(hidden, block_ids)
+        if greedy:  # a DFlash 2 batch's greedy walk above is its chain: no sampled walk over it
+            if not selector:
+                self._mask_greedy_drafts(hidden, block_ids)
         elif selector:
             block_ids[:, 1:], conf, self._draft_q = self._sample_walk(hidden, forced, confidence, self._wants_q())
         else:
@@ -565,26 +572,39 @@ class DecodeBatch:
             self._mask_drafts(draft_probs, block_ids, starts)
         return conf
 
-    def _tree_distributions(self, hidden: torch.Tensor, top_k: int) -> list[Distributions]:
+    def _tree_distributions(self, hidden: torch.Tensor, top_k: int, chain_ids: torch.Tensor | None = None,
+                            forced: torch.Tensor | None = None) -> tuple[list[Distributions], torch.Tensor | None]:
         """Per row, the drafter's distributions its tree grows from, for hidden [b, D, H] (block
         positions 1..D). DFlash: each position's top_k under the row's shaping (a greedy row: the
         draft softmax itself), read back in one transfer. DFlash 2: the selector's conditional
-        scores over each position's candidates."""
+        scores over each position's candidates.
+        With `chain_ids` [b, D + 1] (an all-greedy batch), also writes the greedy chain into
+        chain_ids[:, 1:] and returns its confidences [b, D], from the same head pass. DFlash: the
+        top-k's first column and its probability, which are the draft argmax and its softmax peak
+        (the same tie rule: cpu/top_k.py). DFlash 2: the selector's greedy walk over the same
+        candidates (`forced` as `Drafter.walk` takes it). Else the confidences are None."""
         head = self.target.head()
+        conf = None
         if self.drafter.candidate_selector is not None:
-            cands = self.drafter.candidates(hidden, head, normaliser=False)
+            cands = self.drafter.candidates(hidden, head, normaliser=chain_ids is not None)
+            if chain_ids is not None:
+                chain_ids[:, 1:], conf = self.drafter.greedy_with_confidence(hidden, head, self.last, forced, cands=cands)
             return [SelectorDistributions(self.drafter.candidate_selector, hidden[i], cands.ids[i], cands.logits[i])
-                    for i in range(hidden.shape[0])]
+                    for i in range(hidden.shape[0])], conf
         if self.all_greedy:
             top, ids = self.drafter.top_logprobs(hidden, head, top_k)  # [b, D, k], descending
+            if chain_ids is not None:
+                chain_ids[:, 1:] = ids[..., 0]
+                conf = top[..., 0].exp()  # [b, D]
         else:
             logits = self.drafter.logits(hidden, head)  # [b, D, V]
             logp = torch.log_softmax(logits.float(), dim=-1)
             # sampled rows grow their trees where their own draws go
             greedy = (self.temperature <= 0)[:, None, None]
             logp = torch.where(greedy, logp, self._probs(logits).log())
-            top, ids = logp.topk(min(top_k, logp.shape[-1]), dim=-1)  # [b, D, k], descending
-        return PositionDistributions.batch(ids, top)
+            # renormalising log-probabilities changes them by rounding only; the kernel's tie order
+            top, ids = top_logprobs(logp, min(top_k, logp.shape[-1]))  # [b, D, k], descending
+        return PositionDistributions.batch(ids, top), conf
 
     def _tree_offers(self, dists: list[Distributions], width: int) -> list[TreeOffer]:
         """Per row, the nodes of its best-first tree of up to min(width, tree_nodes) nodes, in
@@ -676,8 +696,12 @@ class DecodeBatch:
     def _record_tree(r: Row, tree: TokenTree, acceptance: TreeAcceptance, n: int, committed: list[int],
                      branch: list[int]) -> None:
         """A tree step's statistics for row r: its acceptance length, the rank of each accepted
-        node, and per depth tried / accepted (a row with a lookup branch books them as lookup's,
-        the prefix of its continuation that was committed; the policy prices its rows by these)."""
+        node, and per depth tried / accepted by the drafter's first-choice chain, the tree's
+        spine: what that chain alone would have accepted, since the walk follows the target's own
+        tokens whatever the tree (a row with a lookup branch books them as lookup's, the prefix of
+        its continuation that was committed). The policy prices chains by these and trees by
+        their gain over the chain (`NodeTrial`s by depth and rank), so the tree's own acceptance
+        by depth must not count here, or its siblings' share counted twice."""
         stats = path_stats(tree, acceptance, n)
         r.stats.acceptance_lengths.append(n)
         r.stats.tree_steps += 1
@@ -694,7 +718,9 @@ class DecodeBatch:
             accepted, tried = matched, min(len(branch), matched + int(left))
         else:
             acc, tries = r.stats.accepted_by_position, r.tries
-            accepted, tried = stats.accepted, stats.tried
+            spine = next((j for j, rank in enumerate(stats.ranks) if rank), len(stats.ranks))
+            # the path left the spine at depth spine + 1, where the spine's node was tried and lost
+            accepted, tried = (spine, spine + 1) if spine < stats.accepted else (stats.accepted, stats.tried)
         for k in range(min(accepted, len(acc))):
             acc[k] += 1
         for k in range(min(tried, len(tries))):

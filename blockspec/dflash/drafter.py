@@ -28,6 +28,7 @@ from torch.nn import functional as F
 from blockspec.errors import CheckpointError, ConfigError
 from blockspec.cpu.argmax import argmax_and_peak, greedy_ids
 from blockspec.cpu.linear import linear, project
+from blockspec.cpu.top_k import top_logprobs
 from blockspec.dflash.checkpoint import (
     CONFIG_NAME,
     DRAFT_VOCAB_NAME,
@@ -280,18 +281,21 @@ class DFlashDrafter(nn.Module):
         return self.draft_vocab[greedy_ids(self._draft_vocab_logits(hidden, head))]
 
     def greedy_with_confidence(self, hidden: torch.Tensor, head: nn.Module, anchor: torch.Tensor | None = None,
-                               forced: torch.Tensor | None = None, *, confidence: bool = True
-                               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                               forced: torch.Tensor | None = None, *, confidence: bool = True,
+                               cands: Candidates | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`greedy_tokens` [b, n] and the draft probability of each [b, n] (float32): how likely
         the drafter thinks its proposal is, which is what an adaptive step trims its verify by.
         DFlash 2: the walk's choice within the unary distribution whose candidates' logits are
-        replaced by the selector's scores (the tokens outside the candidates keep their mass)."""
+        replaced by the selector's scores (the tokens outside the candidates keep their mass);
+        `cands`: `candidates(hidden, head)` computed already (with the normaliser where
+        `confidence`), which saves the head pass."""
         if self.candidate_selector is None:
             logits = self._draft_vocab_logits(hidden, head) if self.draft_vocab is not None else self.logits(hidden, head)
             top, conf = argmax_and_peak(logits)
             ids = self.draft_vocab[top] if self.draft_vocab is not None else top
             return ids, conf
-        cands = self.candidates(hidden, head, normaliser=confidence)
+        if cands is None:
+            cands = self.candidates(hidden, head, normaliser=confidence)
         ids, scores = self.walk(hidden, cands, anchor, keep_scores if confidence else pick_best, forced)
         if not confidence:
             return ids, None
@@ -303,13 +307,14 @@ class DFlashDrafter(nn.Module):
         """The k most likely proposals at each position of hidden [.., H]: their draft
         log-probabilities [.., k] (float32, descending) and token ids [.., k], the greedy
         distribution `logits` gives, computed over the draft vocabulary alone when one is set
-        (the rest has probability 0) instead of over full-vocabulary logits."""
+        (the rest has probability 0) instead of over full-vocabulary logits. Equal logits rank the
+        lower token id first (cpu/top_k.py), as `greedy_tokens` breaks ties: the first column is
+        the greedy proposal (draft_vocab is sorted, so its order is the token ids')."""
         if self.draft_vocab is None:
             logits = self.logits(hidden, head)  # [.., V]
         else:
             logits = self._draft_vocab_logits(hidden, head)  # [.., Vd]
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        top, index = logp.topk(min(k, logp.shape[-1]), dim=-1)  # [.., k]
+        top, index = top_logprobs(logits, min(k, logits.shape[-1]))  # [.., k]
         return top, (index if self.draft_vocab is None else self.draft_vocab[index])
 
     def candidates(self, hidden: torch.Tensor, head: nn.Module, *, normaliser: bool = True) -> Candidates:

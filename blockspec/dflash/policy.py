@@ -488,6 +488,8 @@ def calibrate(batch: DecodeBatch, size: int, max_block: int, context: int = 8,
                 random.sample(draft_probs, starts).tolist()
                 if confidence:
                     draft_confidence(draft_probs).tolist()
+            elif tree and batch.drafter.candidate_selector is None:
+                pass  # a greedy tree step's chain, where it has one, is its top-k's first column (tree_step)
             elif confidence:  # what trimmed steps compute: proposals and their confidences
                 batch.drafter.greedy_with_confidence(hidden[:, 1:n], target.head(), anchor)[1].tolist()
             else:
@@ -737,11 +739,17 @@ class AdaptiveBlock:
             tree_rates = [tokens / cost for tokens, cost in
                           zip(self.tree_expected(batch.rows, plan, batch.tree_nodes), tree_model.table(b))]
             tree_best = max(range(2, self.max_block + 1), key=lambda n: (tree_rates[n - 1], -n))
-            if tree_rates[tree_best - 1] > rates[best - 1]:
-                best = planned = tree_best
+            # A step drafts where its chain pays: trees priced by these mean rates (before the
+            # drafts exist) promised more than they accepted where chains did not pay (a trimmed
+            # step's trim then answered with a chain, a batch's 3-wide trees took second choices
+            # rarely), and such steps paid a draft pass that plain decoding would not have.
+            trims = self._trims(batch, b)
+            if tree_rates[tree_best - 1] > rates[best - 1] and best > 1:
+                # a trimmed step drafts no narrower than its chain would: its trim may answer with that chain
+                best = planned = max(best, tree_best) if trims else tree_best
                 tree = True
                 rates = [max(c, t) for c, t in zip(rates, tree_rates)]
-            elif self._trims(batch, b):  # its trim decides from the drafts in hand
+            elif trims:  # its trim decides from the drafts in hand
                 tree = (tree_rates[tree_best - 1] >= (1 - TREE_OFFER_MARGIN) * rates[best - 1]
                         or self._unoffered + 1 >= TREE_OFFER_EVERY)
         lookup = self._lookup_option(batch, plan, rates[best - 1])

@@ -68,7 +68,7 @@ class ServerMetrics:
         self.latency = Histogram(LATENCY_BUCKETS)
         self.ttft = Histogram(LATENCY_BUCKETS)
         self.tau = Histogram(TAU_BUCKETS)
-        self.accepted_by_depth: list[int] = []  # drafted proposals accepted at depth d (chains: position d)
+        self.accepted_by_depth: list[int] = []  # drafted proposals accepted at depth d (trees: by their first-choice chain)
         self.accepted_by_rank: list[int] = []  # token trees: accepted nodes by rank among their siblings
         self.tree_steps = 0
 
@@ -135,7 +135,8 @@ class ServerMetrics:
             tau = self.spec_tokens / self.spec_steps if self.spec_steps else 0.0
             out.append(f"blockspec_tau {_num(tau)}")
             head("blockspec_spec_accepted_by_depth_total", "counter",
-                 "Drafted tokens accepted at each depth of a step (a chain's position) by finished requests.")
+                 "Drafted tokens accepted at each position of a step's chain (in a tree step, of the "
+                 "drafter's first-choice chain) by finished requests.")
             for k, n in enumerate(self.accepted_by_depth):
                 out.append(f'blockspec_spec_accepted_by_depth_total{{depth="{k + 1}"}} {n}')
             head("blockspec_spec_tree_steps_total", "counter", "Decode steps that verified a token tree.")

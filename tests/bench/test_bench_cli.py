@@ -15,6 +15,8 @@ def _bench(tmp_path: Path, model: Path, drafter: Path, *extra: str) -> tuple[int
     out = tmp_path / "out"
     argv = ["bench", "--target", str(model), "--drafter", str(drafter), "--limit", "1", "--max-new-tokens", "6",
             "--no-progress", "--no-warmup", "--out", str(out), *extra]
+    if "--tree-nodes" not in extra:  # these tests name chain runners; trees are the default
+        argv += ["--tree-nodes", "0"]
     return main(argv), out
 
 

@@ -30,12 +30,13 @@ GOOD_DECODING = [
     (["--no-lookup"], "lookup", False),
     (["--lookup"], "lookup", True),
 ]
-GOOD_TREES = [(["--tree-nodes", "8"], "tree_nodes", 8), (["--tree-nodes", "1"], "tree_nodes", 1)]
+GOOD_TREES = [(["--tree-nodes", "8"], "tree_nodes", 8), (["--tree-nodes", "1"], "tree_nodes", 1),
+              (["--tree-nodes", "0"], "tree_nodes", 0)]
 BAD_MODEL = [["--dtype", "fp32"], ["--dtype", "int8"], ["--dtype", "auto"], ["--drafter-dtype", "int4"],
              ["--device", "gpu"], ["--device", "cuda:x"], ["--device", "CPU"], ["--device", ""],
              ["--compute", "int4"], ["--compute", "fast"]]
 BAD_DECODING = [["--block-size", "0"], ["--block-size", "-2"], ["--block-size", "four"]]
-BAD_TREES = [["--tree-nodes", "0"], ["--tree-nodes", "-1"], ["--tree-nodes", "many"]]
+BAD_TREES = [["--tree-nodes", "-1"], ["--tree-nodes", "many"]]
 
 
 @pytest.fixture
@@ -71,7 +72,7 @@ def test_each_verb_hands_load_the_same_accepted_values(verb: str, recorded: list
     if verb in DECODING_VERBS:
         expected |= {"block_size": None, "adaptive_block": True, "lookup": True}
     if verb in TREE_VERBS:
-        expected |= {"tree_nodes": None}  # chains only
+        expected |= {"tree_nodes": None}  # load's default (DEFAULT_TREE_NODES)
     assert {k: recorded[-1][k] for k in expected} == expected
 
 

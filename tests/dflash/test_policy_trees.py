@@ -262,3 +262,31 @@ def test_trees_are_priced_in_the_chains_units() -> None:
         chosen = policy.trimmer(SimpleNamespace(rows=rows))([CHAIN_CONF], [0], [DOUBTFUL])
         alone = AdaptiveBlock(8, costs=_costs(0.05)).trimmer(SimpleNamespace(rows=rows))([CHAIN_CONF], [0])
         assert chosen == Shape(alone, False)
+
+
+def test_a_step_drafts_where_its_chain_would_and_a_trimmed_one_as_wide() -> None:
+    """Trees priced before the drafts exist never make a step draft where the chain would decode
+    plainly (a lone row or a batch), and a lone row's trim may answer with a chain, so its draft
+    is never narrower than the chain's best width."""
+    nodes = _trained(0.9)  # second choices very often right: trees promise much
+
+    def policy(costs: CostModel, tree_costs: CostModel) -> AdaptiveBlock:
+        p = AdaptiveBlock(8, costs=costs, tree_costs=tree_costs, plain_every=1000, challenge_every=1000)
+        p.nodes["greedy"] = nodes
+        return p
+
+    cheap_trees = CostModel(max_block=8)
+    for rows in (1, 2):
+        cheap_trees.set(rows, [1.0] * 8, [0.0] * 8)  # a tree of any width costs a plain step
+    for weak in ([_row(0.02)], [_row(0.02), _row(0.02)]):  # chains rarely accepted: plain pays best
+        p = policy(_costs(0.3, draft=0.5), cheap_trees)
+        assert [p.choose(_tree_batch(weak)) for _ in range(3)] == [1, 1, 1]
+    narrow_trees = CostModel(max_block=8)
+    narrow_trees.set(1, [1.0, 1.0, 1.0] + [9.0] * 5, [0.0] * 8)  # trees pay at widths 2-3 only
+    strong = [_row(0.9)]
+    chains = policy(_costs(0.3), narrow_trees)  # verified tokens dear: the chain's best is 6-7 wide
+    chains.choose(_tree_batch(strong, trees=False))  # the plain check
+    chain_width = chains.choose(_tree_batch(strong, trees=False))
+    p = policy(_costs(0.3), narrow_trees)
+    p.choose(_tree_batch(strong))
+    assert chain_width > 3 and p.choose(_tree_batch(strong)) >= chain_width

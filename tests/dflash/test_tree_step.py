@@ -12,7 +12,9 @@ from scripted import RankedDrafter
 from support import one_thread, ragged_prompts, reference_greedy  # noqa: F401 (fixture)
 
 from blockspec.config import SamplingParams
-from blockspec.dflash.batch import DecodeBatch, make_row
+from blockspec.dflash.batch import DecodeBatch, Shape, make_row
+from blockspec.dflash.drafter import new_drafter_for_target
+from blockspec.dflash.drafter_config import DFLASH2
 from blockspec.dflash.proposers import BestFirstProposer, Draft, LookupProposer, PositionDistributions
 from blockspec.dflash.token_tree import TokenTree
 from blockspec.dflash.tree_step import pack_trees, propose_tree
@@ -120,6 +122,64 @@ def test_a_tree_step_runs_the_drafters_head_once(monkeypatch: pytest.MonkeyPatch
             assert calls.count("top_logprobs") == int(tree), calls
             assert "greedy_tokens" not in calls and "greedy_with_confidence" not in calls, calls
     assert tree_steps > 1 and [r.generated for r in rows] == truth
+
+
+@pytest.mark.parametrize("dflash2", [False, True])
+def test_a_step_offered_trees_reads_its_chain_from_the_same_head_pass(monkeypatch: pytest.MonkeyPatch,
+                                                                       dflash2: bool) -> None:
+    """A trimmed greedy step offered trees runs the drafter's head once and, where its trim
+    answers with a chain, verifies the chain a chains-only batch verifies (DFlash: the top-k's
+    first column; DFlash 2: the selector's walk over the candidates its trees grow from), trimmed
+    by the same confidences; the output stays plain greedy decoding's."""
+    model = make_tiny_target("llama", seed=0)
+    prompts = ragged_prompts(2, seed=17, vocab=48)
+    truth = [reference_greedy(model, p, 12) for p in prompts]
+    runs = []
+    for tree_nodes in (0, 7):
+        if dflash2:
+            drafter = new_drafter_for_target(model.config, mask_token_id=model.config.vocab_size - 1, num_layers=1,
+                                             block_size=8, architecture=DFLASH2, seed=9, dtype=torch.float64,
+                                             dflash2=dict(conv_group_size=8, selector_rank=8, selector_top_k=4))
+        else:
+            drafter = RankedDrafter(model, prompts, truth, seed=0)
+        calls: list[str] = []
+        for name in ("greedy_tokens", "greedy_with_confidence", "logits", "top_logprobs", "candidates"):
+            method = getattr(drafter, name)
+            monkeypatch.setattr(drafter, name, lambda *a, _n=name, _m=method, **k: calls.append(_n) or _m(*a, **k))
+        batch = DecodeBatch(HFTarget(model), drafter, max_block=8, tree_nodes=tree_nodes)
+        verified: list[list[list[int]]] = []
+        confidences: list[list[list[float]]] = []
+        verify = batch._verify_and_commit
+        monkeypatch.setattr(batch, "_verify_and_commit",
+                            lambda ids, *a, **k: verified.append(ids.tolist()) or verify(ids, *a, **k))
+
+        def trim(conf, from_lookup, offers=None):
+            confidences.append(conf)
+            # a chain of 5 where trees are offered (a plain length would verify trees)
+            return 5 if offers is None else Shape(5, tree=False)
+
+        rows = [make_row(i, len(p), SamplingParams(max_new_tokens=12), (), 8) for i, p in enumerate(prompts)]
+        batch.join(prompts, rows)
+        while batch.rows:
+            batch.retire()
+            if batch.rows:
+                calls.clear()
+                drafted = len(confidences)
+                batch.step(8, trim)
+                if len(confidences) > drafted:  # a drafting step (the last ones are plain: one token left)
+                    assert calls.count("logits") == 1, calls  # one pass over the draft head
+                    if dflash2:
+                        assert calls.count("candidates") == 1, calls
+                    else:
+                        head = "top_logprobs" if tree_nodes else "greedy_with_confidence"
+                        assert [c for c in calls if c != "logits"] == [head], calls
+        assert [r.generated for r in rows] == truth and all(r.stats.tree_steps == 0 for r in rows)
+        runs.append((verified, confidences))
+    (chain_ids, chain_conf), (offered_ids, offered_conf) = runs
+    assert len(chain_conf) > 2 and offered_ids == chain_ids
+    assert len(offered_conf) == len(chain_conf)
+    for a, b in zip(offered_conf, chain_conf):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), rtol=1e-5)
 
 
 @pytest.mark.parametrize("seed", range(4))
