@@ -141,6 +141,9 @@ def _load() -> object | None:
         f.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int]
         f.restype = ctypes.c_int
     fn.top_k_max = int(lib.bs_top_k_max())
+    fn.top_values = lib.bs_top_values
+    fn.top_values.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int]
+    fn.top_values.restype = ctypes.c_int
     fn.rope_kv = {torch.float32: lib.bs_rope_kv, torch.bfloat16: lib.bs_rope_kv_bf16}
     for f in fn.rope_kv.values():
         f.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 6 + [ctypes.c_void_p] * 2 + [ctypes.c_float] * 2
@@ -409,6 +412,22 @@ def top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | N
     if rows and f(x.data_ptr(), rows, n, k, logp.data_ptr(), ids.data_ptr(), torch.get_num_threads()):
         return None
     return logp, ids
+
+
+def top_values(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(values, indices) [.., k] of the k largest of each row of fp32 x [.., n] on the CPU,
+    descending, the lower index first on equal values, through `cpu/csrc/topk.c`: torch.topk's
+    values; None where the kernel does not take them."""
+    fn = kernel()
+    if fn is None or x.dtype != torch.float32 or not x.is_cpu or not 1 <= k <= x.shape[-1]:
+        return None
+    flat = x.detach().reshape(-1, x.shape[-1]).contiguous()
+    vals = torch.empty(flat.shape[0], k, dtype=torch.float32)
+    idx = torch.empty(flat.shape[0], k, dtype=torch.int64)
+    if fn.top_values(flat.data_ptr(), flat.shape[0], flat.shape[1], k, vals.data_ptr(), idx.data_ptr(),
+                     torch.get_num_threads()):
+        return None
+    return vals.reshape(*x.shape[:-1], k), idx.reshape(*x.shape[:-1], k)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:

@@ -1,6 +1,7 @@
 /* The k largest logits of each row, in a defined order, with their log-softmax: the drafter's
  * top choices a token tree grows from (cpu/top_k.py, dflash/drafter.py top_logprobs). fp32 rows
- * (bs_top_k) or bf16 rows (bs_top_k_bf16, widened exactly).
+ * (bs_top_k) or bf16 rows (bs_top_k_bf16, widened exactly). bs_top_values gives the k largest
+ * values themselves, for the head of a sampled distribution (dflash/sampling.py).
  *
  * Order: larger logit first, and on equal logits the lower index first. peak.c's argmax breaks
  * ties the same way, so the first column is the greedy draft: a step that verifies a tree or a
@@ -40,8 +41,8 @@ static inline int any16(const i16 m) {
     return ((w[0] | w[1]) | (w[2] | w[3]) | (w[4] | w[5]) | (w[6] | w[7])) != 0;
 }
 
-static inline void top_row(const void *x, const int64_t n, const int k, float *logp, int64_t *idx, const int bf) {
-    float val[TOP_K_MAX];
+/* The k largest of row x [n] into val/idx [k], ordered as the header says. */
+static inline void select_row(const void *x, const int64_t n, const int k, float *val, int64_t *idx, const int bf) {
     int count = 0;
     int64_t j = 0;
     for (; j < n && count < k; j++) keep(val, idx, &count, k, scalar(x, j, bf), j);
@@ -55,6 +56,11 @@ static inline void top_row(const void *x, const int64_t n, const int k, float *l
         const float v = scalar(x, j, bf);
         if (v > val[k - 1]) keep(val, idx, &count, k, v, j);
     }
+}
+
+static inline void top_row(const void *x, const int64_t n, const int k, float *logp, int64_t *idx, const int bf) {
+    float val[TOP_K_MAX];
+    select_row(x, n, k, val, idx, bf);
     const float top = val[0];
     const int64_t nv = n - n % 16;
     v16 acc = {0};
@@ -78,6 +84,16 @@ int bs_top_k(const float *x, int64_t rows, int64_t n, int64_t k, float *logp, in
 
 int bs_top_k_bf16(const uint16_t *x, int64_t rows, int64_t n, int64_t k, float *logp, int64_t *idx, int threads) {
     TOP_K(1)
+}
+
+/* The k largest values themselves (no log-softmax), same order: the head of a sampled
+ * distribution that the keyed race gives clocks of their own (dflash/sampling.py). x: rows x n
+ * fp32; val, idx: rows x k. Returns 0, or 1 (nothing written) unless 1 <= k <= n. */
+int bs_top_values(const float *x, int64_t rows, int64_t n, int64_t k, float *val, int64_t *idx, int threads) {
+    if (k < 1 || k > n) return 1;
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows >= 2)
+    for (int64_t r = 0; r < rows; r++) select_row(x + r * n, n, (int)k, val + r * k, idx + r * k, 0);
+    return 0;
 }
 
 int bs_top_k_max(void) { return TOP_K_MAX; }
