@@ -43,7 +43,7 @@ from blockspec.cache_dir import cache_root
 
 SOURCES = tuple(Path(__file__).parent / "csrc" / name
                 for name in ("rows.c", "attention.c", "norm.c", "peak.c", "rope.c", "layers.c", "conv.c", "int8.c",
-                                              "nucleus.c"))  # one library
+                                              "nucleus.c", "topk.c"))  # one library
 HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("vec.h", "kernels.h"))
 DISABLE_ENV = "BLOCKSPEC_CPU_KERNELS"
 # Extra compiler flags after -march=native, e.g. "-mno-avx512vnni" to build (and test) the int8
@@ -139,6 +139,9 @@ def _load() -> object | None:
     fn.nucleus = lib.bs_nucleus
     fn.nucleus.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 4 + [ctypes.c_int]
     fn.nucleus.restype = ctypes.c_int
+    fn.top_k = lib.bs_top_k
+    fn.top_k.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int]
+    fn.top_k.restype = ctypes.c_int
     fn.rope_kv = {torch.float32: lib.bs_rope_kv, torch.bfloat16: lib.bs_rope_kv_bf16}
     for f in fn.rope_kv.values():
         f.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 6 + [ctypes.c_void_p] * 2 + [ctypes.c_float] * 2
@@ -404,6 +407,20 @@ def nucleus(logits: torch.Tensor, inv_t: torch.Tensor, top_p: torch.Tensor
                   torch.get_num_threads()):
         return None
     return out, done.bool()
+
+
+def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(values, indices) of the k largest of each row of fp32 x [.., n] on the CPU, descending,
+    ties by the lower index, through `cpu/csrc/topk.c`: torch.topk's values; None where the
+    kernel does not take them."""
+    fn = kernel()
+    if fn is None or x.dtype != torch.float32 or not x.is_cpu or not 1 <= k <= x.shape[-1]:
+        return None
+    flat = x.detach().reshape(-1, x.shape[-1]).contiguous()
+    vals = torch.empty(flat.shape[0], k, dtype=torch.float32)
+    idx = torch.empty(flat.shape[0], k, dtype=torch.int64)
+    fn.top_k(flat.data_ptr(), flat.shape[0], flat.shape[1], k, vals.data_ptr(), idx.data_ptr(), torch.get_num_threads())
+    return vals.reshape(*x.shape[:-1], k), idx.reshape(*x.shape[:-1], k)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
