@@ -844,7 +844,7 @@ class AdaptiveBlock:
             width = len(confidence[0]) + 1 if confidence else 1
             self._drafted = width
             sunk = drafts[width - 1]
-            if offers is not None or not batch.all_greedy:  # booked by depth and band (`record`)
+            if offers is not None or any(r.params.rule != "greedy" for r in rows):  # booked by (depth, band)
                 self._trial_conf = confidence
             if offers is not None:
                 nodes = [self.node_acceptance(r.params.rule) for r in rows]
