@@ -805,8 +805,10 @@ class AdaptiveBlock:
         """The verify length of a drafted step, chosen like the block size but from each row's
         drafts: a proposal's draft probability stands for its chance of acceptance (on held-out
         GSM8K the stage-7 drafter's first proposal with probability 0.2-0.3 was accepted 30% of
-        the time, 0.5-0.6: 51%, 0.9-1: 97%), lookup proposals keep lookup's rates. The draft is
-        paid by then, so only the verify part of each size's cost differs.
+        the time, 0.5-0.6: 51%, 0.9-1: 97%), lookup proposals keep lookup's rates. A sampled
+        row reads the peaks of its draft distributions instead, calibrated by the acceptance seen
+        at such peaks (`_chain_rates`). The draft is paid by then, so only the verify part of each
+        size's cost differs.
 
         With `ragged`, a batch of rows whose target skips padding (`DecodeBatch.skips_padding`)
         gets a length per row: the proposals most likely to be accepted, across all rows, until
