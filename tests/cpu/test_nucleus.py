@@ -63,6 +63,14 @@ def test_flat_rows_are_left_to_the_general_path_and_probabilities_still_filter_t
     assert 4000 < int((got[2] > 0).sum()) < v  # the flat rows kept most tokens, not all
 
 
+def test_rows_with_nan_or_no_finite_logit_are_left_to_the_general_path() -> None:
+    x = torch.randn(3, 50)
+    x[0, 7] = float("nan")
+    x[1] = float("-inf")
+    probs, done = kernels.nucleus(x, torch.ones(3), torch.full((3,), 0.9))
+    assert done.tolist() == [False, False, True] and bool((probs[:2] == 0).all())
+
+
 def test_ties_keep_the_lower_ids_first() -> None:
     """Tokens of equal probability enter the nucleus in id order (the stable full sort's)."""
     x = torch.full((1, 40), -30.0)

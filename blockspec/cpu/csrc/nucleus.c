@@ -37,16 +37,19 @@ static int heavier_first(const void *a, const void *b) {
 static int nucleus_row(const float *x, int64_t n, float inv_t, float top_p, float *out, cand *buf) {
     const int64_t nv = n - n % 16;
     float top = -INFINITY;
+    int nan = 0;
     if (nv > 0) {
         v16 m = load16(x);
+        i16 odd = m != m;
         for (int64_t k = 16; k < nv; k += 16) {
             const v16 v = load16(x + k);
             m = select16(v > m, v, m);
+            odd |= v != v;
         }
-        for (int l = 0; l < 16; l++) top = m[l] > top ? m[l] : top;
+        for (int l = 0; l < 16; l++) top = m[l] > top ? m[l] : top, nan |= odd[l];
     }
-    for (int64_t k = nv; k < n; k++) top = x[k] > top ? x[k] : top;
-    if (!(top > -INFINITY) || !(inv_t > 0)) return 0; /* every logit -inf, or a NaN: the caller's path */
+    for (int64_t k = nv; k < n; k++) top = x[k] > top ? x[k] : top, nan |= x[k] != x[k];
+    if (nan || !(top > -INFINITY) || !(inv_t > 0)) return 0; /* a NaN, or every logit -inf: the caller's path */
     const float floor = -NUCLEUS_SPAN;
     int64_t count = 0;
     v16 acc = {0};
