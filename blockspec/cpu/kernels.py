@@ -43,7 +43,8 @@ import torch
 from blockspec.cache_dir import cache_root
 
 SOURCES = tuple(Path(__file__).parent / "csrc" / name
-                for name in ("rows.c", "attention.c", "norm.c", "peak.c", "topk.c", "rope.c", "layers.c", "conv.c", "int8.c"))  # one library
+                for name in ("rows.c", "attention.c", "norm.c", "peak.c", "topk.c", "rope.c", "layers.c", "conv.c", "int8.c",
+                                              "nucleus.c"))  # one library
 HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("vec.h", "kernels.h"))
 DISABLE_ENV = "BLOCKSPEC_CPU_KERNELS"
 # Extra compiler flags after -march=native, e.g. "-mno-avx512vnni" to build (and test) the int8
@@ -136,6 +137,9 @@ def _load() -> object | None:
     for f in fn.argmax_peak.values():
         f.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int]
         f.restype = ctypes.c_int
+    fn.nucleus = lib.bs_nucleus
+    fn.nucleus.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 4 + [ctypes.c_int]
+    fn.nucleus.restype = ctypes.c_int
     fn.top_k = {torch.float32: lib.bs_top_k, torch.bfloat16: lib.bs_top_k_bf16}
     for f in fn.top_k.values():
         f.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int]
@@ -393,6 +397,27 @@ def _peak(logits: torch.Tensor, with_peak: bool) -> tuple[torch.Tensor, torch.Te
     f(x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], top.data_ptr(), None if peak is None else peak.data_ptr(),
       torch.get_num_threads())
     return top, peak
+
+
+def nucleus(logits: torch.Tensor, inv_t: torch.Tensor, top_p: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The top-p nucleus of softmax(logits * inv_t) per row of fp32 logits [r, V] on the CPU
+    (inv_t, top_p [r]) through `cpu/csrc/nucleus.c`: (probabilities [r, V], zero outside each
+    row's nucleus; done [r] bool). Rows not done (a nucleus wider than the kernel's candidates)
+    are zero: the caller filters them its own way. None where the kernel does not take them."""
+    fn = kernel()
+    if fn is None or logits.dtype != torch.float32 or logits.dim() != 2 or not logits.is_cpu or logits.shape[-1] == 0:
+        return None
+    x = logits.detach().contiguous()
+    rows = x.shape[0]
+    inv = inv_t.detach().to(torch.float32).contiguous()
+    p = top_p.detach().to(torch.float32).contiguous()
+    out = torch.zeros_like(x)
+    done = torch.zeros(rows, dtype=torch.uint8)
+    if fn.nucleus(x.data_ptr(), rows, x.shape[-1], inv.data_ptr(), p.data_ptr(), out.data_ptr(), done.data_ptr(),
+                  torch.get_num_threads()):
+        return None
+    return out, done.bool()
 
 
 def top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -110,8 +110,13 @@ PAD_SHARE = 0.05
 
 
 RULES = ("greedy", "keyed", "standard")  # SamplingParams.rule
-# The nucleus sampled steps are calibrated with: chat clients' usual top-p. Steps of other
-# shapings correct the calibration as they run (CostModel.observe).
+# The shaping sampled steps are calibrated with: chat clients' usual temperature and top-p. Steps
+# of other shapings correct the calibration as they run (CostModel.observe). Not temperature 1:
+# on the calibration's dummy context that spreads the 0.9 nucleus over ~1,000 tokens, where real
+# text at 0.7 keeps it to a handful, so every verified and drafted position was priced with a
+# sort of a far wider head (`sampling._top_p`) and the drafting sizes came out dearer per token
+# than sampled steps really are.
+CALIBRATION_TEMPERATURE = 0.7
 CALIBRATION_TOP_P = 0.9
 
 
@@ -425,7 +430,7 @@ def calibrate(batch: DecodeBatch, size: int, max_block: int, context: int = 8,
     and their draft passes alone (0 for block 1). confidence: time drafts that also read back
     their confidences, as trimmed steps do (default: for batches of at most TRIM_MAX_ROWS rows).
     sampled: time what a sampled step runs instead of a greedy one: the target's whole logits
-    (a greedy step may skip most of its head) shaped (temperature 1, top-p CALIBRATION_TOP_P)
+    (a greedy step may skip most of its head) shaped (CALIBRATION_TEMPERATURE, CALIBRATION_TOP_P)
     and drawn from, and a DFlash drafter's shaped draft distributions drawn from (a DFlash 2
     walk is timed greedy).
     tree: time tree steps of n nodes instead (`DecodeBatch._verify_tree`'s work): after the
@@ -444,7 +449,7 @@ def calibrate(batch: DecodeBatch, size: int, max_block: int, context: int = 8,
     tcache.reserve(context)
     _, feats = target.forward(ids, positions, tcache, layer_ids, last_logits_only=True)
     dcache = batch.draft.new_cache(size) if batch.draft is not None else None
-    shaping = (torch.ones(size, device=d), torch.zeros(size, dtype=torch.long, device=d),
+    shaping = (torch.full((size,), CALIBRATION_TEMPERATURE, device=d), torch.zeros(size, dtype=torch.long, device=d),
                torch.full((size,), CALIBRATION_TOP_P, device=d))
     random = RowRandom(list(range(size)))
     starts = [0] * size
@@ -844,8 +849,10 @@ class AdaptiveBlock:
         """The verify length of a drafted step, chosen like the block size but from each row's
         drafts: a proposal's draft probability stands for its chance of acceptance (on held-out
         GSM8K the stage-7 drafter's first proposal with probability 0.2-0.3 was accepted 30% of
-        the time, 0.5-0.6: 51%, 0.9-1: 97%), lookup proposals keep lookup's rates. The draft is
-        paid by then, so only the verify part of each size's cost differs.
+        the time, 0.5-0.6: 51%, 0.9-1: 97%), lookup proposals keep lookup's rates. A sampled
+        row reads the peaks of its draft distributions instead, calibrated by the acceptance seen
+        at such peaks (`_chain_rates`). The draft is paid by then, so only the verify part of each
+        size's cost differs.
 
         With `ragged`, a batch of rows whose target skips padding (`DecodeBatch.skips_padding`)
         gets a length per row: the proposals most likely to be accepted, across all rows, until
@@ -883,12 +890,15 @@ class AdaptiveBlock:
             width = len(confidence[0]) + 1 if confidence else 1
             self._drafted = width
             sunk = drafts[width - 1]
-            if offers is not None:
+            if offers is not None or any(r.params.rule != "greedy" for r in rows):  # booked by (depth, band)
                 self._trial_conf = confidence
+            if offers is not None:
                 nodes = [self.node_acceptance(r.params.rule) for r in rows]
             lookup_rates = [r.acceptance_rates(lookup_priors, lookup=True)[:m] if m else [] for r, m in zip(rows, looked)]
+            # where trees are offered, chains and trees are both priced in the drafter's own units
+            chains = confidence if offers is not None else [self._chain_rates(r, c) for r, c in zip(rows, confidence)]
             expected = [expected_by_block(lr or conf, width, r.remaining)
-                        for r, conf, lr in zip(rows, confidence, lookup_rates)]
+                        for r, conf, lr in zip(rows, chains, lookup_rates)]
             chain, chain_rate = lengths(expected, sunk, verify)
             if offers is None:
                 return chain
@@ -901,6 +911,18 @@ class AdaptiveBlock:
             return Shape(tree, True) if tree_rate > chain_rate else Shape(chain, False)
 
         return trim
+
+    def _chain_rates(self, row: Row, confidence: list[float]) -> list[float]:
+        """What a trimmed chain step prices a row's proposals by: a greedy row its drafts' own
+        probabilities (a fair estimate of their acceptance), a sampled row the peaks of its draft
+        distributions calibrated by the acceptance observed at such peaks before
+        (`NodeAcceptance.rate`, its first choices by depth and band): a sampled proposal is
+        accepted with the overlap of the target's and the drafter's distributions, which the
+        peak alone does not give (BENCHMARKS.md, sampled decoding)."""
+        if row.params.rule == "greedy":
+            return confidence
+        nodes = self.node_acceptance(row.params.rule)
+        return [nodes.rate(k + 1, 0, c) for k, c in enumerate(confidence)]
 
     def _recheck(self) -> None:
         """The thread count changed (other processes took or left cores): probe, check plain

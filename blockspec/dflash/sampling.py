@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from blockspec.cpu import kernels
+
 
 def probabilities(
     logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
@@ -20,19 +22,24 @@ def probabilities(
     logits = logits.float()
     b, n, v = logits.shape
     greedy = temperature <= 0
-    scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature).float()[:, None, None]
+    temp = torch.where(greedy, torch.ones_like(temperature), temperature).float()  # [b]
     k = torch.where(top_k > 0, top_k.clamp(max=v), torch.full_like(top_k, v))
-    if bool((k < v).any()):
-        kth = torch.topk(scaled, int(k.max()), dim=-1).values  # [b, n, kmax]
-        threshold = kth.gather(-1, (k - 1)[:, None, None].expand(b, n, 1))
-        scaled = scaled.masked_fill(scaled < threshold, float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)
     nucleus = top_p < 1
-    if bool(nucleus.any()):
-        if bool(nucleus.all()):
-            probs = _top_p(probs, top_p)
-        else:  # rows with top_p 1 keep every token, whatever their batch-mates ask (probs is softmax's own)
-            probs[nucleus] = _top_p(probs[nucleus], top_p[nucleus])
+    top_k_on = bool((k < v).any())
+    # chat clients' usual request (temperature and top-p): the kernel's two passes, no V-wide copies
+    probs = None if top_k_on or not bool(nucleus.all()) else _nucleus_kernel(logits, temp, top_p)
+    if probs is None:
+        scaled = logits / temp[:, None, None]
+        if top_k_on:
+            kth = torch.topk(scaled, int(k.max()), dim=-1).values  # [b, n, kmax]
+            threshold = kth.gather(-1, (k - 1)[:, None, None].expand(b, n, 1))
+            scaled = scaled.masked_fill(scaled < threshold, float("-inf"))
+        probs = torch.softmax(scaled, dim=-1)
+        if bool(nucleus.any()):
+            if bool(nucleus.all()):
+                probs = _top_p(probs, top_p)
+            else:  # rows with top_p 1 keep every token, whatever their batch-mates ask (probs is softmax's own)
+                probs[nucleus] = _top_p(probs[nucleus], top_p[nucleus])
     if bool(greedy.any()):
         onehot = _one_hot(logits.argmax(dim=-1), v)
         probs = torch.where(greedy[:, None, None], onehot, probs)
@@ -61,6 +68,24 @@ def sharpened(probs: torch.Tensor, factor: float | None = None) -> torch.Tensor:
     # divided by each row's peak first, so the power cannot underflow the whole row to zero
     out = (probs / probs.amax(dim=-1, keepdim=True)).pow_(1.0 / f)
     return out.div_(out.sum(dim=-1, keepdim=True))
+
+
+def _nucleus_kernel(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor | None:
+    """`probabilities` of fp32 logits [b, n, V] at temperature [b] > 0 with top_p [b] < 1 and no
+    top-k, through `cpu/csrc/nucleus.c` (positions whose nucleus the kernel's candidates do not
+    hold go through `_top_p`); None where the kernel does not run (no compiler, not the CPU)."""
+    b, n, v = logits.shape
+    flat = logits.reshape(b * n, v)
+    per_position = lambda x: x.float()[:, None].expand(b, n).reshape(b * n)  # noqa: E731  [b] -> [b*n]
+    out = kernels.nucleus(flat, per_position(1.0 / temperature), per_position(top_p))
+    if out is None:
+        return None
+    probs, done = out  # [b*n, V], [b*n]
+    if not bool(done.all()):
+        rest = (~done).nonzero()[:, 0]
+        scaled = flat[rest] / per_position(temperature)[rest][:, None]
+        probs[rest] = _top_p(torch.softmax(scaled, dim=-1)[:, None], per_position(top_p)[rest])[:, 0]
+    return probs.reshape(b, n, v)
 
 
 NUCLEUS_HEAD = 64  # tokens sorted first per position by `_top_p` (x8 until the nucleus fits)
@@ -185,7 +210,8 @@ class RowRandom:
         d = probs.device
         keys = self.keys(starts, n).to(d)  # [b, n]
         k = min(RACE_HEAD, v)
-        head, idx = probs.topk(k, dim=-1)  # [b, n, k]
+        fast = kernels.top_values(probs, k)  # one pass over each row on a CPU (cpu/csrc/topk.c)
+        head, idx = fast if fast is not None else probs.topk(k, dim=-1)  # [b, n, k]
         arrival = -torch.log(slot_uniforms(keys, idx)) / head.double()  # [b, n, k]; p = 0: never (inf)
         first = arrival.argmin(dim=-1)  # [b, n]
         ids = idx.gather(-1, first[..., None])[..., 0]

@@ -82,3 +82,33 @@ def test_bad_k_is_refused_clearly() -> None:
         top_logprobs(torch.zeros(2, 5), 6)
     with pytest.raises(ValueError, match="1 <= k"):
         top_logprobs(torch.zeros(2, 5), 0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("n", [1, 5, 31, 32, 33, 100, 3001, 49152])
+@pytest.mark.parametrize("k", [1, 8, 32])
+def test_top_values_give_torch_topks_values_ties_by_lower_index(n: int, k: int) -> None:
+    """`kernels.top_values` (the keyed race's head, dflash/sampling.py): torch.topk's values in descending order, every
+    index pointing at its value, ties by the lower index; sparse rows (a nucleus) as dense ones."""
+    if k > n:
+        assert kernels.top_values(torch.zeros(2, n), k) is None
+        return
+    g = torch.Generator().manual_seed(n * 100 + k)
+    dense = torch.rand(3, n, generator=g)
+    sparse = torch.zeros(3, n).scatter_(-1, torch.randint(0, n, (3, 4), generator=g), 0.25)  # <= 4 tokens, ties
+    ties = torch.randint(0, 3, (3, n), generator=g).float()  # many equal values
+    for x in (dense, sparse, ties):
+        vals, idx = kernels.top_values(x, k)
+        want = x.topk(k, dim=-1).values
+        assert torch.equal(vals, want)
+        assert torch.equal(x.gather(-1, idx), vals)
+        for r in range(3):
+            assert len(set(idx[r].tolist())) == k
+            for j in range(1, k):  # equal values: the lower index first
+                if vals[r, j] == vals[r, j - 1]:
+                    assert idx[r, j] > idx[r, j - 1]
+            # a tie at the boundary keeps the lowest indices of that value
+            last = vals[r, -1]
+            held = set(idx[r][vals[r] == last].tolist())
+            lowest = (x[r] == last).nonzero()[:, 0].tolist()[: len(held)]
+            assert held == set(lowest)

@@ -17,7 +17,7 @@ from blockspec.targets.native import load_native_target
 
 
 def _confident_row(lookup_rate: float = 0.5) -> SimpleNamespace:
-    return SimpleNamespace(remaining=100, acceptance_rates=lambda prior, lookup=False: [lookup_rate] * 7)
+    return SimpleNamespace(remaining=100, params=SamplingParams(), acceptance_rates=lambda prior, lookup=False: [lookup_rate] * 7)
 
 
 def test_adaptive_policy_widens_cheap_drafts_and_trims_by_confidence() -> None:

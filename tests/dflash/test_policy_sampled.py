@@ -134,3 +134,61 @@ def test_adaptive_steps_keep_unseeded_sampling_exact() -> None:
     assert chi2_pvalue(counts.sum(0), joint.sum(0)) > 1e-3
     assert chi2_pvalue(counts, joint) > 1e-3
     assert sum(n for k, n in dec.block_choices.items() if k > 1) > 0  # it drafted
+
+
+class _Fixed(CostModel):
+    """Steps verifying n tokens per row cost 1 + 0.3 (n - 1), drafts nothing, whatever is measured."""
+
+    def set(self, batch: int, costs: list[float], drafting: list[float] | None = None) -> None:
+        super().set(batch, [1.0 + 0.3 * (n - 1) for n in range(1, self.max_block + 1)], [0.0] * self.max_block)
+
+    def observe(self, batch: int, block: int, seconds: float) -> None:
+        pass
+
+
+def _trim_policy(batch: DecodeBatch) -> AdaptiveBlock:
+    policy = AdaptiveBlock(4, costs=_Fixed(4), sampled_costs=_Fixed(4))
+    for model in (policy.costs, policy.sampled_costs):
+        model.set(len(batch.rows), [])
+    policy._model = policy.costs_for(batch)
+    return policy
+
+
+def test_a_sampled_trim_prices_its_peaks_by_the_acceptance_seen_at_such_peaks(model) -> None:
+    """A sampled row's draft peaks are not its proposals' chance of acceptance (that is the overlap
+    of p and q): its trim maps them through the acceptance observed at such peaks, by depth and
+    band, and books its own peaks for that. A greedy row's trim reads its drafts' probabilities as
+    they are, whatever was observed."""
+    peaks = [[0.6, 0.6, 0.6]]
+    sampled = _batch(model, [SAMPLED])
+    policy = _trim_policy(sampled)
+    trim = policy.trimmer(sampled)
+    assert trim(peaks, [0]) == 2  # taken at their word: E = 1, 1.6, 1.96, 2.18 against 1, 1.3, 1.6, 1.9
+    assert policy._trial_conf == peaks  # booked by (depth, band) when the step is recorded
+    for _ in range(200):  # such peaks were never accepted at the first proposal
+        policy.node_acceptance("standard").observe(1, 0, 0.6, False)
+    assert policy.trimmer(sampled)(peaks, [0]) == 1
+    for _ in range(200):  # ... and always at every depth
+        for depth in (1, 2, 3):
+            policy.node_acceptance("standard").observe(depth, 0, 0.6, True)
+    assert policy.trimmer(sampled)(peaks, [0]) == 4
+    greedy = _batch(model, [SamplingParams(max_new_tokens=12)])
+    policy = _trim_policy(greedy)
+    for _ in range(200):
+        policy.node_acceptance("greedy").observe(1, 0, 0.6, False)
+    assert policy.trimmer(greedy)(peaks, [0]) == 2
+    assert policy._trial_conf is None  # greedy chains book no peaks (their trees' pricing is as before)
+
+
+def test_sampled_steps_are_calibrated_at_chat_shaping(model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sampled calibration shapes at CALIBRATION_TEMPERATURE and CALIBRATION_TOP_P: at
+    temperature 1 a dummy context's nucleus spans far more tokens than real text's does, which
+    priced every sampled position, and so the drafting sizes, too high."""
+    seen: list[tuple[float, float]] = []
+    probabilities = adaptive.probabilities
+    monkeypatch.setattr(adaptive, "probabilities", lambda logits, t, k, p: (
+        seen.append((float(t[0]), float(p[0]))), probabilities(logits, t, k, p))[1])
+    calibrate(_batch(model, [SAMPLED]), 1, 4, rounds=1, sampled=True)
+    assert seen and all(t == pytest.approx(adaptive.CALIBRATION_TEMPERATURE) and p == pytest.approx(0.9)
+                        for t, p in seen)
+    assert adaptive.CALIBRATION_TEMPERATURE < 1

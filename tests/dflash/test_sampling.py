@@ -14,6 +14,7 @@ from blockspec.dflash.drafter import new_drafter_for_target
 from blockspec.targets.hf import HFTarget
 from blockspec.engine.decoder import SpecDecoder
 from blockspec.dflash.lookup import LookupConfig
+from blockspec.dflash import sampling
 from blockspec.dflash.sampling import RowRandom, probabilities
 from blockspec.dflash.verify import verify_greedy
 
@@ -58,7 +59,10 @@ def _nucleus_by_full_sort(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Ten
 
 
 @pytest.mark.parametrize("scale", [0.05, 1.0, 8.0])  # 0.05: nearly flat, the sorted head grows to all of V
-def test_top_p_sorts_only_the_head_yet_keeps_the_full_sorts_tokens(scale: float) -> None:
+def test_top_p_sorts_only_the_head_yet_keeps_the_full_sorts_tokens(scale: float, monkeypatch: pytest.MonkeyPatch
+                                                                    ) -> None:
+    """The general path (`_top_p`; the CPU kernel's nucleus: tests/cpu/test_nucleus.py)."""
+    monkeypatch.setattr(sampling, "_nucleus_kernel", lambda *a: None)
     g = torch.Generator().manual_seed(int(scale * 100))
     logits = torch.randn(3, 4, 3001, generator=g) * scale
     top_p = torch.tensor([0.5, 0.9, 0.99])

@@ -1,0 +1,109 @@
+/* The nucleus (top-p) of softmax(x * inv_t) for rows of fp32 logits, written into zeroed
+ * probability rows: a sampled step's shaping of the target's and the drafter's distributions
+ * (dflash/sampling.py, probabilities), which chat clients ask for with nearly every request.
+ *
+ * Why: PyTorch took a scaled copy, a softmax, a top-k over the vocabulary and a renormalisation
+ * over it again, per verified and drafted position (BENCHMARKS.md, "Sampled decoding"). Here it
+ * is two passes over each row: the maximum, then the sum of e^((x - max) inv_t) (exp16 of vec.h)
+ * that also gathers the candidates, the tokens within NUCLEUS_SPAN of the maximum (weight at
+ * least e^-NUCLEUS_SPAN of the peak's). Where their mass reaches top_p, the nucleus is among them
+ * (every token outside is lighter than every one inside, and the nucleus is the lightest-last
+ * prefix that reaches top_p), so only the candidates are sorted. A row whose candidates fall short
+ * (a flat distribution) or overflow NUCLEUS_CAP is left untouched and reported, for the caller's
+ * general path.
+ *
+ * Ties sort by index (the lower first). The kept prefix: a token is kept while the mass before it
+ * is below top_p (at least the top token), as the full sort's filter keeps it.
+ */
+#include <stdlib.h>
+
+#include "vec.h"
+
+#define NUCLEUS_CAP 1024
+#define NUCLEUS_SPAN 9.0f
+
+typedef struct {
+    float w; /* e^((x - max) inv_t) */
+    int64_t i;
+} cand;
+
+static int heavier_first(const void *a, const void *b) {
+    const cand *x = a, *y = b;
+    if (x->w != y->w) return x->w > y->w ? -1 : 1;
+    return (x->i > y->i) - (x->i < y->i);
+}
+
+/* 1: row's nucleus written into out (zeros elsewhere untouched); 0: the caller's path */
+static int nucleus_row(const float *x, int64_t n, float inv_t, float top_p, float *out, cand *buf) {
+    const int64_t nv = n - n % 16;
+    float top = -INFINITY;
+    int nan = 0;
+    if (nv > 0) {
+        v16 m = load16(x);
+        i16 odd = m != m;
+        for (int64_t k = 16; k < nv; k += 16) {
+            const v16 v = load16(x + k);
+            m = select16(v > m, v, m);
+            odd |= v != v;
+        }
+        for (int l = 0; l < 16; l++) top = m[l] > top ? m[l] : top, nan |= odd[l];
+    }
+    for (int64_t k = nv; k < n; k++) top = x[k] > top ? x[k] : top, nan |= x[k] != x[k];
+    if (nan || !(top > -INFINITY) || !(inv_t > 0)) return 0; /* a NaN, or every logit -inf: the caller's path */
+    const float floor = -NUCLEUS_SPAN;
+    int64_t count = 0;
+    v16 acc = {0};
+    for (int64_t k = 0; k < nv; k += 16) {
+        const v16 z = (load16(x + k) - top) * inv_t;
+        const v16 e = exp16(z);
+        acc += e;
+        const i16 near = z >= floor;
+        int any = 0;
+        for (int l = 0; l < 16; l++) any |= near[l];
+        if (!any) continue;
+        for (int l = 0; l < 16; l++)
+            if (near[l]) {
+                if (count < NUCLEUS_CAP) buf[count] = (cand){e[l], k + l};
+                count++;
+            }
+    }
+    float total = reduce16(acc);
+    for (int64_t k = nv; k < n; k++) {
+        const float z = (x[k] - top) * inv_t;
+        const float e = z < -87.0f ? 0.0f : expf(z);
+        total += e;
+        if (z >= floor) {
+            if (count < NUCLEUS_CAP) buf[count] = (cand){e, k};
+            count++;
+        }
+    }
+    if (count > NUCLEUS_CAP) return 0;
+    double near_mass = 0.0;
+    for (int64_t j = 0; j < count; j++) near_mass += buf[j].w;
+    const double want = (double)top_p * total;
+    if (near_mass < want) return 0; /* the nucleus reaches past the candidates */
+    qsort(buf, (size_t)count, sizeof(cand), heavier_first);
+    double before = 0.0;
+    int64_t kept = 0;
+    while (kept < count && (kept == 0 || before < want)) before += buf[kept++].w;
+    const float inv = (float)(1.0 / before);
+    for (int64_t j = 0; j < kept; j++) out[buf[j].i] = buf[j].w * inv;
+    return 1;
+}
+
+/* Returns 0. x: rows x n logits; inv_t, top_p: one per row; out: rows x n, zeroed by the caller;
+ * done: one per row, 1 where the row was written. */
+int bs_nucleus(const float *x, int64_t rows, int64_t n, const float *inv_t, const float *top_p, float *out,
+               uint8_t *done, int threads) {
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (rows >= 2)
+    {
+        cand *buf = malloc(sizeof(cand) * NUCLEUS_CAP);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++)
+            done[r] = buf ? (uint8_t)nucleus_row(x + r * n, n, inv_t[r], top_p[r], out + r * n, buf) : 0;
+        if (!buf) failed = 1;
+        free(buf);
+    }
+    return failed;
+}
