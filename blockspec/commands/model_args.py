@@ -36,26 +36,24 @@ def device_name(text: str) -> str:
     return text
 
 
-def non_negative_int(text: str) -> int:
-    """argparse type of a count >= 0."""
+def _int_at_least(text: str, least: int) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected an integer >= {least}, got {text!r}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {least}, got {text!r}")
     return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type of a count >= 0."""
+    return _int_at_least(text, 0)
 
 
 def positive_int(text: str) -> int:
     """argparse type of a count >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
+    return _int_at_least(text, 1)
 
 
 @dataclass(frozen=True)
