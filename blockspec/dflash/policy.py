@@ -137,7 +137,8 @@ def _counts(rows: list[Row]) -> list[tuple[list[int], ...]]:
 
 
 def bucket(batch: int) -> int:
-    """Batch sizes share calibrations by power-of-two bucket."""
+    """Batch sizes share calibrations and measurements by power-of-two bucket (each size priced
+    at its own row count: `CostModel.row_scale`)."""
     size = 1
     while size < batch:
         size *= 2
@@ -146,7 +147,8 @@ def bucket(batch: int) -> int:
 
 @dataclass
 class CostModel:
-    """Seconds per step by (batch bucket, block size): calibrated, then corrected by real steps.
+    """Seconds per step by (batch bucket, block size): calibrated, then corrected by real steps,
+    and scaled from the bucket's row count to each batch size's (`row_scale`).
 
     A calibration runs on a short throwaway context, so its shape can be off at serving time
     (attention over a long context adds cost per verified token; other work on the machine adds
@@ -217,8 +219,13 @@ class CostModel:
         """Estimated seconds of a step at block sizes 1..max_block. Not forced non-decreasing: on
         a CPU a larger block can really cost less (4 rows take MKL's fast path, 3 do not), and
         raising 4 to 3's cost had priced the best block out (docs/DESIGN.md section 12)."""
-        base = self.calibrated[bucket(batch)]
-        seen = self.measured.get(bucket(batch), {})
+        return self._scaled(batch, self._bucket_table(bucket(batch)))
+
+    def _bucket_table(self, b: int) -> list[float]:
+        """`table` at bucket b's own row count: its measurements, or its calibration scaled like
+        the nearest measured block sizes'."""
+        base = self.calibrated[b]
+        seen = self.measured.get(b, {})
         ratios = {n: t / base[n - 1] for n, t in seen.items() if base[n - 1] > 0}
         out = []
         for n in range(1, self.max_block + 1):
@@ -230,6 +237,25 @@ class CostModel:
                 out.append(base[n - 1])
         return out
 
+    def row_scale(self, batch: int) -> list[float] | None:
+        """Per block size, what a step of `batch` rows costs over one of its bucket's row count:
+        the calibrations of the bucket and the one below, interpolated linearly in rows, at most
+        1 (fewer rows never cost more); None at a bucket's own size, or where the bucket below
+        was not calibrated. A bucket's measurements are kept at its own row count, so a step of
+        5 rows neither prices 8 rows' steps as 5 rows' nor the other way round: pooled, a
+        drafting step measured while a batch of 8 shrank priced drafting at 8 rows too low."""
+        b = bucket(batch)
+        if batch == b or b // 2 not in self.calibrated or b not in self.calibrated:
+            return None
+        t = (batch - b // 2) / (b - b // 2)
+        return [min(1.0, (lo + t * (hi - lo)) / hi) if hi > 0 else 1.0
+                for lo, hi in zip(self.calibrated[b // 2], self.calibrated[b])]
+
+    def _scaled(self, batch: int, costs: list[float]) -> list[float]:
+        """Bucket-row-count `costs` scaled to `batch` rows (`row_scale`)."""
+        scale = self.row_scale(batch)
+        return costs if scale is None else [c * s for c, s in zip(costs, scale)]
+
     def cost(self, batch: int, block: int) -> float:
         return self.table(batch)[block - 1]
 
@@ -238,10 +264,10 @@ class CostModel:
         moved: what it costs unless outside load slowed its own last steps. Its measurements
         only move with plain decoding's damped, so a burst that priced drafting out would
         otherwise keep it out (only a drafting step re-measures it)."""
-        out = self.table(batch)
+        out = self._bucket_table(bucket(batch))
         base = self.calibrated[bucket(batch)]
         drift = out[0] / base[0] if base[0] > 0 else 1.0
-        return out[:1] + [min(t, c * drift) for t, c in zip(out[1:], base[1:])]
+        return self._scaled(batch, out[:1] + [min(t, c * drift) for t, c in zip(out[1:], base[1:])])
 
     def drafting_measured(self, batch: int) -> bool:
         """Whether a real step of a drafting size (2 or more) was measured in `batch`'s bucket
@@ -253,6 +279,9 @@ class CostModel:
         b = bucket(batch)
         if b not in self.calibrated or seconds <= 0:
             return
+        scale = self.row_scale(batch)
+        if scale is not None and scale[block - 1] > 0:
+            seconds /= scale[block - 1]  # kept at the bucket's row count
         seen = self.measured.setdefault(b, {})
         old = seen.get(block)
         if old is None:
@@ -260,7 +289,7 @@ class CostModel:
             # the size's cost; believed whole, it would price this size (and, through the
             # interpolation of unmeasured sizes, its neighbours) out until it happened to run
             # again, which it then would not (seen at concurrency 16: docs/DESIGN.md section 12).
-            seen[block] = min(seconds, FIRST_TIMING_CAP * self.table(batch)[block - 1])
+            seen[block] = min(seconds, FIRST_TIMING_CAP * self._bucket_table(b)[block - 1])
             return
         # A faster step is believed at once: outside load only ever slows steps, and an estimate
         # too low corrects itself (that size gets chosen, and measured), one too high never does.
