@@ -614,6 +614,12 @@ class AdaptiveBlock:
         self.lookup_ratio = 1.0
         self.lookup_steps = 0  # steps run that way
         self._lookup_estimate = 0.0
+        # Seconds a draft pass takes per context token it catches up on (DecodeBatch.draft_backlog),
+        # learned from the steps that caught up (`step`; 0 until one has). A batch of several rows
+        # whose drafter is behind prices each drafting size with it (`choose`): left out, a
+        # batch of 8 drafted after runs of plain steps at about 2.4x a plain step's cost where its
+        # estimate said 2.1x. A lone row's choices leave it out (its backlog is small).
+        self.catch_up = 0.0
 
     def _acceptance(self, rule: str) -> Acceptance:
         if rule not in self.acceptance:
@@ -752,6 +758,9 @@ class AdaptiveBlock:
             model.set(b, *calibrate(batch, bucket(b), self.max_block, confidence=self._trims(batch, bucket(b)),
                                     sampled=model is self.sampled_costs))
         costs = model.table(b)
+        behind = getattr(batch, "draft_backlog", 0) if b > 1 else 0
+        if behind and self.catch_up > 0:  # the next draft pass also reads the backlog
+            costs = costs[:1] + [c + self.catch_up * behind for c in costs[1:]]
         plan = batch.lookup_plan()
         expected = self.expected(batch.rows, plan)
         rates = [tokens / cost for tokens, cost in zip(expected, costs)]
@@ -980,6 +989,7 @@ class AdaptiveBlock:
         # a plain step proposes nothing, so no acceptance count moves (most steps of a large batch)
         before = _counts(batch.rows) if block > 1 else None
         rows = list(batch.rows)
+        backlog = getattr(batch, "draft_backlog", 0) if block > 1 else 0
         t0 = time.perf_counter()
         used = batch.step(block, trim, tree=self.tree_choice) if self._offered else batch.step(block, trim)
         seconds = time.perf_counter() - t0
@@ -991,6 +1001,8 @@ class AdaptiveBlock:
         drafts = model.draft_table(b)
         if drafts is not None and self._drafted not in (None, size):  # priced as if it had drafted only `size`
             seconds += drafts[size - 1] - drafts[self._drafted - 1]
+        if batch.caught_up and backlog > 0 and not tree:
+            self._learn_catch_up((seconds - model.cost(b, size)) / backlog)
         if not batch.caught_up:
             # A draft pass that also read joined prompts or a run of plain steps' context costs
             # more than its size does. Believed, it priced drafting out: a fresh engine at
@@ -1004,6 +1016,14 @@ class AdaptiveBlock:
         if before is not None:
             self.record(rows, before, batch.node_trials if tree else None, self._trial_conf)
         return used
+
+    def _learn_catch_up(self, per_token: float) -> None:
+        """Adds one caught-up step's extra seconds per backlog token to `catch_up`: a lower one
+        is believed at once (outside load only slows a step), a higher one averaged in."""
+        per_token = max(0.0, per_token)
+        s = self.costs.smoothing
+        first = self.catch_up == 0.0
+        self.catch_up = per_token if first or per_token < self.catch_up else (1 - s) * self.catch_up + s * per_token
 
     def _note_time(self, batch_size: int, used: int, seconds: float) -> None:
         """Books a step's time against the probe budget (PROBE_SHARE)."""

@@ -387,3 +387,44 @@ def test_a_bucket_prices_each_batch_size_at_its_own_row_count() -> None:
     assert all(few <= more for few, more in zip(noisy.table(5), noisy.table(8)))
     assert noisy.table(5)[0] == pytest.approx(noisy.table(8)[0])  # 4 rows calibrated at 5x 8 rows' cost
 
+
+def test_a_batch_prices_its_drafters_catch_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A drafting step whose draft pass catches up on a backlog (DecodeBatch.draft_backlog: rows
+    that joined, a run of plain steps) costs more the longer the backlog. The policy learns what
+    a backlog token costs from such steps, and a batch of several rows prices it into drafting
+    while its drafter is behind. Fake clock: plain 1 s, block 2 1.5 s, plus 0.01 s a backlog token."""
+    from blockspec.dflash import policy as adaptive
+
+    clock = SimpleNamespace(t=0.0)
+    monkeypatch.setattr(adaptive, "time", SimpleNamespace(perf_counter=lambda: clock.t))
+
+    def row() -> SimpleNamespace:
+        return SimpleNamespace(remaining=100, acceptance_rates=lambda prior, lookup=False: [0.65] * 3,
+                               params=SamplingParams(),
+                               stats=SimpleNamespace(accepted_by_position=[0] * 3, lookup_accepted_by_position=[0] * 3),
+                               tries=[0] * 3, lookup_tries=[0] * 3)
+
+    def step(block: int, trim: object = None) -> int:
+        batch.caught_up = block > 1 and batch.draft_backlog > 0
+        clock.t += (1.0 if block == 1 else 1.5) + (0.01 * batch.draft_backlog if batch.caught_up else 0.0)
+        batch.draft_backlog = 0 if block > 1 else batch.draft_backlog + len(batch.rows)
+        batch.verified = len(batch.rows) * block
+        return block
+
+    batch = SimpleNamespace(drafter=object(), argmax_only=True, rows=[row() for _ in range(8)], skips_padding=False,
+                            verified=0, lookup_plan=lambda: [[]] * 8, step=step, caught_up=False, draft_backlog=0)
+    costs = CostModel(max_block=4)
+    costs.set(8, [1.0, 1.5, 3.0, 4.0])
+    policy = AdaptiveBlock(4, costs=costs, probe_every=1000, plain_every=1000, challenge_every=1000)
+    assert policy.step(batch) == 1  # the bucket's first plain check
+    batch.draft_backlog = 160  # rows joined
+    assert policy.choose(batch) == 2  # 1.65 tokens a row for 1.5x: nothing learned of catching up yet
+    assert policy.step(batch) == 2 and policy.catch_up == pytest.approx(0.01)
+    assert costs.cost(8, 2) == pytest.approx(1.5)  # the caught-up step stays out of the cost model
+    assert policy.choose(batch) == 2  # caught up: drafting pays
+    batch.draft_backlog = 160
+    assert policy.choose(batch) == 1  # 1.5 + 1.6 s for 1.65 tokens a row: plain
+    batch.rows = batch.rows[:1]
+    costs.set(1, [1.0, 1.5, 3.0, 4.0])
+    policy.plain_checks[1] = (0, 1000)
+    assert policy.choose(batch) == 2  # a lone row's choices leave it out
