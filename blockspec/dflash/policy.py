@@ -56,6 +56,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from operator import add
 
 import torch
 
@@ -366,13 +367,14 @@ def expected_tokens(rates: list[float], block: int, remaining: int) -> float:
 def expected_by_block(rates: list[float], max_block: int, remaining: int) -> list[float]:
     """[E(1), ..., E(max_block)] for one row, in one pass."""
     out, total, p = [1.0], 1.0, 1.0
-    cap = float(max(1, remaining))
-    for k in range(max_block - 1):
-        if k < len(rates):
-            p *= rates[k]
-            total += p
+    for rate in rates[:max_block - 1]:
+        p *= rate
+        total += p
         out.append(total)
-    return [min(e, cap) for e in out]
+    out += [total] * (max_block - len(out))
+    cap = float(max(1, remaining))
+    # rates are probabilities, so E is non-decreasing: only a row near its end needs capping
+    return out if total <= cap else [min(e, cap) for e in out]
 
 
 def tree_expected_by_width(offer: TreeOffer, nodes: NodeAcceptance, width: int, remaining: int,
@@ -675,8 +677,7 @@ class AdaptiveBlock:
                 rates = r.acceptance_rates(lookup_priors, lookup=True)[:m]
             else:
                 rates = r.acceptance_rates(priors)
-            for j, e in enumerate(expected_by_block(rates, self.max_block, r.remaining)):
-                totals[j] += e
+            totals = list(map(add, totals, expected_by_block(rates, self.max_block, r.remaining)))
         return totals
 
     def tree_expected(self, rows: list[Row], plan: list[list[int]] | None, tree_nodes: int) -> list[float]:
