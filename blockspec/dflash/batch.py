@@ -347,6 +347,15 @@ class DecodeBatch:
         return self.tree_nodes > 0 and self.drafter is not None and getattr(self.target, "supports_trees", False) is True
 
     @property
+    def draft_backlog(self) -> int:
+        """Context tokens, over all rows, that the next draft pass would catch up on (the queued
+        columns where rows joined or more than one plain step ran since the last pass: what makes
+        its step `caught_up`); 0 when it reads only what a drafting step leaves behind."""
+        if self.drafter is None or not (self._joined_since_draft or self._plain_since_draft > 1):
+            return 0
+        return len(self.rows) * self.queue.width
+
+    @property
     def all_greedy(self) -> bool:
         return all(r.params.greedy for r in self.rows)
 

@@ -56,6 +56,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from operator import add
 
 import torch
 
@@ -142,7 +143,8 @@ def _counts(rows: list[Row]) -> list[tuple[list[int], ...]]:
 
 
 def bucket(batch: int) -> int:
-    """Batch sizes share calibrations by power-of-two bucket."""
+    """Batch sizes share calibrations and measurements by power-of-two bucket (each size priced
+    at its own row count: `CostModel.row_scale`)."""
     size = 1
     while size < batch:
         size *= 2
@@ -151,7 +153,8 @@ def bucket(batch: int) -> int:
 
 @dataclass
 class CostModel:
-    """Seconds per step by (batch bucket, block size): calibrated, then corrected by real steps.
+    """Seconds per step by (batch bucket, block size): calibrated, then corrected by real steps,
+    and scaled from the bucket's row count to each batch size's (`row_scale`).
 
     A calibration runs on a short throwaway context, so its shape can be off at serving time
     (attention over a long context adds cost per verified token; other work on the machine adds
@@ -222,8 +225,13 @@ class CostModel:
         """Estimated seconds of a step at block sizes 1..max_block. Not forced non-decreasing: on
         a CPU a larger block can really cost less (4 rows take MKL's fast path, 3 do not), and
         raising 4 to 3's cost had priced the best block out (docs/DESIGN.md section 12)."""
-        base = self.calibrated[bucket(batch)]
-        seen = self.measured.get(bucket(batch), {})
+        return self._scaled(batch, self._bucket_table(bucket(batch)))
+
+    def _bucket_table(self, b: int) -> list[float]:
+        """`table` at bucket b's own row count: its measurements, or its calibration scaled like
+        the nearest measured block sizes'."""
+        base = self.calibrated[b]
+        seen = self.measured.get(b, {})
         ratios = {n: t / base[n - 1] for n, t in seen.items() if base[n - 1] > 0}
         out = []
         for n in range(1, self.max_block + 1):
@@ -235,6 +243,25 @@ class CostModel:
                 out.append(base[n - 1])
         return out
 
+    def row_scale(self, batch: int) -> list[float] | None:
+        """Per block size, what a step of `batch` rows costs over one of its bucket's row count:
+        the calibrations of the bucket and the one below, interpolated linearly in rows, at most
+        1 (fewer rows never cost more); None at a bucket's own size, or where the bucket below
+        was not calibrated. A bucket's measurements are kept at its own row count, so a step of
+        5 rows neither prices 8 rows' steps as 5 rows' nor the other way round: pooled, a
+        drafting step measured while a batch of 8 shrank priced drafting at 8 rows too low."""
+        b = bucket(batch)
+        if batch == b or b // 2 not in self.calibrated or b not in self.calibrated:
+            return None
+        t = (batch - b // 2) / (b - b // 2)
+        return [min(1.0, (lo + t * (hi - lo)) / hi) if hi > 0 else 1.0
+                for lo, hi in zip(self.calibrated[b // 2], self.calibrated[b])]
+
+    def _scaled(self, batch: int, costs: list[float]) -> list[float]:
+        """Bucket-row-count `costs` scaled to `batch` rows (`row_scale`)."""
+        scale = self.row_scale(batch)
+        return costs if scale is None else [c * s for c, s in zip(costs, scale)]
+
     def cost(self, batch: int, block: int) -> float:
         return self.table(batch)[block - 1]
 
@@ -243,10 +270,10 @@ class CostModel:
         moved: what it costs unless outside load slowed its own last steps. Its measurements
         only move with plain decoding's damped, so a burst that priced drafting out would
         otherwise keep it out (only a drafting step re-measures it)."""
-        out = self.table(batch)
+        out = self._bucket_table(bucket(batch))
         base = self.calibrated[bucket(batch)]
         drift = out[0] / base[0] if base[0] > 0 else 1.0
-        return out[:1] + [min(t, c * drift) for t, c in zip(out[1:], base[1:])]
+        return self._scaled(batch, out[:1] + [min(t, c * drift) for t, c in zip(out[1:], base[1:])])
 
     def drafting_measured(self, batch: int) -> bool:
         """Whether a real step of a drafting size (2 or more) was measured in `batch`'s bucket
@@ -258,6 +285,9 @@ class CostModel:
         b = bucket(batch)
         if b not in self.calibrated or seconds <= 0:
             return
+        scale = self.row_scale(batch)
+        if scale is not None and scale[block - 1] > 0:
+            seconds /= scale[block - 1]  # kept at the bucket's row count
         seen = self.measured.setdefault(b, {})
         old = seen.get(block)
         if old is None:
@@ -265,7 +295,7 @@ class CostModel:
             # the size's cost; believed whole, it would price this size (and, through the
             # interpolation of unmeasured sizes, its neighbours) out until it happened to run
             # again, which it then would not (seen at concurrency 16: docs/DESIGN.md section 12).
-            seen[block] = min(seconds, FIRST_TIMING_CAP * self.table(batch)[block - 1])
+            seen[block] = min(seconds, FIRST_TIMING_CAP * self._bucket_table(b)[block - 1])
             return
         # A faster step is believed at once: outside load only ever slows steps, and an estimate
         # too low corrects itself (that size gets chosen, and measured), one too high never does.
@@ -342,13 +372,14 @@ def expected_tokens(rates: list[float], block: int, remaining: int) -> float:
 def expected_by_block(rates: list[float], max_block: int, remaining: int) -> list[float]:
     """[E(1), ..., E(max_block)] for one row, in one pass."""
     out, total, p = [1.0], 1.0, 1.0
-    cap = float(max(1, remaining))
-    for k in range(max_block - 1):
-        if k < len(rates):
-            p *= rates[k]
-            total += p
+    for rate in rates[:max_block - 1]:
+        p *= rate
+        total += p
         out.append(total)
-    return [min(e, cap) for e in out]
+    out += [total] * (max_block - len(out))
+    cap = float(max(1, remaining))
+    # rates are probabilities, so E is non-decreasing: only a row near its end needs capping
+    return out if total <= cap else [min(e, cap) for e in out]
 
 
 def tree_expected_by_width(offer: TreeOffer, nodes: NodeAcceptance, width: int, remaining: int,
@@ -592,6 +623,12 @@ class AdaptiveBlock:
         self.lookup_ratio = 1.0
         self.lookup_steps = 0  # steps run that way
         self._lookup_estimate = 0.0
+        # Seconds a draft pass takes per context token it catches up on (DecodeBatch.draft_backlog),
+        # learned from the steps that caught up (`step`; 0 until one has). A batch of several rows
+        # whose drafter is behind prices each drafting size with it (`choose`): left out, a
+        # batch of 8 drafted after runs of plain steps at about 2.4x a plain step's cost where its
+        # estimate said 2.1x. A lone row's choices leave it out (its backlog is small).
+        self.catch_up = 0.0
 
     def _acceptance(self, rule: str) -> Acceptance:
         if rule not in self.acceptance:
@@ -647,8 +684,7 @@ class AdaptiveBlock:
                 rates = r.acceptance_rates(lookup_priors, lookup=True)[:m]
             else:
                 rates = r.acceptance_rates(priors)
-            for j, e in enumerate(expected_by_block(rates, self.max_block, r.remaining)):
-                totals[j] += e
+            totals = list(map(add, totals, expected_by_block(rates, self.max_block, r.remaining)))
         return totals
 
     def tree_expected(self, rows: list[Row], plan: list[list[int]] | None, tree_nodes: int) -> list[float]:
@@ -730,6 +766,9 @@ class AdaptiveBlock:
             model.set(b, *calibrate(batch, bucket(b), self.max_block, confidence=self._trims(batch, bucket(b)),
                                     sampled=model is self.sampled_costs))
         costs = model.table(b)
+        behind = getattr(batch, "draft_backlog", 0) if b > 1 else 0
+        if behind and self.catch_up > 0:  # the next draft pass also reads the backlog
+            costs = costs[:1] + [c + self.catch_up * behind for c in costs[1:]]
         plan = batch.lookup_plan()
         expected = self.expected(batch.rows, plan)
         rates = [tokens / cost for tokens, cost in zip(expected, costs)]
@@ -981,6 +1020,7 @@ class AdaptiveBlock:
         # a plain step proposes nothing, so no acceptance count moves (most steps of a large batch)
         before = _counts(batch.rows) if block > 1 else None
         rows = list(batch.rows)
+        backlog = getattr(batch, "draft_backlog", 0) if block > 1 else 0
         t0 = time.perf_counter()
         used = batch.step(block, trim, tree=self.tree_choice) if self._offered else batch.step(block, trim)
         seconds = time.perf_counter() - t0
@@ -992,6 +1032,8 @@ class AdaptiveBlock:
         drafts = model.draft_table(b)
         if drafts is not None and self._drafted not in (None, size):  # priced as if it had drafted only `size`
             seconds += drafts[size - 1] - drafts[self._drafted - 1]
+        if batch.caught_up and backlog > 0 and not tree:
+            self._learn_catch_up((seconds - model.cost(b, size)) / backlog)
         if not batch.caught_up:
             # A draft pass that also read joined prompts or a run of plain steps' context costs
             # more than its size does. Believed, it priced drafting out: a fresh engine at
@@ -1005,6 +1047,14 @@ class AdaptiveBlock:
         if before is not None:
             self.record(rows, before, batch.node_trials if tree else None, self._trial_conf)
         return used
+
+    def _learn_catch_up(self, per_token: float) -> None:
+        """Adds one caught-up step's extra seconds per backlog token to `catch_up`: a lower one
+        is believed at once (outside load only slows a step), a higher one averaged in."""
+        per_token = max(0.0, per_token)
+        s = self.costs.smoothing
+        first = self.catch_up == 0.0
+        self.catch_up = per_token if first or per_token < self.catch_up else (1 - s) * self.catch_up + s * per_token
 
     def _note_time(self, batch_size: int, used: int, seconds: float) -> None:
         """Books a step's time against the probe budget (PROBE_SHARE)."""

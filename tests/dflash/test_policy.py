@@ -357,3 +357,74 @@ def test_cost_model_trusts_faster_measurements_more() -> None:
     assert costs.cost(1, 2) == pytest.approx(1.0)  # faster: believed at once
     costs.observe(1, 2, 2.0)
     assert costs.cost(1, 2) == pytest.approx(1.2)  # slower: averaged in with weight 0.2
+
+
+def test_a_bucket_prices_each_batch_size_at_its_own_row_count() -> None:
+    """Batch sizes share a bucket's calibration and measurements, kept at the bucket's own row
+    count and scaled to each size by the calibrations of the bucket and the one below: a block-2
+    step measured while a batch of 8 shrank to 5 rows does not price block 2 at 8 rows as 5 rows'
+    (pooled, it had: drafting then looked 1.3x a plain step where it costs 1.8x, and ran)."""
+    def true_cost(rows: int, block: int) -> float:  # a fixed part, and the rest by verified tokens
+        return 0.2 + 0.1 * rows * block
+
+    costs = CostModel(max_block=8)
+    for rows in (4, 8):
+        costs.set(rows, [true_cost(rows, n) for n in range(1, 9)])
+    costs.observe(8, 1, true_cost(8, 1))
+    costs.observe(8, 2, true_cost(8, 2))
+    costs.observe(5, 2, true_cost(5, 2))  # the batch shrank: steps of 5 rows, cheaper
+    costs.observe(5, 1, true_cost(5, 1))
+    for rows in (5, 6, 7, 8):
+        assert costs.table(rows)[:3] == pytest.approx([true_cost(rows, n) for n in (1, 2, 3)])
+    assert costs.row_scale(8) is None and costs.row_scale(1) is None  # a bucket's own size: as measured
+    row = SimpleNamespace(remaining=100, acceptance_rates=lambda prior, lookup=False: [0.65] * 7)
+    batch = SimpleNamespace(drafter=object(), argmax_only=True, rows=[row] * 8, lookup_plan=lambda: [[]] * 8)
+    assert AdaptiveBlock(8, costs=costs).choose(batch) == 1  # 1.65 tokens a row for 1.8x a plain step
+    # a lower bucket's calibration slowed by outside load never prices fewer rows above more
+    noisy = CostModel(max_block=8)
+    noisy.set(4, [5.0] * 8)
+    noisy.set(8, [true_cost(8, n) for n in range(1, 9)])
+    assert all(few <= more for few, more in zip(noisy.table(5), noisy.table(8)))
+    assert noisy.table(5)[0] == pytest.approx(noisy.table(8)[0])  # 4 rows calibrated at 5x 8 rows' cost
+
+
+def test_a_batch_prices_its_drafters_catch_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A drafting step whose draft pass catches up on a backlog (DecodeBatch.draft_backlog: rows
+    that joined, a run of plain steps) costs more the longer the backlog. The policy learns what
+    a backlog token costs from such steps, and a batch of several rows prices it into drafting
+    while its drafter is behind. Fake clock: plain 1 s, block 2 1.5 s, plus 0.01 s a backlog token."""
+    from blockspec.dflash import policy as adaptive
+
+    clock = SimpleNamespace(t=0.0)
+    monkeypatch.setattr(adaptive, "time", SimpleNamespace(perf_counter=lambda: clock.t))
+
+    def row() -> SimpleNamespace:
+        return SimpleNamespace(remaining=100, acceptance_rates=lambda prior, lookup=False: [0.65] * 3,
+                               params=SamplingParams(),
+                               stats=SimpleNamespace(accepted_by_position=[0] * 3, lookup_accepted_by_position=[0] * 3),
+                               tries=[0] * 3, lookup_tries=[0] * 3)
+
+    def step(block: int, trim: object = None) -> int:
+        batch.caught_up = block > 1 and batch.draft_backlog > 0
+        clock.t += (1.0 if block == 1 else 1.5) + (0.01 * batch.draft_backlog if batch.caught_up else 0.0)
+        batch.draft_backlog = 0 if block > 1 else batch.draft_backlog + len(batch.rows)
+        batch.verified = len(batch.rows) * block
+        return block
+
+    batch = SimpleNamespace(drafter=object(), argmax_only=True, rows=[row() for _ in range(8)], skips_padding=False,
+                            verified=0, lookup_plan=lambda: [[]] * 8, step=step, caught_up=False, draft_backlog=0)
+    costs = CostModel(max_block=4)
+    costs.set(8, [1.0, 1.5, 3.0, 4.0])
+    policy = AdaptiveBlock(4, costs=costs, probe_every=1000, plain_every=1000, challenge_every=1000)
+    assert policy.step(batch) == 1  # the bucket's first plain check
+    batch.draft_backlog = 160  # rows joined
+    assert policy.choose(batch) == 2  # 1.65 tokens a row for 1.5x: nothing learned of catching up yet
+    assert policy.step(batch) == 2 and policy.catch_up == pytest.approx(0.01)
+    assert costs.cost(8, 2) == pytest.approx(1.5)  # the caught-up step stays out of the cost model
+    assert policy.choose(batch) == 2  # caught up: drafting pays
+    batch.draft_backlog = 160
+    assert policy.choose(batch) == 1  # 1.5 + 1.6 s for 1.65 tokens a row: plain
+    batch.rows = batch.rows[:1]
+    costs.set(1, [1.0, 1.5, 3.0, 4.0])
+    policy.plain_checks[1] = (0, 1000)
+    assert policy.choose(batch) == 2  # a lone row's choices leave it out
