@@ -51,6 +51,17 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(["blockspec", *args], code, out.getvalue(), err.getvalue())
 
 
+@contextlib.contextmanager
+def kept_thread_count():
+    """Yields torch's thread count and restores it on leaving, whatever the block set it to
+    (a test that tries several thread counts, failing or not, leaves the next test's alone)."""
+    before = torch.get_num_threads()
+    try:
+        yield before
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One torch thread for a module: on a small shared CPU two threads fighting over the cores

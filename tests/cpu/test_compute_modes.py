@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import ragged_prompts
+from support import kept_thread_count, ragged_prompts
 from test_packed import _q4_model, needs_kernel, q4_model_dir
 
 from blockspec.config import SamplingParams, SpecConfig
@@ -82,8 +82,7 @@ def test_int8_logits_are_batch_invariant(monkeypatch: pytest.MonkeyPatch, loop: 
     bpos = torch.arange(9, 14)[None].expand(3, 5).clone()
     bpos[1, 3:] = EMPTY  # ragged: row 1 verifies 3 tokens
     _, together = _logits(target, [(prompt, ppos), (block, bpos)])
-    before = torch.get_num_threads()
-    try:
+    with kept_thread_count():
         for threads in (1, 2):
             torch.set_num_threads(threads)
             for row in range(3):  # the row alone, one token at a time
@@ -93,8 +92,6 @@ def test_int8_logits_are_batch_invariant(monkeypatch: pytest.MonkeyPatch, loop: 
                 for i in range(n):
                     alone, _ = target.forward(block[row : row + 1, i : i + 1], bpos[row : row + 1, i : i + 1], cache)
                     assert torch.equal(alone[0, 0], together[row, i]), (threads, row, i)
-    finally:
-        torch.set_num_threads(before)
 
 
 @needs_kernel

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import kept_thread_count
 from test_packed import gguf_round_trip
 
 from blockspec.cpu import int8, kernels
@@ -80,16 +81,13 @@ def test_a_row_gets_its_bits_alone_in_a_batch_and_on_any_thread_split(kind: str)
     _, iw = _weight(kind, 71, 576, seed=9)
     x = torch.randn(16, 576, generator=torch.Generator().manual_seed(3))
     batch = int8.int8_linear(x, iw)
-    before = torch.get_num_threads()
-    try:
+    with kept_thread_count():
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
             assert torch.equal(int8.int8_linear(x, iw), batch)
             for r in (0, 7, 15):
                 assert torch.equal(int8.int8_linear(x[r : r + 1].clone(), iw)[0], batch[r])
             assert torch.equal(int8.int8_linear(x[3:9].clone().view(2, 3, 576), iw).view(6, 71), batch[3:9])
-    finally:
-        torch.set_num_threads(before)
 
 
 @needs_kernel
@@ -101,14 +99,11 @@ def test_rows_processed_together_get_the_bits_they_get_alone(kind: str) -> None:
     x = torch.randn(17, 96, generator=torch.Generator().manual_seed(5))
     alone = torch.stack([int8.int8_linear(x[r : r + 1].clone(), iw)[0] for r in range(17)])
     assert torch.equal(alone, int8.reference_product(x, iw))
-    before = torch.get_num_threads()
-    try:
+    with kept_thread_count():
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
             for n in range(1, 18):
                 assert torch.equal(int8.int8_linear(x[:n], iw), alone[:n]), (threads, n)
-    finally:
-        torch.set_num_threads(before)
 
 
 @needs_kernel
@@ -120,14 +115,11 @@ def test_many_rows_by_a_wide_matrix_take_panels_with_the_same_bits(kind: str) ->
     _, iw = _weight(kind, 700, 1568, seed=13)
     x = torch.randn(19, 1568, generator=torch.Generator().manual_seed(6))
     want = int8.reference_product(x, iw)
-    before = torch.get_num_threads()
-    try:
+    with kept_thread_count():
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
             assert torch.equal(int8.int8_linear(x, iw), want), threads
             assert torch.equal(int8.int8_linear(x[11:12].clone(), iw)[0], want[11])
-    finally:
-        torch.set_num_threads(before)
 
 
 # Prints whether the kernel of this build has its emulation's bits, and whether rows together get

@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 import torch
+from support import kept_thread_count
 
 from blockspec.cpu import linear as linear_mod
 from blockspec.cpu import kernels
@@ -181,14 +182,11 @@ def test_argmax_kernels_equal_argmax_and_softmax(monkeypatch: pytest.MonkeyPatch
 def test_kernel_bits_do_not_depend_on_the_thread_count() -> None:
     g = torch.Generator().manual_seed(3)
     x, w = torch.randn(5, 300, generator=g), torch.randn(301, 300, generator=g)
-    before = torch.get_num_threads()
-    try:
+    with kept_thread_count():
         torch.set_num_threads(1)
         one = kernels.rows_matmul(x, w, None)
         torch.set_num_threads(2)
         two = kernels.rows_matmul(x, w, None)
-    finally:
-        torch.set_num_threads(before)
     assert torch.equal(one, two)
 
 
@@ -198,8 +196,7 @@ def test_rms_norm_kernel_computes_hugging_faces_rmsnorm_row_by_row(dtype: torch.
     normalised row rounded first, as HF's module does), widths off the vector step, any row
     count and thread count; a row's bits do not depend on the rows beside it."""
     g = torch.Generator().manual_seed(4)
-    before = torch.get_num_threads()
-    try:
+    with kept_thread_count() as before:
         for rows, n in ((1, 576), (7, 64), (3, 37), (130, 96)):  # 130 rows: the threaded loop
             x = (torch.randn(rows, n, generator=g) * 3).to(dtype)
             w = (torch.rand(n, generator=g) + 0.5).to(dtype)
@@ -215,8 +212,6 @@ def test_rms_norm_kernel_computes_hugging_faces_rmsnorm_row_by_row(dtype: torch.
             torch.set_num_threads(1)
             assert torch.equal(got, kernels.rms_norm(x, w, 1e-5))
             torch.set_num_threads(before)
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_rms_norm_kernel_takes_strided_rows_and_leaves_autograd_to_pytorch() -> None:
