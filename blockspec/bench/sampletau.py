@@ -307,13 +307,7 @@ def run(target: str, drafter: str | None, datasets: Sequence[str], skip: int, li
     """Loads the target and drafter (as `blockspec.load` does) and measures prompts skip ..
     skip + limit - 1 of each data set, chat-templated; `progress` prints the running table after
     each prompt (to stderr)."""
-    from blockspec.api import load
-    from blockspec.datasets import load_dataset
-    from blockspec.text import encode_prompt
-
-    pipe = load(target, drafter)
-    if pipe.drafter is None:
-        raise ConfigError(f"no drafter for {target}: pass --drafter")
+    pipe = treetau.load_drafting(target, drafter)
     if pipe.drafter.candidate_selector is not None:
         raise ConfigError("sampletau measures DFlash drafters (per-position distributions), not DFlash 2 walks")
     if not getattr(pipe.target, "supports_trees", False):
@@ -322,11 +316,8 @@ def run(target: str, drafter: str | None, datasets: Sequence[str], skip: int, li
     out: dict[str, SampleTauResult] = {}
     for name in datasets:
         total = SampleTauResult()
-        samples = load_dataset(name, limit=skip + limit, data_dir=data_dir)[skip:]
-        for i, sample in enumerate(samples, 1):
-            prompt = encode_prompt(pipe.tokenizer, sample.prompt, chat=True)
+        for prompt in treetau.set_prompts(pipe, name, skip, limit, data_dir):
             total.add(measure_prompt(pipe.target, pipe.drafter, prompt, cfg, generator))
-            print(f"{name}: {i}/{len(samples)} prompts", file=sys.stderr, flush=True)
             if progress:
                 print(table({name: total}, cfg), file=sys.stderr, flush=True)
         out[name] = total
@@ -335,9 +326,7 @@ def run(target: str, drafter: str | None, datasets: Sequence[str], skip: int, li
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m blockspec.bench.sampletau", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", default="smollm2-135m-instruct", help="zoo name or model directory")
-    parser.add_argument("--drafter", default=None, help="drafter directory (default: the one shipped for the target)")
-    parser.add_argument("--datasets", nargs="+", default=list(DATASETS))
+    treetau.model_arguments(parser, DATASETS)
     parser.add_argument("--skip", type=int, default=64, help="prompts skipped first (keep calibration off reported sets)")
     parser.add_argument("--limit", type=int, default=16, help="prompts per data set after the skipped ones")
     parser.add_argument("--temperature", type=float, default=0.7)
@@ -349,8 +338,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--chain-depth", type=int, default=15, help="proposals of a chain verified at most")
-    parser.add_argument("--data-dir", default=None)
-    parser.add_argument("--json", default=None, help="also write the tallies to this file")
     parser.add_argument("--progress", action="store_true", help="print the running table after each prompt")
     args = parser.parse_args(argv)
     try:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -209,17 +209,45 @@ def table(results: dict[str, TreeTauResult], cfg: TreeTauConfig) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m blockspec.bench.treetau", description=__doc__.split("\n\n")[0])
+def model_arguments(parser: argparse.ArgumentParser, datasets: Sequence[str] = DATASETS) -> None:
+    """The arguments every tau measurement here takes: the model, its drafter, the prompt sets,
+    where to read them and where to write the tallies."""
     parser.add_argument("--target", default="smollm2-135m-instruct", help="zoo name or model directory")
     parser.add_argument("--drafter", default=None, help="drafter directory (default: the one shipped for the target)")
-    parser.add_argument("--datasets", nargs="+", default=list(DATASETS))
+    parser.add_argument("--datasets", nargs="+", default=list(datasets))
+    parser.add_argument("--data-dir", default=None)
+    parser.add_argument("--json", default=None, help="also write the tallies to this file")
+
+
+def load_drafting(target: str, drafter: str | None) -> object:
+    """The target and drafter as `blockspec.load` loads them; a clear error without a drafter."""
+    from blockspec.api import load
+
+    pipe = load(target, drafter)
+    if pipe.drafter is None:
+        raise ConfigError(f"no drafter for {target}: pass --drafter")
+    return pipe
+
+
+def set_prompts(pipe: object, name: str, skip: int, limit: int, data_dir: str | None = None) -> Iterator[list[int]]:
+    """Prompts skip .. skip + limit - 1 of data set `name`, chat-templated, each reported on
+    stderr once measured."""
+    from blockspec.datasets import load_dataset
+    from blockspec.text import encode_prompt
+
+    samples = load_dataset(name, limit=skip + limit, data_dir=data_dir)[skip:]
+    for i, sample in enumerate(samples, 1):
+        yield encode_prompt(pipe.tokenizer, sample.prompt, chat=True)
+        print(f"{name}: {i}/{len(samples)} prompts", file=sys.stderr, flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m blockspec.bench.treetau", description=__doc__.split("\n\n")[0])
+    model_arguments(parser)
     parser.add_argument("--limit", type=int, default=8, help="prompts per data set (the first N)")
     parser.add_argument("--budgets", type=int, nargs="+", default=list(BUDGETS))
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--data-dir", default=None)
-    parser.add_argument("--json", default=None, help="also write the tallies to this file")
     args = parser.parse_args(argv)
     try:
         cfg = TreeTauConfig(tuple(args.budgets), args.top_k, args.max_new_tokens)
@@ -238,21 +266,12 @@ def run(target: str, drafter: str | None, datasets: Sequence[str], limit: int, c
         data_dir: str | None = None) -> dict[str, TreeTauResult]:
     """Loads the target and drafter (as `blockspec.load` does) and measures the first `limit`
     prompts of each data set, chat-templated."""
-    from blockspec.api import load
-    from blockspec.datasets import load_dataset
-    from blockspec.text import encode_prompt
-
-    pipe = load(target, drafter)
-    if pipe.drafter is None:
-        raise ConfigError(f"no drafter for {target}: pass --drafter")
+    pipe = load_drafting(target, drafter)
     out: dict[str, TreeTauResult] = {}
     for name in datasets:
         total = TreeTauResult()
-        samples = load_dataset(name, limit=limit, data_dir=data_dir)
-        for i, sample in enumerate(samples, 1):
-            prompt = encode_prompt(pipe.tokenizer, sample.prompt, chat=True)
+        for prompt in set_prompts(pipe, name, 0, limit, data_dir):
             total.add(measure_prompt(pipe.target, pipe.drafter, prompt, cfg))
-            print(f"{name}: {i}/{len(samples)} prompts", file=sys.stderr, flush=True)
         out[name] = total
     return out
 
