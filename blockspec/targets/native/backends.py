@@ -406,8 +406,9 @@ class Int8Backend(KernelBackend):
         return f"int8 ({int8_path()})"
 
     def prompt_chunk(self) -> int:
-        """PROMPT_CHUNK where the layer program takes that many rows; every row's bits are the
-        same in chunks as in one pass (batch-invariant products and attention)."""
+        """PROMPT_CHUNK where the layer program takes that many rows; a prompt of up to
+        attention.MAX_TOKENS tokens gets the same bits in chunks as in one pass (batch-invariant
+        products and attention), a longer one attends through the C kernel chunk by chunk."""
         fn = kernels.kernel()
         return PROMPT_CHUNK if fn is not None and fn.max_rows.get(torch.float32, 0) >= PROMPT_CHUNK else 0
 

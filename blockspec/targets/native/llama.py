@@ -165,7 +165,8 @@ class NativeLlama(nn.Module):
         if 0 < chunk < q and _consecutive(positions[0]):
             # a long pass in chunks, each through every layer before the next: the chunk's queries
             # find the earlier chunks' K/V in the cache, and every product and attention row has
-            # the bits it has in one pass (batch invariance), so only the speed changes
+            # the bits the batch-invariant kernels give it in any pass (a one-pass prompt longer
+            # than attention.MAX_TOKENS would go through PyTorch's attention instead)
             parts = [self._hidden(ids[:, a : a + chunk], positions[:, a : a + chunk], cache, layer_ids, None, None,
                                   None, backend) for a in range(0, q, chunk)]
             x = torch.cat([h for h, _ in parts], dim=1)
