@@ -43,19 +43,22 @@ def greedy(target: object, prompts: list[list[int]], new_tokens: int) -> list[li
 
 def step_costs(targets: dict[str, object], widths: list[int], context: int, reps: int) -> dict[str, float]:
     """Median seconds of a greedy target pass of 1 token (a plain step) and of w tokens (a verify
-    pass), after `context` tokens, batch 1; the modes' passes interleaved, so both see the same
-    load."""
+    pass: "{mode}_{w}" with every position's id, "{mode}_{w}r" as the engine verifies, the head
+    stopping at the first rejected proposal, here the first: random proposals), after `context`
+    tokens, batch 1; the modes' passes interleaved, so both see the same load."""
     caches = {m: t.new_cache(1, capacity=context + max(widths) + 1) for m, t in targets.items()}
     ids = torch.randint(0, 1000, (1, context + max(widths)), generator=torch.Generator().manual_seed(0))
     for m, t in targets.items():
         t.forward(ids[:, :context], torch.arange(context)[None], caches[m])
-    times: dict[str, list[float]] = {f"{m}_{w}": [] for m in targets for w in (1, *widths)}
+    kinds = [(1, False), *((w, r) for w in widths for r in (False, True))]
+    times: dict[str, list[float]] = {f"{m}_{w}{'r' * r}": [] for m in targets for w, r in kinds}
     for _ in range(reps):
-        for w in (1, *widths):
+        for w, r in kinds:
             for m, t in targets.items():
                 t0 = time.perf_counter()
-                t.forward_greedy(ids[:, context : context + w], torch.arange(context, context + w)[None], caches[m])
-                times[f"{m}_{w}"].append(time.perf_counter() - t0)
+                t.forward_greedy(ids[:, context : context + w], torch.arange(context, context + w)[None], caches[m],
+                                 until_rejected=r)
+                times[f"{m}_{w}{'r' * r}"].append(time.perf_counter() - t0)
     return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
 
 
@@ -210,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         report["plain_ms"] = {m: round(med[f"{m}_1"] * 1e3, 2) for m in targets}
         report["verify_in_plain_steps"] = {m: {w: round(med[f"{m}_{w}"] / med[f"{m}_1"], 2) for w in widths}
                                            for m in targets}
+        report["verify_until_rejected_in_plain_steps"] = {
+            m: {w: round(med[f"{m}_{w}r"] / med[f"{m}_1"], 2) for w in widths} for m in targets}
         report["int8_over_exact"] = {w: round(med[f"int8_{w}"] / med[f"exact_{w}"], 2) for w in (1, *widths)}
     if args.kernels:
         report["kernel_us"] = kernel_times(targets, [int(n) for n in args.kernels.split(",")], args.reps)

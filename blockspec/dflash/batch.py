@@ -781,16 +781,18 @@ class DecodeBatch:
         block_ids[index, 1:] = ids.to(block_ids.device)
 
     def _argmax_pass(self, ids: torch.Tensor, positions: torch.Tensor, cache: TargetCache, masks: RowMasks | None,
-                     last_logits_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     last_logits_only: bool = False, until_rejected: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`greedy_forward` for an all-greedy batch: the target's argmax ids [b, q|1] and
         features. Constrained rows (masks) need the argmax of their masked logits: the pass also
         captures the final hidden states and only those rows' logits are computed from them, so
-        the other rows keep the argmax-only head."""
+        the other rows keep the argmax-only head. until_rejected: a verify pass (ids past a row's
+        first rejected proposal may be -1, `greedy_forward`)."""
         if masks is None:
-            return greedy_forward(self.target, ids, positions, cache, self.layer_ids, last_logits_only)
+            return greedy_forward(self.target, ids, positions, cache, self.layer_ids, last_logits_only, until_rejected)
         h, last = self.target.info.hidden_size, self.target.info.num_layers - 1
         layer_ids = self.layer_ids if last in self.layer_ids else (*self.layer_ids, last)
-        best, feats = greedy_forward(self.target, ids, positions, cache, layer_ids, last_logits_only)
+        best, feats = greedy_forward(self.target, ids, positions, cache, layer_ids, last_logits_only, until_rejected)
         at = layer_ids.index(last) * h
         rows = masks.rows.to(best.device)
         hidden = feats[rows, :, at: at + h]  # [m, q, H]: what the LM head reads (after the final norm)
@@ -863,7 +865,7 @@ class DecodeBatch:
         proposals = block_ids[:, 1:]
         token_lp = None
         if self.argmax_only:  # the target's argmax only: a native target skips most of its head
-            best, feats = self._argmax_pass(block_ids, positions, self.tcache, masks)
+            best, feats = self._argmax_pass(block_ids, positions, self.tcache, masks, until_rejected=q > 1)
         else:
             logits, feats = self.target.forward(block_ids, positions, self.tcache, self.layer_ids)
             biased = apply_logit_bias(logits, [r.params.logit_bias for r in rows])  # what plain decoding samples from

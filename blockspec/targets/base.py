@@ -116,13 +116,19 @@ def greedy_forward(
     cache: TargetCache,
     layer_ids: tuple[int, ...] = (),
     last_logits_only: bool = False,
+    until_rejected: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`target.forward`, but the greedy ids [b, q|1] (the argmax of each position's logits, the
     first of ties) in place of the logits. A target whose class can find them without computing
     every logit (the native one: `forward_greedy`) does; any other computes the logits. Looked up
-    on the class, so a wrapper that forwards attributes to a target still runs its own `forward`."""
+    on the class, so a wrapper that forwards attributes to a target still runs its own `forward`.
+    until_rejected: a verify pass of proposals ids[:, 1:] (accept_greedy): a row's ids past its
+    first position whose id differs from the next input id are not needed, and the native target
+    may leave them out (-1)."""
     fast = getattr(type(target), "forward_greedy", None)
     if fast is not None:
+        if until_rejected:
+            return fast(target, ids, positions, cache, layer_ids, last_logits_only, until_rejected=True)
         return fast(target, ids, positions, cache, layer_ids, last_logits_only)
     logits, feats = target.forward(ids, positions, cache, layer_ids, last_logits_only)
     return greedy_ids(logits), feats

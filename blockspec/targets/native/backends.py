@@ -38,6 +38,12 @@ from blockspec.targets.sdpa import sdpa
 
 COMPUTES = ("exact", "int8", "auto")
 PACKED_HEAD_ROWS = 6  # greedy rows whose ids come from a packed head's logits (`KernelBackend._packed_head_takes`)
+# Block positions whose greedy ids a verify pass's head finds first (`KernelBackend.head_until_rejected`):
+# the rest only where all of these matched their proposals. Up to 6 rows cost the head about
+# what one does (the weights stream from memory once; one row tile of the int8 kernel, the exact
+# mode's packed head), and most steps reject a proposal within them (BENCHMARKS.md, "Compute
+# modes").
+FIRST_VERIFY_ROWS = 6
 # Tokens per pass of a long prompt in the int8 mode (`Int8Backend.prompt_chunk`): a chunk the
 # one-call layer program takes (cpu/program.py: no Python loop), whose activations stay in the
 # outer caches between a layer's kernels (docs/DESIGN.md section 12)
@@ -151,6 +157,14 @@ class TorchBackend:
                 if i_ == i and i in at:
                     features[..., j * hidden : (j + 1) * hidden] = x
         return x, features
+
+    def head_until_rejected(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Greedy ids [b, q] of a verify pass's final norm output x [b, q, H] whose input ids [b, q]
+        hold each row's proposals at 1..q-1: exact at every position up to and including a row's
+        first one whose id differs from the next input id (accept_greedy reads no further); later
+        ones may be -1. Here every position is computed: PyTorch's products need not give a row
+        the same bits in a smaller block, so only the batch-invariant kernels skip any."""
+        return self.head(x, True)
 
     def head(self, x: torch.Tensor, greedy: bool) -> torch.Tensor:
         """Logits [.., V] of the final norm's output x [.., H], or with greedy their argmax ids [..]."""
@@ -361,6 +375,20 @@ class KernelBackend(TorchBackend):
             if best is not None:
                 return best
         return super().head(x, greedy)
+
+    def head_until_rejected(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The first FIRST_VERIFY_ROWS positions' ids, then the other positions of the rows whose
+        proposals all matched there; -1 at the positions of the rest. The kernels give a row the
+        same bits in any block (batch invariance), so each id is the full head's."""
+        b, q = ids.shape
+        first = min(q, FIRST_VERIFY_ROWS)
+        best = torch.full((b, q), -1, dtype=torch.int64, device=x.device)
+        best[:, :first] = self.head(x[:, :first], True)
+        if first < q:
+            going = (best[:, : first] == ids[:, 1 : first + 1].to(best.device)).all(dim=1).nonzero()[:, 0]  # [m]
+            if len(going):
+                best[going, first:] = self.head(x[going, first:], True)
+        return best
 
     def _packed_head_takes(self, x: torch.Tensor) -> bool:
         head = self.net.lm_head

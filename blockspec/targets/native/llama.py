@@ -140,6 +140,7 @@ class NativeLlama(nn.Module):
         resume: tuple[int, torch.Tensor] | None = None,
         greedy: bool = False,
         tree: TreeSlots | None = None,
+        until_rejected: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """ids, positions [b, q] (EMPTY = padding) -> logits [b, q|1, V], features [b, q, L*H].
 
@@ -158,6 +159,10 @@ class NativeLlama(nn.Module):
 
         tree: the q tokens are a token tree's nodes (`NativeTarget.forward_tree`), placed and
         masked as it says (targets/native/tree_slots.py) instead of by position.
+
+        until_rejected (with greedy): the pass verifies proposals ids[:, 1:]; a row's ids are only
+        needed up to its first position whose id differs from the next input id, and the head
+        may skip the later ones (-1: `TorchBackend.head_until_rejected`).
         """
         backend = self.backend if self.backend is not None else self.use("exact")
         b, q = ids.shape
@@ -178,6 +183,8 @@ class NativeLlama(nn.Module):
             if last_logits_only:  # the last column of every row, padding or not
                 x = spread(x, real, b, q)
         x = x[:, -1:] if last_logits_only else x
+        if greedy and until_rejected and real is None and tree is None and not last_logits_only:
+            return backend.head_until_rejected(x, ids), features  # ids [b, q]
         out = backend.head(x, greedy)  # [b, q|1, V] or ids [b, q|1]; [T, ..] without padding
         if real is not None and not last_logits_only:
             out = spread(out[:, None], real, b, q)[..., 0] if greedy else spread(out, real, b, q)
@@ -376,17 +383,22 @@ class NativeTarget:
         cache: StaticCache,
         layer_ids: tuple[int, ...] = (),
         last_logits_only: bool = False,
+        until_rejected: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`forward`, but the greedy ids [b, q|1] in place of the logits (see targets/hf.py's
-        `greedy_forward`): on a CPU an fp32 head computes only its near-maximal logits exactly."""
-        return self._run(ids, positions, cache, layer_ids, last_logits_only, greedy=True)
+        `greedy_forward`): on a CPU an fp32 head computes only its near-maximal logits exactly.
+        until_rejected: a verify pass of proposals ids[:, 1:], whose ids past a row's first
+        rejected proposal are not needed (`NativeLlama.forward`)."""
+        return self._run(ids, positions, cache, layer_ids, last_logits_only, greedy=True,
+                         until_rejected=until_rejected)
 
     def _run(self, ids: torch.Tensor, positions: torch.Tensor, cache: StaticCache, layer_ids: tuple[int, ...],
-             last_logits_only: bool, greedy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+             last_logits_only: bool, greedy: bool, until_rejected: bool = False
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not cache.fresh:
             cache.reserve(int(positions.max()) + 1)
         return self.net(ids, positions, cache, layer_ids, last_logits_only, real=padding_index(positions),
-                        greedy=greedy)
+                        greedy=greedy, until_rejected=until_rejected)
 
     @torch.inference_mode()
     def final_hidden(self, ids: torch.Tensor, start: int, x: torch.Tensor) -> torch.Tensor:
