@@ -383,12 +383,21 @@ class KernelBackend(TorchBackend):
         b, q = ids.shape
         first = min(q, FIRST_VERIFY_ROWS)
         best = torch.full((b, q), -1, dtype=torch.int64, device=x.device)
-        best[:, :first] = self.head(x[:, :first], True)
+        best[:, :first] = self._verify_ids(x[:, :first])
         if first < q:
             going = (best[:, : first] == ids[:, 1 : first + 1].to(best.device)).all(dim=1).nonzero()[:, 0]  # [m]
             if len(going):
-                best[going, first:] = self.head(x[going, first:], True)
+                best[going, first:] = self._verify_ids(x[going, first:])
         return best
+
+    def _verify_ids(self, x: torch.Tensor) -> torch.Tensor:
+        """Greedy ids [b, n] of x [b, n, H] for a verify pass: the bf16 screen where there is one,
+        also for the few rows whose ids `head` takes from the packed head's logits (the same ids;
+        in verify passes of 4 to 16 tokens the screen's first rows measured faster: BENCHMARKS.md,
+        "Compute modes")."""
+        screen = self._screened_head()
+        best = None if screen is None else screen.ids(x)
+        return best if best is not None else self.head(x, True)
 
     def _packed_head_takes(self, x: torch.Tensor) -> bool:
         head = self.net.lm_head
@@ -451,6 +460,9 @@ class Int8Backend(KernelBackend):
     def head(self, x: torch.Tensor, greedy: bool) -> torch.Tensor:
         logits = self.product(self.net.lm_head, x)
         return greedy_ids(logits) if greedy else logits
+
+    def _verify_ids(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x, True)  # the int8 head's own logits (the bf16 screen finds the exact mode's)
 
     def build_program(self) -> LayerProgram | None:
         return target_program(self.net, self.weight)
