@@ -41,11 +41,14 @@ def greedy(target: object, prompts: list[list[int]], new_tokens: int) -> list[li
     return [r.token_ids for r in out]
 
 
-def step_costs(targets: dict[str, object], widths: list[int], context: int, reps: int) -> dict[str, float]:
+def step_costs(targets: dict[str, object], widths: list[int], context: int, reps: int,
+               clock: object = time.perf_counter) -> dict[str, float]:
     """Median seconds of a greedy target pass of 1 token (a plain step) and of w tokens (a verify
     pass: "{mode}_{w}" with every position's id, "{mode}_{w}r" as the engine verifies, the head
     stopping at the first rejected proposal, here the first: random proposals), after `context`
-    tokens, batch 1; the modes' passes interleaved, so both see the same load."""
+    tokens, batch 1; the modes' passes interleaved, so both see the same load. clock:
+    time.perf_counter (wall clock), or time.thread_time (this thread's CPU time: one thread only,
+    and what other processes take of the core left out)."""
     caches = {m: t.new_cache(1, capacity=context + max(widths) + 1) for m, t in targets.items()}
     ids = torch.randint(0, 1000, (1, context + max(widths)), generator=torch.Generator().manual_seed(0))
     for m, t in targets.items():
@@ -55,10 +58,10 @@ def step_costs(targets: dict[str, object], widths: list[int], context: int, reps
     for _ in range(reps):
         for w, r in kinds:
             for m, t in targets.items():
-                t0 = time.perf_counter()
+                t0 = clock()
                 t.forward_greedy(ids[:, context : context + w], torch.arange(context, context + w)[None], caches[m],
                                  until_rejected=r)
-                times[f"{m}_{w}{'r' * r}"].append(time.perf_counter() - t0)
+                times[f"{m}_{w}{'r' * r}"].append(clock() - t0)
     return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
 
 
@@ -167,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--costs", default="", help="also time verify passes of these widths against a plain step, "
                     "e.g. 8,16 (ratios: the modes interleaved)")
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--cpu-time", action="store_true", help="time --costs in CPU time (with --threads 1: a "
+                    "shared machine's other processes left out) instead of wall clock")
     ap.add_argument("--kernels", default="", help="also time each product shape (first layer, LM head) at these "
                     "numbers of rows, e.g. 1,8,16 (the modes interleaved)")
     ap.add_argument("--profile", action="store_true", help="also split a plain and the verify passes by part")
@@ -209,8 +214,13 @@ def main(argv: list[str] | None = None) -> int:
                                                  / max(1, sum(min(len(a), len(b)) for a, b in pairs)), 3)
     if args.costs:
         widths = [int(w) for w in args.costs.split(",")]
-        med = step_costs(targets, widths, context=300, reps=args.reps)
+        if args.cpu_time and torch.get_num_threads() != 1:
+            ap.error("--cpu-time measures one thread: add --threads 1")
+        med = step_costs(targets, widths, context=300, reps=args.reps,
+                         clock=time.thread_time if args.cpu_time else time.perf_counter)
         report["plain_ms"] = {m: round(med[f"{m}_1"] * 1e3, 2) for m in targets}
+        report["verify_ms"] = {m: {k.split("_", 1)[1]: round(v * 1e3, 2) for k, v in med.items()
+                                   if k.startswith(f"{m}_") and k != f"{m}_1"} for m in targets}
         report["verify_in_plain_steps"] = {m: {w: round(med[f"{m}_{w}"] / med[f"{m}_1"], 2) for w in widths}
                                            for m in targets}
         report["verify_until_rejected_in_plain_steps"] = {
