@@ -50,7 +50,8 @@ def step_costs(targets: dict[str, object], widths: list[int], context: int, reps
     time.perf_counter (wall clock), or time.thread_time (this thread's CPU time: one thread only,
     and what other processes take of the core left out)."""
     caches = {m: t.new_cache(1, capacity=context + max(widths) + 1) for m, t in targets.items()}
-    ids = torch.randint(0, 1000, (1, context + max(widths)), generator=torch.Generator().manual_seed(0))
+    vocab = min(1000, *(t.info.vocab_size for t in targets.values()))
+    ids = torch.randint(0, vocab, (1, context + max(widths)), generator=torch.Generator().manual_seed(0))
     for m, t in targets.items():
         t.forward(ids[:, :context], torch.arange(context)[None], caches[m])
     kinds = [(1, False), *((w, r) for w in widths for r in (False, True))]
