@@ -659,7 +659,7 @@ class DecodeBatch:
         self.tcache.reserve(max(self.cur_host) + n)
         if self.argmax_only:  # the target's argmax only: a native target skips most of its head
             tokens, feats = greedy_forward_tree(self.target, packed.ids, packed.positions, packed.ancestors,
-                                                self.tcache, self.layer_ids)  # [b, n], [b, n, F]
+                                                self.tcache, self.layer_ids, until_rejected=True)  # [b, n], [b, n, F]
         else:
             logits, feats = self.target.forward_tree(packed.ids, packed.positions, packed.ancestors, self.tcache,
                                                      self.layer_ids)  # [b, n, V], [b, n, F]

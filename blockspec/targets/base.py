@@ -141,12 +141,17 @@ def greedy_forward_tree(
     ancestors: torch.Tensor,
     cache: TargetCache,
     layer_ids: tuple[int, ...] = (),
+    until_rejected: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`target.forward_tree`, but each node's greedy id [b, n] in place of its logits, as
     `greedy_forward` is for `forward`: a class with `forward_tree_greedy` (the native target)
-    skips most of its head; any other computes the logits."""
+    skips most of its head; any other computes the logits. until_rejected: only the ids that
+    tree_verify.walk reads (along each row's accepted path) are needed; the native target may
+    leave the others out (-1)."""
     fast = getattr(type(target), "forward_tree_greedy", None)
     if fast is not None:
+        if until_rejected:
+            return fast(target, ids, positions, ancestors, cache, layer_ids, until_rejected=True)
         return fast(target, ids, positions, ancestors, cache, layer_ids)
     logits, feats = target.forward_tree(ids, positions, ancestors, cache, layer_ids)
     return greedy_ids(logits), feats

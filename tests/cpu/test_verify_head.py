@@ -1,6 +1,7 @@
-"""A greedy verify pass's head (`forward_greedy(..., until_rejected=True)`,
-targets/native/backends.py `head_until_rejected`): the ids up to each row's first rejected
-proposal are the full head's, bit for bit, and the kernels' backends skip the positions after it."""
+"""A greedy verify pass's head (`forward_greedy` / `forward_tree_greedy(..., until_rejected=True)`,
+targets/native/backends.py `head_until_rejected`): the ids along each row's accepted path (up to
+its first rejected proposal, or a tree's walk) are the full head's, bit for bit, and the kernels'
+backends skip the other positions."""
 
 from __future__ import annotations
 
@@ -10,9 +11,14 @@ from test_compute_modes import _decode, _drafter
 from support import ragged_prompts
 from test_packed import _q4_model, needs_kernel
 
-from blockspec.targets.base import greedy_forward
+from blockspec.config import SamplingParams, SpecConfig
+from blockspec.dflash.token_tree import TokenTree
+from blockspec.dflash.tree_verify import walk
+from blockspec.engine.decoder import SpecDecoder
+from blockspec.targets.base import greedy_forward, greedy_forward_tree
 from blockspec.targets.native import load_native_target
 from blockspec.targets.native.backends import FIRST_VERIFY_ROWS, KernelBackend, TorchBackend
+from blockspec.targets.native.llama import tree_parents
 
 Q = FIRST_VERIFY_ROWS + 4  # a verify block wider than the head's first rows
 
@@ -77,21 +83,68 @@ def test_verify_head_computes_every_position_through_pytorch() -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("compute", ["int8", "exact"])
-def test_dflash_with_the_verify_head_equals_plain_decoding(compute: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Lossless: DFlash blocks wider than the head's first rows, whose greedy verify passes skip
-    the positions after a rejection."""
+@pytest.mark.parametrize("trees", [False, True])
+def test_dflash_with_the_verify_head_equals_plain_decoding(compute: str, trees: bool,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lossless: DFlash blocks (or token trees) wider than the head's first rows, whose greedy
+    verify passes skip the positions off the accepted path."""
     model = _q4_model(seed=5)
     target = load_native_target(model, dtype="float32", compute=compute)
     prompts = ragged_prompts(3, seed=8, vocab=48)
     plain = _decode(target, None, prompts, 1, n=24)
-    skipped = []
+    skipped = {False: 0, True: 0}  # by pass kind: tree or chain
     head = KernelBackend.head_until_rejected
 
-    def counted(self, x, ids):
-        best = head(self, x, ids)
-        skipped.append(int((best < 0).sum()))
+    def counted(self, x, ids, parents=None):
+        best = head(self, x, ids, parents)
+        skipped[parents is not None] += int((best < 0).sum())
         return best
 
     monkeypatch.setattr(KernelBackend, "head_until_rejected", counted)
-    assert _decode(target, _drafter(model), prompts, Q, n=24) == plain
-    assert sum(skipped) > 0  # the engine's verify passes took the head that skips
+    cfg = SpecConfig(block_size=Q, adaptive=False, tree_nodes=12 if trees else 0)
+    out = SpecDecoder(target, _drafter(model), cfg).generate(prompts, SamplingParams(max_new_tokens=24))
+    assert [r.token_ids for r in out] == plain
+    assert skipped[trees] > 0  # the engine's verify passes took the head that skips
+
+
+@needs_kernel
+@pytest.mark.parametrize("compute", ["int8", "exact"])
+def test_tree_verify_head_gives_the_full_heads_walk(compute: str) -> None:
+    """Trees of 3 branches of 4 tokens (13 nodes, best-first order: depth 3 starts at node 7), the
+    target's greedy continuation cut at random depths and placed as any child: the walk over the
+    ids is the full head's; short walks leave the later nodes out, deep ones compute them."""
+    target = load_native_target(_q4_model(seed=13), dtype="float32", compute=compute)
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, 48, (1, 6), generator=g)
+
+    def tree_pass(ids, pos, anc, until_rejected):  # on a fresh cache holding the prompt
+        cache = target.new_cache(1, capacity=32)
+        target.forward(prompt, torch.arange(6)[None], cache)
+        return greedy_forward_tree(target, ids, pos, anc, cache, (1,), until_rejected=until_rejected)
+
+    plain: list[int] = []
+    for _ in range(6):  # the target's own greedy continuation after the prompt
+        ids = torch.tensor([prompt[0].tolist() + plain])
+        best, _ = greedy_forward(target, ids, torch.arange(ids.shape[1])[None], target.new_cache(1, 16))
+        plain.append(int(best[0, -1]))
+    skipped = deep = 0
+    for cut in (0, 1, 2, 3, 4, 4, 1):
+        wrong = [[int(t) for t in torch.randint(0, 48, (4,), generator=g)] for _ in range(2)]
+        rank = int(torch.randint(0, 3, (1,), generator=g))
+        truth = plain[1:5]
+        tree = TokenTree.from_paths(plain[0], wrong[:rank] + [truth[:cut] + wrong[-1][cut:]] + wrong[rank:])
+        ids = torch.tensor([list(tree.tokens)])
+        pos = torch.tensor([tree.positions(6)])
+        anc = tree.ancestor_mask()
+        assert tree_parents(anc, 1)[0].tolist() == [-1, *tree.parents[1:]]
+        full, feats = tree_pass(ids, pos, anc, False)
+        got, got_feats = tree_pass(ids, pos, anc, True)
+        want = walk(tree, full[0])
+        assert walk(tree, got[0]) == want and torch.equal(got_feats, feats)
+        assert torch.equal(got[0, list(want.path)], full[0, list(want.path)])
+        if want.path[-1] < FIRST_VERIFY_ROWS:
+            skipped += bool((got < 0).any())
+        else:
+            deep += 1
+            assert torch.equal(got, full)
+    assert skipped and deep

@@ -158,12 +158,14 @@ class TorchBackend:
                     features[..., j * hidden : (j + 1) * hidden] = x
         return x, features
 
-    def head_until_rejected(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Greedy ids [b, q] of a verify pass's final norm output x [b, q, H] whose input ids [b, q]
-        hold each row's proposals at 1..q-1: exact at every position up to and including a row's
-        first one whose id differs from the next input id (accept_greedy reads no further); later
-        ones may be -1. Here every position is computed: PyTorch's products need not give a row
-        the same bits in a smaller block, so only the batch-invariant kernels skip any."""
+    def head_until_rejected(self, x: torch.Tensor, ids: torch.Tensor, parents: torch.Tensor | None = None
+                            ) -> torch.Tensor:
+        """Greedy ids [b, q] of a verify pass's final norm output x [b, q, H]: input ids [b, q] hold
+        each row's proposals, a chain at 1..q-1 or, with parents [b, q] (each node's parent index,
+        the root's -1), a token tree's nodes. Exact at every node of a row's accepted path and at
+        its last node (the bonus), what accept_greedy / tree_verify.walk read; the others may be
+        -1. Here every position is computed: PyTorch's products need not give a row the same bits
+        in a smaller block, so only the batch-invariant kernels skip any."""
         return self.head(x, True)
 
     def head(self, x: torch.Tensor, greedy: bool) -> torch.Tensor:
@@ -376,18 +378,21 @@ class KernelBackend(TorchBackend):
                 return best
         return super().head(x, greedy)
 
-    def head_until_rejected(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The first FIRST_VERIFY_ROWS positions' ids, then the other positions of the rows whose
-        proposals all matched there; -1 at the positions of the rest. The kernels give a row the
-        same bits in any block (batch invariance), so each id is the full head's."""
+    def head_until_rejected(self, x: torch.Tensor, ids: torch.Tensor, parents: torch.Tensor | None = None
+                            ) -> torch.Tensor:
+        """The first FIRST_VERIFY_ROWS nodes' ids, then the other nodes' for the rows whose path
+        leads past them (`accepted_path_leaves`); -1 at the rest. The kernels give a row the same
+        bits in any block (batch invariance), so each id is the full head's."""
         b, q = ids.shape
         first = min(q, FIRST_VERIFY_ROWS)
         best = torch.full((b, q), -1, dtype=torch.int64, device=x.device)
         best[:, :first] = self._verify_ids(x[:, :first])
         if first < q:
-            going = (best[:, : first] == ids[:, 1 : first + 1].to(best.device)).all(dim=1).nonzero()[:, 0]  # [m]
-            if len(going):
-                best[going, first:] = self._verify_ids(x[going, first:])
+            going = [r for r in range(b) if accepted_path_leaves(best[r, :first].tolist(), ids[r].tolist(),
+                                                                 None if parents is None else parents[r].tolist())]
+            if going:
+                rows = torch.tensor(going, device=x.device)
+                best[rows, first:] = self._verify_ids(x[rows, first:])
         return best
 
     def _verify_ids(self, x: torch.Tensor) -> torch.Tensor:
@@ -466,6 +471,25 @@ class Int8Backend(KernelBackend):
 
     def build_program(self) -> LayerProgram | None:
         return target_program(self.net, self.weight)
+
+
+def accepted_path_leaves(best: list[int], ids: list[int], parents: list[int] | None) -> bool:
+    """Whether greedy acceptance, walking from node 0 with the target's ids `best` of the first
+    len(best) nodes, reaches a node past them: node c follows node p where c's parent is p and its
+    token ids[c] is best[p] (a chain: parents None, node p + 1), the last such c as
+    tree_verify.walk takes it (children of one parent hold distinct tokens); a node's parent comes
+    before it."""
+    known, node = len(best), 0
+    while True:
+        if parents is None:
+            nxt = node + 1 if node + 1 < len(ids) and ids[node + 1] == best[node] else None
+        else:
+            nxt = max((c for c in range(1, len(ids)) if parents[c] == node and ids[c] == best[node]), default=None)
+        if nxt is None:
+            return False
+        if nxt >= known:
+            return True
+        node = nxt
 
 
 def backend_for(net: nn.Module, compute: str) -> TorchBackend:

@@ -141,6 +141,7 @@ class NativeLlama(nn.Module):
         greedy: bool = False,
         tree: TreeSlots | None = None,
         until_rejected: bool = False,
+        parents: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """ids, positions [b, q] (EMPTY = padding) -> logits [b, q|1, V], features [b, q, L*H].
 
@@ -160,9 +161,9 @@ class NativeLlama(nn.Module):
         tree: the q tokens are a token tree's nodes (`NativeTarget.forward_tree`), placed and
         masked as it says (targets/native/tree_slots.py) instead of by position.
 
-        until_rejected (with greedy): the pass verifies proposals ids[:, 1:]; a row's ids are only
-        needed up to its first position whose id differs from the next input id, and the head
-        may skip the later ones (-1: `TorchBackend.head_until_rejected`).
+        until_rejected (with greedy): the pass verifies proposals, ids[:, 1:] or a tree's nodes
+        (parents [b, q]: each node's parent, the root's -1); a row's ids are only needed along
+        its accepted path, and the head may skip the others (-1: `TorchBackend.head_until_rejected`).
         """
         backend = self.backend if self.backend is not None else self.use("exact")
         b, q = ids.shape
@@ -183,8 +184,8 @@ class NativeLlama(nn.Module):
             if last_logits_only:  # the last column of every row, padding or not
                 x = spread(x, real, b, q)
         x = x[:, -1:] if last_logits_only else x
-        if greedy and until_rejected and real is None and tree is None and not last_logits_only:
-            return backend.head_until_rejected(x, ids), features  # ids [b, q]
+        if greedy and until_rejected and real is None and (tree is None) == (parents is None) and not last_logits_only:
+            return backend.head_until_rejected(x, ids, parents), features  # ids [b, q]
         out = backend.head(x, greedy)  # [b, q|1, V] or ids [b, q|1]; [T, ..] without padding
         if real is not None and not last_logits_only:
             out = spread(out[:, None], real, b, q)[..., 0] if greedy else spread(out, real, b, q)
@@ -246,6 +247,17 @@ class NativeLlama(nn.Module):
         if not bits:
             return None
         return ", ".join(f"{n} {'matrices' if n > 1 else 'matrix'} in {b} bits" for b, n in sorted(bits.items()))
+
+
+def tree_parents(ancestors: torch.Tensor, b: int) -> torch.Tensor:
+    """Each node's parent [b, n] (the root's -1) from a tree pass's ancestors [n, n] or [b, n, n]
+    (row i True at node i and its ancestors): the deepest of its other ancestors."""
+    a = ancestors.expand(b, *ancestors.shape[-2:]) if ancestors.dim() == 2 else ancestors
+    n = a.shape[-1]
+    others = a & ~torch.eye(n, dtype=torch.bool, device=a.device)  # [b, n, n]
+    depth = a.sum(-1)  # [b, n]: a node's ancestors and itself
+    score = torch.where(others, depth[:, None, :], 0)  # [b, n, n]: each ancestor's depth
+    return torch.where(others.any(-1), score.argmax(-1), -1)
 
 
 def _consecutive(positions: torch.Tensor) -> bool:
@@ -361,19 +373,25 @@ class NativeTarget:
         ancestors: torch.Tensor,
         cache: StaticCache,
         layer_ids: tuple[int, ...] = (),
+        until_rejected: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`forward_tree`, but each node's greedy id [b, n] in place of its logits (see
-        `greedy_forward_tree`): on a CPU the head computes only near-maximal logits exactly."""
-        return self._run_tree(ids, positions, ancestors, cache, layer_ids, greedy=True)
+        `greedy_forward_tree`): on a CPU the head computes only near-maximal logits exactly.
+        until_rejected: only the ids along each row's accepted path (and its last node) are
+        needed (tree_verify.walk), the others may be -1 (`NativeLlama.forward`)."""
+        return self._run_tree(ids, positions, ancestors, cache, layer_ids, greedy=True, until_rejected=until_rejected)
 
     def _run_tree(self, ids: torch.Tensor, positions: torch.Tensor, ancestors: torch.Tensor, cache: StaticCache,
-                  layer_ids: tuple[int, ...], greedy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  layer_ids: tuple[int, ...], greedy: bool, until_rejected: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         check_tree_pass(ids, positions, ancestors)
         positions = positions.to(self.device)
         tree = tree_slots(positions, ancestors, cache.scratch)
         cache.reserve(max(tree.end, cache.horizon if cache.fresh else 0))
         tree = tree.with_scratch(cache.scratch)  # the store may have grown, moving its scratch slot
-        return self.net(ids, positions, cache, layer_ids, real=padding_index(positions), tree=tree, greedy=greedy)
+        parents = tree_parents(ancestors, ids.shape[0]) if greedy and until_rejected else None
+        return self.net(ids, positions, cache, layer_ids, real=padding_index(positions), tree=tree, greedy=greedy,
+                        until_rejected=parents is not None, parents=parents)
 
     @torch.inference_mode()
     def forward_greedy(
