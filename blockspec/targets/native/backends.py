@@ -38,10 +38,10 @@ from blockspec.targets.sdpa import sdpa
 
 COMPUTES = ("exact", "int8", "auto")
 PACKED_HEAD_ROWS = 6  # greedy rows whose ids come from a packed head's logits (`KernelBackend._packed_head_takes`)
-# Block positions whose greedy ids a verify pass's head finds first (`KernelBackend.head_until_rejected`):
-# the rest only where all of these matched their proposals. Up to 6 rows cost the head about
-# what one does (the weights stream from memory once; one row tile of the int8 kernel, the exact
-# mode's packed head), and most steps reject a proposal within them (BENCHMARKS.md, "Compute
+# Block positions (or tree nodes) whose greedy ids a verify pass's head finds first
+# (`KernelBackend.head_until_rejected`): the rest only where the accepted path leads past them. Up
+# to 6 rows cost the head about what one does (the weights stream from memory once; one row tile
+# of the int8 kernel), and most steps reject a proposal within them (BENCHMARKS.md, "Compute
 # modes").
 FIRST_VERIFY_ROWS = 6
 # Tokens per pass of a long prompt in the int8 mode (`Int8Backend.prompt_chunk`): a chunk the

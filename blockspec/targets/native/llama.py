@@ -252,7 +252,8 @@ class NativeLlama(nn.Module):
 def tree_parents(ancestors: torch.Tensor, b: int) -> torch.Tensor:
     """Each node's parent [b, n] (the root's -1) from a tree pass's ancestors [n, n] or [b, n, n]
     (row i True at node i and its ancestors): the deepest of its other ancestors."""
-    a = ancestors.expand(b, *ancestors.shape[-2:]) if ancestors.dim() == 2 else ancestors
+    a = ancestors.bool()
+    a = a.expand(b, *a.shape[-2:]) if a.dim() == 2 else a
     n = a.shape[-1]
     others = a & ~torch.eye(n, dtype=torch.bool, device=a.device)  # [b, n, n]
     depth = a.sum(-1)  # [b, n]: a node's ancestors and itself
