@@ -505,7 +505,7 @@ def calibrate(batch: DecodeBatch, size: int, max_block: int, context: int = 8,
                 keyed_draws(random, probabilities(logits, *shaping), [t.depths for t in trees], starts).tolist()
             else:
                 greedy_forward_tree(target, packed.ids, packed.positions, packed.ancestors, tcache,
-                                    layer_ids)[0].tolist()
+                                    layer_ids, until_rejected=True)[0].tolist()
             tcache.reject(torch.zeros(size, m, dtype=torch.bool, device=d))
 
         return verify
@@ -540,7 +540,8 @@ def calibrate(batch: DecodeBatch, size: int, max_block: int, context: int = 8,
             random.sample(probabilities(logits, *shaping), starts).tolist()
         else:
             tcache.reserve(context + n)
-            greedy_forward(target, block_ids, block_pos, tcache, layer_ids)[0].tolist()  # as a greedy step does
+            # as a greedy step does: its head stops after the first rejected proposal's position
+            greedy_forward(target, block_ids, block_pos, tcache, layer_ids, until_rejected=True)[0].tolist()
         elapsed = time.perf_counter() - t0
         if not (n > 1 and tree and batch.draft is not None):
             tcache.reject(torch.zeros(size, n, dtype=torch.bool, device=d))
