@@ -1,6 +1,6 @@
-"""The pieces of a token-tree step (docs/DESIGN.md section 5.3) that `DecodeBatch` composes: each
-row's tree from its draft (proposers/), the batch's trees as one verify pass's tensors, and the
-statistics of the path a row accepted.
+"""The pieces of a token-tree step (docs/DESIGN.md section 5.3) that `DecodeBatch` composes: what a
+trim is offered of each row's tree, each row's tree from its draft (proposers/), the batch's trees
+as one verify pass's tensors, and the statistics of the path a row accepted.
 
 A row's tree spends its verify budget best-first (`BestFirstProposer`) over the drafter's
 distributions; an n-gram lookup continuation, where the row has one, is one more branch
