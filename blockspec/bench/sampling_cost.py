@@ -25,7 +25,8 @@ import torch
 # (module path, attribute) of every sampling function a step calls; class methods as "Class.method"
 SAMPLING = (
     ("blockspec.dflash.batch", "probabilities"),
-    ("blockspec.dflash.batch", "sharpened"),
+    ("blockspec.dflash.proposers.batched", "probabilities"),
+    ("blockspec.dflash.proposers.dflash_block", "sharpened"),
     ("blockspec.dflash.batch", "verify_standard"),
     ("blockspec.dflash.batch", "_one_hot_where"),
     ("blockspec.dflash.sampling", "RowRandom.sample"),

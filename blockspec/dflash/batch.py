@@ -32,18 +32,17 @@ from blockspec.targets.slots import EMPTY
 from blockspec.targets.base import Target, TargetCache, greedy_forward, greedy_forward_tree
 from blockspec.dflash.logit_bias import apply_logit_bias
 from blockspec.dflash.lookup import LookupConfig, TokenIndex
-from blockspec.dflash import sampling
-from blockspec.dflash.sampling import ACCEPT_SLOT, BONUS_SLOT, RowRandom, probabilities, sharpened
+from blockspec.dflash.sampling import ACCEPT_SLOT, BONUS_SLOT, RowRandom, probabilities
 from blockspec.dflash.verify import accept_greedy, verify_standard
-from blockspec.dflash.proposers import (BestFirstProposer, Distributions, Draft, PositionDistributions,
-                                        SelectorDistributions)
+from blockspec.dflash.proposers import (BatchDraft, BatchProposal, BatchProposer, DFlash2WalkProposer,
+                                        DFlashBlockProposer, Distributions, LookupOverride)
+from blockspec.dflash.proposers.lookup_override import splice
 from blockspec.dflash.token_tree import TokenTree
-from blockspec.dflash.tree_step import TREE_TOP_K, gather_path, pack_trees, path_stats, propose_tree
+from blockspec.dflash.tree_step import TREE_TOP_K, gather_path, pack_trees, path_stats, propose_tree, tree_offers
+from blockspec.dflash.tree_step import TreeOffer  # noqa: F401 (what a Trim is offered: its callers import it here)
 from blockspec.dflash.tree_verify import TreeAcceptance, keyed_draws, walk
-from blockspec.dflash.constraint import (RowMasks, TokenConstraint, argmax_masked, cut_block, first_masks, follow, masked,
-                                         sample_masked)
+from blockspec.dflash.constraint import RowMasks, TokenConstraint, cut_block, first_masks, follow, masked
 from blockspec.cpu.argmax import greedy_ids
-from blockspec.cpu.top_k import top_logprobs
 from blockspec.cpu.linear import project
 
 @dataclass
@@ -135,19 +134,6 @@ RowStopCheck = Callable[[list[int]], int | None]
 # answer with a `Shape` that says whether the step verifies trees or chains (a plain length
 # verifies trees there).
 Trim = Callable[..., "int | list[int] | Shape"]
-
-
-@dataclass(frozen=True)
-class TreeOffer:
-    """A row's best-first tree nodes, best first (the first k of them are its tree of k nodes),
-    as a trim prices them: each node's depth (1: the first proposal), rank among its siblings (0:
-    the drafter's first choice), parent (an index into these nodes; -1: the root) and the
-    drafter's probability of its token given its parent's."""
-
-    depths: tuple[int, ...]
-    ranks: tuple[int, ...]
-    parents: tuple[int, ...]
-    probs: tuple[float, ...]
 
 
 @dataclass(frozen=True)
@@ -299,6 +285,7 @@ class DecodeBatch:
         self.top_k = torch.zeros(0, dtype=torch.long, device=d)
         self.top_p = torch.zeros(0, dtype=torch.float32, device=d)
         self._plan: list[list[int]] | None = None
+        self._proposals: BatchProposer | None = None  # `_proposer`: for the rows' rules
         # [b, q-1, V]: the distribution each proposal of the step being verified was drawn from,
         # for rows verified by the standard rule (None when no row is)
         self._draft_q: torch.Tensor | None = None
@@ -457,6 +444,7 @@ class DecodeBatch:
             r.new_tokens = []
             self._commit(r, [t], first_lp[i] if first_lp is not None else None)
         self.rows.extend(rows)
+        self._proposals = None  # the rows' rules changed
 
     # ---- one step ----------------------------------------------------------------------------
     def _probs(self, logits: torch.Tensor) -> torch.Tensor:
@@ -471,6 +459,9 @@ class DecodeBatch:
         verifies trees (`trees`), `tree=False` makes the step verify chains instead (a trim
         offered trees says which in its `Shape`). The only host synchronisation is the read-back of committed
         tokens (and with `trim`, of confidences).
+
+        A drafting step is a straight line: the draft pass, the proposals of the batch's proposer
+        (one head pass: `_proposer`), the trim, then a tree or a chain verified and committed.
         """
         rows = self.rows
         b = len(rows)
@@ -479,55 +470,35 @@ class DecodeBatch:
         self.node_trials = []
         remaining = [r.remaining for r in rows]
         q = max(1, min(block, self.max_block, max(remaining)))
-        d = self.device
         offsets = self.offsets[:q]
         positions = self.cur[:, None] + offsets  # [b, q]
         top = max(self.cur_host) + q
-        block_ids = torch.empty(b, q, dtype=torch.long, device=d)
+        block_ids = torch.empty(b, q, dtype=torch.long, device=self.device)
         block_ids[:, 0] = self.last
-        starts = self._starts()
         from_lookup = [0] * b
         lengths = [q] * b  # tokens each row verifies
-        limit = padding = None  # a ragged step's proposals verified per row [b], padding [b, q]
         # more than one plain step behind: a probe after a run of plain steps catches up on all of them
         self.caught_up = q > 1 and (self._joined_since_draft or self._plain_since_draft > 1)
-        if q > 1:
-            self._joined_since_draft, self._plain_since_draft = False, 0
-            draft_ids = torch.full((b, q), self.drafter.mask_token_id, dtype=torch.long, device=d)
-            draft_ids[:, 0] = self.last
-            embeds = self.target.embed(draft_ids)  # [b, q, H]
-            if self.embed_scale != 1.0:
-                embeds = embeds * self.embed_scale
-            self.dcache.reserve(top, self.draft_top)
-            ctx_feats, ctx_pos = self.queue.take()  # [b, c, L*H], [b, c]
-            hidden = self.draft(ctx_feats, ctx_pos, embeds, positions, self.dcache)
-            conf = None
-            selector = self.drafter.candidate_selector is not None
+        if q == 1:
+            self._plain_since_draft += 1
+        else:
+            hidden = self._draft_hidden(positions, top)  # [b, q, H]
             # Constrained rows keep chains: their grammar cuts a chain at its first disallowed
             # proposal (`_cut`), which a tree would need per branch.
             trees = self.trees and tree and all(r.constraint is None for r in rows)
-            # A fixed tree step reads the drafter's top choices alone, so its draft head runs once
-            # (block_ids[:, 1:] stays unset: a tree step reads only block_ids[:, :1]); a trim
-            # offered trees may still answer with a chain, which needs the chain's proposals.
-            chain = not trees or trim is not None
-            # a DFlash 2 walk goes on from the lookup continuation that will replace its first proposals
-            forced = self._lookup_forced(q) if selector and self.lookup is not None and chain else None
-            if trees:
-                # an all-greedy batch's chain comes from the head pass its trees grow from
-                shared = chain and self.all_greedy
-                dists, conf = self._tree_distributions(hidden[:, 1:q], min(q - 1, self.tree_nodes, TREE_TOP_K),
-                                                       block_ids if shared else None, forced)
-                chain = chain and not shared
-            if chain:
-                conf = self._draft_chain(hidden[:, 1:q], block_ids, forced, trim is not None, starts)
-            if self.lookup is not None:
-                from_lookup = self._lookup_proposals(block_ids)
-                if self._draft_q is not None and any(from_lookup):
-                    self._draft_q = _one_hot_where(self._draft_q, block_ids[:, 1:], from_lookup)
+            proposal = self._propose(hidden[:, 1:q], trees, trim is not None)
+            if proposal.ids is not None:  # a fixed tree step reads only block_ids[:, :1]
+                block_ids[:, 1:] = proposal.ids
+            from_lookup = list(proposal.looked) or from_lookup
+            self._draft_q = proposal.draft_q
+            if self._draft_q is not None and any(from_lookup):  # lookup proposals: drafts from a point mass
+                self._draft_q = _one_hot_where(self._draft_q, block_ids[:, 1:], from_lookup)
             if trim is not None:
+                conf = proposal.confidence.tolist()
                 # where trees are offered, the trim prices each row's best nodes against its chain
-                chosen = (trim(conf.tolist(), from_lookup, self._tree_offers(dists, q - 1)) if trees
-                          else trim(conf.tolist(), from_lookup))
+                chosen = (trim(conf, from_lookup, tree_offers([r.generated[-1] for r in rows], proposal.distributions,
+                                                              min(q - 1, self.tree_nodes)))
+                          if trees else trim(conf, from_lookup))
                 if isinstance(chosen, Shape):
                     trees, chosen = trees and chosen.tree, chosen.lengths
                 lengths = [max(1, min(q, int(n))) for n in (chosen if isinstance(chosen, list) else [chosen] * b)]
@@ -536,9 +507,7 @@ class DecodeBatch:
             if trees and max(lengths) > 1:
                 self._draft_q = None  # a tree step accepts by the target's keyed draws alone
                 self.tree_step = True
-                return self._verify_tree(dists, lengths, top, q - 1)
-        else:
-            self._plain_since_draft += 1
+                return self._verify_tree(proposal.distributions, lengths, top, q - 1)
         lengths, masks = self._cut(block_ids, lengths)
         q = max(lengths)
         if q < block_ids.shape[1]:  # verify only the first q tokens of the drafted block
@@ -550,91 +519,40 @@ class DecodeBatch:
         return self._verify_and_commit(block_ids, positions, offsets, top, from_lookup, lengths, limit, padding,
                                        masks)
 
-    def _draft_chain(self, hidden: torch.Tensor, block_ids: torch.Tensor, forced: torch.Tensor | None,
-                     confidence: bool, starts: list[int]) -> torch.Tensor | None:
-        """A chain step's proposals from the draft hidden states [b, q-1, H], written into
-        block_ids[:, 1:] [b, q]: greedy argmax, a DFlash 2 walk or keyed draws (sets `_draft_q`
-        where the standard rule needs it). Returns with `confidence` the drafts' confidences
-        [b, q-1] a trim reads, else None."""
-        conf = None
-        greedy = self.all_greedy
-        selector = self.drafter.candidate_selector is not None
-        if greedy and confidence:
-            block_ids[:, 1:], conf = self.drafter.greedy_with_confidence(hidden, self.target.head(), self.last, forced)
-        elif greedy:
-            block_ids[:, 1:] = self.drafter.greedy_tokens(hidden, self.target.head(), self.last, forced)  # [b, q-1]
-        if greedy:  # a DFlash 2 batch's greedy walk above is its chain: no sampled walk over it
-            if not selector:
-                self._mask_greedy_drafts(hidden, block_ids)
-        elif selector:
-            block_ids[:, 1:], conf, self._draft_q = self._sample_walk(hidden, forced, confidence, self._wants_q())
-        else:
-            draft_logits = self.drafter.logits(hidden, self.target.head())  # [b, q-1, V]
-            draft_probs = self._probs(draft_logits)
-            drawn = self._standard_sharpened(draft_probs)  # [b, q-1, V]: what each row draws from
-            # drawn with the draws the target's own sample at each position takes (dflash/sampling.py)
-            block_ids[:, 1:] = self.random.sample(drawn, starts)
-            if self._wants_q():
-                self._draft_q = drawn
-            if confidence:  # the request's q: the policy prices acceptance by its peaks
-                conf = draft_confidence(draft_probs)  # [b, q-1]
-            self._mask_drafts(draft_probs, block_ids, starts)
-        return conf
+    def _draft_hidden(self, positions: torch.Tensor, top: int) -> torch.Tensor:
+        """The draft pass of a block at positions [b, q] (the last token, then mask tokens) over
+        the context features queued since the last one: the drafter's final states [b, q, H]."""
+        self._joined_since_draft, self._plain_since_draft = False, 0
+        draft_ids = torch.full(positions.shape, self.drafter.mask_token_id, dtype=torch.long, device=self.device)
+        draft_ids[:, 0] = self.last
+        embeds = self.target.embed(draft_ids)  # [b, q, H]
+        if self.embed_scale != 1.0:
+            embeds = embeds * self.embed_scale
+        self.dcache.reserve(top, self.draft_top)
+        ctx_feats, ctx_pos = self.queue.take()  # [b, c, L*H], [b, c]
+        return self.draft(ctx_feats, ctx_pos, embeds, positions, self.dcache)
 
-    def _tree_distributions(self, hidden: torch.Tensor, top_k: int, chain_ids: torch.Tensor | None = None,
-                            forced: torch.Tensor | None = None) -> tuple[list[Distributions], torch.Tensor | None]:
-        """Per row, the drafter's distributions its tree grows from, for hidden [b, D, H] (block
-        positions 1..D). DFlash: each position's top_k under the row's shaping (a greedy row: the
-        draft softmax itself), read back in one transfer. DFlash 2: the selector's conditional
-        scores over each position's candidates.
-        With `chain_ids` [b, D + 1] (an all-greedy batch), also writes the greedy chain into
-        chain_ids[:, 1:] and returns its confidences [b, D], from the same head pass. DFlash: the
-        top-k's first column and its probability, which are the draft argmax and its softmax peak
-        (the same tie rule: cpu/top_k.py). DFlash 2: the selector's greedy walk over the same
-        candidates (`forced` as `Drafter.walk` takes it). Else the confidences are None."""
-        head = self.target.head()
-        conf = None
-        if self.drafter.candidate_selector is not None:
-            cands = self.drafter.candidates(hidden, head, normaliser=chain_ids is not None)
-            if chain_ids is not None:
-                chain_ids[:, 1:], conf = self.drafter.greedy_with_confidence(hidden, head, self.last, forced, cands=cands)
-            return [SelectorDistributions(self.drafter.candidate_selector, hidden[i], cands.ids[i], cands.logits[i])
-                    for i in range(hidden.shape[0])], conf
-        if self.all_greedy:
-            top, ids = self.drafter.top_logprobs(hidden, head, top_k)  # [b, D, k], descending
-            if chain_ids is not None:
-                chain_ids[:, 1:] = ids[..., 0]
-                conf = top[..., 0].exp()  # [b, D]
-        else:
-            logits = self.drafter.logits(hidden, head)  # [b, D, V]
-            logp = torch.log_softmax(logits.float(), dim=-1)
-            # sampled rows grow their trees where their own draws go
-            greedy = (self.temperature <= 0)[:, None, None]
-            logp = torch.where(greedy, logp, self._probs(logits).log())
-            # renormalising log-probabilities changes them by rounding only; the kernel's tie order
-            top, ids = top_logprobs(logp, min(top_k, logp.shape[-1]))  # [b, D, k], descending
-        return PositionDistributions.batch(ids, top), conf
+    def _proposer(self) -> BatchProposer:
+        """The batch's proposer (dflash/proposers/batched.py), chosen once for its drafter and its
+        rows' rules (greedy or sampled) and rebuilt only when rows join or leave: a DFlash block or
+        a DFlash 2 walk, under the lookup override where lookup is on."""
+        if self._proposals is None:
+            sampled = not self.all_greedy
+            walks = self.drafter.candidate_selector is not None
+            inner = (DFlash2WalkProposer(self.drafter, sampled) if walks
+                     else DFlashBlockProposer(self.drafter, sampled))
+            self._proposals = LookupOverride(inner, walks) if self.lookup is not None else inner
+        return self._proposals
 
-    def _tree_offers(self, dists: list[Distributions], width: int) -> list[TreeOffer]:
-        """Per row, the nodes of its best-first tree of up to min(width, tree_nodes) nodes, in
-        the order they are taken (`TreeOffer`): what a trim prices trees of every width by."""
-        out = []
-        budget = min(width, self.tree_nodes)
-        for r, dist in zip(self.rows, dists):
-            ranked = BestFirstProposer(budget).ranked(Draft(r.generated[-1], dist))
-            index = {path: i for i, (path, _) in enumerate(ranked)}
-            logp = {path: lp for path, lp in ranked}
-            siblings: dict[tuple[int, ...], int] = {}
-            depths, ranks, parents, probs = [], [], [], []
-            for path, lp in ranked:
-                parent = path[:-1]
-                depths.append(len(path))
-                ranks.append(siblings.get(parent, 0))  # siblings are taken in rank order
-                siblings[parent] = ranks[-1] + 1
-                parents.append(index[parent] if parent else -1)
-                probs.append(math.exp(lp - (logp[parent] if parent else 0.0)))
-            out.append(TreeOffer(tuple(depths), tuple(ranks), tuple(parents), tuple(probs)))
-        return out
+    def _propose(self, hidden: torch.Tensor, trees: bool, confidence: bool) -> BatchProposal:
+        """The proposals for draft hidden states hidden [b, q-1, H] at block positions 1..q-1:
+        with `trees` each row's distributions for its tree, and its chain too where a trim (which
+        reads the `confidence`s) may still answer with a chain."""
+        lookup = [cont[: hidden.shape[1]] for cont in self.lookup_plan()] if self.lookup is not None else ()
+        return self._proposer().propose(BatchDraft(
+            hidden, self.target.head(), self.last, self._starts(), self.random, self.temperature, self.top_k,
+            self.top_p, self.rules, [r.constraint for r in self.rows], lookup, chain=not trees or confidence,
+            confidence=confidence, tree_top_k=min(hidden.shape[1], self.tree_nodes, TREE_TOP_K) if trees else 0))
 
     def _verify_tree(self, dists: list[Distributions], lengths: list[int], top: int, depth: int) -> int:
         """A step that verifies a token tree per row (section 5.3 of docs/DESIGN.md): row i spends
@@ -744,42 +662,6 @@ class DecodeBatch:
             return lengths, None
         return cut_block(constraints, block_ids.tolist(), lengths, self.target.info.vocab_size)
 
-    def _standard_sharpened(self, draft_probs: torch.Tensor) -> torch.Tensor:
-        """draft_probs [b, n, V] with the standard rule's rows sharpened (`sampling.sharpened`):
-        their proposals come from it, and the rule tests them against it. Other rows keep theirs
-        (a keyed row's coupling with the target's draw is that of the request's q; a constrained
-        row redraws from the request's q masked by its grammar, `_mask_drafts`)."""
-        rows = [i for i, (rule, r) in enumerate(zip(self.rules, self.rows))
-                if rule == "standard" and r.constraint is None]
-        if not rows or sampling.STANDARD_DRAFT_FACTOR == 1.0:
-            return draft_probs
-        if len(rows) == len(self.rows):
-            return sharpened(draft_probs)
-        index = torch.tensor(rows, device=draft_probs.device)
-        return draft_probs.index_copy(0, index, sharpened(draft_probs[index]))
-
-    def _mask_drafts(self, draft_probs: torch.Tensor, block_ids: torch.Tensor, starts: list[int]) -> None:
-        """Redraws the proposals of sampled constrained rows from their draft distributions
-        draft_probs [b, q-1, V] masked by their grammar (in place), so none breaks it."""
-        rows = [i for i, r in enumerate(self.rows) if r.constraint is not None and not r.params.greedy]
-        if not rows:
-            return
-        random = RowRandom([self.random.seeds[i] for i in rows])
-        ids = sample_masked(draft_probs, rows, [r.constraint for r in self.rows], starts, random.sample)
-        block_ids[torch.tensor(rows, device=block_ids.device), 1:] = ids.to(block_ids.device)
-
-    def _mask_greedy_drafts(self, hidden: torch.Tensor, block_ids: torch.Tensor) -> None:
-        """Replaces constrained rows' greedy proposals by the best tokens their grammar allows
-        (their draft logits from hidden [b, q-1, H]), so fewer blocks are cut at a proposal the
-        target could never accept."""
-        rows = [i for i, r in enumerate(self.rows) if r.constraint is not None]
-        if not rows:
-            return
-        index = torch.tensor(rows, device=hidden.device)
-        logits = self.drafter.logits(hidden[index], self.target.head())  # [m, q-1, V]
-        ids = argmax_masked(logits, rows, [r.constraint for r in self.rows])
-        block_ids[index, 1:] = ids.to(block_ids.device)
-
     def _argmax_pass(self, ids: torch.Tensor, positions: torch.Tensor, cache: TargetCache, masks: RowMasks | None,
                      last_logits_only: bool = False, until_rejected: bool = False
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -827,7 +709,8 @@ class DecodeBatch:
         positions = self.cur[:, None] + offsets  # [b, q]
         top = max(self.cur_host) + q
         block_ids = self.last[:, None].repeat(1, q)  # [b, q]
-        looked = self._lookup_proposals(block_ids)  # each row's continuation; past its length it is padding
+        # each row's continuation; past its length it is padding
+        block_ids[:, 1:], looked = splice(block_ids[:, 1:], plan)
         if self._wants_q():  # lookup proposals are deterministic: one-hot drafts
             self._draft_q = _one_hot_where(None, block_ids[:, 1:], looked, self._vocab())
         lengths, masks = self._cut(block_ids, lengths)
@@ -950,60 +833,6 @@ class DecodeBatch:
                           for r in self.rows]
         return self._plan
 
-    def _lookup_forced(self, q: int) -> torch.Tensor | None:
-        """[b, q-1]: each row's lookup continuation at the proposal positions it will take, -1
-        elsewhere; None when no row has one."""
-        plan = [cont[: q - 1] for cont in self.lookup_plan()]
-        if not any(plan):
-            return None
-        rows = [cont + [-1] * (q - 1 - len(cont)) for cont in plan]
-        return torch.tensor(rows, dtype=torch.long, device=self.device)
-
-    def _sample_walk(self, hidden: torch.Tensor, forced: torch.Tensor | None, confidence: bool, keep_q: bool = False
-                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """A DFlash 2 drafter's sampled proposals for hidden [b, n, H]: the selector's walk from
-        each row's last token, drawing position t's proposal from q_t = the row's shaping
-        (temperature, top-k, top-p, as the target's p gets it) of its scores S_t(prev, .) over
-        the candidates, zero elsewhere. Returns (ids [b, n], with `confidence` the
-        peaks [b, n] of the unary candidates' shaped distributions times their unary mass: the
-        confidences an adaptive step trims by, which, unlike q_t, do not depend on the earlier
-        samples, else None; with `keep_q` the q_t each proposal was drawn from, spread over the
-        vocabulary [b, n, V] (the standard rule's q), else None)."""
-        head = self.target.head()
-        cands = self.drafter.candidates(hidden, head, normaliser=confidence)
-        starts = self._starts()
-
-        def pick(t: int, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            probs = self._probs(scores[:, None])[:, 0]  # [b, K]
-            # the clocks of the candidates' own ids at this output position: the target's sample
-            # there races with the same clocks, so the walk's choice is what it will mostly accept
-            return self.random.race(probs, cands.ids[:, t], [s + t for s in starts]), probs
-
-        ids, kept = self.drafter.walk(hidden, cands, self.last, pick, forced)  # kept [b, n, K]
-        q = None
-        if keep_q:
-            q = kept.new_zeros(*kept.shape[:2], self._vocab()).scatter_(-1, cands.ids, kept)
-        if not confidence:
-            return ids, None, q
-        mass = torch.exp(cands.logits.logsumexp(-1) - cands.logsumexp)  # [b, n]
-        return ids, self._probs(cands.logits).max(dim=-1).values * mass, q
-
-    def _lookup_proposals(self, block_ids: torch.Tensor) -> list[int]:
-        """Writes each row's lookup continuation over its drafted proposals (dflash/lookup.py);
-        returns how many proposals per row came from lookup. Verification does not ask where a
-        proposal came from: it keeps proposals while they equal the target's own tokens."""
-        q = block_ids.shape[1]
-        plan = [cont[: q - 1] for cont in self.lookup_plan()]
-        rows_i = [i for i, cont in enumerate(plan) for _ in cont]
-        if not rows_i:
-            return [0] * len(plan)
-        cols = [k for cont in plan for k in range(1, 1 + len(cont))]
-        vals = [t for cont in plan for t in cont]
-        d = block_ids.device
-        ri, ci, v = (torch.tensor(x, dtype=torch.long, device=d) for x in (rows_i, cols, vals))
-        block_ids[ri, ci] = v
-        return [len(cont) for cont in plan]
-
     def _commit(self, r: Row, new: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
         """Appends tokens (and their logprobs), applying stop tokens, stop strings and the length limit."""
         for j, t in enumerate(new):
@@ -1039,6 +868,7 @@ class DecodeBatch:
         gone = [self.rows[i] for i in done]
         if done:
             self._plan = None
+            self._proposals = None  # the rows' rules changed
         if len(done) == len(self.rows) and done:
             self._reset()
             return gone
@@ -1136,12 +966,6 @@ def _one_hot_where(q: torch.Tensor | None, proposals: torch.Tensor, looked: list
         return onehot
     mask = torch.arange(n, device=proposals.device)[None] < torch.tensor(looked, device=proposals.device)[:, None]
     return torch.where(mask[..., None], onehot, q)
-
-
-def draft_confidence(draft_probs: torch.Tensor) -> torch.Tensor:
-    """The peak of each draft distribution [b, n, V] -> [b, n]: what a sampled step's verify
-    length is chosen by (see Trim; not the sampled proposals' own probabilities)."""
-    return draft_probs.amax(dim=-1)  # values alone: `max` also finds the index, several times slower
 
 
 def captured_features(r: Row) -> torch.Tensor | None:

@@ -62,7 +62,8 @@ import torch
 
 from blockspec.targets.base import greedy_forward, greedy_forward_tree
 from blockspec.targets.slots import EMPTY
-from blockspec.dflash.batch import DecodeBatch, Row, Shape, TreeOffer, Trim, draft_confidence
+from blockspec.dflash.batch import DecodeBatch, Row, Shape, TreeOffer, Trim
+from blockspec.dflash.proposers import draft_confidence
 from blockspec.dflash.node_acceptance import RANKS, NodeAcceptance, best_tree_expectations
 from blockspec.dflash.proposers import BestFirstProposer, Draft, PositionDistributions
 from blockspec.dflash.sampling import RowRandom, probabilities

@@ -1,6 +1,6 @@
-"""The pieces of a token-tree step (docs/DESIGN.md section 5.3) that `DecodeBatch` composes: each
-row's tree from its draft (proposers/), the batch's trees as one verify pass's tensors, and the
-statistics of the path a row accepted.
+"""The pieces of a token-tree step (docs/DESIGN.md section 5.3) that `DecodeBatch` composes: what a
+trim is offered of each row's tree, each row's tree from its draft (proposers/), the batch's trees
+as one verify pass's tensors, and the statistics of the path a row accepted.
 
 A row's tree spends its verify budget best-first (`BestFirstProposer`) over the drafter's
 distributions; an n-gram lookup continuation, where the row has one, is one more branch
@@ -10,6 +10,7 @@ for whatever the proposals are.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -46,6 +47,42 @@ def propose_tree(root: int, distributions: Distributions, lookup: Sequence[int],
     if branch and own < len(branch):
         tree, _ = grown(budget - own)
     return tree
+
+
+@dataclass(frozen=True)
+class TreeOffer:
+    """A row's best-first tree nodes, best first (the first k of them are its tree of k nodes),
+    as a trim prices them: each node's depth (1: the first proposal), rank among its siblings (0:
+    the drafter's first choice), parent (an index into these nodes; -1: the root) and the
+    drafter's probability of its token given its parent's."""
+
+    depths: tuple[int, ...]
+    ranks: tuple[int, ...]
+    parents: tuple[int, ...]
+    probs: tuple[float, ...]
+
+
+
+def tree_offers(roots: Sequence[int], dists: Sequence[Distributions], budget: int) -> list[TreeOffer]:
+    """Per row, the nodes of its best-first tree of up to `budget` nodes grown from `roots[r]`
+    over dists[r], in the order they are taken: what a trim prices trees of every width by. The
+    ranking is kept in the distributions, so building the chosen tree after reuses it."""
+    out = []
+    for root, dist in zip(roots, dists):
+        ranked = BestFirstProposer(budget).ranked(Draft(root, dist))
+        index = {path: i for i, (path, _) in enumerate(ranked)}
+        logp = {path: lp for path, lp in ranked}
+        siblings: dict[tuple[int, ...], int] = {}
+        depths, ranks, parents, probs = [], [], [], []
+        for path, lp in ranked:
+            parent = path[:-1]
+            depths.append(len(path))
+            ranks.append(siblings.get(parent, 0))  # siblings are taken in rank order
+            siblings[parent] = ranks[-1] + 1
+            parents.append(index[parent] if parent else -1)
+            probs.append(math.exp(lp - (logp[parent] if parent else 0.0)))
+        out.append(TreeOffer(tuple(depths), tuple(ranks), tuple(parents), tuple(probs)))
+    return out
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,116 @@
+"""A DFlash drafter's block proposals: each position's proposal read off its own draft
+distribution, the positions independent of each other.
+
+Greedy (every row at temperature 0): the draft argmax, whose top-k's first column is the same
+token (the same tie rule: cpu/top_k.py), so a step offered trees reads its chain from the top-k
+its trees grow from. Sampled (any row sampling): each row draws from its shaped draft
+distribution with the draws the target's own sample takes at that output position
+(dflash/sampling.py; a row of the standard rule from the sharpened one it is tested against), and
+its tree grows from the same shaped distribution, where its draws go.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from blockspec.cpu.top_k import top_logprobs
+from blockspec.dflash import sampling
+from blockspec.dflash.constraint import argmax_masked, sample_masked
+from blockspec.dflash.drafter import DFlashDrafter
+from blockspec.dflash.proposers.base import PositionDistributions
+from blockspec.dflash.proposers.batched import BatchDraft, BatchProposal
+from blockspec.dflash.sampling import RowRandom, sharpened
+
+
+@dataclass(frozen=True, eq=False)
+class DFlashBlockProposer:
+    """`drafter`'s block (one without a candidate selector); `sampled`: some row samples."""
+
+    drafter: DFlashDrafter
+    sampled: bool
+
+    def propose(self, draft: BatchDraft) -> BatchProposal:
+        return self._sampled(draft) if self.sampled else self._greedy(draft)
+
+    def _greedy(self, draft: BatchDraft) -> BatchProposal:
+        hidden, head = draft.hidden, draft.head
+        ids = conf = dists = None
+        if draft.tree_top_k:
+            top, top_ids = self.drafter.top_logprobs(hidden, head, draft.tree_top_k)  # [b, D, k], descending
+            dists = PositionDistributions.batch(top_ids, top)
+            if draft.chain:  # the argmax and its softmax peak
+                ids = top_ids[..., 0]
+                conf = top[..., 0].exp() if draft.confidence else None  # [b, D]
+            return BatchProposal(ids, conf, None, dists)
+        if draft.confidence:
+            ids, conf = self.drafter.greedy_with_confidence(hidden, head, draft.last)
+        else:
+            ids = self.drafter.greedy_tokens(hidden, head, draft.last)  # [b, D]
+        return BatchProposal(self._mask_greedy(draft, ids), conf)
+
+    def _sampled(self, draft: BatchDraft) -> BatchProposal:
+        logits = self.drafter.logits(draft.hidden, draft.head)  # [b, D, V]: the step's one head pass
+        probs = draft.probs(logits)  # [b, D, V]: each row's shaped draft distribution
+        dists = None
+        if draft.tree_top_k:
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            # sampled rows grow their trees where their own draws go
+            greedy = (draft.temperature <= 0)[:, None, None]
+            logp = torch.where(greedy, logp, probs.log())
+            # renormalising log-probabilities changes them by rounding only; the kernel's tie order
+            top, top_ids = top_logprobs(logp, min(draft.tree_top_k, logp.shape[-1]))  # [b, D, k], descending
+            dists = PositionDistributions.batch(top_ids, top)
+        if not draft.chain:
+            return BatchProposal(None, None, None, dists)
+        drawn = _standard_sharpened(draft, probs)  # [b, D, V]: what each row draws from
+        # drawn with the draws the target's own sample at each position takes (dflash/sampling.py)
+        ids = draft.random.sample(drawn, list(draft.starts))  # [b, D]
+        conf = draft_confidence(probs) if draft.confidence else None  # the request's q: a trim prices by its peaks
+        _mask_sampled(draft, probs, ids)
+        return BatchProposal(ids, conf, drawn if draft.keep_q else None, dists)
+
+    def _mask_greedy(self, draft: BatchDraft, ids: torch.Tensor) -> torch.Tensor:
+        """ids [b, D] with constrained rows' proposals replaced by the best tokens their grammar
+        allows (their draft logits), so fewer blocks are cut at a proposal the target could never
+        accept."""
+        rows = [i for i, c in enumerate(draft.constraints) if c is not None]
+        if not rows:
+            return ids
+        index = torch.tensor(rows, device=draft.hidden.device)
+        logits = self.drafter.logits(draft.hidden[index], draft.head)  # [m, D, V]
+        ids[index] = argmax_masked(logits, rows, list(draft.constraints)).to(ids.device)
+        return ids
+
+
+def draft_confidence(draft_probs: torch.Tensor) -> torch.Tensor:
+    """The peak of each draft distribution [b, n, V] -> [b, n]: what a sampled step's verify
+    length is chosen by (see dflash/batch.py `Trim`; not the sampled proposals' own
+    probabilities)."""
+    return draft_probs.amax(dim=-1)  # values alone: `max` also finds the index, several times slower
+
+
+def _standard_sharpened(draft: BatchDraft, draft_probs: torch.Tensor) -> torch.Tensor:
+    """draft_probs [b, n, V] with the standard rule's rows sharpened (`sampling.sharpened`):
+    their proposals come from it, and the rule tests them against it. Other rows keep theirs
+    (a keyed row's coupling with the target's draw is that of the request's q; a constrained
+    row redraws from the request's q masked by its grammar, `_mask_sampled`)."""
+    rows = [i for i, (rule, c) in enumerate(zip(draft.rules, draft.constraints)) if rule == "standard" and c is None]
+    if not rows or sampling.STANDARD_DRAFT_FACTOR == 1.0:
+        return draft_probs
+    if len(rows) == draft_probs.shape[0]:
+        return sharpened(draft_probs)
+    index = torch.tensor(rows, device=draft_probs.device)
+    return draft_probs.index_copy(0, index, sharpened(draft_probs[index]))
+
+
+def _mask_sampled(draft: BatchDraft, draft_probs: torch.Tensor, ids: torch.Tensor) -> None:
+    """Redraws the proposals ids [b, D] of sampled constrained rows from their draft
+    distributions draft_probs [b, D, V] masked by their grammar (in place), so none breaks it."""
+    rows = [i for i, (c, rule) in enumerate(zip(draft.constraints, draft.rules)) if c is not None and rule != "greedy"]
+    if not rows:
+        return
+    random = RowRandom([draft.random.seeds[i] for i in rows])
+    drawn = sample_masked(draft_probs, rows, list(draft.constraints), list(draft.starts), random.sample)
+    ids[torch.tensor(rows, device=ids.device)] = drawn.to(ids.device)
