@@ -121,3 +121,41 @@ def test_a_batch_whose_policy_never_drafts_runs_no_draft_pass(model, monkeypatch
     for _ in range(6):
         probing.step(batch)
     assert passes
+
+
+def test_a_long_plain_run_folds_its_queue_into_the_draft_cache(model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past FOLD_COLUMNS queued columns `retire` folds the queue into the draft cache, so a batch
+    that keeps decoding plainly keeps a bounded queue (and backlog), and its next drafting step
+    drafts what it would have after reading the whole backlog at once: the same draft hidden
+    states, the same acceptance, the same tokens."""
+    import blockspec.dflash.batch as batch_module
+
+    blocks = [1] * 12 + [3] + [1] * 5 + [4] + [1] * 3 + [2]
+
+    def run(fold_columns: int) -> tuple[DecodeBatch, list[torch.Tensor], list[int]]:
+        monkeypatch.setattr(batch_module, "FOLD_COLUMNS", fold_columns)
+        batch = _batch(model, [[5, 6, 7, 8, 9], [9, 8], [11, 12, 13]], max_new=40)
+        passes: list[torch.Tensor] = []
+        draft = batch.draft
+        monkeypatch.setattr(batch, "draft", lambda *a, **k: (h := draft(*a, **k), passes.append(h))[0])
+        widths = []
+        for block in blocks:
+            batch.step(block)
+            batch.retire()
+            widths.append(batch.queue.width)
+        return batch, passes, widths
+
+    eager, eager_passes, eager_widths = run(10_000)
+    folded, folded_passes, folded_widths = run(4)
+    assert max(eager_widths) > 12 and max(folded_widths) <= 4
+    drafting = [h for h in folded_passes if h.shape[1] > 1]  # the folds' blocks are one token
+    assert len(eager_passes) == len(drafting) == 3 < len(folded_passes)
+    for a, b in zip(eager_passes, drafting):
+        torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-9)
+    assert [r.generated for r in folded.rows] == [r.generated for r in eager.rows]
+    assert [r.tries for r in folded.rows] == [r.tries for r in eager.rows]
+    assert [r.stats.accepted_by_position for r in folded.rows] == [r.stats.accepted_by_position for r in eager.rows]
+    assert folded.draft_backlog == 0 or folded.draft_backlog <= len(folded.rows) * 4
+    # a fold with nothing queued does nothing
+    folded.queue.take()
+    assert not folded.fold_queue()
