@@ -11,7 +11,7 @@ from conftest import make_tiny_target
 
 from blockspec.config import LookupConfig, SamplingParams
 from blockspec.dflash.batch import DecodeBatch, make_row
-from blockspec.dflash.drafter import new_drafter_for_target
+from blockspec.dflash.drafter import DFLASH, DFLASH2, new_drafter_for_target
 from blockspec.dflash.policy import RULES, AdaptiveBlock, CostModel, _counts, expected_by_block
 from blockspec.targets.native import load_native_target
 
@@ -21,9 +21,11 @@ def model():
     return make_tiny_target(seed=3)
 
 
-def _batch(model, prompts: list[list[int]], max_new: int = 40) -> DecodeBatch:
+def _batch(model, prompts: list[list[int]], max_new: int = 40, architecture: str = DFLASH) -> DecodeBatch:
     target = load_native_target(model, dtype=None, eos_token_ids=())
-    drafter = new_drafter_for_target(model.config, mask_token_id=47, num_layers=1, dtype=torch.float64)
+    dflash2 = dict(conv_group_size=8, selector_rank=8, selector_top_k=4) if architecture == DFLASH2 else None
+    drafter = new_drafter_for_target(model.config, mask_token_id=47, num_layers=1, dtype=torch.float64,
+                                     block_size=4, architecture=architecture, dflash2=dflash2)
     batch = DecodeBatch(target, drafter, max_block=4, lookup=LookupConfig(min_ngram=1))
     _join(batch, prompts, max_new)
     return batch
@@ -123,18 +125,20 @@ def test_a_batch_whose_policy_never_drafts_runs_no_draft_pass(model, monkeypatch
     assert passes
 
 
-def test_a_long_plain_run_folds_its_queue_into_the_draft_cache(model, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("architecture", [DFLASH, DFLASH2])
+def test_a_long_plain_run_folds_its_queue_into_the_draft_cache(model, architecture: str,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Past FOLD_COLUMNS queued columns `retire` folds the queue into the draft cache, so a batch
     that keeps decoding plainly keeps a bounded queue (and backlog), and its next drafting step
     drafts what it would have after reading the whole backlog at once: the same draft hidden
-    states, the same acceptance, the same tokens."""
+    states, the same acceptance, the same tokens (DFlash 2's convolutions see a one-token block)."""
     import blockspec.dflash.batch as batch_module
 
     blocks = [1] * 12 + [3] + [1] * 5 + [4] + [1] * 3 + [2]
 
     def run(fold_columns: int) -> tuple[DecodeBatch, list[torch.Tensor], list[int]]:
         monkeypatch.setattr(batch_module, "FOLD_COLUMNS", fold_columns)
-        batch = _batch(model, [[5, 6, 7, 8, 9], [9, 8], [11, 12, 13]], max_new=40)
+        batch = _batch(model, [[5, 6, 7, 8, 9], [9, 8], [11, 12, 13]], max_new=40, architecture=architecture)
         passes: list[torch.Tensor] = []
         draft = batch.draft
         monkeypatch.setattr(batch, "draft", lambda *a, **k: (h := draft(*a, **k), passes.append(h))[0])
