@@ -45,6 +45,16 @@ from blockspec.dflash.constraint import RowMasks, TokenConstraint, cut_block, fi
 from blockspec.cpu.argmax import greedy_ids
 from blockspec.cpu.linear import project
 
+# A batch that keeps decoding plainly queues a column of features per step (`FeatureQueue`), and a
+# busy one never empties to drop them (rows leave and join one at a time): the queue's memory, and
+# the catch-up its next draft pass would read (which the adaptive policy prices into drafting:
+# `draft_backlog`), grew without bound (BENCHMARKS.md, "Concurrency 8 and 16"). Past this many
+# columns `retire` folds the queue into the draft cache (`fold_queue`): the work the next draft
+# pass would have done, done early, once per this many steps, so memory and the backlog's price
+# stay bounded and a batch that drafts within that many steps does no drafter work before it.
+FOLD_COLUMNS = 512
+
+
 @dataclass
 class RequestStats:
     """Per-request statistics. tau counts committed tokens per decode step (accepted + 1)."""
@@ -888,7 +898,25 @@ class DecodeBatch:
             self.tcache.compact(self.compact_ratio)
             if self.dcache is not None:
                 self.dcache.compact(self.compact_ratio)
+            if self.queue.width > FOLD_COLUMNS:
+                self.fold_queue()
         return gone
+
+    @torch.inference_mode()
+    def fold_queue(self) -> bool:
+        """Reads every queued context feature into the draft cache now, as the next draft pass
+        would have (a pass whose block is each row's last token, its output dropped); False
+        where there is nothing to fold. The next drafting step then reads only what came after."""
+        if self.drafter is None or not self.queue or not self.rows:
+            return False
+        embeds = self.target.embed(self.last[:, None])  # [b, 1, H]
+        if self.embed_scale != 1.0:
+            embeds = embeds * self.embed_scale
+        self.dcache.reserve(max(self.cur_host) + 1, self.draft_top)
+        ctx_feats, ctx_pos = self.queue.take()  # [b, c, L*H], [b, c]
+        self.draft(ctx_feats, ctx_pos, embeds, self.cur[:, None], self.dcache)
+        self._joined_since_draft, self._plain_since_draft = False, 0
+        return True
 
 
 def node_trials(row: int, tree: TokenTree, acceptance: TreeAcceptance, dist: Distributions) -> list[NodeTrial]:

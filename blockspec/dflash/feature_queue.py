@@ -1,7 +1,8 @@
 """The target features of committed tokens that the drafter has not read yet (DecodeBatch's queue).
 
 Every verification appends its rows' features; rows leave the batch and join it with their
-prompts' features; a draft pass reads everything queued at once and empties the queue. Between
+prompts' features; a draft pass reads everything queued at once and empties the queue (so does
+the batch's fold of a long queue, `DecodeBatch.fold_queue`). Between
 draft passes (a run of plain steps: most steps of a large batch under the adaptive policy) none
 of that may copy what is queued: the queue grows by a column per step, and copying it at each
 retirement and join cost a large batch more than the rest of its plain steps' bookkeeping

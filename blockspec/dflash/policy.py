@@ -631,6 +631,13 @@ class AdaptiveBlock:
         # batch of 8 drafted after runs of plain steps at about 2.4x a plain step's cost where its
         # estimate said 2.1x. A lone row's choices leave it out (its backlog is small).
         self.catch_up = 0.0
+        # `expected` runs at every step, yet a run of plain steps moves none of what it reads: no
+        # acceptance count changes without a verified proposal. So `priors` are kept until
+        # `record` changes the batch-wide counts (`_recorded`), and each row's expectation
+        # (`_row_expected`) until its own counts, its lookup plan's length or its cap change.
+        self._recorded = 0
+        self._priors: dict[bool, tuple[tuple, dict[str, list[float]]]] = {}
+        self._rows_expected: dict[int, tuple[Row, tuple, list[float]]] = {}
 
     def _acceptance(self, rule: str) -> Acceptance:
         if rule not in self.acceptance:
@@ -649,8 +656,15 @@ class AdaptiveBlock:
         return [(a + weight * self.prior) / (t + weight) for a, t in zip(accepted, tries)]
 
     def priors(self, *, lookup: bool = False) -> dict[str, list[float]]:
-        """`global_rates` of every verification rule, what each row's own rates shrink towards."""
-        return {rule: self.global_rates(lookup=lookup, rule=rule) for rule in RULES}
+        """`global_rates` of every verification rule, what each row's own rates shrink towards
+        (kept until `record` moves the counts; callers only read it)."""
+        key = (self._recorded, self.prior)
+        kept = self._priors.get(lookup)
+        if kept is not None and kept[0] == key:
+            return kept[1]
+        priors = {rule: self.global_rates(lookup=lookup, rule=rule) for rule in RULES}
+        self._priors[lookup] = (key, priors)
+        return priors
 
     def record(self, rows: list[Row], before: list[tuple[list[int], ...]], trials: list | None = None,
                confidences: list[list[float]] | None = None) -> None:
@@ -658,6 +672,7 @@ class AdaptiveBlock:
         `trials`: a tree step's node trials (DecodeBatch.node_trials), booked by (depth, rank);
         without them the step verified chains, whose proposals are rank-0 trials (with their
         drafter probabilities where `confidences`, the trimmed step's, were read back)."""
+        self._recorded += 1
         for i, (r, (acc0, tries0, lacc0, ltries0)) in enumerate(zip(rows, before)):
             counts = self._acceptance(r.params.rule)
             nodes = self.node_acceptance(r.params.rule)
@@ -678,16 +693,35 @@ class AdaptiveBlock:
         """Expected committed tokens of the whole batch for block sizes 1..max_block. A row with
         a lookup continuation of m ids (`plan`) expects from lookup's rates up to m proposals and
         nothing after them (drafted proposals behind a lookup prefix rarely fit it)."""
-        priors, lookup_priors = self.priors(), self.priors(lookup=True)
+        if len(self._rows_expected) > 2 * len(rows) + 64:  # forget rows that left
+            self._rows_expected = {id(r): e for r in rows if (e := self._rows_expected.get(id(r))) is not None}
         totals = [0.0] * self.max_block
         for i, r in enumerate(rows):
-            m = len(plan[i]) if plan else 0
-            if m:
-                rates = r.acceptance_rates(lookup_priors, lookup=True)[:m]
-            else:
-                rates = r.acceptance_rates(priors)
-            totals = list(map(add, totals, expected_by_block(rates, self.max_block, r.remaining)))
+            totals = list(map(add, totals, self._row_expected(r, len(plan[i]) if plan else 0)))
         return totals
+
+    def _row_expected(self, r: Row, m: int) -> list[float]:
+        """One row's [E(1), ..., E(max_block)] with a lookup continuation of m ids (0: none),
+        kept while nothing it reads changes: the batch-wide counts, the row's own counts of the
+        kind it uses (they only grow with verified proposals), m, and its remaining tokens where
+        they cap E (E never exceeds max_block)."""
+        lookup = m > 0
+        if not isinstance(r, Row):  # a stand-in whose rates may come from anything: computed afresh
+            return expected_by_block(self._row_rates(r, m), self.max_block, r.remaining)
+        acc = r.stats.lookup_accepted_by_position if lookup else r.stats.accepted_by_position
+        tries = r.lookup_tries if lookup else r.tries
+        key = (self._recorded, self.prior, m, min(r.remaining, self.max_block), tuple(acc), tuple(tries))
+        kept = self._rows_expected.get(id(r))
+        if kept is not None and kept[0] is r and kept[1] == key:
+            return kept[2]
+        out = expected_by_block(self._row_rates(r, m), self.max_block, r.remaining)
+        self._rows_expected[id(r)] = (r, key, out)
+        return out
+
+    def _row_rates(self, r: Row, m: int) -> list[float]:
+        """The rates a row's expectation reads: lookup's for its m looked-up proposals, else the
+        drafter's."""
+        return r.acceptance_rates(self.priors(lookup=True), lookup=True)[:m] if m else r.acceptance_rates(self.priors())
 
     def tree_expected(self, rows: list[Row], plan: list[list[int]] | None, tree_nodes: int) -> list[float]:
         """Expected committed tokens of the whole batch for tree steps of 1..max_block nodes
@@ -1031,9 +1065,8 @@ class AdaptiveBlock:
         self.tree_steps += tree
         # A ragged step costs what a uniform one of its mean length does (the matmuls cost by rows).
         size = used if trim is None else max(1, min(self.max_block, round(batch.verified / b)))
-        drafts = model.draft_table(b)
-        if drafts is not None and self._drafted not in (None, size):  # priced as if it had drafted only `size`
-            seconds += drafts[size - 1] - drafts[self._drafted - 1]
+        if self._drafted not in (None, size) and (drafts := model.draft_table(b)) is not None:
+            seconds += drafts[size - 1] - drafts[self._drafted - 1]  # priced as if it had drafted only `size`
         if batch.caught_up and backlog > 0 and not tree:
             self._learn_catch_up((seconds - model.cost(b, size)) / backlog)
         if not batch.caught_up:
