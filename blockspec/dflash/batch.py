@@ -909,13 +909,7 @@ class DecodeBatch:
         where there is nothing to fold. The next drafting step then reads only what came after."""
         if self.drafter is None or not self.queue or not self.rows:
             return False
-        embeds = self.target.embed(self.last[:, None])  # [b, 1, H]
-        if self.embed_scale != 1.0:
-            embeds = embeds * self.embed_scale
-        self.dcache.reserve(max(self.cur_host) + 1, self.draft_top)
-        ctx_feats, ctx_pos = self.queue.take()  # [b, c, L*H], [b, c]
-        self.draft(ctx_feats, ctx_pos, embeds, self.cur[:, None], self.dcache)
-        self._joined_since_draft, self._plain_since_draft = False, 0
+        self._draft_hidden(self.cur[:, None], max(self.cur_host) + 1)  # a block of the last token alone
         return True
 
 
