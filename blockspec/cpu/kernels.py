@@ -140,6 +140,9 @@ def _load() -> object | None:
     fn.nucleus = lib.bs_nucleus
     fn.nucleus.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 4 + [ctypes.c_int]
     fn.nucleus.restype = ctypes.c_int
+    fn.nucleus_ids = lib.bs_nucleus_ids
+    fn.nucleus_ids.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 4 + [ctypes.c_int]
+    fn.nucleus_ids.restype = ctypes.c_int
     fn.top_k = {torch.float32: lib.bs_top_k, torch.bfloat16: lib.bs_top_k_bf16}
     for f in fn.top_k.values():
         f.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int]
@@ -399,12 +402,14 @@ def _peak(logits: torch.Tensor, with_peak: bool) -> tuple[torch.Tensor, torch.Te
     return top, peak
 
 
-def nucleus(logits: torch.Tensor, inv_t: torch.Tensor, top_p: torch.Tensor
-            ) -> tuple[torch.Tensor, torch.Tensor] | None:
+def nucleus(logits: torch.Tensor, inv_t: torch.Tensor, top_p: torch.Tensor, support: torch.Tensor | None = None,
+            vocab: int = 0) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The top-p nucleus of softmax(logits * inv_t) per row of fp32 logits [r, V] on the CPU
     (inv_t, top_p [r]) through `cpu/csrc/nucleus.c`: (probabilities [r, V], zero outside each
     row's nucleus; done [r] bool). Rows not done (a nucleus wider than the kernel's candidates)
-    are zero: the caller filters them its own way. None where the kernel does not take them."""
+    are zero: the caller filters them its own way. With `support` [m] (ascending token ids <
+    vocab), logits [r, m] are those tokens' alone, every other one -inf: the probabilities
+    [r, vocab] have the bits of the full row's. None where the kernel does not take them."""
     fn = kernel()
     if fn is None or logits.dtype != torch.float32 or logits.dim() != 2 or not logits.is_cpu or logits.shape[-1] == 0:
         return None
@@ -412,10 +417,20 @@ def nucleus(logits: torch.Tensor, inv_t: torch.Tensor, top_p: torch.Tensor
     rows = x.shape[0]
     inv = inv_t.detach().to(torch.float32).contiguous()
     p = top_p.detach().to(torch.float32).contiguous()
-    out = torch.zeros_like(x)
     done = torch.zeros(rows, dtype=torch.uint8)
-    if fn.nucleus(x.data_ptr(), rows, x.shape[-1], inv.data_ptr(), p.data_ptr(), out.data_ptr(), done.data_ptr(),
-                  torch.get_num_threads()):
+    threads = torch.get_num_threads()
+    if support is None:
+        out = torch.zeros_like(x)
+        failed = fn.nucleus(x.data_ptr(), rows, x.shape[-1], inv.data_ptr(), p.data_ptr(), out.data_ptr(),
+                            done.data_ptr(), threads)
+    else:
+        ids = support.detach().to(torch.int64).contiguous()
+        if ids.shape != (x.shape[-1],) or not ids.is_cpu:
+            return None
+        out = torch.zeros(rows, vocab)
+        failed = fn.nucleus_ids(x.data_ptr(), ids.data_ptr(), rows, x.shape[-1], vocab, inv.data_ptr(),
+                                p.data_ptr(), out.data_ptr(), done.data_ptr(), threads)
+    if failed:
         return None
     return out, done.bool()
 

@@ -571,8 +571,9 @@ class DecodeBatch:
         elif selector:
             block_ids[:, 1:], conf, self._draft_q = self._sample_walk(hidden, forced, confidence, self._wants_q())
         else:
-            draft_logits = self.drafter.logits(hidden, self.target.head())  # [b, q-1, V]
-            draft_probs = self._probs(draft_logits)
+            # the draft vocabulary's logits alone [b, q-1, Vd] (-inf elsewhere, not built) -> [b, q-1, V]
+            draft_logits, support = self.drafter.draft_logits(hidden, self.target.head())
+            draft_probs = probabilities(draft_logits, self.temperature, self.top_k, self.top_p, support, self._vocab())
             drawn = self._standard_sharpened(draft_probs)  # [b, q-1, V]: what each row draws from
             # drawn with the draws the target's own sample at each position takes (dflash/sampling.py)
             block_ids[:, 1:] = self.random.sample(drawn, starts)

@@ -278,9 +278,16 @@ class DFlashDrafter(nn.Module):
             if isinstance(head, nn.Linear):  # the full head is the target's: never copied
                 return self._shape_logits(project(head, hidden.to(head.weight.dtype), exact=False))
             return self._shape_logits(head(hidden))
-        sub = self._draft_vocab_logits(hidden, head).to(head.weight.dtype)  # [.., Vd]
+        sub, support = self.draft_logits(hidden, head)  # [.., Vd]
         full = sub.new_full((*sub.shape[:-1], head.weight.shape[0]), float("-inf"))
-        return full.index_copy_(-1, self.draft_vocab, sub)
+        return full.index_copy_(-1, support, sub)
+
+    def draft_logits(self, hidden: torch.Tensor, head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`logits` without the -inf: with a draft vocabulary its tokens' logits [.., Vd] (the
+        head's dtype) and their ids [Vd] (ascending), else the full logits [.., V] and None."""
+        if self.draft_vocab is None:
+            return self.logits(hidden, head), None
+        return self._draft_vocab_logits(hidden, head).to(head.weight.dtype), self.draft_vocab
 
     def greedy_tokens(self, hidden: torch.Tensor, head: nn.Module, anchor: torch.Tensor | None = None,
                       forced: torch.Tensor | None = None) -> torch.Tensor:

@@ -13,13 +13,24 @@ from blockspec.cpu import kernels
 
 
 def probabilities(
-    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+    support: torch.Tensor | None = None, vocab: int = 0,
 ) -> torch.Tensor:
     """logits [b, n, V] with per-row temperature/top_k/top_p [b] -> probabilities [b, n, V] (fp32).
 
     Rows with temperature 0 get a one-hot on the argmax (greedy). top_k 0 and top_p 1 are off.
+    `support` [m] (ascending token ids < vocab): logits [b, n, m] are those tokens' alone (a
+    draft vocabulary's), every other one -inf; the probabilities [b, n, vocab] are the same bits
+    as those of the logits spread over the vocabulary, which the chat clients' usual request
+    (temperature and top-p) never builds.
     """
     logits = logits.float()
+    if support is not None:
+        if bool((temperature > 0).all()) and bool((top_k <= 0).all()) and bool((top_p < 1).all()):
+            probs = _nucleus_kernel(logits, temperature.float(), top_p, support, vocab)
+            if probs is not None:
+                return probs
+        logits = spread(logits, support, vocab)
     b, n, v = logits.shape
     greedy = temperature <= 0
     temp = torch.where(greedy, torch.ones_like(temperature), temperature).float()  # [b]
@@ -70,22 +81,31 @@ def sharpened(probs: torch.Tensor, factor: float | None = None) -> torch.Tensor:
     return out.div_(out.sum(dim=-1, keepdim=True))
 
 
-def _nucleus_kernel(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor | None:
-    """`probabilities` of fp32 logits [b, n, V] at temperature [b] > 0 with top_p [b] < 1 and no
-    top-k, through `cpu/csrc/nucleus.c` (positions whose nucleus the kernel's candidates do not
-    hold go through `_top_p`); None where the kernel does not run (no compiler, not the CPU)."""
-    b, n, v = logits.shape
-    flat = logits.reshape(b * n, v)
+def spread(logits: torch.Tensor, support: torch.Tensor, vocab: int) -> torch.Tensor:
+    """logits [.., m] of the tokens `support` [m] -> [.., vocab], -inf elsewhere."""
+    full = logits.new_full((*logits.shape[:-1], vocab), float("-inf"))
+    return full.index_copy_(-1, support, logits)
+
+
+def _nucleus_kernel(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+                    support: torch.Tensor | None = None, vocab: int = 0) -> torch.Tensor | None:
+    """`probabilities` of fp32 logits [b, n, V] (or of `support`'s tokens [b, n, m], as there) at
+    temperature [b] > 0 with top_p [b] < 1 and no top-k, through `cpu/csrc/nucleus.c` (positions
+    whose nucleus the kernel's candidates do not hold go through `_top_p`); None where the
+    kernel does not run (no compiler, not the CPU)."""
+    b, n, m = logits.shape
+    flat = logits.reshape(b * n, m)
     per_position = lambda x: x.float()[:, None].expand(b, n).reshape(b * n)  # noqa: E731  [b] -> [b*n]
-    out = kernels.nucleus(flat, per_position(1.0 / temperature), per_position(top_p))
+    out = kernels.nucleus(flat, per_position(1.0 / temperature), per_position(top_p), support, vocab)
     if out is None:
         return None
     probs, done = out  # [b*n, V], [b*n]
     if not bool(done.all()):
         rest = (~done).nonzero()[:, 0]
-        scaled = flat[rest] / per_position(temperature)[rest][:, None]
+        rows = flat[rest] if support is None else spread(flat[rest], support, vocab)
+        scaled = rows / per_position(temperature)[rest][:, None]
         probs[rest] = _top_p(torch.softmax(scaled, dim=-1)[:, None], per_position(top_p)[rest])[:, 0]
-    return probs.reshape(b, n, v)
+    return probs.reshape(b, n, -1)
 
 
 NUCLEUS_HEAD = 64  # tokens sorted first per position by `_top_p` (x8 until the nucleus fits)
