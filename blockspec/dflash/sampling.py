@@ -25,11 +25,15 @@ def probabilities(
     (temperature and top-p) never builds.
     """
     logits = logits.float()
+    v = vocab if support is not None else logits.shape[-1]
+    # chat clients' usual request (temperature and top-p, no top-k, no greedy row): the kernel's
+    # passes, no V-wide copies, one test of the rows' settings (what the general path below does
+    # for such rows, without its other small operations)
+    if bool(((temperature > 0) & (top_p < 1) & ((top_k <= 0) | (top_k >= v))).all()):
+        probs = _nucleus_kernel(logits, temperature.float(), top_p, support, vocab)
+        if probs is not None:
+            return probs
     if support is not None:
-        if bool((temperature > 0).all()) and bool((top_k <= 0).all()) and bool((top_p < 1).all()):
-            probs = _nucleus_kernel(logits, temperature.float(), top_p, support, vocab)
-            if probs is not None:
-                return probs
         logits = spread(logits, support, vocab)
     b, n, v = logits.shape
     greedy = temperature <= 0
@@ -37,7 +41,7 @@ def probabilities(
     k = torch.where(top_k > 0, top_k.clamp(max=v), torch.full_like(top_k, v))
     nucleus = top_p < 1
     top_k_on = bool((k < v).any())
-    # chat clients' usual request (temperature and top-p): the kernel's two passes, no V-wide copies
+    # greedy rows beside top-p ones: the kernel's passes for all, the greedy rows' replaced below
     probs = None if top_k_on or not bool(nucleus.all()) else _nucleus_kernel(logits, temp, top_p)
     if probs is None:
         scaled = logits / temp[:, None, None]
