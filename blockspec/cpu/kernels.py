@@ -44,7 +44,7 @@ from blockspec.cache_dir import cache_root
 
 SOURCES = tuple(Path(__file__).parent / "csrc" / name
                 for name in ("rows.c", "attention.c", "norm.c", "peak.c", "topk.c", "rope.c", "layers.c", "conv.c", "int8.c",
-                                              "nucleus.c"))  # one library
+                                              "nucleus.c", "uniforms.c"))  # one library
 HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("vec.h", "kernels.h"))
 DISABLE_ENV = "BLOCKSPEC_CPU_KERNELS"
 # Extra compiler flags after -march=native, e.g. "-mno-avx512vnni" to build (and test) the int8
@@ -151,6 +151,9 @@ def _load() -> object | None:
     fn.top_values = lib.bs_top_values
     fn.top_values.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int]
     fn.top_values.restype = ctypes.c_int
+    fn.slot_uniforms = lib.bs_slot_uniforms
+    fn.slot_uniforms.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int, ctypes.c_void_p]
+    fn.slot_uniforms.restype = ctypes.c_int
     fn.rope_kv = {torch.float32: lib.bs_rope_kv, torch.bfloat16: lib.bs_rope_kv_bf16}
     for f in fn.rope_kv.values():
         f.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 6 + [ctypes.c_void_p] * 2 + [ctypes.c_float] * 2
@@ -468,6 +471,23 @@ def top_values(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | N
                      torch.get_num_threads()):
         return None
     return vals.reshape(*x.shape[:-1], k), idx.reshape(*x.shape[:-1], k)
+
+
+def slot_uniforms(keys: torch.Tensor, slots: torch.Tensor) -> torch.Tensor | None:
+    """dflash/sampling.py's `slot_uniforms` through `cpu/csrc/uniforms.c` (the same bits): keys
+    [...] int64 against slots [k] (shared) or [..., k] (per key) -> [..., k] float64; None where
+    the kernel does not take them (no kernel, other dtypes or shapes, not the CPU)."""
+    fn = kernel()
+    if fn is None or keys.dtype != torch.int64 or slots.dtype != torch.int64 or not keys.is_cpu or not slots.is_cpu:
+        return None
+    k = slots.shape[-1]
+    per_key = slots.dim() > 1
+    if per_key and slots.shape[:-1] != keys.shape:
+        return None
+    keys_c, slots_c = keys.contiguous(), slots.contiguous()
+    out = torch.empty(*keys.shape, k, dtype=torch.float64)
+    fn.slot_uniforms(keys_c.data_ptr(), slots_c.data_ptr(), keys.numel(), k, int(per_key), out.data_ptr())
+    return out
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:

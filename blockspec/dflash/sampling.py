@@ -189,7 +189,11 @@ _GOLDEN, _M1, _M2 = (_signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9
 def slot_uniforms(keys: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """Uniforms in (0, 1), float64, one per (key, slot): splitmix64 of key + slot, elementwise on
     int64 bit patterns (products wrap, shifts are made logical by masking). keys [...] broadcast
-    against slots [..., k]."""
+    against slots [..., k]. On a CPU with the kernel, `cpu/csrc/uniforms.c` (the same bits)."""
+    if slots.dim() == 1 or slots.shape[:-1] == keys.shape:
+        fast = kernels.slot_uniforms(keys, slots)
+        if fast is not None:
+            return fast
     z = keys[..., None] + slots * _GOLDEN
     z = (z ^ ((z >> 30) & ((1 << 34) - 1))) * _M1
     z = (z ^ ((z >> 27) & ((1 << 37) - 1))) * _M2
