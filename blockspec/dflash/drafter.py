@@ -49,6 +49,7 @@ from blockspec.dflash.drafter_config import (
     default_target_layer_ids,
 )
 from blockspec.dflash.selector import CandidateSelector, Pick, pick_best
+from blockspec.dflash.sampling import spread
 from blockspec.targets.rope import Rotary, apply_rope, rope_inv_freq
 
 
@@ -279,8 +280,7 @@ class DFlashDrafter(nn.Module):
                 return self._shape_logits(project(head, hidden.to(head.weight.dtype), exact=False))
             return self._shape_logits(head(hidden))
         sub, support = self.draft_logits(hidden, head)  # [.., Vd]
-        full = sub.new_full((*sub.shape[:-1], head.weight.shape[0]), float("-inf"))
-        return full.index_copy_(-1, support, sub)
+        return spread(sub, support, head.weight.shape[0])
 
     def draft_logits(self, hidden: torch.Tensor, head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`logits` without the -inf: with a draft vocabulary its tokens' logits [.., Vd] (the
