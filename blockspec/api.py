@@ -267,11 +267,16 @@ class Pipeline:
             yield item
 
 
-def resolve_drafter_dtype(drafter_dtype: str, target_dtype: str, device: str) -> torch.dtype:
+def resolve_drafter_dtype(drafter_dtype: str, target_dtype: str, device: str, compute: str = "exact"
+                          ) -> torch.dtype:
     """The drafter's torch dtype: explicit, or "auto" (the target's; bfloat16 beside a float32
-    target on a CPU whose oneDNN runs bf16 products: drafting streams half the bytes)."""
+    target on a CPU whose oneDNN runs bf16 products: drafting streams half the bytes; float32
+    beside a target computing in int8, whose mode the drafter then takes: 8-bit weights stream
+    half of bf16's bytes, `DFlashDrafter.use_compute`)."""
     if drafter_dtype == "auto":
         cpu = torch.device(device).type == "cpu"
+        if compute == "int8":
+            return torch.float32
         if cpu and target_dtype == "float32" and cpu_bf16_matmul():
             return torch.bfloat16
         return DTYPES[target_dtype]
@@ -313,7 +318,8 @@ def load(
     draft_vocab: use the drafter's draft_vocab.safetensors when it has one (proposals from the
     tokens it was trained on; cheaper drafting, same output); False drafts from every token.
     drafter_dtype: the drafter's dtype; "auto" is the target's, except bfloat16 for a float32
-    target on a CPU that runs bf16 products (`resolve_drafter_dtype`). Verification by the target
+    target on a CPU that runs bf16 products and float32 beside a target computing in int8 (the
+    drafter then drafts in int8 too: `resolve_drafter_dtype`). Verification by the target
     keeps the output exact whatever the drafter computes in.
     lookup: where a sequence's last tokens occurred before (prompt or output), propose what
     followed them instead of the drafted block (n-gram lookup, dflash/lookup.py: targets copy
@@ -340,13 +346,14 @@ def load(
     governor()  # starts watching the other processes' load: the first step then knows it (cpu/threads.py)
     lookup_cfg = resolve_lookup(lookup)  # a bad value fails before the slow load
     tree_nodes = SpecConfig(tree_nodes=DEFAULT_TREE_NODES if tree_nodes is None else tree_nodes).tree_nodes  # likewise
-    draft_dtype = resolve_drafter_dtype(drafter_dtype, dtype, device)
+    resolve_drafter_dtype(drafter_dtype, dtype, device)  # a bad value fails before the slow load
     from blockspec.targets.native.load import load_target
 
     chosen = check_drafter(target, drafter)
     target_dir = resolve_target_dir(target)
     hf_target, tokenizer = load_target(target_dir, backend=backend, dtype=dtype, device=device, compute=compute)
     source = str(chosen) if drafter is None else str(drafter)
+    draft_dtype = resolve_drafter_dtype(drafter_dtype, dtype, device, getattr(hf_target, "compute", "exact"))
     draft: DFlashDrafter | None
     if chosen == "none":
         draft = None

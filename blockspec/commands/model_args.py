@@ -83,7 +83,8 @@ FLAGS: tuple[RuntimeFlag, ...] = (
         default="float32", choices=DTYPE_NAMES, help="the target's dtype (default float32)")),
     RuntimeFlag("--drafter-dtype", "drafter_dtype", "model", dict(
         default="auto", choices=DRAFTER_DTYPE_NAMES,
-        help="the drafter's dtype; auto (default): bfloat16 beside a float32 target on a CPU with bf16 "
+        help="the drafter's dtype; auto (default): float32 beside a target computing in int8 (the "
+             "drafter then drafts in int8 too), bfloat16 beside a float32 target on a CPU with bf16 "
              "products, else the target's (the output is the same either way)")),
     RuntimeFlag("--device", "device", "model", dict(
         default="cpu", type=device_name, metavar="{cpu,cuda[:N],mps}", help="where the models run (default cpu)")),

@@ -44,7 +44,7 @@ from blockspec.cache_dir import cache_root
 
 SOURCES = tuple(Path(__file__).parent / "csrc" / name
                 for name in ("rows.c", "attention.c", "norm.c", "peak.c", "topk.c", "rope.c", "layers.c", "conv.c", "int8.c",
-                                              "nucleus.c"))  # one library
+                                              "nucleus.c", "uniforms.c"))  # one library
 HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("vec.h", "kernels.h"))
 DISABLE_ENV = "BLOCKSPEC_CPU_KERNELS"
 # Extra compiler flags after -march=native, e.g. "-mno-avx512vnni" to build (and test) the int8
@@ -140,6 +140,9 @@ def _load() -> object | None:
     fn.nucleus = lib.bs_nucleus
     fn.nucleus.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 4 + [ctypes.c_int]
     fn.nucleus.restype = ctypes.c_int
+    fn.nucleus_ids = lib.bs_nucleus_ids
+    fn.nucleus_ids.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 4 + [ctypes.c_int]
+    fn.nucleus_ids.restype = ctypes.c_int
     fn.top_k = {torch.float32: lib.bs_top_k, torch.bfloat16: lib.bs_top_k_bf16}
     for f in fn.top_k.values():
         f.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int]
@@ -148,6 +151,9 @@ def _load() -> object | None:
     fn.top_values = lib.bs_top_values
     fn.top_values.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int]
     fn.top_values.restype = ctypes.c_int
+    fn.slot_uniforms = lib.bs_slot_uniforms
+    fn.slot_uniforms.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int, ctypes.c_void_p]
+    fn.slot_uniforms.restype = ctypes.c_int
     fn.rope_kv = {torch.float32: lib.bs_rope_kv, torch.bfloat16: lib.bs_rope_kv_bf16}
     for f in fn.rope_kv.values():
         f.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 6 + [ctypes.c_void_p] * 2 + [ctypes.c_float] * 2
@@ -399,12 +405,14 @@ def _peak(logits: torch.Tensor, with_peak: bool) -> tuple[torch.Tensor, torch.Te
     return top, peak
 
 
-def nucleus(logits: torch.Tensor, inv_t: torch.Tensor, top_p: torch.Tensor
-            ) -> tuple[torch.Tensor, torch.Tensor] | None:
+def nucleus(logits: torch.Tensor, inv_t: torch.Tensor, top_p: torch.Tensor, support: torch.Tensor | None = None,
+            vocab: int = 0) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The top-p nucleus of softmax(logits * inv_t) per row of fp32 logits [r, V] on the CPU
     (inv_t, top_p [r]) through `cpu/csrc/nucleus.c`: (probabilities [r, V], zero outside each
     row's nucleus; done [r] bool). Rows not done (a nucleus wider than the kernel's candidates)
-    are zero: the caller filters them its own way. None where the kernel does not take them."""
+    are zero: the caller filters them its own way. With `support` [m] (ascending token ids <
+    vocab), logits [r, m] are those tokens' alone, every other one -inf: the probabilities
+    [r, vocab] have the bits of the full row's. None where the kernel does not take them."""
     fn = kernel()
     if fn is None or logits.dtype != torch.float32 or logits.dim() != 2 or not logits.is_cpu or logits.shape[-1] == 0:
         return None
@@ -412,10 +420,20 @@ def nucleus(logits: torch.Tensor, inv_t: torch.Tensor, top_p: torch.Tensor
     rows = x.shape[0]
     inv = inv_t.detach().to(torch.float32).contiguous()
     p = top_p.detach().to(torch.float32).contiguous()
-    out = torch.zeros_like(x)
     done = torch.zeros(rows, dtype=torch.uint8)
-    if fn.nucleus(x.data_ptr(), rows, x.shape[-1], inv.data_ptr(), p.data_ptr(), out.data_ptr(), done.data_ptr(),
-                  torch.get_num_threads()):
+    threads = torch.get_num_threads()
+    if support is None:
+        out = torch.zeros_like(x)
+        failed = fn.nucleus(x.data_ptr(), rows, x.shape[-1], inv.data_ptr(), p.data_ptr(), out.data_ptr(),
+                            done.data_ptr(), threads)
+    else:
+        ids = support.detach().to(torch.int64).contiguous()
+        if ids.shape != (x.shape[-1],) or not ids.is_cpu:
+            return None
+        out = torch.zeros(rows, vocab)
+        failed = fn.nucleus_ids(x.data_ptr(), ids.data_ptr(), rows, x.shape[-1], vocab, inv.data_ptr(),
+                                p.data_ptr(), out.data_ptr(), done.data_ptr(), threads)
+    if failed:
         return None
     return out, done.bool()
 
@@ -453,6 +471,23 @@ def top_values(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | N
                      torch.get_num_threads()):
         return None
     return vals.reshape(*x.shape[:-1], k), idx.reshape(*x.shape[:-1], k)
+
+
+def slot_uniforms(keys: torch.Tensor, slots: torch.Tensor) -> torch.Tensor | None:
+    """dflash/sampling.py's `slot_uniforms` through `cpu/csrc/uniforms.c` (the same bits): keys
+    [...] int64 against slots [k] (shared) or [..., k] (per key) -> [..., k] float64; None where
+    the kernel does not take them (no kernel, other dtypes or shapes, not the CPU)."""
+    fn = kernel()
+    if fn is None or keys.dtype != torch.int64 or slots.dtype != torch.int64 or not keys.is_cpu or not slots.is_cpu:
+        return None
+    k = slots.shape[-1]
+    per_key = slots.dim() > 1
+    if per_key and slots.shape[:-1] != keys.shape:
+        return None
+    keys_c, slots_c = keys.contiguous(), slots.contiguous()
+    out = torch.empty(*keys.shape, k, dtype=torch.float64)
+    fn.slot_uniforms(keys_c.data_ptr(), slots_c.data_ptr(), keys.numel(), k, int(per_key), out.data_ptr())
+    return out
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:

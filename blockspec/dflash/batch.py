@@ -262,6 +262,8 @@ class DecodeBatch:
         self.compact_ratio = compact_ratio
         self.draft = None
         if self.drafter is not None:
+            # the target's int8 mode drafts in int8 too where the drafter can (fp32): proposals only
+            self.drafter.use_compute(getattr(target, "compute", "exact"))
             self.draft = StaticDrafter(self.drafter) if static_draft else self.drafter
         self.layer_ids = self.drafter.target_layer_ids if self.drafter is not None else tuple(capture_layer_ids)
         if capture_layer_ids and tuple(capture_layer_ids) != tuple(self.layer_ids):

@@ -27,6 +27,7 @@ from torch.nn import functional as F
 
 from blockspec.errors import CheckpointError, ConfigError
 from blockspec.cpu.argmax import argmax_and_peak, greedy_ids
+from blockspec.cpu.int8 import Int8Weight, int8_linear, quantize_weight
 from blockspec.cpu.linear import linear, project
 from blockspec.cpu.top_k import top_logprobs
 from blockspec.dflash.checkpoint import (
@@ -48,6 +49,7 @@ from blockspec.dflash.drafter_config import (
     default_target_layer_ids,
 )
 from blockspec.dflash.selector import CandidateSelector, Pick, pick_best
+from blockspec.dflash.sampling import spread
 from blockspec.targets.rope import Rotary, apply_rope, rope_inv_freq
 
 
@@ -171,7 +173,20 @@ class DFlashDrafter(nn.Module):
             self.candidate_selector = CandidateSelector(cfg.hidden_size, cfg.vocab_size, cfg.selector_rank,
                                                         cfg.selector_top_k)
         self.register_buffer("draft_vocab", None, persistent=False)  # [Vd] sorted token ids, or None
-        self._head_rows: tuple | None = None  # (key, weight [Vd, H], bias [Vd] | None)
+        self._head_rows: tuple | None = None  # (key, weight [Vd, H], bias [Vd] | None, Int8Weight | None)
+        self.compute = "exact"  # how the static pass and the restricted draft head compute (`use_compute`)
+
+    def use_compute(self, compute: str) -> str:
+        """Computes the static pass's products (dflash/static_drafter.py) and the restricted draft
+        head as `compute` says: "int8" (8-bit activations times 8-bit weights, cpu/int8.py: the
+        target's int8 mode; an fp32 drafter on the CPU only, else it stays exact) or "exact".
+        Proposals change with it, never the output (the target verifies). Returns the mode taken."""
+        if compute not in ("exact", "int8"):
+            raise ConfigError(f"a drafter computes 'exact' or 'int8', got {compute!r}")
+        w = self.fc.weight
+        fits = w.dtype == torch.float32 and w.device.type == "cpu" and w.shape[1] % 32 == 0
+        self.compute = "int8" if compute == "int8" and fits else "exact"
+        return self.compute
 
     def set_draft_vocab(self, token_ids: torch.Tensor | list[int] | None, vocab_size: int | None = None) -> None:
         """Restricts proposals to these token ids (None: the whole vocabulary)."""
@@ -264,9 +279,15 @@ class DFlashDrafter(nn.Module):
             if isinstance(head, nn.Linear):  # the full head is the target's: never copied
                 return self._shape_logits(project(head, hidden.to(head.weight.dtype), exact=False))
             return self._shape_logits(head(hidden))
-        sub = self._draft_vocab_logits(hidden, head).to(head.weight.dtype)  # [.., Vd]
-        full = sub.new_full((*sub.shape[:-1], head.weight.shape[0]), float("-inf"))
-        return full.index_copy_(-1, self.draft_vocab, sub)
+        sub, support = self.draft_logits(hidden, head)  # [.., Vd]
+        return spread(sub, support, head.weight.shape[0])
+
+    def draft_logits(self, hidden: torch.Tensor, head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`logits` without the -inf: with a draft vocabulary its tokens' logits [.., Vd] (the
+        head's dtype) and their ids [Vd] (ascending), else the full logits [.., V] and None."""
+        if self.draft_vocab is None:
+            return self.logits(hidden, head), None
+        return self._draft_vocab_logits(hidden, head).to(head.weight.dtype), self.draft_vocab
 
     def greedy_tokens(self, hidden: torch.Tensor, head: nn.Module, anchor: torch.Tensor | None = None,
                       forced: torch.Tensor | None = None) -> torch.Tensor:
@@ -349,18 +370,24 @@ class DFlashDrafter(nn.Module):
         return self.candidate_selector.walk(hidden, cands.ids, cands.logits, anchor, pick, forced)
 
     def _draft_vocab_logits(self, hidden: torch.Tensor, head: nn.Module) -> torch.Tensor:
-        weight, bias = self._restricted_head(head)
+        weight, bias, integer = self._restricted_head(head)
+        if integer is not None:  # the int8 mode: the head's rows in 8 bits read a quarter of fp32's bytes
+            return self._shape_logits(int8_linear(hidden.float(), integer, bias))  # [.., Vd] fp32
         return self._shape_logits(linear(hidden.to(weight.dtype), weight, bias, exact=False))  # [.., Vd]
 
-    def _restricted_head(self, head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _restricted_head(self, head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, Int8Weight | None]:
+        """The head's draft-vocabulary rows [Vd, H] and bias [Vd] in the drafter's dtype, and in
+        the int8 mode their 8-bit form (else None)."""
         w = head.weight
         dtype = self.fc.weight.dtype  # the rows are a copy anyway: keep them in the drafter's dtype
-        key = (w.data_ptr(), w.dtype, w.device, self.draft_vocab.data_ptr(), dtype)
+        key = (w.data_ptr(), w.dtype, w.device, self.draft_vocab.data_ptr(), dtype, self.compute)
         if self._head_rows is None or self._head_rows[0] != key:  # the target head is frozen
             bias = getattr(head, "bias", None)
             rows = w.detach()[self.draft_vocab].to(dtype).contiguous()
-            self._head_rows = (key, rows, None if bias is None else bias.detach()[self.draft_vocab].to(dtype))
-        return self._head_rows[1], self._head_rows[2]
+            integer = quantize_weight(rows) if self.compute == "int8" else None
+            self._head_rows = (key, rows, None if bias is None else bias.detach()[self.draft_vocab].to(dtype),
+                               integer)
+        return self._head_rows[1:]
 
     def _shape_logits(self, logits: torch.Tensor) -> torch.Tensor:
         if self.cfg.output_multiplier != 1.0:

@@ -13,20 +13,35 @@ from blockspec.cpu import kernels
 
 
 def probabilities(
-    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+    support: torch.Tensor | None = None, vocab: int = 0,
 ) -> torch.Tensor:
     """logits [b, n, V] with per-row temperature/top_k/top_p [b] -> probabilities [b, n, V] (fp32).
 
     Rows with temperature 0 get a one-hot on the argmax (greedy). top_k 0 and top_p 1 are off.
+    `support` [m] (ascending token ids < vocab): logits [b, n, m] are those tokens' alone (a
+    draft vocabulary's), every other one -inf; the probabilities [b, n, vocab] are the same bits
+    as those of the logits spread over the vocabulary, which the chat clients' usual request
+    (temperature and top-p) never builds.
     """
     logits = logits.float()
+    v = vocab if support is not None else logits.shape[-1]
+    # chat clients' usual request (temperature and top-p, no top-k, no greedy row): the kernel's
+    # passes, no V-wide copies, one test of the rows' settings (what the general path below does
+    # for such rows, without its other small operations)
+    if bool(((temperature > 0) & (top_p < 1) & ((top_k <= 0) | (top_k >= v))).all()):
+        probs = _nucleus_kernel(logits, temperature.float(), top_p, support, vocab)
+        if probs is not None:
+            return probs
+    if support is not None:
+        logits = spread(logits, support, vocab)
     b, n, v = logits.shape
     greedy = temperature <= 0
     temp = torch.where(greedy, torch.ones_like(temperature), temperature).float()  # [b]
     k = torch.where(top_k > 0, top_k.clamp(max=v), torch.full_like(top_k, v))
     nucleus = top_p < 1
     top_k_on = bool((k < v).any())
-    # chat clients' usual request (temperature and top-p): the kernel's two passes, no V-wide copies
+    # greedy rows beside top-p ones: the kernel's passes for all, the greedy rows' replaced below
     probs = None if top_k_on or not bool(nucleus.all()) else _nucleus_kernel(logits, temp, top_p)
     if probs is None:
         scaled = logits / temp[:, None, None]
@@ -70,22 +85,31 @@ def sharpened(probs: torch.Tensor, factor: float | None = None) -> torch.Tensor:
     return out.div_(out.sum(dim=-1, keepdim=True))
 
 
-def _nucleus_kernel(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor | None:
-    """`probabilities` of fp32 logits [b, n, V] at temperature [b] > 0 with top_p [b] < 1 and no
-    top-k, through `cpu/csrc/nucleus.c` (positions whose nucleus the kernel's candidates do not
-    hold go through `_top_p`); None where the kernel does not run (no compiler, not the CPU)."""
-    b, n, v = logits.shape
-    flat = logits.reshape(b * n, v)
+def spread(logits: torch.Tensor, support: torch.Tensor, vocab: int) -> torch.Tensor:
+    """logits [.., m] of the tokens `support` [m] -> [.., vocab], -inf elsewhere."""
+    full = logits.new_full((*logits.shape[:-1], vocab), float("-inf"))
+    return full.index_copy_(-1, support, logits)
+
+
+def _nucleus_kernel(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+                    support: torch.Tensor | None = None, vocab: int = 0) -> torch.Tensor | None:
+    """`probabilities` of fp32 logits [b, n, V] (or of `support`'s tokens [b, n, m], as there) at
+    temperature [b] > 0 with top_p [b] < 1 and no top-k, through `cpu/csrc/nucleus.c` (positions
+    whose nucleus the kernel's candidates do not hold go through `_top_p`); None where the
+    kernel does not run (no compiler, not the CPU)."""
+    b, n, m = logits.shape
+    flat = logits.reshape(b * n, m)
     per_position = lambda x: x.float()[:, None].expand(b, n).reshape(b * n)  # noqa: E731  [b] -> [b*n]
-    out = kernels.nucleus(flat, per_position(1.0 / temperature), per_position(top_p))
+    out = kernels.nucleus(flat, per_position(1.0 / temperature), per_position(top_p), support, vocab)
     if out is None:
         return None
     probs, done = out  # [b*n, V], [b*n]
     if not bool(done.all()):
         rest = (~done).nonzero()[:, 0]
-        scaled = flat[rest] / per_position(temperature)[rest][:, None]
+        rows = flat[rest] if support is None else spread(flat[rest], support, vocab)
+        scaled = rows / per_position(temperature)[rest][:, None]
         probs[rest] = _top_p(torch.softmax(scaled, dim=-1)[:, None], per_position(top_p)[rest])[:, 0]
-    return probs.reshape(b, n, v)
+    return probs.reshape(b, n, -1)
 
 
 NUCLEUS_HEAD = 64  # tokens sorted first per position by `_top_p` (x8 until the nucleus fits)
@@ -165,7 +189,11 @@ _GOLDEN, _M1, _M2 = (_signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9
 def slot_uniforms(keys: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """Uniforms in (0, 1), float64, one per (key, slot): splitmix64 of key + slot, elementwise on
     int64 bit patterns (products wrap, shifts are made logical by masking). keys [...] broadcast
-    against slots [..., k]."""
+    against slots [..., k]. On a CPU with the kernel, `cpu/csrc/uniforms.c` (the same bits)."""
+    if slots.dim() == 1 or slots.shape[:-1] == keys.shape:
+        fast = kernels.slot_uniforms(keys, slots)
+        if fast is not None:
+            return fast
     z = keys[..., None] + slots * _GOLDEN
     z = (z ^ ((z >> 30) & ((1 << 34) - 1))) * _M1
     z = (z ^ ((z >> 27) & ((1 << 37) - 1))) * _M2

@@ -16,6 +16,10 @@ engine runs, proven equal to `DraftCache`'s module pass by parity tests:
   not take a tensor (the same bits, tested).
 - Whole pass: the C layer program (cpu/program.py) runs a DFlash drafter's layer stack in one
   call where it can (`StaticPass.layers`); DFlash 2's block convolutions keep the layer loop.
+- The int8 mode (`DFlashDrafter.use_compute`, an fp32 drafter beside an int8 target): fc and
+  every layer product multiply 8-bit activations by 8-bit weights (cpu/int8.py), in the program
+  and in the loop alike (the same bits: the products are row-wise). Proposals change, the output
+  never does (the target verifies); the pass streams about a quarter of fp32's weight bytes.
 
 `StaticDrafter` prepares the weights and makes the caches; calling it is the module's forward
 under inference mode.
@@ -23,11 +27,14 @@ under inference mode.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from blockspec.cpu import kernels
+from blockspec.cpu.int8 import Int8Weight, int8_linear, quantize_weight
 from blockspec.cpu.linear import linear, project
 from blockspec.cpu.program import LayerProgram, LayerWeights, parameters_of
 from blockspec.cpu.qkv import QKVPlacement, block_places
@@ -39,6 +46,16 @@ from blockspec.targets.sdpa import sdpa
 
 
 Fused = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]  # w_qkv, b_qkv, w_gate_up
+Int8Layer = tuple[Int8Weight, Int8Weight, Int8Weight, Int8Weight]  # q/k/v, o, gate/up, down
+
+
+@dataclass(frozen=True)
+class Int8Forms:
+    """The int8 mode's weights of a drafter (`StaticWeights.integer`): fc's and, per layer, the
+    four products' 8-bit forms (cpu/int8.py's `quantize_weight`), read by the pass and the program."""
+
+    fc: Int8Weight
+    layers: list[Int8Layer]
 
 
 class StaticWeights:
@@ -57,7 +74,9 @@ class StaticWeights:
         # one window for every (bidirectional) layer: the CPU kernel takes each query's first key
         self.window = self.reach if {w for _, w in self.layer_kinds} == {self.reach} else None
         self._fused: tuple[tuple, list[Fused]] | None = None  # (weight versions, per layer weights)
-        self._program: tuple[list, LayerProgram | None] | None = None  # (the fused weights it read, program)
+        # (the fused weights it read, the int8 forms it read, program)
+        self._program: tuple[list, Int8Forms | None, LayerProgram | None] | None = None
+        self._int8: tuple[list, tuple, Int8Forms | None] | None = None  # (fused weights, identities, forms)
 
     def fused(self) -> list[Fused]:
         """Per layer (w_qkv, b_qkv, w_gate_up), current with the module's weights."""
@@ -79,11 +98,30 @@ class StaticWeights:
             self._fused = (key, fused)
         return self._fused[1]
 
-    def program(self, fused: list[Fused]) -> LayerProgram | None:
-        """The layer loop as one kernel call (cpu/program.py), built from these fused weights;
-        None where it cannot run (the layer loop then runs: the same bits)."""
-        if self._program is not None and self._program[0] is fused:
-            program = self._program[1]
+    def integer(self, fused: list[Fused]) -> Int8Forms | None:
+        """The int8 mode's weights, current with these fused weights and the module's; None in
+        the exact mode (`DFlashDrafter.use_compute`) or where a matrix has no 8-bit form."""
+        m = self.module
+        if m.compute != "int8":
+            return None
+        plain = [m.fc.weight] + [w for layer in m.layers for w in (layer.self_attn.o_proj.weight,
+                                                                    layer.mlp.down_proj.weight)]
+        key = tuple((p.data_ptr(), p._version) for p in plain)
+        if self._int8 is None or self._int8[0] is not fused or self._int8[1] != key:
+            forms = [quantize_weight(w.detach()) for w in [m.fc.weight] + [
+                w for layer, (w_qkv, _, w_gate_up) in zip(m.layers, fused)
+                for w in (w_qkv, layer.self_attn.o_proj.weight, w_gate_up, layer.mlp.down_proj.weight)]]
+            made = None if any(f is None for f in forms) else Int8Forms(
+                forms[0], [tuple(forms[1 + 4 * i : 5 + 4 * i]) for i in range(len(m.layers))])
+            self._int8 = (fused, key, made)
+        return self._int8[2]
+
+    def program(self, fused: list[Fused], integer: Int8Forms | None = None) -> LayerProgram | None:
+        """The layer loop as one kernel call (cpu/program.py), built from these fused weights
+        (and with `integer` their 8-bit forms: the int8 mode); None where it cannot run (the
+        layer loop then runs: the same bits)."""
+        if self._program is not None and self._program[0] is fused and self._program[1] is integer:
+            program = self._program[2]
             if program is None or program.fits():
                 return program
         program = None
@@ -93,18 +131,20 @@ class StaticWeights:
         # the kernel has no block convolutions (DFlash 2) and one eps for the input and post norms
         if not self.module.cfg.dflash2 and len(eps) == 1 and next(iter(eps))[0] == next(iter(eps))[1]:
             (rms, _, q_eps, k_eps), = eps
+            forms = integer.layers if integer is not None else [(None,) * 4] * len(layers)
             weights = [LayerWeights(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                                     layer.self_attn.q_norm.weight, layer.self_attn.k_norm.weight,
-                                    ((None, w_qkv, b_qkv), (None, layer.self_attn.o_proj.weight,
-                                                            layer.self_attn.o_proj.bias),
-                                     (None, w_gate_up, None),
-                                     (None, layer.mlp.down_proj.weight, layer.mlp.down_proj.bias)))
-                       for layer, (w_qkv, b_qkv, w_gate_up) in zip(layers, fused)]
+                                    ((i_qkv, w_qkv, b_qkv), (i_o, layer.self_attn.o_proj.weight,
+                                                             layer.self_attn.o_proj.bias),
+                                     (i_gate_up, w_gate_up, None),
+                                     (i_down, layer.mlp.down_proj.weight, layer.mlp.down_proj.bias)))
+                       for layer, (w_qkv, b_qkv, w_gate_up), (i_qkv, i_o, i_gate_up, i_down)
+                       in zip(layers, fused, forms)]
             modules = [m for layer in layers for m in (layer.input_layernorm, layer.post_attention_layernorm,
                                                        layer.self_attn.q_norm, layer.self_attn.k_norm,
                                                        layer.self_attn.o_proj, layer.mlp.down_proj)]
             program = LayerProgram.build(weights, (rms, q_eps, k_eps), parameters_of(modules))
-        self._program = (fused, program)
+        self._program = (fused, integer, program)
         return program
 
 
@@ -150,6 +190,7 @@ class StaticPass:
         if not cache.fresh:
             cache.reserve(int(block_positions.max()) + 1)
         self.cache, self.weights, self.fused = cache, w, w.fused()
+        self.integer = w.integer(self.fused)  # the int8 mode's weights, or None (exact)
         self.b, self.q, self.heads, self.kv_heads, self.head_dim = b, q, h, kvh, d
         self.horizon = cache.horizon
         # The context runs flat over its T real tokens: rows that joined with long prompts leave
@@ -240,7 +281,17 @@ class StaticPass:
         return flat if self.real is None else flat[self.real]  # [T, F]
 
     def linear(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        if self.integer is not None and module is self.weights.module.fc:
+            return int8_linear(x, self.integer.fc, module.bias)
         return project(module, x, exact=False)
+
+    def _product(self, i: int, k: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+                 ) -> torch.Tensor:
+        """Layer i's product k (0 q/k/v, 1 o, 2 gate/up, 3 down): x [.., in] -> [.., out], from
+        its 8-bit form in the int8 mode."""
+        if self.integer is not None:
+            return int8_linear(x, self.integer.layers[i][k], bias)
+        return linear(x, weight, bias, exact=False)
 
     def norm(self, module: RMSNorm, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, module.weight, module.eps)  # fp32 statistics, as the module computes
@@ -250,7 +301,7 @@ class StaticPass:
         nq, nk = h * d, kvh * d
         w_qkv, b_qkv, _ = self.fused[i]
         # one projection for the block's q/k/v and the context's k/v (its q columns unused)
-        qkv = linear(torch.cat([ctx, y.reshape(b * q, -1)]), w_qkv, b_qkv, exact=False)  # [T + b q, (h + 2 kvh) d]
+        qkv = self._product(i, 0, torch.cat([ctx, y.reshape(b * q, -1)]), w_qkv, b_qkv)  # [T + b q, (h + 2 kvh) d]
         k_cache, v_cache = self.cache.layer(i)
         qg = None if self.place is None else self.place(
             qkv, k_cache, v_cache, (attn.q_norm.weight, attn.q_norm.eps), (attn.k_norm.weight, attn.k_norm.eps))
@@ -269,15 +320,20 @@ class StaticPass:
             out = sdpa(qg, k_cache[:, :, :horizon], v_cache[:, :, :horizon],
                                                  attn_mask=self._mask(self.weights.layer_kinds[i]))
         out = out.view(b, kvh, h // kvh, q, d).permute(0, 3, 1, 2, 4).reshape(b, q, h * d)
+        if self.integer is not None:
+            return self._product(i, 1, out, attn.o_proj.weight, attn.o_proj.bias)
         return project(attn.o_proj, out, exact=False)
 
     def mlp(self, i: int, mlp: DraftMLP, y: torch.Tensor) -> torch.Tensor:
-        return project(mlp.down_proj, silu_mul(linear(y, self.fused[i][2], exact=False)), exact=False)
+        act = silu_mul(self._product(i, 2, y, self.fused[i][2], None))
+        if self.integer is not None:
+            return self._product(i, 3, act, mlp.down_proj.weight, mlp.down_proj.bias)
+        return project(mlp.down_proj, act, exact=False)
 
     def layers(self, x: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor | None:
         if self.place is None or self.visible is None or torch.is_grad_enabled():
             return None
-        program = self.weights.program(self.fused)
+        program = self.weights.program(self.fused, self.integer)
         dtype = x.dtype
         if program is None or program.dtype != dtype or (
                 self.t + self.b * self.q > kernels.kernel().fast_rows.get(dtype, 0)):  # as `linear(exact=False)`

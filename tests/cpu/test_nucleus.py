@@ -98,3 +98,28 @@ def test_probabilities_takes_the_kernel_only_where_it_applies(monkeypatch: pytes
     probabilities(x, t, torch.tensor([0, 5]), p)  # a top-k row
     probabilities(x, t, torch.zeros(2, dtype=torch.long), torch.tensor([0.9, 1.0]))  # a top_p 1 row
     assert calls == [1]
+
+
+@pytest.mark.parametrize("v", [16, 3001, 49152])
+def test_a_draft_vocabularys_logits_give_the_bits_of_the_spread_row(v: int) -> None:
+    """Logits of some tokens alone (a draft vocabulary; -inf elsewhere) through the kernel and
+    through `probabilities` give exactly the probabilities of the row spread over the
+    vocabulary, the rows the kernel leaves to the general path included."""
+    g = torch.Generator().manual_seed(v)
+    support = torch.randperm(v, generator=g)[: max(1, v * 2 // 5)].sort().values
+    sub = _peaked(12, support.numel(), seed=v + 1)
+    sub[9:] *= 0.01  # flat rows: the general path
+    full = sampling.spread(sub, support, v)
+    inv_t = torch.tensor([1 / 0.7, 1.0, 2.0, 1 / 0.3] * 3)
+    top_p = torch.tensor([0.9, 0.5, 0.99, 0.8, 0.95, 0.1] * 2)
+    probs, done = kernels.nucleus(sub, inv_t, top_p, support, v)
+    want, want_done = kernels.nucleus(full, inv_t, top_p)
+    assert torch.equal(done, want_done) and torch.equal(probs, want)
+    assert bool(done.any()) and (v < 1000 or not bool(done.all()))
+    temp, top_k = torch.tensor([0.7, 1.3, 0.5]), torch.zeros(3, dtype=torch.long)
+    for p in (torch.tensor([0.9, 0.8, 0.95]), torch.tensor([0.9, 1.0, 0.95])):  # a top_p 1 row: spread first
+        got = probabilities(sub.view(3, 4, -1), temp, top_k, p, support, v)
+        assert torch.equal(got, probabilities(full.view(3, 4, -1), temp, top_k, p))
+    for temp_, top_k_ in ((torch.tensor([0.7, 0.0, 0.5]), top_k), (temp, torch.tensor([0, 3, 0]))):  # greedy, top-k
+        got = probabilities(sub.view(3, 4, -1), temp_, top_k_, p, support, v)
+        assert torch.equal(got, probabilities(full.view(3, 4, -1), temp_, top_k_, p))

@@ -302,6 +302,8 @@ def test_drafter_dtype_resolution() -> None:
     assert resolve_drafter_dtype("auto", "float16", "cuda") == torch.float16
     assert resolve_drafter_dtype("auto", "float32", "cuda") == torch.float32
     assert resolve_drafter_dtype("float32", "float32", "cpu") == torch.float32
+    assert resolve_drafter_dtype("auto", "float32", "cpu", "int8") == torch.float32  # drafts in int8 too
+    assert resolve_drafter_dtype("bfloat16", "float32", "cpu", "int8") == torch.bfloat16  # asked for: kept
     with pytest.raises(ConfigError, match="drafter_dtype must be 'auto' or one of"):
         resolve_drafter_dtype("int8", "float32", "cpu")
 

@@ -95,6 +95,7 @@ def test_int8_dflash_equals_int8_plain_decoding_on_the_q4_1_target(smollm2_dir) 
     spec = blockspec.load(str(smollm2_dir), drafter, compute="int8", lookup=False, adaptive_block=False)
     plain = blockspec.load(str(smollm2_dir), "none", compute="int8")
     assert spec.compute == plain.compute == "int8"
+    assert spec.drafter.compute == "int8"  # the drafter drafts in int8 too (fp32, its auto dtype beside int8)
     gsm8k = [s.prompt for s in load_dataset("gsm8k", limit=3)]
     prompts = [spec.encode([{"role": "user", "content": p}]) for p in (*PROMPTS, *gsm8k)]
     ours = spec.generate_ids(prompts, params)

@@ -14,6 +14,10 @@
  *
  * Ties sort by index (the lower first). The kept prefix: a token is kept while the mass before it
  * is below top_p (at least the top token), as the full sort's filter keeps it.
+ *
+ * bs_nucleus_ids takes a row's logits of some tokens alone (a drafter's draft vocabulary; every
+ * other logit -inf) and spreads them over the vocabulary in a scratch row of its own: the same
+ * bits as bs_nucleus of the spread row, without the caller's vocabulary-wide tensors.
  */
 #include <stdlib.h>
 
@@ -31,6 +35,23 @@ static int heavier_first(const void *a, const void *b) {
     const cand *x = a, *y = b;
     if (x->w != y->w) return x->w > y->w ? -1 : 1;
     return (x->i > y->i) - (x->i < y->i);
+}
+
+/* The nucleus of a row from its candidates buf[0..count) (ascending ids) and the sum of all its
+ * weights: 1 and written into out, or 0 (the caller's path). */
+static int nucleus_cut(cand *buf, int64_t count, float total, float top_p, float *out) {
+    if (count > NUCLEUS_CAP) return 0;
+    double near_mass = 0.0;
+    for (int64_t j = 0; j < count; j++) near_mass += buf[j].w;
+    const double want = (double)top_p * total;
+    if (near_mass < want) return 0; /* the nucleus reaches past the candidates */
+    qsort(buf, (size_t)count, sizeof(cand), heavier_first);
+    double before = 0.0;
+    int64_t kept = 0;
+    while (kept < count && (kept == 0 || before < want)) before += buf[kept++].w;
+    const float inv = (float)(1.0 / before);
+    for (int64_t j = 0; j < kept; j++) out[buf[j].i] = buf[j].w * inv;
+    return 1;
 }
 
 /* 1: row's nucleus written into out (zeros elsewhere untouched); 0: the caller's path */
@@ -77,18 +98,7 @@ static int nucleus_row(const float *x, int64_t n, float inv_t, float top_p, floa
             count++;
         }
     }
-    if (count > NUCLEUS_CAP) return 0;
-    double near_mass = 0.0;
-    for (int64_t j = 0; j < count; j++) near_mass += buf[j].w;
-    const double want = (double)top_p * total;
-    if (near_mass < want) return 0; /* the nucleus reaches past the candidates */
-    qsort(buf, (size_t)count, sizeof(cand), heavier_first);
-    double before = 0.0;
-    int64_t kept = 0;
-    while (kept < count && (kept == 0 || before < want)) before += buf[kept++].w;
-    const float inv = (float)(1.0 / before);
-    for (int64_t j = 0; j < kept; j++) out[buf[j].i] = buf[j].w * inv;
-    return 1;
+    return nucleus_cut(buf, count, total, top_p, out);
 }
 
 /* Returns 0. x: rows x n logits; inv_t, top_p: one per row; out: rows x n, zeroed by the caller;
@@ -104,6 +114,31 @@ int bs_nucleus(const float *x, int64_t rows, int64_t n, const float *inv_t, cons
             done[r] = buf ? (uint8_t)nucleus_row(x + r * n, n, inv_t[r], top_p[r], out + r * n, buf) : 0;
         if (!buf) failed = 1;
         free(buf);
+    }
+    return failed;
+}
+
+/* bs_nucleus of rows whose logits are -inf but at ids[0..m) (ascending, < n): x rows x m; out
+ * rows x n, zeroed by the caller; the rest as bs_nucleus. */
+int bs_nucleus_ids(const float *x, const int64_t *ids, int64_t rows, int64_t m, int64_t n, const float *inv_t,
+                   const float *top_p, float *out, uint8_t *done, int threads) {
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (rows >= 2)
+    {
+        cand *buf = malloc(sizeof(cand) * NUCLEUS_CAP);
+        float *row = malloc(sizeof(float) * (size_t)n);
+        if (row)
+            for (int64_t k = 0; k < n; k++) row[k] = -INFINITY;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            done[r] = 0;
+            if (!buf || !row) continue;
+            for (int64_t j = 0; j < m; j++) row[ids[j]] = x[r * m + j];
+            done[r] = (uint8_t)nucleus_row(row, n, inv_t[r], top_p[r], out + r * n, buf);
+        }
+        if (!buf || !row) failed = 1;
+        free(buf);
+        free(row);
     }
     return failed;
 }

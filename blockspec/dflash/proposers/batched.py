@@ -74,10 +74,16 @@ class BatchDraft:
         standard rule tests them against it)."""
         return "standard" in self.rules
 
-    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+    @property
+    def vocab(self) -> int:
+        """The target's output vocabulary (the rows of its head: what its logits span)."""
+        return int(self.head.weight.shape[0])
+
+    def probs(self, logits: torch.Tensor, support: torch.Tensor | None = None) -> torch.Tensor:
         """logits [b, .., V] shaped by each row's temperature, top-k and top-p, as the target's
-        own are (dflash/sampling.py)."""
-        return probabilities(logits, self.temperature, self.top_k, self.top_p)
+        own are (dflash/sampling.py); with `support` [m] (a draft vocabulary's ids) logits [b, ..,
+        m] of those tokens alone, the probabilities still [b, .., V]."""
+        return probabilities(logits, self.temperature, self.top_k, self.top_p, support, self.vocab)
 
 
 @dataclass(frozen=True)

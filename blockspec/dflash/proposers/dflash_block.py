@@ -51,10 +51,14 @@ class DFlashBlockProposer:
         return BatchProposal(self._mask_greedy(draft, ids), conf)
 
     def _sampled(self, draft: BatchDraft) -> BatchProposal:
-        logits = self.drafter.logits(draft.hidden, draft.head)  # [b, D, V]: the step's one head pass
-        probs = draft.probs(logits)  # [b, D, V]: each row's shaped draft distribution
+        # the step's one head pass: the draft vocabulary's logits alone [b, D, Vd] (support: their
+        # ids), or the whole vocabulary's [b, D, V] (support None)
+        logits, support = self.drafter.draft_logits(draft.hidden, draft.head)
+        probs = draft.probs(logits, support)  # [b, D, V]: each row's shaped draft distribution
         dists = None
         if draft.tree_top_k:
+            if support is not None:
+                logits = sampling.spread(logits, support, draft.vocab)  # [b, D, V]
             logp = torch.log_softmax(logits.float(), dim=-1)
             # sampled rows grow their trees where their own draws go
             greedy = (draft.temperature <= 0)[:, None, None]

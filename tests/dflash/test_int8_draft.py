@@ -1,0 +1,144 @@
+"""The drafter in the int8 compute mode (`DFlashDrafter.use_compute`): the static pass's products
+(fc, q/k/v, o, gate/up, down) and the restricted draft head multiply 8-bit activations by 8-bit
+weights (cpu/int8.py). Held against a PyTorch reference of the same arithmetic: the module's own
+pass with every product replaced by `reference_product` of the weight's `quantize_weight` form.
+The C layer program has the Python loop's bits; the exact mode is untouched (its parity tests:
+test_forward_parity.py); greedy DFlash in int8 equals int8 plain decoding (test_compute_modes.py
+and below)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_forward_parity import _drafter, _passes
+
+from blockspec.cpu import kernels
+from blockspec.cpu.int8 import quantize_weight, reference_product
+from blockspec.dflash import drafter as drafter_module
+from blockspec.dflash.drafter import new_drafter_for_target
+from blockspec.dflash.static_drafter import StaticDrafter, StaticWeights
+from blockspec.errors import ConfigError
+
+needs_kernel = pytest.mark.skipif(kernels.kernel() is None, reason="the native CPU kernel did not build here")
+
+
+def _int8_reference(module: torch.nn.Linear, x: torch.Tensor, **_: object) -> torch.Tensor:
+    return reference_product(x, quantize_weight(module.weight.detach()), module.bias)
+
+
+def _head(drafter, seed: int = 4) -> torch.nn.Linear:
+    head = torch.nn.Linear(32, drafter.cfg.vocab_size, bias=True)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        head.weight.normal_(0.0, 1.0, generator=g)
+        head.bias.normal_(0.0, 0.5, generator=g)
+    return head
+
+
+@pytest.mark.parametrize("batch", [2, 1], ids=["ragged", "one-row"])
+def test_int8_pass_equals_the_pytorch_reference_and_the_program_has_the_loops_bits(
+        batch: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    drafter = _drafter("bidirectional")
+    assert drafter.use_compute("int8") == "int8"
+    rows = slice(2 - batch, 2)
+    with monkeypatch.context() as patch:  # the module's pass, its products the int8 arithmetic in PyTorch
+        patch.setattr(torch.nn.Linear, "forward", lambda self, x: _int8_reference(self, x))
+        patch.setattr(drafter_module, "project", _int8_reference)
+        with torch.inference_mode():
+            want = _passes(drafter, drafter, drafter.new_cache(batch), rows)
+    runs, kinds = {}, []
+    for program in (False, True):
+        with monkeypatch.context() as patch:
+            if not program:
+                patch.setattr(StaticWeights, "program", lambda *args: None)
+            static = StaticDrafter(drafter)
+            runs[program] = _passes(drafter, static, static.new_cache(batch), rows)
+            made = static.weights._program
+            kinds.append(None if made is None or made[2] is None else made[2].kinds())
+    if kernels.kernel() is not None and kernels.max_rows(torch.float32, exact=False) >= 24:
+        assert kinds[1] == [(24, 24, 24, 24)] * len(drafter.layers)  # the program's products are 8-bit ones
+    head = _head(drafter)
+    exact = StaticDrafter(_drafter("bidirectional"))  # the same weights in the exact mode
+    got_exact = _passes(drafter, exact, exact.new_cache(batch), rows)
+    for got_loop, got_program, ref, plain in zip(runs[False], runs[True], want, got_exact):
+        assert torch.equal(got_program, got_loop)
+        torch.testing.assert_close(got_loop, ref, atol=1e-4, rtol=1e-4)  # attention and norms: other kernels
+        assert not torch.equal(got_loop, plain)  # the int8 mode really ran
+        with torch.inference_mode():
+            assert torch.equal(drafter.greedy_tokens(got_loop[:, 1:], head), drafter.greedy_tokens(ref[:, 1:], head))
+
+
+def test_int8_head_is_the_reference_product_of_the_draft_vocabulary_rows() -> None:
+    drafter = _drafter("bidirectional")
+    head = _head(drafter)
+    vocab = torch.tensor([3, 5, 8, 13, 21, 34, 40, 47])
+    drafter.set_draft_vocab(vocab, drafter.cfg.vocab_size)
+    hidden = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(7))
+    with torch.inference_mode():
+        exact_logits = drafter.logits(hidden, head)
+        drafter.use_compute("int8")
+        ref = reference_product(hidden, quantize_weight(head.weight.detach()[vocab]), head.bias.detach()[vocab])
+        logits = drafter.logits(hidden, head)
+        assert torch.equal(logits[..., vocab], ref)
+        assert torch.isinf(logits).sum() == 2 * 5 * (drafter.cfg.vocab_size - len(vocab))
+        assert not torch.equal(logits, exact_logits)
+        ids, conf = drafter.greedy_with_confidence(hidden, head)
+        assert torch.equal(ids, vocab[ref.argmax(-1)])
+        torch.testing.assert_close(conf, torch.softmax(ref, -1).amax(-1))
+        assert torch.equal(drafter.greedy_tokens(hidden, head), ids)
+        top, top_ids = drafter.top_logprobs(hidden, head, 3)
+        assert torch.equal(top_ids[..., 0], ids)
+        torch.testing.assert_close(top, torch.log_softmax(ref, -1).topk(3).values)
+        drafter.use_compute("exact")  # back: the exact rows again
+        assert torch.equal(drafter.logits(hidden, head), exact_logits)
+
+
+def test_only_an_fp32_cpu_drafter_takes_the_int8_mode() -> None:
+    drafter = _drafter("bidirectional")
+    assert drafter.compute == "exact"
+    with pytest.raises(ConfigError, match="'exact' or 'int8'"):
+        drafter.use_compute("int4")
+    assert drafter.to(torch.bfloat16).use_compute("int8") == "exact"  # bf16 activations: the exact path
+    static = StaticDrafter(drafter)
+    assert static.weights.integer(static.weights.fused()) is None
+
+
+def test_int8_forms_follow_a_changed_weight() -> None:
+    drafter = _drafter("bidirectional")
+    drafter.use_compute("int8")
+    static = StaticDrafter(drafter)
+    first = static.weights.integer(static.weights.fused())
+    assert first is static.weights.integer(static.weights.fused())  # kept while nothing changes
+    with torch.no_grad():
+        drafter.layers[0].mlp.down_proj.weight.mul_(2.0)
+    second = static.weights.integer(static.weights.fused())
+    assert second is not first
+    assert second.layers[0][3].matches(drafter.layers[0].mlp.down_proj.weight)
+    with torch.no_grad():
+        drafter.layers[1].self_attn.q_proj.weight.add_(1.0)  # a fused weight: rebuilt with the fusion
+    third = static.weights.integer(static.weights.fused())
+    assert third is not second and not torch.equal(third.layers[1][0].qs, second.layers[1][0].qs)
+
+
+@needs_kernel
+def test_int8_drafting_keeps_greedy_output_lossless_on_an_fp32_target() -> None:
+    """An fp32 drafter beside an int8 target drafts in int8 (DecodeBatch sets it); the output is
+    the int8 target's plain greedy output, and the drafts come from the int8 program."""
+    from conftest import make_tiny_target
+    from support import ragged_prompts
+
+    from blockspec.config import SamplingParams, SpecConfig
+    from blockspec.engine.decoder import SpecDecoder
+    from blockspec.targets.native import load_native_target
+
+    model = make_tiny_target("llama", seed=5, dtype=torch.float32, hidden_size=64, intermediate_size=96,
+                             num_attention_heads=4, num_key_value_heads=2)
+    target = load_native_target(model, dtype="float32", compute="int8")
+    drafter = new_drafter_for_target(model.config, mask_token_id=47, num_layers=2, dtype=torch.float32)
+    drafter.set_draft_vocab(torch.arange(0, 48, 2), model.config.vocab_size)
+    prompts = ragged_prompts(3, seed=6, vocab=48)
+    params = SamplingParams(max_new_tokens=16)
+    plain = [r.token_ids for r in SpecDecoder(target, None, SpecConfig(block_size=1)).generate(prompts, params)]
+    spec = SpecDecoder(target, drafter, SpecConfig(block_size=6, adaptive=False))
+    assert [r.token_ids for r in spec.generate(prompts, params)] == plain
+    assert drafter.compute == "int8"
