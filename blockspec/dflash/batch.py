@@ -541,7 +541,12 @@ class DecodeBatch:
         if self.embed_scale != 1.0:
             embeds = embeds * self.embed_scale
         self.dcache.reserve(top, self.draft_top)
-        ctx_feats, ctx_pos = self.queue.take()  # [b, c, L*H], [b, c]
+        if self.queue:
+            ctx_feats, ctx_pos = self.queue.take()  # [b, c, L*H], [b, c]
+        else:  # a fold (`fold_queue`) since the last step read everything queued: no new context
+            b = positions.shape[0]
+            ctx_feats = embeds.new_zeros(b, 0, len(self.layer_ids) * self.target.info.hidden_size)  # [b, 0, L*H]
+            ctx_pos = torch.empty(b, 0, dtype=torch.long, device=self.device)
         return self.draft(ctx_feats, ctx_pos, embeds, positions, self.dcache)
 
     def _proposer(self) -> BatchProposer:
