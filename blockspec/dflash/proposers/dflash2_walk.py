@@ -65,8 +65,7 @@ class DFlash2WalkProposer:
         ids, kept = self.drafter.walk(hidden, cands, draft.last, pick, draft.forced)  # kept [b, D, K]
         q = None
         if draft.keep_q:
-            vocab = int(draft.head.weight.shape[0])
-            q = kept.new_zeros(*kept.shape[:2], vocab).scatter_(-1, cands.ids, kept)
+            q = kept.new_zeros(*kept.shape[:2], draft.vocab).scatter_(-1, cands.ids, kept)
         if not draft.confidence:
             return ids, None, q
         mass = torch.exp(cands.logits.logsumexp(-1) - cands.logsumexp)  # [b, D]
