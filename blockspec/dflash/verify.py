@@ -21,6 +21,7 @@ import torch
 
 from blockspec.cpu.argmax import greedy_ids
 from blockspec.dflash.sampling import sample_from
+from blockspec.dflash.sparse_probs import SparseProbs, sample_from_pairs
 
 
 def verify_greedy(
@@ -55,7 +56,7 @@ def _within(limit: torch.Tensor, m: int) -> torch.Tensor:
 
 
 def verify_standard(
-    proposals: torch.Tensor, target_probs: torch.Tensor, draft_probs: torch.Tensor, accept_u: torch.Tensor,
+    proposals: torch.Tensor, target_probs: torch.Tensor | SparseProbs, draft_probs: torch.Tensor, accept_u: torch.Tensor,
     bonus_u: torch.Tensor, limit: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The standard rule: proposals [b, m], each drawn from its row of draft_probs [b, m, V] (a
@@ -67,8 +68,11 @@ def verify_standard(
     position, that of position `accepted` used) from the normalised
     max(0, p - q) at the first rejection, or from p after the last verified proposal. Only one
     position per row is read beyond the proposals' own probabilities. `limit` as in
-    `verify_greedy`. Each row's uniforms must be independent of its proposals.
+    `verify_greedy`. Each row's uniforms must be independent of its proposals. target_probs may be
+    the pairs of a nucleus (`SparseProbs`): the same outcome, read over them alone.
     """
+    if isinstance(target_probs, SparseProbs):
+        return _verify_pairs(proposals, target_probs, draft_probs, accept_u, bonus_u, limit)
     b, m = proposals.shape
     rows = torch.arange(b, device=proposals.device)
     if m == 0:
@@ -87,3 +91,31 @@ def verify_standard(
     # p == q at a rejection is impossible but for rounding: p itself is then the residual's limit
     from_p = (accepted >= last) | (residual.sum(dim=-1) <= 0)
     return accepted, sample_from(torch.where(from_p[:, None], p_at, residual), bonus_u[rows, accepted])
+
+
+def _verify_pairs(
+    proposals: torch.Tensor, target: SparseProbs, draft_probs: torch.Tensor, accept_u: torch.Tensor,
+    bonus_u: torch.Tensor, limit: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`verify_standard` with the target's p as pairs [b, m+1, k]: the same float operations on
+    the nucleus's tokens (p(x) is a pair's probability or 0, the residual is 0 off the nucleus),
+    so the same accepted and bonus."""
+    b, m = proposals.shape
+    ids, p = target.ids, target.probs  # [b, m+1, k]
+    if m == 0:
+        return torch.zeros(b, dtype=torch.long, device=proposals.device), sample_from_pairs(ids[:, 0], p[:, 0],
+                                                                                            bonus_u[:, 0])
+    rows = torch.arange(b, device=proposals.device)
+    # one pair at most matches (padding carries probability 0): the sum is that probability
+    p_x = (p[:, :m] * (ids[:, :m] == proposals[..., None])).sum(dim=-1).double()  # [b, m]
+    q_x = draft_probs.gather(-1, proposals[..., None])[..., 0].double()
+    keep = (accept_u.double() * q_x < p_x).to(torch.long)
+    last = torch.full((b,), m, dtype=torch.long, device=proposals.device) if limit is None else limit
+    if limit is not None:
+        keep = keep * _within(limit, m)
+    accepted = keep.cumprod(dim=1).sum(dim=1)  # [b]
+    ids_at, p_at = ids[rows, accepted], p[rows, accepted]  # [b, k]
+    q_at = draft_probs[rows[:, None], accepted.clamp(max=m - 1)[:, None], ids_at]  # [b, k]
+    residual = (p_at - q_at.to(p_at.dtype)).clamp_(min=0.0)
+    from_p = (accepted >= last) | (residual.sum(dim=-1) <= 0)
+    return accepted, sample_from_pairs(ids_at, torch.where(from_p[:, None], p_at, residual), bonus_u[rows, accepted])
