@@ -7,6 +7,8 @@ alone (`RowRandom`), so a seed gives the same text whatever the batch, block siz
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from blockspec.cpu import kernels
@@ -171,6 +173,7 @@ RACE_HEAD = 32  # tokens per position that race with their own clocks in `RowRan
 ACCEPT_SLOT, BONUS_SLOT = -1, -2
 
 
+@functools.lru_cache(maxsize=4096)  # a step's target draws reread its draft draws' positions
 def keyed(seed: int, position: int) -> int:
     """A 64-bit random word that is a function of (seed, position) alone (splitmix64 of both)."""
     z = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xD1B54A32D192ED03) & MASK64

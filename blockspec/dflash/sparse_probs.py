@@ -70,20 +70,13 @@ def nucleus_pairs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
                   ) -> SparseProbs | None:
     """The pairs of `shaped`, or None where `probabilities` must shape them (a row greedy or
     with top-k or top-p 1, a nucleus wider than the kernel's candidates, no kernel)."""
-    b, n, v = logits.shape
-    if not bool(((temperature > 0) & (top_p < 1) & ((top_k <= 0) | (top_k >= v))).all()):
+    v = logits.shape[-1]
+    # the rows' settings read on the host: a handful of numbers, where tensor tests cost more
+    if not all(t > 0 and p < 1 and (k <= 0 or k >= v)
+               for t, k, p in zip(temperature.tolist(), top_k.tolist(), top_p.tolist())):
         return None
-    # inverse temperatures as `probabilities` computes them (float32), so the bits agree
-    inv_t = (1.0 / temperature.float()).float()[:, None].expand(b, n).reshape(b * n)
-    out = kernels.nucleus_pairs(logits.float().reshape(b * n, v), inv_t,
-                                top_p.float()[:, None].expand(b, n).reshape(b * n))
-    if out is None:
-        return None
-    ids, probs, count = out  # [b*n, k], [b*n, k], [b*n]
-    if not bool((count > 0).all()):
-        return None
-    k = ids.shape[-1]
-    return SparseProbs(ids.reshape(b, n, k), probs.reshape(b, n, k), v)
+    out = kernels.nucleus_pairs(logits.float(), temperature, top_p)
+    return None if out is None else SparseProbs(*out, v)
 
 
 def draw(random: RowRandom, probs: torch.Tensor | SparseProbs, starts: list[int]) -> torch.Tensor:
@@ -97,10 +90,12 @@ def sample_pairs(random: RowRandom, probs: SparseProbs, starts: Sequence[int]) -
     ties, with their own clocks; the rest one competitor), the same token for a seed."""
     ids, p = probs.ids, probs.probs  # [b, n, k]
     b, n, k = ids.shape
+    if k == 1:  # every nucleus one token: it wins its race whatever the clocks
+        return ids[..., 0]
     keys = random.keys(list(starts), n).to(ids.device)  # [b, n]
     h = min(RACE_HEAD, probs.vocab, k)
-    order = p.argsort(dim=-1, descending=True, stable=True)[..., :h] if k > 1 else None  # ids ascend: ties by id
-    head, head_ids = (p, ids) if order is None else (p.gather(-1, order), ids.gather(-1, order))  # [b, n, h]
+    order = p.argsort(dim=-1, descending=True, stable=True)[..., :h]  # ids ascend: ties by id
+    head, head_ids = p.gather(-1, order), ids.gather(-1, order)  # [b, n, h]
     arrival = -torch.log(slot_uniforms(keys, head_ids)) / head.double()  # [b, n, h]; p = 0: never (inf)
     first = arrival.argmin(dim=-1)  # [b, n]
     out = head_ids.gather(-1, first[..., None])[..., 0]

@@ -72,24 +72,31 @@ def _wide(b: int, n: int, v: int, seed: int) -> torch.Tensor:
     return _logits(b, n, v, seed, strong=60, spread=1.0)
 
 
-@pytest.mark.parametrize("wide", [False, True])
-def test_the_keyed_race_draws_the_same_tokens(wide: bool) -> None:
+@pytest.mark.parametrize("kind", ["peaked", "usual", "wide"])
+def test_the_keyed_race_draws_the_same_tokens(kind: str) -> None:
     b, n, v = 4, 3, 2000
-    seen_tail = 0
+    seen_tail = seen_single = 0
+    temperature, top_p = {"peaked": (0.3, 0.5), "usual": (0.7, 0.9), "wide": (1.0, 0.97)}[kind]
     for trial in range(60):
-        x = (_wide if wide else _logits)(b, n, v, seed=100 + trial)
-        settings = _settings(b, 1.0 if wide else 0.7, 0.97 if wide else 0.9)
+        x = (_wide if kind == "wide" else _logits)(b, n, v, seed=100 + trial)
+        if kind == "peaked" and trial % 2:  # one token far ahead at every position
+            x = x.scatter_add(-1, x.argmax(dim=-1, keepdim=True), torch.full((b, n, 1), 20.0))
+        rows = x.shape[0]
+        settings = _settings(rows, temperature, top_p)
         pairs = nucleus_pairs(x, *settings)
         assert pairs is not None
         dense = probabilities(x, *settings)
-        random = RowRandom([trial * 7 + r for r in range(b)])
-        starts = [trial + 3 * r for r in range(b)]
+        random = RowRandom([trial * 7 + r for r in range(rows)])
+        starts = [trial + 3 * r for r in range(rows)]
         got = draw(random, pairs, starts)
         assert torch.equal(got, random.sample(dense, starts))
-        if wide:
+        seen_single += pairs.ids.shape[-1] == 1
+        if kind == "wide":
             head = dense.topk(32, dim=-1).indices
             seen_tail += int((head != got[..., None]).all(dim=-1).sum())
-    if wide:
+    if kind == "peaked":
+        assert seen_single > 0  # one-token nuclei (drawn without clocks) were compared
+    if kind == "wide":
         assert pairs.ids.shape[-1] > 32
         assert seen_tail > 0  # the tail's draw was compared, not only the head's
 

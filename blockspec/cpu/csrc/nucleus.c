@@ -138,6 +138,60 @@ int bs_nucleus(const float *x, int64_t rows, int64_t n, const float *inv_t, cons
     return failed;
 }
 
+/* nucleus_row of the row spread from x[0..m) at ids[0..m) (ascending, < n), every other logit
+ * -inf, without spreading the logits: the weights are exp16 of the same z 16 at a time (each
+ * lane's weight its own, whatever its neighbours), written into the zeroed scratch row e[0..n) at
+ * their ids and summed there as nucleus_row sums (the same lanes, the same order: the zeros add
+ * nothing), so the same sum, candidates and bits for a third of the exponentials; e is zeroed
+ * again on return. */
+static int64_t nucleus_row_ids(const float *x, const int64_t *ids, int64_t m, int64_t n, float inv_t, float top_p,
+                               cand *buf, float *inv, float *e) {
+    const int64_t nv = n - n % 16, mv = m - m % 16;
+    float top = -INFINITY;
+    int nan = 0;
+    if (mv > 0) { /* the maximum is the same in any order */
+        v16 mx = load16(x);
+        i16 odd = mx != mx;
+        for (int64_t j = 16; j < mv; j += 16) {
+            const v16 v = load16(x + j);
+            mx = select16(v > mx, v, mx);
+            odd |= v != v;
+        }
+        for (int l = 0; l < 16; l++) top = mx[l] > top ? mx[l] : top, nan |= odd[l];
+    }
+    for (int64_t j = mv; j < m; j++) top = x[j] > top ? x[j] : top, nan |= x[j] != x[j];
+    if (nan || !(top > -INFINITY) || !(inv_t > 0)) return 0;
+    const float floor = -NUCLEUS_SPAN;
+    int64_t count = 0;
+    for (int64_t j = 0; j < m; j += 16) {
+        v16 z;
+        if (m - j >= 16) {
+            z = (load16(x + j) - top) * inv_t;
+        } else {
+            for (int l = 0; l < 16; l++) z[l] = j + l < m ? (x[j + l] - top) * inv_t : -INFINITY;
+        }
+        const v16 w = exp16(z);
+        const int64_t end = m - j < 16 ? m - j : 16;
+        for (int l = 0; l < end; l++) {
+            const int64_t id = ids[j + l];
+            /* past the last whole vector nucleus_row takes expf */
+            e[id] = id < nv ? w[l] : z[l] < -87.0f ? 0.0f : expf(z[l]);
+        }
+        if (!any16(z >= floor)) continue;
+        for (int l = 0; l < end; l++)
+            if (z[l] >= floor) {
+                if (count < NUCLEUS_CAP) buf[count] = (cand){e[ids[j + l]], ids[j + l]};
+                count++;
+            }
+    }
+    v16 acc = {0};
+    for (int64_t k = 0; k < nv; k += 16) acc += load16(e + k);
+    float total = reduce16(acc);
+    for (int64_t k = nv; k < n; k++) total += e[k];
+    for (int64_t j = 0; j < m; j++) e[ids[j]] = 0.0f;
+    return nucleus_cut(buf, count, total, top_p, inv);
+}
+
 /* bs_nucleus of rows whose logits are -inf but at ids[0..m) (ascending, < n): x rows x m; out
  * rows x n, zeroed by the caller; the rest as bs_nucleus. */
 int bs_nucleus_ids(const float *x, const int64_t *ids, int64_t rows, int64_t m, int64_t n, const float *inv_t,
@@ -146,19 +200,17 @@ int bs_nucleus_ids(const float *x, const int64_t *ids, int64_t rows, int64_t m, 
 #pragma omp parallel num_threads(threads) if (rows >= 2)
     {
         cand *buf = malloc(sizeof(cand) * NUCLEUS_CAP);
-        float *row = malloc(sizeof(float) * (size_t)n);
-        if (row)
-            for (int64_t k = 0; k < n; k++) row[k] = -INFINITY;
+        float *e = calloc((size_t)n, sizeof(float));
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
-            done[r] = 0;
-            if (!buf || !row) continue;
-            for (int64_t j = 0; j < m; j++) row[ids[j]] = x[r * m + j];
-            done[r] = (uint8_t)nucleus_dense(row, n, inv_t[r], top_p[r], out + r * n, buf);
+            float inv = 0.0f;
+            const int64_t kept = buf && e ? nucleus_row_ids(x + r * m, ids, m, n, inv_t[r], top_p[r], buf, &inv, e) : 0;
+            for (int64_t k = 0; k < kept; k++) out[r * n + buf[k].i] = buf[k].w * inv;
+            done[r] = kept > 0;
         }
-        if (!buf || !row) failed = 1;
+        if (!buf || !e) failed = 1;
         free(buf);
-        free(row);
+        free(e);
     }
     return failed;
 }
@@ -168,30 +220,56 @@ static int lower_id_first(const void *a, const void *b) {
     return (x->i > y->i) - (x->i < y->i);
 }
 
-/* bs_nucleus's rows as (id, probability) pairs, the ids ascending: ids, probs rows x width (the
- * pairs first, then id 0 with probability 0); count[r] the pairs of row r, 0 where its nucleus is
- * the caller's (wider than the candidates or than width). The probabilities have bs_nucleus's
- * bits. Returns 0, 1 where scratch memory ran out. */
-int bs_nucleus_pairs(const float *x, int64_t rows, int64_t n, const float *inv_t, const float *top_p, int64_t width,
-                     int64_t *ids, float *probs, int64_t *count, int threads) {
-    int failed = 0;
-#pragma omp parallel num_threads(threads) if (rows >= 2)
+/* bs_nucleus's rows as (id, probability) pairs, the ids ascending. x: rows x n logits, rows =
+ * groups x per (a batch row's positions share its temperature[g] > 0 and top_p[g]: inverse
+ * temperature 1.0f / temperature[g], as the caller's bs_nucleus rows get it). ids, probs: rows x
+ * width scratch; on return they hold rows x k pairs, k = out[0] the most any row keeps (each row's
+ * pairs, then id 0 with probability 0), with bs_nucleus's bits; out[1] = 1 where every row was
+ * done, 0 where some nucleus is the caller's (wider than the candidates or than width). Returns 0,
+ * 1 where scratch memory ran out. */
+int bs_nucleus_pairs(const float *x, int64_t groups, int64_t per, int64_t n, const float *temperature,
+                     const float *top_p, int64_t width, int64_t *ids, float *probs, int64_t *out, int threads) {
+    const int64_t rows = groups * per;
+    int64_t *kept_of = malloc(sizeof(int64_t) * (size_t)(rows > 0 ? rows : 1));
+    if (!kept_of) return 1;
+    int failed = 0, all_done = 1;
+    int64_t widest = 1;
+#pragma omp parallel num_threads(threads) if (rows >= 2) reduction(max : widest) reduction(& : all_done)
     {
         cand *buf = malloc(sizeof(cand) * NUCLEUS_CAP);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
             float inv = 0.0f;
-            int64_t kept = buf ? nucleus_row(x + r * n, n, inv_t[r], top_p[r], buf, &inv) : 0;
+            const int64_t g = r / per;
+            int64_t kept = buf ? nucleus_row(x + r * n, n, 1.0f / temperature[g], top_p[g], buf, &inv) : 0;
             if (kept > width) kept = 0;
             if (kept > 1) qsort(buf, (size_t)kept, sizeof(cand), lower_id_first);
-            for (int64_t j = 0; j < width; j++) {
-                ids[r * width + j] = j < kept ? buf[j].i : 0;
-                probs[r * width + j] = j < kept ? buf[j].w * inv : 0.0f;
+            for (int64_t j = 0; j < kept; j++) {
+                ids[r * width + j] = buf[j].i;
+                probs[r * width + j] = buf[j].w * inv;
             }
-            count[r] = kept;
+            all_done &= kept > 0;
+            widest = kept > widest ? kept : widest;
+            kept_of[r] = kept;
         }
         if (!buf) failed = 1;
         free(buf);
     }
-    return failed;
+    if (failed) {
+        free(kept_of);
+        return 1;
+    }
+    /* rows x width -> rows x widest, in place: row r moves to r * widest <= r * width */
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t kept = kept_of[r];
+        for (int64_t j = 0; j < widest; j++) {
+            const int64_t from = r * width + j, to = r * widest + j;
+            ids[to] = j < kept ? ids[from] : 0;
+            probs[to] = j < kept ? probs[from] : 0.0f;
+        }
+    }
+    free(kept_of);
+    out[0] = widest;
+    out[1] = all_done;
+    return 0;
 }
