@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from blockspec.cpu import kernels
-from blockspec.dflash.sampling import RACE_HEAD, RowRandom, probabilities, slot_uniforms
+from blockspec.dflash.sampling import RACE_HEAD, RowRandom, probabilities, race_on_host, slot_uniforms
 
 
 @dataclass(frozen=True, eq=False)
@@ -95,7 +95,7 @@ def sample_pairs(random: RowRandom, probs: SparseProbs, starts: Sequence[int]) -
     keys = random.keys(list(starts), n).to(ids.device)  # [b, n]
     h = min(RACE_HEAD, probs.vocab, k)
     if k == h:  # the head holds every pair: the race on the host, a few numbers a position
-        return _race_on_host(ids, p, torch.log(slot_uniforms(keys, ids)))
+        return race_on_host(ids, p, torch.log(slot_uniforms(keys, ids)), ordered=False)
     order = p.argsort(dim=-1, descending=True, stable=True)[..., :h]  # ids ascend: ties by id
     head, head_ids = p.gather(-1, order), ids.gather(-1, order)  # [b, n, h]
     arrival = -torch.log(slot_uniforms(keys, head_ids)) / head.double()  # [b, n, h]; p = 0: never (inf)
@@ -114,21 +114,6 @@ def sample_pairs(random: RowRandom, probs: SparseProbs, starts: Sequence[int]) -
     if bool(wins.any()):
         out = torch.where(wins, sample_from_pairs(ids, tail, u[..., 1]), out)
     return out
-
-
-def _race_on_host(ids: torch.Tensor, probs: torch.Tensor, log_u: torch.Tensor) -> torch.Tensor:
-    """The winner [b, n] of each position's race among all its pairs [b, n, k] (log_u: the log of
-    each pair's clock uniform): the first least -log(u) / p in the head's order (the higher
-    probability first, the lower id on ties), as the tensors' argmin finds it; padding never wins."""
-    out = []
-    for row_ids, row_p, row_log in zip(ids.tolist(), probs.tolist(), log_u.tolist()):
-        for pos_ids, pos_p, pos_log in zip(row_ids, row_p, row_log):
-            best, pick = float("inf"), pos_ids[0]
-            for i in sorted(range(len(pos_ids)), key=lambda i: (-pos_p[i], pos_ids[i])):
-                if pos_p[i] > 0 and -pos_log[i] / pos_p[i] < best:  # float64, as the tensors divide
-                    best, pick = -pos_log[i] / pos_p[i], pos_ids[i]
-            out.append(pick)
-    return torch.tensor(out, dtype=torch.int64, device=ids.device).reshape(ids.shape[:-1])
 
 
 def sample_from_pairs(ids: torch.Tensor, probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

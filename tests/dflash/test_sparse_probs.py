@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from blockspec.cpu import kernels
-from blockspec.dflash.sampling import RowRandom, probabilities, sample_from
+from blockspec.dflash.sampling import RowRandom, probabilities, race_on_host, sample_from
 from blockspec.dflash.sparse_probs import draw, nucleus_pairs, sample_from_pairs, shaped
 from blockspec.dflash.tree_verify import keyed_draws
 from blockspec.dflash.verify import verify_standard
@@ -99,6 +99,31 @@ def test_the_keyed_race_draws_the_same_tokens(kind: str) -> None:
     if kind == "wide":
         assert pairs.ids.shape[-1] > 32
         assert seen_tail > 0  # the tail's draw was compared, not only the head's
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+def test_the_host_race_picks_the_tensors_argmin(ordered: bool) -> None:
+    """race_on_host against the race in tensor operations: arrival -log(u) / p in float64, the
+    first least in the head's order (the higher probability first, the lower id on ties)."""
+    g = torch.Generator().manual_seed(7)
+    for trial in range(200):
+        k = int(torch.randint(1, 40, (1,), generator=g))
+        probs = torch.rand(3, 2, k, generator=g) ** 4
+        probs[probs < 0.05] = 0.0  # zeros: never first
+        probs[..., 0] = probs[..., 0].clamp(min=1e-3)  # at least one token of mass > 0
+        log_u = torch.log(torch.rand(3, 2, k, generator=g, dtype=torch.float64))
+        if trial % 4 == 0 and k > 1:  # a tie in probability and in arrival: the order decides
+            probs[..., 1] = probs[..., 0]
+            log_u[..., 1] = log_u[..., 0]
+        ids = torch.stack([torch.randperm(5000, generator=g)[:k] for _ in range(6)]).reshape(3, 2, k)
+        order = torch.tensor([[sorted(range(k), key=lambda i: (-probs[r, j, i].item(), ids[r, j, i].item()))
+                               for j in range(2)] for r in range(3)])  # [3, 2, k]: the head's order
+        head, head_ids, head_log = probs.gather(-1, order), ids.gather(-1, order), log_u.gather(-1, order)
+        arrival = -head_log / head.double()
+        want = head_ids.gather(-1, arrival.argmin(dim=-1, keepdim=True))[..., 0]
+        got = (race_on_host(head_ids, head, head_log, ordered=True) if ordered
+               else race_on_host(ids, probs, log_u, ordered=False))
+        assert torch.equal(got, want)
 
 
 def test_tree_draws_read_pairs_as_rows() -> None:
