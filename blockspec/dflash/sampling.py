@@ -7,8 +7,6 @@ alone (`RowRandom`), so a seed gives the same text whatever the batch, block siz
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from blockspec.cpu import kernels
@@ -173,7 +171,6 @@ RACE_HEAD = 32  # tokens per position that race with their own clocks in `RowRan
 ACCEPT_SLOT, BONUS_SLOT = -1, -2
 
 
-@functools.lru_cache(maxsize=4096)  # a step's target draws reread its draft draws' positions
 def keyed(seed: int, position: int) -> int:
     """A 64-bit random word that is a function of (seed, position) alone (splitmix64 of both)."""
     z = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xD1B54A32D192ED03) & MASK64
@@ -202,26 +199,6 @@ def slot_uniforms(keys: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     z = (z ^ ((z >> 27) & ((1 << 37) - 1))) * _M2
     z = z ^ ((z >> 31) & ((1 << 33) - 1))
     return ((z >> 11) & ((1 << 53) - 1)).double().add_(0.5).mul_(2.0**-53)
-
-
-def race_on_host(ids: torch.Tensor, probs: torch.Tensor, log_u: torch.Tensor, ordered: bool) -> torch.Tensor:
-    """The winner [..] of each position's exponential race among tokens ids [.., k] with
-    probabilities probs [.., k] (log_u: the log of each one's clock uniform), on the host: a few
-    numbers a position, where tensor operations cost more than their arithmetic. The first least
-    arrival -log(u) / p (in float64, as `RowRandom.sample` divides) in the head's order, the higher
-    probability first and the lower id on ties (`ordered`: ids and probs already are); p = 0
-    never wins."""
-    out = []
-    flat_ids = ids.reshape(-1, ids.shape[-1]).tolist()
-    flat_p = probs.reshape(-1, ids.shape[-1]).tolist()
-    for pos_ids, pos_p, pos_log in zip(flat_ids, flat_p, log_u.reshape(-1, ids.shape[-1]).tolist()):
-        order = range(len(pos_ids)) if ordered else sorted(range(len(pos_ids)), key=lambda i: (-pos_p[i], pos_ids[i]))
-        best, pick = float("inf"), pos_ids[0]
-        for i in order:
-            if pos_p[i] > 0 and -pos_log[i] / pos_p[i] < best:
-                best, pick = -pos_log[i] / pos_p[i], pos_ids[i]
-        out.append(pick)
-    return torch.tensor(out, dtype=torch.int64, device=ids.device).reshape(ids.shape[:-1])
 
 
 class RowRandom:
@@ -263,11 +240,11 @@ class RowRandom:
         k = min(RACE_HEAD, v)
         fast = kernels.top_values(probs, k)  # one pass over each row on a CPU (cpu/csrc/topk.c)
         head, idx = fast if fast is not None else probs.topk(k, dim=-1)  # [b, n, k]
-        if k == v or not bool((head[..., -1] > 0).any()):  # the head holds every token of mass > 0
-            return race_on_host(idx, head, torch.log(slot_uniforms(keys, idx)), ordered=True)
         arrival = -torch.log(slot_uniforms(keys, idx)) / head.double()  # [b, n, k]; p = 0: never (inf)
         first = arrival.argmin(dim=-1)  # [b, n]
         ids = idx.gather(-1, first[..., None])[..., 0]
+        if k == v or not bool((head[..., -1] > 0).any()):  # the head holds every token of mass > 0
+            return ids
         tail = probs.scatter(-1, idx, 0.0)  # [b, n, V]
         mass = tail.sum(dim=-1, dtype=torch.float64)  # [b, n]
         reserved = torch.tensor([v, v + 1], dtype=torch.int64, device=d)  # the tail's clock and pick

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from blockspec.cpu import kernels
-from blockspec.dflash.sampling import RACE_HEAD, RowRandom, probabilities, race_on_host, slot_uniforms
+from blockspec.dflash.sampling import RACE_HEAD, RowRandom, probabilities, slot_uniforms
 
 
 @dataclass(frozen=True, eq=False)
@@ -95,7 +95,7 @@ def sample_pairs(random: RowRandom, probs: SparseProbs, starts: Sequence[int]) -
     keys = random.keys(list(starts), n).to(ids.device)  # [b, n]
     h = min(RACE_HEAD, probs.vocab, k)
     if k == h:  # the head holds every pair: the race on the host, a few numbers a position
-        return race_on_host(ids, p, torch.log(slot_uniforms(keys, ids)), ordered=False)
+        return race_on_host(ids, p, torch.log(slot_uniforms(keys, ids)))
     order = p.argsort(dim=-1, descending=True, stable=True)[..., :h]  # ids ascend: ties by id
     head, head_ids = p.gather(-1, order), ids.gather(-1, order)  # [b, n, h]
     arrival = -torch.log(slot_uniforms(keys, head_ids)) / head.double()  # [b, n, h]; p = 0: never (inf)
@@ -114,6 +114,26 @@ def sample_pairs(random: RowRandom, probs: SparseProbs, starts: Sequence[int]) -
     if bool(wins.any()):
         out = torch.where(wins, sample_from_pairs(ids, tail, u[..., 1]), out)
     return out
+
+
+def race_on_host(ids: torch.Tensor, probs: torch.Tensor, log_u: torch.Tensor, ordered: bool = False) -> torch.Tensor:
+    """The winner [..] of each position's exponential race among tokens ids [.., k] with
+    probabilities probs [.., k] (log_u: the log of each one's clock uniform), on the host: a few
+    numbers a position, where tensor operations cost more than their arithmetic. The first least
+    arrival -log(u) / p (in float64, as `RowRandom.sample` divides) in the head's order, the higher
+    probability first and the lower id on ties (`ordered`: ids and probs already are); p = 0
+    never wins."""
+    out = []
+    flat_ids = ids.reshape(-1, ids.shape[-1]).tolist()
+    flat_p = probs.reshape(-1, ids.shape[-1]).tolist()
+    for pos_ids, pos_p, pos_log in zip(flat_ids, flat_p, log_u.reshape(-1, ids.shape[-1]).tolist()):
+        order = range(len(pos_ids)) if ordered else sorted(range(len(pos_ids)), key=lambda i: (-pos_p[i], pos_ids[i]))
+        best, pick = float("inf"), pos_ids[0]
+        for i in order:
+            if pos_p[i] > 0 and -pos_log[i] / pos_p[i] < best:
+                best, pick = -pos_log[i] / pos_p[i], pos_ids[i]
+        out.append(pick)
+    return torch.tensor(out, dtype=torch.int64, device=ids.device).reshape(ids.shape[:-1])
 
 
 def sample_from_pairs(ids: torch.Tensor, probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

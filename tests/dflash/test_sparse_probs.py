@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from blockspec.cpu import kernels
-from blockspec.dflash.sampling import RowRandom, probabilities, race_on_host, sample_from
-from blockspec.dflash.sparse_probs import draw, nucleus_pairs, sample_from_pairs, shaped
+from blockspec.dflash.sampling import RowRandom, probabilities, sample_from
+from blockspec.dflash.sparse_probs import draw, nucleus_pairs, race_on_host, sample_from_pairs, shaped
 from blockspec.dflash.tree_verify import keyed_draws
 from blockspec.dflash.verify import verify_standard
 

@@ -138,60 +138,6 @@ int bs_nucleus(const float *x, int64_t rows, int64_t n, const float *inv_t, cons
     return failed;
 }
 
-/* nucleus_row of the row spread from x[0..m) at ids[0..m) (ascending, < n), every other logit
- * -inf, without spreading the logits: the weights are exp16 of the same z 16 at a time (each
- * lane's weight its own, whatever its neighbours), written into the zeroed scratch row e[0..n) at
- * their ids and summed there as nucleus_row sums (the same lanes, the same order: the zeros add
- * nothing), so the same sum, candidates and bits for a third of the exponentials; e is zeroed
- * again on return. */
-static int64_t nucleus_row_ids(const float *x, const int64_t *ids, int64_t m, int64_t n, float inv_t, float top_p,
-                               cand *buf, float *inv, float *e) {
-    const int64_t nv = n - n % 16, mv = m - m % 16;
-    float top = -INFINITY;
-    int nan = 0;
-    if (mv > 0) { /* the maximum is the same in any order */
-        v16 mx = load16(x);
-        i16 odd = mx != mx;
-        for (int64_t j = 16; j < mv; j += 16) {
-            const v16 v = load16(x + j);
-            mx = select16(v > mx, v, mx);
-            odd |= v != v;
-        }
-        for (int l = 0; l < 16; l++) top = mx[l] > top ? mx[l] : top, nan |= odd[l];
-    }
-    for (int64_t j = mv; j < m; j++) top = x[j] > top ? x[j] : top, nan |= x[j] != x[j];
-    if (nan || !(top > -INFINITY) || !(inv_t > 0)) return 0;
-    const float floor = -NUCLEUS_SPAN;
-    int64_t count = 0;
-    for (int64_t j = 0; j < m; j += 16) {
-        v16 z;
-        if (m - j >= 16) {
-            z = (load16(x + j) - top) * inv_t;
-        } else {
-            for (int l = 0; l < 16; l++) z[l] = j + l < m ? (x[j + l] - top) * inv_t : -INFINITY;
-        }
-        const v16 w = exp16(z);
-        const int64_t end = m - j < 16 ? m - j : 16;
-        for (int l = 0; l < end; l++) {
-            const int64_t id = ids[j + l];
-            /* past the last whole vector nucleus_row takes expf */
-            e[id] = id < nv ? w[l] : z[l] < -87.0f ? 0.0f : expf(z[l]);
-        }
-        if (!any16(z >= floor)) continue;
-        for (int l = 0; l < end; l++)
-            if (z[l] >= floor) {
-                if (count < NUCLEUS_CAP) buf[count] = (cand){e[ids[j + l]], ids[j + l]};
-                count++;
-            }
-    }
-    v16 acc = {0};
-    for (int64_t k = 0; k < nv; k += 16) acc += load16(e + k);
-    float total = reduce16(acc);
-    for (int64_t k = nv; k < n; k++) total += e[k];
-    for (int64_t j = 0; j < m; j++) e[ids[j]] = 0.0f;
-    return nucleus_cut(buf, count, total, top_p, inv);
-}
-
 /* bs_nucleus of rows whose logits are -inf but at ids[0..m) (ascending, < n): x rows x m; out
  * rows x n, zeroed by the caller; the rest as bs_nucleus. */
 int bs_nucleus_ids(const float *x, const int64_t *ids, int64_t rows, int64_t m, int64_t n, const float *inv_t,
@@ -200,17 +146,19 @@ int bs_nucleus_ids(const float *x, const int64_t *ids, int64_t rows, int64_t m, 
 #pragma omp parallel num_threads(threads) if (rows >= 2)
     {
         cand *buf = malloc(sizeof(cand) * NUCLEUS_CAP);
-        float *e = calloc((size_t)n, sizeof(float));
+        float *row = malloc(sizeof(float) * (size_t)n);
+        if (row)
+            for (int64_t k = 0; k < n; k++) row[k] = -INFINITY;
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
-            float inv = 0.0f;
-            const int64_t kept = buf && e ? nucleus_row_ids(x + r * m, ids, m, n, inv_t[r], top_p[r], buf, &inv, e) : 0;
-            for (int64_t k = 0; k < kept; k++) out[r * n + buf[k].i] = buf[k].w * inv;
-            done[r] = kept > 0;
+            done[r] = 0;
+            if (!buf || !row) continue;
+            for (int64_t j = 0; j < m; j++) row[ids[j]] = x[r * m + j];
+            done[r] = (uint8_t)nucleus_dense(row, n, inv_t[r], top_p[r], out + r * n, buf);
         }
-        if (!buf || !e) failed = 1;
+        if (!buf || !row) failed = 1;
         free(buf);
-        free(e);
+        free(row);
     }
     return failed;
 }
