@@ -101,7 +101,7 @@ def sample_pairs(random: RowRandom, probs: SparseProbs, starts: Sequence[int]) -
     arrival = -torch.log(slot_uniforms(keys, head_ids)) / head.double()  # [b, n, h]; p = 0: never (inf)
     first = arrival.argmin(dim=-1)  # [b, n]
     out = head_ids.gather(-1, first[..., None])[..., 0]
-    if k <= h or not bool((head[..., -1] > 0).any()) or RACE_HEAD >= probs.vocab:
+    if not bool((head[..., -1] > 0).any()):
         return out  # the head holds every token of mass > 0
     tail = p.scatter(-1, order, 0.0)  # [b, n, k], ids ascending as the vocabulary-wide tail's
     # every kept probability is at least 2^-30 (the kernel's candidates), so this float64 sum is
@@ -116,20 +116,18 @@ def sample_pairs(random: RowRandom, probs: SparseProbs, starts: Sequence[int]) -
     return out
 
 
-def race_on_host(ids: torch.Tensor, probs: torch.Tensor, log_u: torch.Tensor, ordered: bool = False) -> torch.Tensor:
+def race_on_host(ids: torch.Tensor, probs: torch.Tensor, log_u: torch.Tensor) -> torch.Tensor:
     """The winner [..] of each position's exponential race among tokens ids [.., k] with
     probabilities probs [.., k] (log_u: the log of each one's clock uniform), on the host: a few
     numbers a position, where tensor operations cost more than their arithmetic. The first least
     arrival -log(u) / p (in float64, as `RowRandom.sample` divides) in the head's order, the higher
-    probability first and the lower id on ties (`ordered`: ids and probs already are); p = 0
-    never wins."""
+    probability first and the lower id on ties; p = 0 never wins."""
     out = []
     flat_ids = ids.reshape(-1, ids.shape[-1]).tolist()
     flat_p = probs.reshape(-1, ids.shape[-1]).tolist()
     for pos_ids, pos_p, pos_log in zip(flat_ids, flat_p, log_u.reshape(-1, ids.shape[-1]).tolist()):
-        order = range(len(pos_ids)) if ordered else sorted(range(len(pos_ids)), key=lambda i: (-pos_p[i], pos_ids[i]))
         best, pick = float("inf"), pos_ids[0]
-        for i in order:
+        for i in sorted(range(len(pos_ids)), key=lambda i: (-pos_p[i], pos_ids[i])):
             if pos_p[i] > 0 and -pos_log[i] / pos_p[i] < best:
                 best, pick = -pos_log[i] / pos_p[i], pos_ids[i]
         out.append(pick)
