@@ -6,10 +6,13 @@ Decodes the first prompts of a set (batch 1, the settings every verb uses: adapt
 n-gram lookup) with sampled requests verified by the keyed rule, then the standard rule
 (alternating per prompt), and times, inside every step, what sampling adds to the model work:
 temperature / top-k / top-p shaping of the target's and the drafter's logits
-(`probabilities`), the standard rule's sharper draft distribution (`sharpened`), the keyed draws (`RowRandom.sample`, `race`, `uniforms`), the one-hot drafts
-of lookup proposals and the standard rule itself (`verify_standard`: acceptance tests and the
+(`probabilities`, `shaped`), the standard rule's sharper draft distribution (`sharpened`), the
+keyed draws (`RowRandom.sample`, `sample_pairs`, `race`, `uniforms`), the one-hot drafts of lookup
+proposals and the standard rule itself (`verify_standard`: acceptance tests and the
 residual draw). Prints a Markdown table: per rule, steps, milliseconds per step, of which
-sampling, and its share.
+sampling, and its share. `--seed N` gives every request that seed, so two builds decode the
+same text and their shares compare run to run (unseeded requests, as chat clients send them,
+decode different text each run).
 """
 
 from __future__ import annotations
@@ -25,11 +28,13 @@ import torch
 # (module path, attribute) of every sampling function a step calls; class methods as "Class.method"
 SAMPLING = (
     ("blockspec.dflash.batch", "probabilities"),
+    ("blockspec.dflash.batch", "shaped"),
     ("blockspec.dflash.proposers.batched", "probabilities"),
     ("blockspec.dflash.proposers.dflash_block", "sharpened"),
     ("blockspec.dflash.batch", "verify_standard"),
     ("blockspec.dflash.batch", "_one_hot_where"),
     ("blockspec.dflash.sampling", "RowRandom.sample"),
+    ("blockspec.dflash.sparse_probs", "sample_pairs"),
     ("blockspec.dflash.sampling", "RowRandom.race"),
     ("blockspec.dflash.sampling", "RowRandom.uniforms"),
 )
@@ -124,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--top-p", type=float, default=0.9)
     ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=None, help="every request's seed (default: none, as chat clients)")
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args(argv)
     if args.threads:
@@ -134,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     samples = load_dataset(args.dataset, limit=args.limit)
     prompts = [encode_prompt(pipe.tokenizer, [{"role": "user", "content": s.turns[0]}], chat=True) for s in samples]
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k)
+                            top_k=args.top_k, seed=args.seed)
     pipe.decoder.generate([prompts[0]], params.with_(max_new_tokens=8))  # warm-up (and calibration)
     results = measure(pipe.decoder, prompts, params, ("keyed", "standard"))
     print(table(results))

@@ -140,6 +140,10 @@ def _load() -> object | None:
     fn.nucleus = lib.bs_nucleus
     fn.nucleus.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 4 + [ctypes.c_int]
     fn.nucleus.restype = ctypes.c_int
+    fn.nucleus_pairs = lib.bs_nucleus_pairs
+    fn.nucleus_pairs.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int64] \
+        + [ctypes.c_void_p] * 3 + [ctypes.c_int]
+    fn.nucleus_pairs.restype = ctypes.c_int
     fn.nucleus_ids = lib.bs_nucleus_ids
     fn.nucleus_ids.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 4 + [ctypes.c_int]
     fn.nucleus_ids.restype = ctypes.c_int
@@ -436,6 +440,34 @@ def nucleus(logits: torch.Tensor, inv_t: torch.Tensor, top_p: torch.Tensor, supp
     if failed:
         return None
     return out, done.bool()
+
+
+NUCLEUS_PAIRS = 1024  # the most pairs a row of `nucleus_pairs` holds (cpu/csrc/nucleus.c's candidates)
+
+
+def nucleus_pairs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`nucleus` as (id, probability) pairs of fp32 logits [b, n, V] on the CPU, row r's positions
+    at temperature[r] > 0 (inverse 1 / temperature in float32, as `nucleus` is given it) and
+    top_p[r] [b]: ids [b, n, k] int64 (ascending, then 0) and probs [b, n, k] float32 (`nucleus`'s
+    bits, then 0), k the most any position keeps. None where some position's nucleus is the
+    caller's (wider than the kernel's candidates) or the kernel does not take them."""
+    fn = kernel()
+    if fn is None or logits.dtype != torch.float32 or logits.dim() != 3 or not logits.is_cpu or logits.shape[-1] == 0:
+        return None
+    b, n, v = logits.shape
+    x = logits.detach().contiguous()
+    t = temperature.detach().to(torch.float32).contiguous()
+    p = top_p.detach().to(torch.float32).contiguous()
+    width = min(NUCLEUS_PAIRS, v)
+    ids = torch.empty(b * n * width, dtype=torch.int64)
+    probs = torch.empty(b * n * width, dtype=torch.float32)
+    out = (ctypes.c_int64 * 2)()  # the widest row, every row done
+    if fn.nucleus_pairs(x.data_ptr(), b, n, v, t.data_ptr(), p.data_ptr(), width, ids.data_ptr(), probs.data_ptr(),
+                        out, torch.get_num_threads()) or not out[1]:
+        return None
+    k = int(out[0])
+    return ids[: b * n * k].view(b, n, k), probs[: b * n * k].view(b, n, k)
 
 
 def top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:

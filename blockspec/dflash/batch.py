@@ -33,6 +33,7 @@ from blockspec.targets.base import Target, TargetCache, greedy_forward, greedy_f
 from blockspec.dflash.logit_bias import apply_logit_bias
 from blockspec.dflash.lookup import LookupConfig, TokenIndex
 from blockspec.dflash.sampling import ACCEPT_SLOT, BONUS_SLOT, RowRandom, probabilities
+from blockspec.dflash.sparse_probs import SparseProbs, draw, shaped
 from blockspec.dflash.verify import accept_greedy, verify_standard
 from blockspec.dflash.proposers import (BatchDraft, BatchProposal, BatchProposer, DFlash2WalkProposer,
                                         DFlashBlockProposer, Distributions, LookupOverride)
@@ -459,8 +460,9 @@ class DecodeBatch:
         self._proposals = None  # the rows' rules changed
 
     # ---- one step ----------------------------------------------------------------------------
-    def _probs(self, logits: torch.Tensor) -> torch.Tensor:
-        return probabilities(logits, self.temperature, self.top_k, self.top_p)
+    def _probs(self, logits: torch.Tensor) -> torch.Tensor | SparseProbs:
+        """The target's shaped p of logits [b, n, V]: a nucleus's pairs where it can be (dflash/sparse_probs.py)."""
+        return shaped(logits, self.temperature, self.top_k, self.top_p)
 
     @torch.inference_mode()
     def step(self, block: int, trim: Trim | None = None, tree: bool = True) -> int:
@@ -811,14 +813,14 @@ class DecodeBatch:
             self._commit(r, h[:n], token_lp[i][:n] if token_lp is not None and token_lp[i] is not None else None)
         return q
 
-    def _accept_sampled(self, proposals: torch.Tensor, probs: torch.Tensor, limit: torch.Tensor | None
+    def _accept_sampled(self, proposals: torch.Tensor, probs: torch.Tensor | SparseProbs, limit: torch.Tensor | None
                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """accepted [b], bonus [b] of a step whose target gave probs [b, q, V]: each row by its rule."""
         b, m = proposals.shape
         starts = self._starts()
         standard = [i for i, rule in enumerate(self.rules) if rule == "standard"] if m and self._draft_q is not None else []
         if not standard:
-            return accept_greedy(proposals, self.random.sample(probs, starts), limit)  # best [b, q]: the target's own
+            return accept_greedy(proposals, draw(self.random, probs, starts), limit)  # best [b, q]: the target's own
         keyed = [i for i in range(b) if i not in set(standard)]
         accepted = torch.empty(b, dtype=torch.long, device=proposals.device)
         bonus = torch.empty_like(accepted)
@@ -831,9 +833,9 @@ class DecodeBatch:
             random = self.random if whole else self.random.subset(rows)
             row_starts = [starts[i] for i in rows]
             if rule == "keyed":
-                a, bo = accept_greedy(pick(proposals), random.sample(pick(probs), row_starts), pick(limit))
+                a, bo = accept_greedy(pick(proposals), draw(random, pick(probs), row_starts), pick(limit))
             else:
-                u = random.uniforms(row_starts, m + 1, (ACCEPT_SLOT, BONUS_SLOT)).to(probs.device)  # [n, q, 2]
+                u = random.uniforms(row_starts, m + 1, (ACCEPT_SLOT, BONUS_SLOT)).to(proposals.device)  # [n, q, 2]
                 a, bo = verify_standard(pick(proposals), pick(probs), pick(self._draft_q), u[:, :m, 0], u[..., 1],
                                         pick(limit))
             if whole:

@@ -19,6 +19,7 @@ import torch
 
 from blockspec.cpu.argmax import greedy_ids
 from blockspec.dflash.sampling import RowRandom
+from blockspec.dflash.sparse_probs import SparseProbs, draw
 from blockspec.dflash.token_tree import TokenTree
 from blockspec.errors import ConfigError
 
@@ -71,11 +72,12 @@ def node_draws(tree: TokenTree, probs: torch.Tensor, seed: int, start: int) -> t
     return keyed_draws(RowRandom([seed]), probs[None], [tree.depths], [start])[0]
 
 
-def keyed_draws(random: RowRandom, probs: torch.Tensor, depths: Sequence[Sequence[int]], starts: Sequence[int]
+def keyed_draws(random: RowRandom, probs: torch.Tensor | SparseProbs, depths: Sequence[Sequence[int]], starts: Sequence[int]
                 ) -> torch.Tensor:
     """`node_draws` for a batch of trees in one call: ids [b, n] from probs [b, n, V], row r's
     node i with the clocks of output position starts[r] + depths[r][i] under row r's seed
-    (`random`); nodes past len(depths[r]) (a shorter tree's padding) draw at starts[r]."""
+    (`random`); nodes past len(depths[r]) (a shorter tree's padding) draw at starts[r]. probs
+    may be a nucleus's pairs (dflash/sparse_probs.py)."""
     b, n, v = probs.shape
     if len(depths) != b or len(starts) != b or len(random.seeds) != b:
         raise ConfigError(f"{b} rows of probabilities, {len(depths)} trees, {len(starts)} starts, "
@@ -83,7 +85,7 @@ def keyed_draws(random: RowRandom, probs: torch.Tensor, depths: Sequence[Sequenc
     # one single-position row per node, each with the clocks of its own output position
     flat = random.subset([r for r in range(b) for _ in range(n)])
     positions = [start + (ds[i] if i < len(ds) else 0) for ds, start in zip(depths, starts) for i in range(n)]
-    return flat.sample(probs.reshape(b * n, 1, v), positions).reshape(b, n)
+    return draw(flat, probs.reshape(b * n, 1, v), positions).reshape(b, n)
 
 
 def walk_sampled(tree: TokenTree, probs: torch.Tensor, seed: int, start: int) -> TreeAcceptance:

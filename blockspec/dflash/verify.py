@@ -17,10 +17,14 @@ overlap / (2 - overlap).
 
 from __future__ import annotations
 
+import bisect
+import struct
+
 import torch
 
 from blockspec.cpu.argmax import greedy_ids
 from blockspec.dflash.sampling import sample_from
+from blockspec.dflash.sparse_probs import SparseProbs
 
 
 def verify_greedy(
@@ -55,7 +59,7 @@ def _within(limit: torch.Tensor, m: int) -> torch.Tensor:
 
 
 def verify_standard(
-    proposals: torch.Tensor, target_probs: torch.Tensor, draft_probs: torch.Tensor, accept_u: torch.Tensor,
+    proposals: torch.Tensor, target_probs: torch.Tensor | SparseProbs, draft_probs: torch.Tensor, accept_u: torch.Tensor,
     bonus_u: torch.Tensor, limit: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The standard rule: proposals [b, m], each drawn from its row of draft_probs [b, m, V] (a
@@ -67,8 +71,11 @@ def verify_standard(
     position, that of position `accepted` used) from the normalised
     max(0, p - q) at the first rejection, or from p after the last verified proposal. Only one
     position per row is read beyond the proposals' own probabilities. `limit` as in
-    `verify_greedy`. Each row's uniforms must be independent of its proposals.
+    `verify_greedy`. Each row's uniforms must be independent of its proposals. target_probs may be
+    the pairs of a nucleus (`SparseProbs`): the same outcome, read over them alone.
     """
+    if isinstance(target_probs, SparseProbs):
+        return _verify_pairs(proposals, target_probs, draft_probs, accept_u, bonus_u, limit)
     b, m = proposals.shape
     rows = torch.arange(b, device=proposals.device)
     if m == 0:
@@ -87,3 +94,72 @@ def verify_standard(
     # p == q at a rejection is impossible but for rounding: p itself is then the residual's limit
     from_p = (accepted >= last) | (residual.sum(dim=-1) <= 0)
     return accepted, sample_from(torch.where(from_p[:, None], p_at, residual), bonus_u[rows, accepted])
+
+
+def _verify_pairs(
+    proposals: torch.Tensor, target: SparseProbs, draft_probs: torch.Tensor, accept_u: torch.Tensor,
+    bonus_u: torch.Tensor, limit: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`verify_standard` with the target's p as pairs [b, m+1, k], on the host: a handful of
+    numbers per row, where each tensor operation would cost more than its arithmetic. The same
+    arithmetic as the tensors' (`_f32` rounds as float32 operations do; float32 cumulative sums
+    accumulate in float64), so the same accepted and bonus."""
+    b, m = proposals.shape
+    ids = target.ids.tolist()  # [b][m+1][k]
+    p = target.probs.tolist()
+    props = proposals.tolist()
+    q_x = draft_probs.gather(-1, proposals[..., None])[..., 0].tolist() if m else [[] for _ in range(b)]  # [b][m]
+    acc_u, bon_u = accept_u.tolist(), bonus_u.tolist()
+    lim = [m] * b if limit is None else limit.tolist()
+    accepted = []
+    for r in range(b):
+        a = 0
+        while a < min(m, lim[r]):
+            row_ids, row_p = ids[r][a], p[r][a]
+            x = props[r][a]
+            p_x = next((pj for ij, pj in zip(row_ids, row_p) if ij == x and pj > 0), 0.0)
+            if not acc_u[r][a] * q_x[r][a] < p_x:  # float64, as the uniforms come
+                break
+            a += 1
+        accepted.append(a)
+    # the draft's q at the first rejection, over that position's pairs alone
+    rejected = [r for r in range(b) if accepted[r] < lim[r]]
+    q_at: dict[int, list[float]] = {}
+    if rejected:
+        k = len(ids[0][0])
+        rows = torch.tensor([r for r in rejected for _ in range(k)])
+        pos = torch.tensor([min(accepted[r], m - 1) for r in rejected for _ in range(k)])
+        toks = torch.tensor([t for r in rejected for t in ids[r][accepted[r]]])
+        flat = draft_probs[rows.to(draft_probs.device), pos.to(draft_probs.device), toks.to(draft_probs.device)].tolist()
+        q_at = {r: flat[i * k:(i + 1) * k] for i, r in enumerate(rejected)}
+    bonus = []
+    for r in range(b):
+        a = accepted[r]
+        p_at = p[r][a]
+        w = p_at
+        if r in q_at:
+            residual = [max(_f32(pj - qj), 0.0) for pj, qj in zip(p_at, q_at[r])]
+            # p == q at a rejection is impossible but for rounding: p itself is then the residual's limit
+            if any(x > 0 for x in residual):
+                w = residual
+        bonus.append(ids[r][a][_inverse_cdf(w, bon_u[r][a])])
+    device = proposals.device
+    return torch.tensor(accepted, dtype=torch.long, device=device), torch.tensor(bonus, dtype=torch.long, device=device)
+
+
+def _f32(x: float) -> float:
+    """x rounded to float32 (nearest, ties to even): a float32 operation on float32 operands
+    computed in float64 and rounded once gives the float32 operation's result."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def _inverse_cdf(w: list[float], u: float) -> int:
+    """`sample_from` of one row of float32 weights w (need not sum to 1) with uniform u: the
+    index whose float32 cumulative sum (accumulated in float64, as PyTorch's) first exceeds
+    float32(u) times the total; where none does (u rounds to 1), the last of weight > 0."""
+    cdf, run = [], 0.0
+    for x in w:
+        run += x
+        cdf.append(_f32(run))
+    i = bisect.bisect_right(cdf, _f32(_f32(u) * cdf[-1]))
+    return i if i < len(w) else max(j for j, x in enumerate(w) if x > 0)

@@ -21,6 +21,7 @@ from blockspec.config import SamplingParams, SpecConfig
 from blockspec.dflash.drafter import new_drafter_for_target
 from blockspec.dflash.lookup import LookupConfig
 from blockspec.dflash.sampling import sample_from
+from blockspec.dflash.sparse_probs import SparseProbs, sample_from_pairs
 from blockspec.dflash.verify import verify_standard
 from blockspec.engine.decoder import SpecDecoder
 from blockspec.errors import ConfigError
@@ -150,6 +151,28 @@ def test_chi_square_catches_a_residual_drawn_from_p(monkeypatch: pytest.MonkeyPa
     dec = SpecDecoder(HFTarget(model), _chain_drafter(model, "scripted", joint), SpecConfig(block_size=4))
     monkeypatch.setattr(decode, "verify_standard", residual_from_p)
     (counts,) = sample_unseeded(dec, [UNSEEDED] * 400, n=2000)
+    assert chi2_pvalue(counts.sum(0), joint.sum(0)) < 1e-6
+
+
+def test_chi_square_catches_a_residual_drawn_from_p_over_the_nucleus_pairs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With top-p the target's p reaches the rule as its nucleus's pairs (dflash/sparse_probs.py):
+    the same statistic that passes them (top_p-random above) catches the pairs' residual drawn
+    from p."""
+    model = make_tiny_target("llama", vocab_size=VOCAB, seed=1)
+    sp = UNSEEDED.with_(temperature=1.3, top_p=0.8)
+    joint = exact_joint(model, sp)
+    dec = SpecDecoder(HFTarget(model), _chain_drafter(model, "scripted", joint), SpecConfig(block_size=4))
+    seen = []
+
+    def pairs_residual_from_p(proposals, target_probs, draft_probs, accept_u, bonus_u, limit=None):
+        seen.append(isinstance(target_probs, SparseProbs))
+        accepted, _ = verify_standard(proposals, target_probs, draft_probs, accept_u, bonus_u, limit)
+        at = target_probs[torch.arange(proposals.shape[0]), accepted]  # [b, k] pairs
+        return accepted, sample_from_pairs(at.ids, at.probs, bonus_u[torch.arange(proposals.shape[0]), accepted])
+
+    monkeypatch.setattr(decode, "verify_standard", pairs_residual_from_p)
+    (counts,) = sample_unseeded(dec, [sp] * 400, n=4000)
+    assert seen and all(seen)  # every verify read pairs
     assert chi2_pvalue(counts.sum(0), joint.sum(0)) < 1e-6
 
 

@@ -15,6 +15,10 @@
  * Ties sort by index (the lower first). The kept prefix: a token is kept while the mass before it
  * is below top_p (at least the top token), as the full sort's filter keeps it.
  *
+ * bs_nucleus_pairs writes each row's nucleus as (id, probability) pairs instead of a vocabulary-wide
+ * row: a verified position's nucleus is a handful of tokens, and what reads it (the keyed race, the
+ * standard rule's test and residual draw) then works over those alone.
+ *
  * bs_nucleus_ids takes a row's logits of some tokens alone (a drafter's draft vocabulary; every
  * other logit -inf) and spreads them over the vocabulary in a scratch row of its own: the same
  * bits as bs_nucleus of the spread row, without the caller's vocabulary-wide tensors.
@@ -31,6 +35,16 @@ typedef struct {
     int64_t i;
 } cand;
 
+/* any lane of a comparison's mask set, by halving ORs (a lane-by-lane loop cost more than the
+ * exponentials around it) */
+static inline int any16(i16 m) {
+    typedef int32_t i8v __attribute__((vector_size(32)));
+    typedef int32_t i4v __attribute__((vector_size(16)));
+    const i8v a = __builtin_shufflevector(m, m, 0, 1, 2, 3, 4, 5, 6, 7) | __builtin_shufflevector(m, m, 8, 9, 10, 11, 12, 13, 14, 15);
+    const i4v b = __builtin_shufflevector(a, a, 0, 1, 2, 3) | __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] | b[1] | b[2] | b[3]) != 0;
+}
+
 static int heavier_first(const void *a, const void *b) {
     const cand *x = a, *y = b;
     if (x->w != y->w) return x->w > y->w ? -1 : 1;
@@ -38,8 +52,9 @@ static int heavier_first(const void *a, const void *b) {
 }
 
 /* The nucleus of a row from its candidates buf[0..count) (ascending ids) and the sum of all its
- * weights: 1 and written into out, or 0 (the caller's path). */
-static int nucleus_cut(cand *buf, int64_t count, float total, float top_p, float *out) {
+ * weights: how many it keeps (buf[0..kept) heaviest first, *inv the renormalisation), or 0 (the
+ * caller's path). */
+static int64_t nucleus_cut(cand *buf, int64_t count, float total, float top_p, float *inv) {
     if (count > NUCLEUS_CAP) return 0;
     double near_mass = 0.0;
     for (int64_t j = 0; j < count; j++) near_mass += buf[j].w;
@@ -49,13 +64,12 @@ static int nucleus_cut(cand *buf, int64_t count, float total, float top_p, float
     double before = 0.0;
     int64_t kept = 0;
     while (kept < count && (kept == 0 || before < want)) before += buf[kept++].w;
-    const float inv = (float)(1.0 / before);
-    for (int64_t j = 0; j < kept; j++) out[buf[j].i] = buf[j].w * inv;
-    return 1;
+    *inv = (float)(1.0 / before);
+    return kept;
 }
 
-/* 1: row's nucleus written into out (zeros elsewhere untouched); 0: the caller's path */
-static int nucleus_row(const float *x, int64_t n, float inv_t, float top_p, float *out, cand *buf) {
+/* The row's nucleus in buf[0..kept) (heaviest first; probability w * *inv), or 0: the caller's path */
+static int64_t nucleus_row(const float *x, int64_t n, float inv_t, float top_p, cand *buf, float *inv) {
     const int64_t nv = n - n % 16;
     float top = -INFINITY;
     int nan = 0;
@@ -79,9 +93,7 @@ static int nucleus_row(const float *x, int64_t n, float inv_t, float top_p, floa
         const v16 e = exp16(z);
         acc += e;
         const i16 near = z >= floor;
-        int any = 0;
-        for (int l = 0; l < 16; l++) any |= near[l];
-        if (!any) continue;
+        if (!any16(near)) continue; /* most chunks hold no candidate */
         for (int l = 0; l < 16; l++)
             if (near[l]) {
                 if (count < NUCLEUS_CAP) buf[count] = (cand){e[l], k + l};
@@ -98,7 +110,15 @@ static int nucleus_row(const float *x, int64_t n, float inv_t, float top_p, floa
             count++;
         }
     }
-    return nucleus_cut(buf, count, total, top_p, out);
+    return nucleus_cut(buf, count, total, top_p, inv);
+}
+
+/* 1: the row's nucleus written into out (zeros elsewhere untouched); 0: the caller's path */
+static int nucleus_dense(const float *x, int64_t n, float inv_t, float top_p, float *out, cand *buf) {
+    float inv;
+    const int64_t kept = nucleus_row(x, n, inv_t, top_p, buf, &inv);
+    for (int64_t j = 0; j < kept; j++) out[buf[j].i] = buf[j].w * inv;
+    return kept > 0;
 }
 
 /* Returns 0. x: rows x n logits; inv_t, top_p: one per row; out: rows x n, zeroed by the caller;
@@ -111,7 +131,7 @@ int bs_nucleus(const float *x, int64_t rows, int64_t n, const float *inv_t, cons
         cand *buf = malloc(sizeof(cand) * NUCLEUS_CAP);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++)
-            done[r] = buf ? (uint8_t)nucleus_row(x + r * n, n, inv_t[r], top_p[r], out + r * n, buf) : 0;
+            done[r] = buf ? (uint8_t)nucleus_dense(x + r * n, n, inv_t[r], top_p[r], out + r * n, buf) : 0;
         if (!buf) failed = 1;
         free(buf);
     }
@@ -134,11 +154,70 @@ int bs_nucleus_ids(const float *x, const int64_t *ids, int64_t rows, int64_t m, 
             done[r] = 0;
             if (!buf || !row) continue;
             for (int64_t j = 0; j < m; j++) row[ids[j]] = x[r * m + j];
-            done[r] = (uint8_t)nucleus_row(row, n, inv_t[r], top_p[r], out + r * n, buf);
+            done[r] = (uint8_t)nucleus_dense(row, n, inv_t[r], top_p[r], out + r * n, buf);
         }
         if (!buf || !row) failed = 1;
         free(buf);
         free(row);
     }
     return failed;
+}
+
+static int lower_id_first(const void *a, const void *b) {
+    const cand *x = a, *y = b;
+    return (x->i > y->i) - (x->i < y->i);
+}
+
+/* bs_nucleus's rows as (id, probability) pairs, the ids ascending. x: rows x n logits, rows =
+ * groups x per (a batch row's positions share its temperature[g] > 0 and top_p[g]: inverse
+ * temperature 1.0f / temperature[g], as the caller's bs_nucleus rows get it). ids, probs: rows x
+ * width scratch; on return they hold rows x k pairs, k = out[0] the most any row keeps (each row's
+ * pairs, then id 0 with probability 0), with bs_nucleus's bits; out[1] = 1 where every row was
+ * done, 0 where some nucleus is the caller's (wider than the candidates or than width). Returns 0,
+ * 1 where scratch memory ran out. */
+int bs_nucleus_pairs(const float *x, int64_t groups, int64_t per, int64_t n, const float *temperature,
+                     const float *top_p, int64_t width, int64_t *ids, float *probs, int64_t *out, int threads) {
+    const int64_t rows = groups * per;
+    int64_t *kept_of = malloc(sizeof(int64_t) * (size_t)(rows > 0 ? rows : 1));
+    if (!kept_of) return 1;
+    int failed = 0, all_done = 1;
+    int64_t widest = 1;
+#pragma omp parallel num_threads(threads) if (rows >= 2) reduction(max : widest) reduction(& : all_done)
+    {
+        cand *buf = malloc(sizeof(cand) * NUCLEUS_CAP);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            float inv = 0.0f;
+            const int64_t g = r / per;
+            int64_t kept = buf ? nucleus_row(x + r * n, n, 1.0f / temperature[g], top_p[g], buf, &inv) : 0;
+            if (kept > width) kept = 0;
+            if (kept > 1) qsort(buf, (size_t)kept, sizeof(cand), lower_id_first);
+            for (int64_t j = 0; j < kept; j++) {
+                ids[r * width + j] = buf[j].i;
+                probs[r * width + j] = buf[j].w * inv;
+            }
+            all_done &= kept > 0;
+            widest = kept > widest ? kept : widest;
+            kept_of[r] = kept;
+        }
+        if (!buf) failed = 1;
+        free(buf);
+    }
+    if (failed) {
+        free(kept_of);
+        return 1;
+    }
+    /* rows x width -> rows x widest, in place: row r moves to r * widest <= r * width */
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t kept = kept_of[r];
+        for (int64_t j = 0; j < widest; j++) {
+            const int64_t from = r * width + j, to = r * widest + j;
+            ids[to] = j < kept ? ids[from] : 0;
+            probs[to] = j < kept ? probs[from] : 0.0f;
+        }
+    }
+    free(kept_of);
+    out[0] = widest;
+    out[1] = all_done;
+    return 0;
 }
