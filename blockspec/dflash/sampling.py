@@ -159,7 +159,10 @@ def _one_hot(index: torch.Tensor, v: int) -> torch.Tensor:
 def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sampling: probs [..., V] (need not sum to 1), uniforms [...] in [0, 1) -> ids."""
     cdf = probs.cumsum(dim=-1)
-    target = uniforms.to(cdf.dtype) * cdf[..., -1]
+    total = cdf[..., -1]
+    # a uniform that rounds up to the total would land past the last token with mass, on a
+    # zero-probability tail token: keep the target strictly below the total
+    target = torch.minimum(uniforms.to(cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
     idx = torch.searchsorted(cdf, target[..., None], right=True)[..., 0]
     return idx.clamp_(max=probs.shape[-1] - 1)
 

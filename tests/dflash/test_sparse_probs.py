@@ -144,6 +144,11 @@ def test_sampling_from_pairs_picks_the_dense_rows_token() -> None:
     probs = torch.tensor([[0.25, 0.75, 0.0, 0.0]])
     ids = torch.tensor([[3, 8, 0, 0]])
     assert sample_from_pairs(ids, probs, torch.tensor([1.0 - 2.0**-40], dtype=torch.float64)).tolist() == [8]
+    # the dense draw likewise stops at the last token of mass > 0, never a zero-probability tail
+    dense = torch.zeros(1, 10)
+    dense[0, 3], dense[0, 8] = 0.25, 0.75
+    for u in (torch.tensor([1.0 - 2.0**-40], dtype=torch.float64), torch.tensor([1.0 - 2.0**-30])):
+        assert sample_from(dense, u).tolist() == [8]
 
 
 def _draft(b: int, m: int, v: int, seed: int) -> torch.Tensor:
