@@ -67,6 +67,7 @@ from blockspec.dflash.proposers import draft_confidence
 from blockspec.dflash.node_acceptance import RANKS, NodeAcceptance, best_tree_expectations
 from blockspec.dflash.proposers import BestFirstProposer, Draft, PositionDistributions
 from blockspec.dflash.sampling import RowRandom, probabilities
+from blockspec.dflash.sparse_probs import draw, shaped
 from blockspec.dflash.tree_step import TREE_TOP_K, pack_trees, propose_tree
 from blockspec.dflash.tree_verify import keyed_draws
 
@@ -503,7 +504,7 @@ def calibrate(batch: DecodeBatch, size: int, max_block: int, context: int = 8,
             tcache.reserve(context + m)
             if sampled:
                 logits, _ = target.forward_tree(packed.ids, packed.positions, packed.ancestors, tcache, layer_ids)
-                keyed_draws(random, probabilities(logits, *shaping), [t.depths for t in trees], starts).tolist()
+                keyed_draws(random, shaped(logits, *shaping), [t.depths for t in trees], starts).tolist()
             else:
                 greedy_forward_tree(target, packed.ids, packed.positions, packed.ancestors, tcache,
                                     layer_ids, until_rejected=True)[0].tolist()
@@ -538,7 +539,7 @@ def calibrate(batch: DecodeBatch, size: int, max_block: int, context: int = 8,
         elif sampled:  # as a sampled step does
             tcache.reserve(context + n)
             logits, _ = target.forward(block_ids, block_pos, tcache, layer_ids)
-            random.sample(probabilities(logits, *shaping), starts).tolist()
+            draw(random, shaped(logits, *shaping), starts).tolist()
         else:
             tcache.reserve(context + n)
             # as a greedy step does: its head stops after the first rejected proposal's position

@@ -52,9 +52,11 @@ def test_sampled_calibration_times_what_sampled_steps_run(model, monkeypatch: py
     """A sampled calibration shapes and draws from the target's whole logits at every size (and
     from the draft distributions at the drafting sizes); a greedy one does neither."""
     shaped: list[tuple[int, ...]] = []
-    probabilities = adaptive.probabilities
-    monkeypatch.setattr(adaptive, "probabilities",
-                        lambda logits, *a: (shaped.append(tuple(logits.shape)), probabilities(logits, *a))[1])
+    by: dict[str, list[int]] = {"probabilities": [], "shaped": []}
+    # the target's side shapes as a step does (`sparse_probs.shaped`), the draft's side densely
+    for name in by:
+        monkeypatch.setattr(adaptive, name, lambda logits, *a, f=getattr(adaptive, name), n=name:
+                            (shaped.append(tuple(logits.shape)), by[n].append(logits.shape[1]), f(logits, *a))[-1])
     batch = _batch(model, [SAMPLED])
     greedy = calibrate(batch, 2, 4, rounds=1)
     assert shaped == []
@@ -63,6 +65,7 @@ def test_sampled_calibration_times_what_sampled_steps_run(model, monkeypatch: py
     verified = {s[1] for s in shaped if s[-1] == 48 and s[0] == 2}
     assert verified == {1, 2, 3, 4}  # target blocks of every size, and drafts of 1..3 proposals among them
     assert len(shaped) == 2 * (4 + 3)  # (warm-up + 1 round) x (4 verifies + 3 drafts)
+    assert sorted(by["shaped"]) == sorted([1, 2, 3, 4] * 2) and sorted(by["probabilities"]) == sorted([1, 2, 3] * 2)
     assert len(greedy[0]) == 4
 
 
