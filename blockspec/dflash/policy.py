@@ -811,7 +811,10 @@ class AdaptiveBlock:
         best = planned = max(range(1, self.max_block + 1), key=lambda n: (rates[n - 1], -n))
         tree = False
         self._offered = self.offers_trees(batch)
-        if self._offered:
+        # A step verifies a tree only where its chain drafts (below), so while plain decoding
+        # wins, as in most steps of a batch of several rows, no tree is priced: the tree
+        # expectations of every row cost a plain step more than the rest of its choice.
+        if self._offered and best > 1:
             tree_model = self._tree_model = self.tree_costs_for(batch)
             if not tree_model.known(b):
                 tree_model.set(b, *calibrate(batch, bucket(b), self.max_block, confidence=self._trims(batch, bucket(b)),

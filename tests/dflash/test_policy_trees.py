@@ -290,3 +290,24 @@ def test_a_step_drafts_where_its_chain_would_and_a_trimmed_one_as_wide() -> None
     p = policy(_costs(0.3), narrow_trees)
     p.choose(_tree_batch(strong))
     assert chain_width > 3 and p.choose(_tree_batch(strong)) >= chain_width
+
+
+def test_a_batch_that_decodes_plainly_prices_no_trees(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Trees are priced only in steps whose chain drafts: a batch whose chains do not pay (most
+    steps of a busy batch) computes no tree expectations, and one whose chains pay does."""
+    priced = []
+    tree_expected = AdaptiveBlock.tree_expected
+    monkeypatch.setattr(AdaptiveBlock, "tree_expected",
+                        lambda self, *a: priced.append(1) or tree_expected(self, *a))
+    cheap_trees = CostModel(max_block=8)
+    for rows in (1, 2):
+        cheap_trees.set(rows, [1.0] * 8, [0.0] * 8)  # trees as cheap as can be: they would win if priced
+    weak = AdaptiveBlock(8, costs=_costs(0.3, draft=0.5), tree_costs=cheap_trees, plain_every=1000,
+                         challenge_every=1000, probe_every=1000)
+    weak.nodes["greedy"] = _trained(0.9)
+    assert [weak.choose(_tree_batch([_row(0.02), _row(0.02)])) for _ in range(20)] == [1] * 20
+    assert priced == []
+    strong = AdaptiveBlock(8, costs=_costs(0.05), tree_costs=cheap_trees, plain_every=1000, challenge_every=1000)
+    strong.nodes["greedy"] = _trained(0.9)
+    strong.choose(_tree_batch([_row(0.9), _row(0.9)]))  # the plain check
+    assert strong.choose(_tree_batch([_row(0.9), _row(0.9)])) > 1 and strong.tree_choice and priced
