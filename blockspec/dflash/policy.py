@@ -306,6 +306,16 @@ class CostModel:
             seen[n] = new if n == block else seen[n] * drift
 
 
+def at_least(tree: list[float], chain: list[float]) -> list[float]:
+    """Tree step costs by width, each at least the chain step's of that width (its draft's
+    catch-up included where `chain` prices one). A tree step of w nodes runs the chain step's
+    draft pass and a verify pass of as many tokens, plus its own host work, so it never costs
+    less: its own table, calibrated apart from the chain's and corrected only by tree steps,
+    had priced some widths below the chain's (calibrations timed minutes apart under different
+    load), and a catch-up priced into the chain alone made trees look cheaper after plain runs."""
+    return [max(t, c) for t, c in zip(tree, chain)]
+
+
 def _interpolated(ratios: dict[int, float], n: int) -> float:
     """Linear interpolation of measured/calibrated ratios at block size n (flat beyond the ends)."""
     lower = [m for m in ratios if m <= n]
@@ -820,7 +830,7 @@ class AdaptiveBlock:
                 tree_model.set(b, *calibrate(batch, bucket(b), self.max_block, confidence=self._trims(batch, bucket(b)),
                                              sampled=tree_model is self.sampled_tree_costs, tree=True))
             tree_rates = [tokens / cost for tokens, cost in
-                          zip(self.tree_expected(batch.rows, plan, batch.tree_nodes), tree_model.table(b))]
+                          zip(self.tree_expected(batch.rows, plan, batch.tree_nodes), at_least(tree_model.table(b), costs))]
             tree_best = max(range(2, self.max_block + 1), key=lambda n: (tree_rates[n - 1], -n))
             # A step drafts where its chain pays: trees priced by these mean rates (before the
             # drafts exist) promised more than they accepted where chains did not pay (a trimmed
@@ -982,7 +992,7 @@ class AdaptiveBlock:
                 return chain
             model = self._tree_model
             tree_drafts = model.draft_table(b) or [0.0] * self.max_block
-            tree_verify = [t - dr for t, dr in zip(model.table(b), tree_drafts)]
+            tree_verify = at_least([t - dr for t, dr in zip(model.table(b), tree_drafts)], verify)
             trees = [tree_expected_by_width(offer, n, width, r.remaining, lr)
                      for r, offer, n, lr in zip(rows, offers, nodes, lookup_rates)]
             tree, tree_rate = lengths(trees, sunk, tree_verify)
