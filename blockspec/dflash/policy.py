@@ -43,8 +43,9 @@ every drafting size; with `ragged`, so can the rows of a batch, each its own sha
 changes the output: which tokens get verified is decided from the drafts alone, and verification
 is exact for any length.
 Where the batch verifies token trees (DecodeBatch.trees), tree steps keep cost models of their
-own (`tree_costs`, calibrated and tracked like the chains'), and each step verifies a chain or a
-tree, whichever is expected to commit more tokens per second: a trimmed step from its drafts
+own (`tree_costs`, calibrated and tracked like the chains', never read below the chain's cost
+of the same width: `at_least`), and each step whose chain drafts verifies a chain or a tree,
+whichever is expected to commit more tokens per second: a trimmed step from its drafts
 (each row's best-first nodes, `TreeOffer`), a batch's from mean rates. Both price proposals by
 the acceptance observed by depth and rank (dflash/node_acceptance.py), since a drafter's
 probabilities of its lower-ranked choices promise far more than they are accepted.
