@@ -311,9 +311,9 @@ def at_least(tree: list[float], chain: list[float]) -> list[float]:
     """Tree step costs by width, each at least the chain step's of that width (its draft's
     catch-up included where `chain` prices one). A tree step of w nodes runs the chain step's
     draft pass and a verify pass of as many tokens, plus its own host work, so it never costs
-    less: its own table, calibrated apart from the chain's and corrected only by tree steps,
-    had priced some widths below the chain's (calibrations timed minutes apart under different
-    load), and a catch-up priced into the chain alone made trees look cheaper after plain runs."""
+    less; but its table is calibrated apart from the chain's and corrected only where trees
+    run, so outside load at either time can price a width below the chain's, and trees would
+    then win on price instead of on the tokens they add."""
     return [max(t, c) for t, c in zip(tree, chain)]
 
 
@@ -830,8 +830,9 @@ class AdaptiveBlock:
             if not tree_model.known(b):
                 tree_model.set(b, *calibrate(batch, bucket(b), self.max_block, confidence=self._trims(batch, bucket(b)),
                                              sampled=tree_model is self.sampled_tree_costs, tree=True))
+            tree_costs = at_least(tree_model.table(b), costs)
             tree_rates = [tokens / cost for tokens, cost in
-                          zip(self.tree_expected(batch.rows, plan, batch.tree_nodes), at_least(tree_model.table(b), costs))]
+                          zip(self.tree_expected(batch.rows, plan, batch.tree_nodes), tree_costs)]
             tree_best = max(range(2, self.max_block + 1), key=lambda n: (tree_rates[n - 1], -n))
             # A step drafts where its chain pays: trees priced by these mean rates (before the
             # drafts exist) promised more than they accepted where chains did not pay (a trimmed
