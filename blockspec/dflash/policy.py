@@ -43,8 +43,9 @@ every drafting size; with `ragged`, so can the rows of a batch, each its own sha
 changes the output: which tokens get verified is decided from the drafts alone, and verification
 is exact for any length.
 Where the batch verifies token trees (DecodeBatch.trees), tree steps keep cost models of their
-own (`tree_costs`, calibrated and tracked like the chains'), and each step verifies a chain or a
-tree, whichever is expected to commit more tokens per second: a trimmed step from its drafts
+own (`tree_costs`, calibrated and tracked like the chains', never read below the chain's cost
+of the same width: `at_least`), and each step whose chain drafts verifies a chain or a tree,
+whichever is expected to commit more tokens per second: a trimmed step from its drafts
 (each row's best-first nodes, `TreeOffer`), a batch's from mean rates. Both price proposals by
 the acceptance observed by depth and rank (dflash/node_acceptance.py), since a drafter's
 probabilities of its lower-ranked choices promise far more than they are accepted.
@@ -305,6 +306,16 @@ class CostModel:
         drift = 1 + 0.25 * (new / old - 1)
         for n in seen:
             seen[n] = new if n == block else seen[n] * drift
+
+
+def at_least(tree: list[float], chain: list[float]) -> list[float]:
+    """Tree step costs by width, each at least the chain step's of that width (its draft's
+    catch-up included where `chain` prices one). A tree step of w nodes runs the chain step's
+    draft pass and a verify pass of as many tokens, plus its own host work, so it never costs
+    less; but its table is calibrated apart from the chain's and corrected only where trees
+    run, so outside load at either time can price a width below the chain's, and trees would
+    then win on price instead of on the tokens they add."""
+    return [max(t, c) for t, c in zip(tree, chain)]
 
 
 def _interpolated(ratios: dict[int, float], n: int) -> float:
@@ -812,13 +823,17 @@ class AdaptiveBlock:
         best = planned = max(range(1, self.max_block + 1), key=lambda n: (rates[n - 1], -n))
         tree = False
         self._offered = self.offers_trees(batch)
-        if self._offered:
+        # A step verifies a tree only where its chain drafts (below), so while plain decoding
+        # wins, as in most steps of a batch of several rows, no tree is priced: the tree
+        # expectations of every row cost a plain step more than the rest of its choice.
+        if self._offered and best > 1:
             tree_model = self._tree_model = self.tree_costs_for(batch)
             if not tree_model.known(b):
                 tree_model.set(b, *calibrate(batch, bucket(b), self.max_block, confidence=self._trims(batch, bucket(b)),
                                              sampled=tree_model is self.sampled_tree_costs, tree=True))
+            tree_costs = at_least(tree_model.table(b), costs)
             tree_rates = [tokens / cost for tokens, cost in
-                          zip(self.tree_expected(batch.rows, plan, batch.tree_nodes), tree_model.table(b))]
+                          zip(self.tree_expected(batch.rows, plan, batch.tree_nodes), tree_costs)]
             tree_best = max(range(2, self.max_block + 1), key=lambda n: (tree_rates[n - 1], -n))
             # A step drafts where its chain pays: trees priced by these mean rates (before the
             # drafts exist) promised more than they accepted where chains did not pay (a trimmed
@@ -980,7 +995,7 @@ class AdaptiveBlock:
                 return chain
             model = self._tree_model
             tree_drafts = model.draft_table(b) or [0.0] * self.max_block
-            tree_verify = [t - dr for t, dr in zip(model.table(b), tree_drafts)]
+            tree_verify = at_least([t - dr for t, dr in zip(model.table(b), tree_drafts)], verify)
             trees = [tree_expected_by_width(offer, n, width, r.remaining, lr)
                      for r, offer, n, lr in zip(rows, offers, nodes, lookup_rates)]
             tree, tree_rate = lengths(trees, sunk, tree_verify)

@@ -290,3 +290,49 @@ def test_a_step_drafts_where_its_chain_would_and_a_trimmed_one_as_wide() -> None
     p = policy(_costs(0.3), narrow_trees)
     p.choose(_tree_batch(strong))
     assert chain_width > 3 and p.choose(_tree_batch(strong)) >= chain_width
+
+
+def test_a_batch_that_decodes_plainly_prices_no_trees(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Trees are priced only in steps whose chain drafts: a batch whose chains do not pay (most
+    steps of a busy batch) computes no tree expectations, and one whose chains pay does."""
+    priced = []
+    tree_expected = AdaptiveBlock.tree_expected
+    monkeypatch.setattr(AdaptiveBlock, "tree_expected",
+                        lambda self, *a: priced.append(1) or tree_expected(self, *a))
+    cheap_trees = CostModel(max_block=8)
+    for rows in (1, 2):
+        cheap_trees.set(rows, [1.0] * 8, [0.0] * 8)  # trees as cheap as can be: they would win if priced
+    weak = AdaptiveBlock(8, costs=_costs(0.3, draft=0.5), tree_costs=cheap_trees, plain_every=1000,
+                         challenge_every=1000, probe_every=1000)
+    weak.nodes["greedy"] = _trained(0.9)
+    assert [weak.choose(_tree_batch([_row(0.02), _row(0.02)])) for _ in range(20)] == [1] * 20
+    assert priced == []
+    strong = AdaptiveBlock(8, costs=_costs(0.05), tree_costs=cheap_trees, plain_every=1000, challenge_every=1000)
+    strong.nodes["greedy"] = _trained(0.9)
+    strong.choose(_tree_batch([_row(0.9), _row(0.9)]))  # the plain check
+    assert strong.choose(_tree_batch([_row(0.9), _row(0.9)])) > 1 and strong.tree_choice and priced
+
+
+def test_a_tree_step_is_never_priced_below_the_chain_step_of_its_width() -> None:
+    """Tree costs calibrated apart from the chains' can come out cheaper than the chain of the
+    same width (a calibration under other load), yet a tree step runs the chain's draft and a
+    verify pass of as many tokens. A tree that adds no accepted tokens (one node: the chain's
+    own; a lone row's second choice never right) is not chosen for its table alone, in a batch
+    or in a trim, while a tree that adds tokens still is."""
+    chain_costs = _costs(0.05, draft=0.1)
+    cheap = CostModel(max_block=8)
+    for rows in (1, 2):
+        cheap.set(rows, [1.0] + [0.6] * 7, [0.0] + [0.1] * 7)  # trees: below even a plain step
+    for tree_nodes, want in ((1, False), (7, True)):
+        policy = AdaptiveBlock(8, costs=chain_costs, tree_costs=cheap, plain_every=1000, challenge_every=1000)
+        nodes = policy.node_acceptance("greedy")
+        for i in range(400):
+            nodes.observe(1, 1, None, i < 240)  # second choices often right
+        batch = _tree_batch([_row(0.5), _row(0.5)], tree_nodes=tree_nodes)
+        assert policy.choose(batch) == 1  # the plain check
+        assert policy.choose(batch) > 1 and policy.tree_choice is want, tree_nodes
+    policy = AdaptiveBlock(8, costs=chain_costs, tree_costs=cheap)
+    policy.nodes["greedy"] = _trained(0.0)
+    policy._tree_model = policy.tree_costs
+    rows = [SimpleNamespace(remaining=100, params=SamplingParams())]
+    assert policy.trimmer(SimpleNamespace(rows=rows))([CHAIN_CONF], [0], [DOUBTFUL]).tree is False
