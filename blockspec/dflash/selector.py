@@ -61,7 +61,7 @@ class CandidateSelector(nn.Module):
     def use_rows(self, token_ids: torch.Tensor | None) -> None:
         """Re-lays the codebooks over these sorted token ids' rows (None: all V rows, the published
         layout). A token's row is kept where both layouts hold it, zero where only the new one does."""
-        old = self.token_ids if self.token_ids is not None else None
+        old = self.token_ids
         dev = self.predecessor_codebook.device
         if token_ids is None and old is None:
             return
