@@ -723,7 +723,8 @@ class Trainer:
             "type": "train",
             "step": step + 1,
             "loss": float(stats[0] / max(global_w, 1e-12)),
-            "loss_vocab": cfg.loss_vocab,
+            # --train selector scores over the --init drafter's draft vocabulary whatever --loss-vocab says
+            "loss_vocab": "draft" if cfg.train == "selector" and self.candidates is not None else cfg.loss_vocab,
             **({"distill": cfg.distill} if cfg.distill > 0 else {}),
             "acc": [round(float(a), 4) for a in (stats[3 : 3 + B1] / counts)],
             "tau_proxy": round(float(stats[2] / stats[1]), 4) if stats[1] > 0 else 1.0,
