@@ -140,8 +140,9 @@ class AnchorDrafts:
         hidden = self.hidden(anchor)
         head = self.target.head()
         if self.drafter.candidate_selector is not None:
-            cands = self.drafter.candidates(hidden[:, 1:], head, normaliser=False)
-            return SelectorDistributions(self.drafter.candidate_selector, hidden[0, 1:], cands.ids[0], cands.logits[0])
+            cands = self.drafter.candidates(hidden[:, 1:], head, normaliser=True)
+            return SelectorDistributions(self.drafter.candidate_selector, hidden[0, 1:], cands.ids[0], cands.logits[0],
+                                         cands.logsumexp[0])
         return PositionDistributions.from_logits(self.drafter.logits(hidden[0, 1:], head), self.top_k)
 
     @torch.inference_mode()
