@@ -140,8 +140,9 @@ class AnchorDrafts:
         hidden = self.hidden(anchor)
         head = self.target.head()
         if self.drafter.candidate_selector is not None:
-            cands = self.drafter.candidates(hidden[:, 1:], head, normaliser=False)
-            return SelectorDistributions(self.drafter.candidate_selector, hidden[0, 1:], cands.ids[0], cands.logits[0])
+            cands = self.drafter.candidates(hidden[:, 1:], head, normaliser=True)
+            return SelectorDistributions(self.drafter.candidate_selector, hidden[0, 1:], cands.ids[0], cands.logits[0],
+                                         cands.logsumexp[0])
         return PositionDistributions.from_logits(self.drafter.logits(hidden[0, 1:], head), self.top_k)
 
     @torch.inference_mode()
@@ -190,11 +191,25 @@ def decode_taus(tokens: list[int], start: int, drafts_at, proposers: dict[str, P
 
 def measure_prompt(target: object, drafter: object, prompt: list[int], cfg: TreeTauConfig) -> TreeTauResult:
     """Chain and tree tau of one prompt's greedy decode."""
-    cont, feats = greedy_continuation(target, drafter.target_layer_ids, prompt, cfg.max_new_tokens)
-    tokens = prompt + cont
-    drafts = AnchorDrafts(target, drafter, feats, tokens, cfg.top_k)
-    proposers = proposers_for(cfg, drafter.candidate_selector is not None)
-    return decode_taus(tokens, len(prompt), drafts.at, proposers)
+    return measure_drafters(target, [drafter], prompt, cfg)[0]
+
+
+def measure_drafters(target: object, drafters: Sequence[object], prompt: list[int], cfg: TreeTauConfig
+                     ) -> list[TreeTauResult]:
+    """Chain and tree tau of one prompt's greedy decode for each drafter, all on the same
+    continuation (computed once per set of target layers the drafters read)."""
+    runs: dict[tuple[int, ...], tuple[list[int], torch.Tensor]] = {}
+    out = []
+    for drafter in drafters:
+        layers = tuple(drafter.target_layer_ids)
+        if layers not in runs:
+            runs[layers] = greedy_continuation(target, layers, prompt, cfg.max_new_tokens)
+        cont, feats = runs[layers]
+        tokens = prompt + cont
+        drafts = AnchorDrafts(target, drafter, feats, tokens, cfg.top_k)
+        proposers = proposers_for(cfg, drafter.candidate_selector is not None)
+        out.append(decode_taus(tokens, len(prompt), drafts.at, proposers))
+    return out
 
 
 def table(results: dict[str, TreeTauResult], cfg: TreeTauConfig) -> str:

@@ -36,6 +36,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a folder holding gsm8k_train.jsonl, for the held-out gsm8k prompts; default "
                         "$BLOCKSPEC_DATA, else the Hugging Face Hub (needs `datasets` and a network); "
                         "py_stubs need none")
+    p.add_argument("--trees", action="store_true",
+                   help="instead of decoding: teacher-forced tau of chains and best-first token trees of "
+                        "--budgets proposed nodes per step (python -m blockspec.bench.treetau's measure), every "
+                        "drafter on the same greedy continuations; a DFlash 2 drafter's trees grow from its "
+                        "selector's conditional scores, its chain is the selector's walk")
+    p.add_argument("--budgets", type=int, nargs="+", default=[3, 7, 15], help="--trees: nodes per step")
+    p.add_argument("--top-k", type=int, default=8,
+                   help="--trees: candidates per block position a DFlash tree chooses from (a DFlash 2 "
+                        "drafter's: its selector_top_k)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--json", action="store_true", help="print one JSON object per drafter")
 
@@ -60,6 +69,8 @@ def run(args: argparse.Namespace) -> int:
 
         pin(args.threads)  # the user's count, on every decoding thread (cpu/threads.py)
     held = heldout_prompts(args.prompts, data_dir=args.data_dir, source=args.heldout)
+    if args.trees:
+        return _tree_taus(args, held)
     rows = []
     for drafter in args.drafter:
         pipe = load(**load_kwargs(args), drafter=drafter, block_size=args.block_size)
@@ -78,6 +89,33 @@ def run(args: argparse.Namespace) -> int:
         print(f"{'tau':>6} {'steps':>6} {'block':>5}  drafter")
         for r in rows:
             print(f"{r['tau']:6.2f} {r['steps']:6d} {r['block_size']:5d}  {r['drafter']}")
+    return 0
+
+
+def _tree_taus(args: argparse.Namespace, held: list) -> int:
+    """`--trees`: chain and tree tau of every drafter on the held-out prompts' greedy continuations."""
+    from blockspec.api import load
+    from blockspec.bench.treetau import TreeTauConfig, TreeTauResult, measure_drafters
+    from blockspec.text import encode_prompt
+
+    cfg = TreeTauConfig(tuple(args.budgets), args.top_k, args.max_new_tokens)
+    pipes = [load(**load_kwargs(args), drafter=d) for d in args.drafter]
+    prompts = [encode_prompt(pipes[0].tokenizer, m, chat=True) for m in _with_context(held, args.context, pipes[0])]
+    totals = [TreeTauResult() for _ in pipes]
+    for prompt in prompts:
+        for total, res in zip(totals, measure_drafters(pipes[0].target, [p.drafter for p in pipes], prompt, cfg)):
+            total.add(res)
+    if args.json:
+        for drafter, total in zip(args.drafter, totals):
+            print(json.dumps({"drafter": str(drafter), "heldout": args.heldout, "prompts": len(prompts),
+                              **{name: round(t.tau, 4) for name, t in total.tallies.items()}}), flush=True)
+        return 0
+    print(f"held-out {args.heldout} prompts: {len(prompts)}, teacher-forced greedy tau, {args.max_new_tokens} new "
+          "tokens")
+    names = [f"{kind} {n}" for n in cfg.budgets for kind in ("chain", "tree")]
+    print(" ".join(f"{n:>8}" for n in names) + "  drafter")
+    for drafter, total in zip(args.drafter, totals):
+        print(" ".join(f"{total.tallies[n].tau:8.2f}" for n in names) + f"  {drafter}")
     return 0
 
 

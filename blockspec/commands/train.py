@@ -48,6 +48,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="DFlash 2 candidates per block position (default 16)")
     p.add_argument("--selector-loss-alpha", type=float, default=1.0,
                    help="weight of the DFlash 2 selector loss beside the unary loss")
+    p.add_argument("--train", default="all", choices=["all", "selector"],
+                   help="all: every drafter weight learns; selector: a DFlash 2 drafter's candidate selector "
+                        "alone (hidden projection, codebooks), on the frozen backbone, convolutions and draft "
+                        "vocabulary of --init DIR (with --arch dflash2 to add a selector to a DFlash drafter); "
+                        "far cheaper a step: no backward through the drafter")
     p.add_argument("--anchors", type=int, default=512, help="max anchors (blocks) per sequence")
     p.add_argument("--batch-seqs", type=int, default=4, help="sequences per optimizer step (global)")
     p.add_argument("--epochs", type=float, default=1.0)
@@ -162,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
         parallel=args.parallel,
         arch=args.arch, conv_kernel_size=args.conv_kernel_size, conv_group_size=args.conv_group_size,
         selector_rank=args.selector_rank, selector_top_k=args.selector_top_k,
-        selector_loss_alpha=args.selector_loss_alpha,
+        selector_loss_alpha=args.selector_loss_alpha, train=args.train,
     )
     trainer = Trainer(cfg, target, examples, features=store, eval_prompts=eval_prompts, resume=args.resume)
     result = trainer.train()

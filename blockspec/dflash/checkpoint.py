@@ -24,6 +24,9 @@ INDEX_NAME = "model.safetensors.index.json"
 # proposes from. Training with a restricted loss vocabulary writes it; drafting then scores only
 # those rows of the head, which is most of a draft pass on CPU. Verification is untouched.
 DRAFT_VOCAB_NAME = "draft_vocab.safetensors"
+# A DFlash 2 drafter with a draft vocabulary stores its selector codebooks with rows for those
+# tokens only ([Vd, r], in the file's order), not the published [V, r]; export writes [V, r].
+CODEBOOK_NAMES = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
 
 
 def read_config_json(path: str | Path) -> dict:
@@ -73,6 +76,30 @@ def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
         except Exception as e:  # safetensors raises several types for truncated files
             raise CheckpointError(f"cannot read {f} ({e}); the file is corrupt, re-download it") from e
     return state
+
+
+def read_draft_vocab(path: str | Path, vocab_size: int) -> torch.Tensor | None:
+    """The sorted token ids [Vd] of a drafter directory's draft_vocab.safetensors (None: no file)."""
+    from safetensors.torch import load_file
+
+    f = Path(path) / DRAFT_VOCAB_NAME
+    if not f.exists():
+        return None
+    try:
+        ids = load_file(str(f))["token_ids"].long().flatten()
+    except Exception as e:  # KeyError, or one of several types safetensors raises several types for corrupt files
+        raise CheckpointError(f"{f} is not a valid draft vocabulary ({e}); delete it to draft from the whole "
+                              "vocabulary") from e
+    if ids.numel() == 0 or not bool((ids[1:] > ids[:-1]).all()) or int(ids[0]) < 0 or int(ids[-1]) >= vocab_size:
+        raise CheckpointError(f"{f} is not a valid draft vocabulary: its token ids must be sorted, distinct and in "
+                              f"[0, {vocab_size}); delete it to draft from the whole vocabulary")
+    return ids
+
+
+def compact_codebooks(cfg: DrafterConfig, tensors: dict[str, torch.Tensor]) -> bool:
+    """Whether a DFlash 2 checkpoint stores its codebooks over the draft vocabulary ([Vd, r])."""
+    t = tensors.get(CODEBOOK_NAMES[0])
+    return bool(cfg.dflash2 and t is not None and t.dim() == 2 and t.shape[0] != cfg.vocab_size)
 
 
 def write_tensors(tensors: dict[str, torch.Tensor], path: str | Path, *, max_shard_bytes: int = 5 * 2**30) -> list[str]:
@@ -149,10 +176,14 @@ def _listed(names: list[str]) -> str:
     return f"{names[:5]}{'...' if len(names) > 5 else ''}"
 
 
-def check_tensors(cfg: DrafterConfig, tensors: dict[str, torch.Tensor], path: str | Path) -> None:
+def check_tensors(cfg: DrafterConfig, tensors: dict[str, torch.Tensor], path: str | Path,
+                  draft_vocab: torch.Tensor | None = None) -> None:
     """Raises CheckpointError naming the first tensor that is missing, unexpected or misshapen
-    for this config."""
+    for this config; with `draft_vocab` (the directory's token ids) the codebooks may also hold
+    one row per draft-vocabulary token."""
     want = expected_tensors(cfg)
+    if draft_vocab is not None and compact_codebooks(cfg, tensors):
+        want |= {name: (draft_vocab.numel(), cfg.selector_rank) for name in CODEBOOK_NAMES}
     arch = cfg.architecture
     missing = sorted(set(want) - set(tensors))
     unexpected = sorted(set(tensors) - set(want))
@@ -179,5 +210,8 @@ def check_tensors(cfg: DrafterConfig, tensors: dict[str, torch.Tensor], path: st
                 why = (f" (DFlash 2 keys: conv_kernel_size {cfg.conv_kernel_size}, conv_group_size "
                        f"{cfg.conv_group_size}, selector_rank {cfg.selector_rank}, hidden_size {cfg.hidden_size}, "
                        f"vocab_size {cfg.vocab_size})")
+                if name in CODEBOOK_NAMES:
+                    why += (f"; a codebook over a draft vocabulary has one row per token id of {DRAFT_VOCAB_NAME}, "
+                            f"which must lie beside it ({'absent' if draft_vocab is None else draft_vocab.numel()})")
             raise CheckpointError(f"weight {name} in {path} has shape {tuple(tensors[name].shape)}, config.json "
                                   f"implies {shape}{why}")

@@ -34,6 +34,8 @@ from blockspec.dflash.checkpoint import (
     CONFIG_NAME,
     DRAFT_VOCAB_NAME,
     check_tensors,
+    compact_codebooks,
+    read_draft_vocab,
     read_drafter_config,
     read_tensors,
     write_tensors,
@@ -535,7 +537,14 @@ def save_drafter(model: DFlashDrafter, path: str | Path, *, max_shard_bytes: int
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / CONFIG_NAME).write_text(json.dumps(model.cfg.to_dict(), indent=2) + "\n")
-    write_tensors(model.state_dict(), path, max_shard_bytes=max_shard_bytes)
+    state = model.state_dict()
+    sel = model.candidate_selector
+    if sel is not None and sel.token_ids is not None and not (
+            model.draft_vocab is not None and torch.equal(sel.token_ids.cpu(), model.draft_vocab.cpu())):
+        # compact codebooks are stored over the draft vocabulary saved beside them: any other
+        # vocabulary gets the published [V, r] layout
+        state |= {f"candidate_selector.{k}": v for k, v in sel.published().items()}
+    write_tensors(state, path, max_shard_bytes=max_shard_bytes)
     (path / DRAFT_VOCAB_NAME).unlink(missing_ok=True)  # an earlier save's, for another vocabulary
     if model.draft_vocab is not None:
         save_file({"token_ids": model.draft_vocab.detach().cpu().contiguous()}, str(path / DRAFT_VOCAB_NAME))
@@ -550,19 +559,15 @@ def load_drafter(
     path = Path(path)
     cfg = read_drafter_config(path)
     state = read_tensors(path)
-    check_tensors(cfg, state, path)
+    ids = read_draft_vocab(path, cfg.vocab_size)
+    check_tensors(cfg, state, path, draft_vocab=ids)
     model = DFlashDrafter(cfg)
     stored = next(iter(state.values())).dtype
+    if compact_codebooks(cfg, state):  # codebook rows over the draft vocabulary, read even when unused
+        model.candidate_selector.use_rows(ids)
     model.load_state_dict(state)
-    if draft_vocab and (path / DRAFT_VOCAB_NAME).exists():
-        from safetensors.torch import load_file
-
-        try:
-            ids = load_file(str(path / DRAFT_VOCAB_NAME))["token_ids"]
-            model.set_draft_vocab(ids, cfg.vocab_size)
-        except (KeyError, ConfigError, OSError) as e:
-            raise CheckpointError(f"{path / DRAFT_VOCAB_NAME} is not a valid draft vocabulary ({e}); "
-                                  f"delete it to draft from the whole vocabulary") from e
+    if draft_vocab and ids is not None:
+        model.set_draft_vocab(ids, cfg.vocab_size)
     return model.to(device=device, dtype=dtype or stored).eval()
 
 

@@ -156,6 +156,8 @@ def grow_layers(drafter: DFlashDrafter, num_layers: int) -> DFlashDrafter:
     types = tuple(cfg.layer_types) + (cfg.layer_types[-1],) * (num_layers - have)
     grown = DFlashDrafter(dataclasses.replace(cfg, num_hidden_layers=num_layers, layer_types=types))
     grown.to(device=drafter.fc.weight.device, dtype=drafter.fc.weight.dtype)
+    if drafter.candidate_selector is not None:  # the same codebook layout (compact or published)
+        grown.candidate_selector.use_rows(drafter.candidate_selector.token_ids)
     missing, unexpected = grown.load_state_dict(drafter.state_dict(), strict=False)
     if unexpected or any(not k.startswith("layers.") for k in missing):
         raise ConfigError(f"drafter weights do not fit the grown drafter: missing {missing}, unexpected {unexpected}")
@@ -176,7 +178,8 @@ def to_dflash2(drafter: DFlashDrafter, settings: dict | None = None, *, seed: in
                std: float = 0.02) -> DFlashDrafter:
     """A DFlash 2 copy of a DFlash drafter whose greedy proposals are the original's.
 
-    The backbone (layers, fc, norms) and the draft vocabulary are kept. The block convolutions
+    The backbone (layers, fc, norms) and the draft vocabulary are kept; with a draft vocabulary
+    the codebooks hold rows for its tokens only (dflash/selector.py). The block convolutions
     start as the identity (docs/DESIGN.md section 3.2), so every hidden state is unchanged. The selector's
     codebooks start Normal(0, std) and its hidden projection at zero: every transition score is
     then 0, the walk picks each position's unary argmax, and the first gradient reaches the
@@ -199,4 +202,6 @@ def to_dflash2(drafter: DFlashDrafter, settings: dict | None = None, *, seed: in
     two.to(device=drafter.fc.weight.device, dtype=drafter.fc.weight.dtype)
     if drafter.draft_vocab is not None:
         two.set_draft_vocab(drafter.draft_vocab)
+        # codebook rows for the tokens the drafter can propose, the only ones a walk reads
+        two.candidate_selector.use_rows(drafter.draft_vocab)
     return two.train(drafter.training)

@@ -95,6 +95,10 @@ class TrainConfig:
     selector_rank: int | None = None
     selector_top_k: int | None = None
     selector_loss_alpha: float = 1.0  # weight of the selector's K-way loss beside the unary loss
+    # "all": every drafter weight learns. "selector": a DFlash 2 drafter's selector alone (hidden
+    # projection, codebooks); the backbone, its convolutions and its draft vocabulary stay as
+    # --init has them, so the drafter's forward and the unary loss run without autograd.
+    train: str = "all"
 
     def __post_init__(self) -> None:
         init_source(self.init)
@@ -110,6 +114,19 @@ class TrainConfig:
         if not self.selector_loss_alpha >= 0:
             raise ConfigError(f"--selector-loss-alpha must be >= 0, got {self.selector_loss_alpha!r}")
         self.architecture()  # settings that need another architecture fail here, before any loading
+        if self.train not in ("all", "selector"):
+            raise ConfigError(f"--train must be 'all' or 'selector', got {self.train!r}")
+        if self.train == "selector":
+            if self.architecture() != DFLASH2:
+                raise ConfigError("--train selector trains a DFlash 2 drafter's candidate selector: add --arch dflash2 "
+                                  "(with --init DIR to put one on a trained DFlash drafter)")
+            if init_source(self.init) is None:
+                raise ConfigError("--train selector keeps the backbone as it is: give --init DIR, a trained drafter "
+                                  f"(--init {self.init} would leave an untrained backbone frozen)")
+            if not self.selector_loss_alpha > 0:
+                raise ConfigError("--train selector learns from the selector loss alone: --selector-loss-alpha must be > 0")
+            if self.distill > 0:
+                raise ConfigError("--distill shapes the unary loss, which --train selector does not train; drop it")
         if self.loss_vocab not in ("full", "data"):
             raise ConfigError(f"--loss-vocab must be 'full' or 'data', got {self.loss_vocab!r}")
         if not 0.0 <= self.distill <= 1.0:
@@ -304,6 +321,7 @@ def sequence_forward(
     distill: float = 0.0,
     selector_alpha: float = 1.0,
     parts: dict | None = None,
+    frozen: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """sum(w * ce) over the sequence's blocks (graph attached) and unary top-1 correctness
     [n, B-1] (bool).
@@ -317,6 +335,9 @@ def sequence_forward(
     sum. `parts`, when given, receives the float sums "unary" and "selector" and, per block
     position [n, B-1] (bool), "in_top_k" (label among the unary top K) and "selector_correct"
     (the selector's pick given the true previous token).
+
+    `frozen`: only the selector learns (`--train selector`), so the drafter's forward and the
+    unary loss run without autograd and the returned sum's graph is the selector loss's alone.
     """
     device = drafter.fc.weight.device
     B = drafter.block_size
@@ -332,7 +353,8 @@ def sequence_forward(
     ctx_pos = torch.arange(S, device=device)[None]
     blk_pos = block_positions(anchors, B)[None]
     dtype = drafter.fc.weight.dtype
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast), torch.set_grad_enabled(
+            torch.is_grad_enabled() and not frozen):
         hidden = drafter(features.to(device, dtype)[None], ctx_pos, embeds.to(dtype), blk_pos, attn_mask=masks,
                          block_len=B)
     hidden = hidden.reshape(n, B, -1)[:, 1:]  # [n, B-1, H]: position k predicts token[p + k]
@@ -355,11 +377,12 @@ def sequence_forward(
         table = teacher_probs(teacher.to(device)[needed], head, drafter.cfg.output_multiplier)  # [U, V]
     selector = drafter.candidate_selector
     top_k = min(drafter.cfg.selector_top_k, head.weight.shape[0]) if selector is not None else 0
-    out = fused_head_ce(
-        h, head, labels, w[keep],
-        output_multiplier=drafter.cfg.output_multiplier, chunk=head_chunk,
-        teacher=table, teacher_rows=rows, alpha=distill, top_k=top_k,
-    )
+    with torch.set_grad_enabled(torch.is_grad_enabled() and not frozen):
+        out = fused_head_ce(
+            h, head, labels, w[keep],
+            output_multiplier=drafter.cfg.output_multiplier, chunk=head_chunk,
+            teacher=table, teacher_rows=rows, alpha=distill, top_k=top_k,
+        )
     total, correct_rows = out[0], out[1]
     correct = torch.zeros(n, B - 1, dtype=torch.bool, device=device)
     correct[keep] = correct_rows
@@ -424,32 +447,25 @@ class Trainer:
             self.drafter = self._new_drafter()
         attention_windows(self.drafter)  # refused here, before any data is read, if it cannot be trained
         self.drafter.train()
-        # a single process has nothing to shard: "fsdp" then trains the plain drafter
-        self.fsdp = cfg.parallel == "fsdp" and self.dist.active
-        self._gathered: tuple[int, dict] | None = None  # (step, full weights) under FSDP, rank 0
-        if self.fsdp:
-            shard_drafter(self.drafter, self.device)
-            self.log_fn(f"drafter sharded over {self.dist.world} ranks (FSDP2)")
-        self.optimizer = torch.optim.AdamW(
-            self.drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
-        )
-        if resume and (ckpt / "trainer_state.pt").exists():
-            state = torch.load(ckpt / "trainer_state.pt", map_location=self.device, weights_only=False)
-            self._load_optimizer(state)
-            self.step = int(state["step"])
-            self.log_fn(f"resumed from {ckpt} at step {self.step}")
         self.candidates, self.candidate_head = None, None
         # a drafter continued from (--init or --resume) keeps every token it could propose before:
         # new data alone would drop the tokens only the earlier stages' data held
         prior = self.drafter.draft_vocab
+        selector_only = cfg.train == "selector"
+        if selector_only and prior is None and cfg.loss_vocab == "data":
+            raise ConfigError("--train selector keeps the drafter's proposals, and this drafter proposes from the whole "
+                              "vocabulary: --loss-vocab data would restrict them; use --loss-vocab full")
         self.drafter.set_draft_vocab(None)
-        if cfg.loss_vocab == "data":
-            toks = {t for e in examples for t, m in zip(e.input_ids, e.loss_mask) if m}
-            if prior is not None:
-                seen = len(toks)
-                toks.update(prior.tolist())
-                self.log_fn(f"candidate tokens: {seen} seen in the data + {len(toks) - seen} more from the "
-                            "starting drafter's draft vocabulary")
+        if cfg.loss_vocab == "data" or (selector_only and prior is not None):
+            if selector_only:  # the backbone's draft vocabulary as it is; other labels do not count
+                toks = set(prior.tolist())
+            else:
+                toks = {t for e in examples for t, m in zip(e.input_ids, e.loss_mask) if m}
+                if prior is not None:
+                    seen = len(toks)
+                    toks.update(prior.tolist())
+                    self.log_fn(f"candidate tokens: {seen} seen in the data + {len(toks) - seen} more from the "
+                                "starting drafter's draft vocabulary")
             toks = sorted(toks)
             self.candidates = torch.tensor(toks, dtype=torch.long, device=self.device)
             full = target.head()
@@ -463,6 +479,28 @@ class Trainer:
             # the drafter only learns to rank these tokens: it proposes from them too (saved as
             # draft_vocab.safetensors; verification is unchanged, so output stays lossless)
             self.drafter.set_draft_vocab(self.candidates, target.info.vocab_size)
+            if self.drafter.candidate_selector is not None and self.drafter.candidate_selector.token_ids is not None:
+                # compact codebooks follow the draft vocabulary (a new token's rows start at zero)
+                self.drafter.candidate_selector.use_rows(self.drafter.draft_vocab)
+        if selector_only:
+            for name, p in self.drafter.named_parameters():
+                p.requires_grad_(name.startswith("candidate_selector."))
+            self.log_fn("training the candidate selector alone: every other weight stays as --init has it")
+        # a single process has nothing to shard: "fsdp" then trains the plain drafter
+        self.fsdp = cfg.parallel == "fsdp" and self.dist.active
+        self._gathered: tuple[int, dict] | None = None  # (step, full weights) under FSDP, rank 0
+        if self.fsdp:
+            shard_drafter(self.drafter, self.device)
+            self.log_fn(f"drafter sharded over {self.dist.world} ranks (FSDP2)")
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.drafter.parameters() if p.requires_grad], lr=cfg.lr, betas=(0.9, 0.95),
+            weight_decay=cfg.weight_decay,
+        )
+        if resume and (ckpt / "trainer_state.pt").exists():
+            state = torch.load(ckpt / "trainer_state.pt", map_location=self.device, weights_only=False)
+            self._load_optimizer(state)
+            self.step = int(state["step"])
+            self.log_fn(f"resumed from {ckpt} at step {self.step}")
         # distillation reads the target's distributions from a native copy where it can (teacher.py)
         self.teacher = teacher_target(target) if cfg.distill > 0 else None
         self._stop = False
@@ -600,6 +638,9 @@ class Trainer:
             s = prepare_sequence(ex, cfg.block_size, cfg.anchors, cfg.max_seq_len, self.pos_weights,
                                  _seed(cfg.seed, "anchors", epoch, i))
             if s is not None:
+                if cfg.train == "selector" and self.candidates is not None:
+                    # a label the drafter cannot propose teaches its frozen selector nothing
+                    s.weights = s.weights * torch.isin(s.labels, self.candidates.cpu()).float()
                 seqs.append(s)
         local_w = torch.tensor([sum(s.weight_sum for s in seqs)], dtype=torch.float64)
         global_w = float(self.dist.sum_(local_w.clone())[0])
@@ -623,7 +664,7 @@ class Trainer:
             total, correct = sequence_forward(
                 self.drafter, self.target, s, feats, head_chunk=cfg.head_chunk, autocast=cfg.precision == "bf16",
                 candidates=self.candidates, candidate_head=self.candidate_head, teacher=teacher, distill=cfg.distill,
-                selector_alpha=cfg.selector_loss_alpha, parts=parts,
+                selector_alpha=cfg.selector_loss_alpha, parts=parts, frozen=cfg.train == "selector",
             )
             if global_w > 0:
                 (total / global_w).backward()
@@ -682,7 +723,8 @@ class Trainer:
             "type": "train",
             "step": step + 1,
             "loss": float(stats[0] / max(global_w, 1e-12)),
-            "loss_vocab": cfg.loss_vocab,
+            # --train selector scores over the --init drafter's draft vocabulary whatever --loss-vocab says
+            "loss_vocab": "draft" if cfg.train == "selector" and self.candidates is not None else cfg.loss_vocab,
             **({"distill": cfg.distill} if cfg.distill > 0 else {}),
             "acc": [round(float(a), 4) for a in (stats[3 : 3 + B1] / counts)],
             "tau_proxy": round(float(stats[2] / stats[1]), 4) if stats[1] > 0 else 1.0,
@@ -725,6 +767,8 @@ class Trainer:
             return None
         with torch.device("meta"):  # no throwaway initialisation: the weights come from the gather
             model = DFlashDrafter(self.drafter.cfg)
+            if model.candidate_selector is not None:  # the codebooks' layout, compact or published
+                model.candidate_selector.use_rows(self.drafter.candidate_selector.token_ids)
         model.load_state_dict(self._gathered[1], assign=True)
         for name, buf in self.drafter.named_buffers():  # buffers are not sharded, and not all are saved
             owner, _, leaf = name.rpartition(".")

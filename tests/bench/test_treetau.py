@@ -114,3 +114,54 @@ def test_command_line_on_a_tiny_model(tiny_model_dir, tiny_drafter_dir, tmp_path
         assert 0 < chain["tokens"] <= 5 and chain["steps"] * 2 >= chain["tokens"]  # 2 a step at most
     assert treetau.main(["--target", str(tiny_model_dir), "--budgets", "0"]) == 2
     assert "budgets" in capsys.readouterr().err
+
+
+def test_drafters_measured_together_score_as_alone() -> None:
+    """measure_drafters: one continuation for drafters reading the same target layers, each
+    drafter's tallies those it gets measured alone; a DFlash 2 drafter beside a DFlash one."""
+    model = make_tiny_target("llama", seed=5, vocab_size=V)
+    target = HFTarget(model)
+    prompt = [5, 9, 13, 2, 7]
+    cfg = TreeTauConfig(budgets=(2, 5), top_k=4, max_new_tokens=24)
+    plain = new_drafter_for_target(model.config, mask_token_id=V - 1, block_size=8, seed=1).double()
+    two = new_drafter_for_target(model.config, mask_token_id=V - 1, block_size=8, seed=2, architecture="DFlash2DraftModel",
+                                 dflash2=dict(conv_group_size=16, selector_rank=8, selector_top_k=4)).double()
+    calls = []
+    real = treetau.greedy_continuation
+    try:
+        treetau.greedy_continuation = lambda *a: calls.append(a) or real(*a)
+        together = treetau.measure_drafters(target, [plain, two], prompt, cfg)
+    finally:
+        treetau.greedy_continuation = real
+    assert len(calls) == 1
+    for drafter, res in zip((plain, two), together):
+        alone = measure_prompt(target, drafter, prompt, cfg)
+        assert {n: vars(t) for n, t in res.tallies.items()} == {n: vars(t) for n, t in alone.tallies.items()}
+
+
+def test_evaluate_trees_on_heldout_prompts(tiny_model_dir, tiny_drafter_dir, tmp_path) -> None:
+    """`blockspec evaluate --trees`: chain and tree tau per drafter on the held-out prompts."""
+    import json
+
+    from support import run_cli
+
+    data = tmp_path / "data"
+    data.mkdir()
+    with open(data / "gsm8k_train.jsonl", "w") as f:
+        for i in range(3):
+            f.write(json.dumps({"question": f"Tom has {i + 3} apples and eats {i}. How many?", "answer": "#### 3"}) + "\n")
+    args = ("evaluate", "--target", str(tiny_model_dir), "--drafter", str(tiny_drafter_dir), "--drafter",
+            str(tiny_drafter_dir), "--prompts", "2", "--max-new-tokens", "8", "--data-dir", str(data), "--trees",
+            "--budgets", "1", "3")
+    r = run_cli(*args, "--json")
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert len(rows) == 2 and rows[0] == {**rows[1], "drafter": rows[0]["drafter"]}  # the same drafter twice
+    assert rows[0]["prompts"] == 2 and set(rows[0]) >= {"chain 1", "tree 1", "chain 3", "tree 3"}
+    assert 1.0 <= rows[0]["chain 1"] <= 2.0 and 1.0 <= rows[0]["tree 3"] <= 4.0
+    r = run_cli(*args)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("held-out gsm8k_train prompts: 2, teacher-forced")
+    assert lines[1].split() == ["chain", "1", "tree", "1", "chain", "3", "tree", "3", "drafter"]
+    assert lines[2].endswith(str(tiny_drafter_dir)) and len(lines) == 4

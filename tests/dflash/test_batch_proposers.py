@@ -122,10 +122,11 @@ def test_a_greedy_dflash2_walk_is_the_selectors_walk_per_row() -> None:
     proposer = DFlash2WalkProposer(drafter, sampled=False)
     plain = proposer.propose(draft)
     offered = proposer.propose(replace(draft, confidence=True, tree_top_k=4))
-    cands = drafter.candidates(draft.hidden, draft.head)
+    cands = drafter.candidates(draft.hidden, draft.head, normaliser=True)
     for i in range(3):
         root = int(draft.last[i])
-        dists = SelectorDistributions(drafter.candidate_selector, draft.hidden[i], cands.ids[i], cands.logits[i])
+        dists = SelectorDistributions(drafter.candidate_selector, draft.hidden[i], cands.ids[i], cands.logits[i],
+                                      cands.logsumexp[i])  # trees on the unary scale
         walked = SelectorWalkProposer(5).propose(Draft(root, dists))
         assert plain.ids[i].tolist() == offered.ids[i].tolist() == list(walked.tokens[1:])
         assert offered.distributions[i].children(2, 7) == dists.children(2, 7)

@@ -154,6 +154,31 @@ def test_dflash2_tree_follows_conditional_path_scores(seed: int) -> None:
     assert a != b
 
 
+def test_dflash2_tree_on_the_unary_scale() -> None:
+    """With the unary normaliser a node's probability is its score's share of the unary
+    distribution (the rest of the vocabulary keeping its mass): a selector whose transitions are
+    0 scores every node as the DFlash tree over the same logits, and grows the same tree; without
+    it, the softmax over the K candidates alone overrates each node."""
+    dists = tiny_selector(0, depth=4)
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 30, generator=g) * 2
+    top, ids = logits.topk(4, dim=-1)
+    with torch.no_grad():
+        dists.selector.hidden_projection.weight.zero_()
+    silent = SelectorDistributions(dists.selector, dists.hidden, ids, top, logits.logsumexp(-1))
+    plain = PositionDistributions.from_logits(logits, 4)
+    for depth in (1, 3):
+        kids, logp = silent.children(depth, 7)
+        want_kids, want_logp = plain.children(depth, 7)
+        assert kids == want_kids and logp == pytest.approx(want_logp, abs=1e-5)
+        assert sum(math.exp(x) for x in logp) < 1.0  # the top K hold part of the mass only
+    assert BestFirstProposer(9).propose(Draft(3, silent)) == BestFirstProposer(9).propose(Draft(3, plain))
+    renormalised = SelectorDistributions(dists.selector, dists.hidden, ids, top)
+    assert sum(math.exp(x) for x in renormalised.children(1, 7)[1]) == pytest.approx(1.0)
+    trained = SelectorDistributions(tiny_selector(0, depth=4).selector, dists.hidden, ids, top, logits.logsumexp(-1))
+    assert trained.children(2, 7) != silent.children(2, 7)  # transitions re-rank and re-weigh
+
+
 def test_bad_settings_are_refused() -> None:
     for make in (lambda: ChainProposer(-1), lambda: BestFirstProposer(-1), lambda: BestFirstProposer(3, max_depth=0),
                  lambda: LookupProposer(None, -1), lambda: SelectorWalkProposer(-1)):

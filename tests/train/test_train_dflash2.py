@@ -283,3 +283,63 @@ def test_arch_settings_are_checked(data, dflash_dir, trained, tmp_path):
     with pytest.raises(ConfigError, match="selector_top_k 100 exceeds vocab_size 64"):
         Trainer(_config(tmp_path / "d", init=str(dflash_dir), selector_top_k=100), target, examples,
                 log_fn=lambda *a: None)
+
+
+# ---- --train selector: the selector alone on a frozen backbone -----------------------------------
+
+def test_train_selector_moves_the_selector_alone(data, dflash_dir, tmp_path):
+    """--train selector on a DFlash drafter converted to DFlash 2: after a few steps every other
+    tensor (backbone, identity convolutions) and the draft vocabulary are bit-identical, the
+    backbone got no gradient (its forward ran without autograd), the selector's weights moved and
+    its loss fell on a fixed batch; the unary loss is unchanged. The codebooks hold one row per
+    draft-vocabulary token, in memory and on disk."""
+    target, examples, _ = data
+    tr = Trainer(_config(tmp_path / "sel", init=str(dflash_dir), train="selector", max_steps=6, lr=5e-2), target,
+                 examples, log_fn=lambda *a: None)
+    d = tr.drafter
+    vocab = d.draft_vocab.clone()
+    assert d.candidate_selector.predecessor_codebook.shape == (vocab.numel(), SMALL["selector_rank"])
+    before = {k: v.clone() for k, v in d.state_dict().items()}
+    w = position_weights(4)
+
+    def losses() -> tuple[float, float]:
+        unary, sel, wsum = 0.0, 0.0, 0.0
+        with torch.no_grad():
+            for i, ex in enumerate(examples):
+                s = prepare_sequence(ex, 4, 16, 512, w, seed=_seed(0, "anchors", 0, i))
+                parts: dict = {}
+                sequence_forward(d, target, s, tr._features(ex, s.ids.numel()), parts=parts)
+                unary, sel, wsum = unary + parts["unary"], sel + parts["selector"], wsum + s.weight_sum
+        return unary / wsum, sel / wsum
+
+    first = losses()
+    for step in range(6):
+        tr.train_step(step)
+    after = losses()
+    backbone = [n for n, _ in d.named_parameters() if not n.startswith("candidate_selector.")]
+    assert backbone and all(p.grad is None for n, p in d.named_parameters() if n in backbone)
+    for name, t in d.state_dict().items():
+        if name.startswith("candidate_selector."):
+            assert not torch.equal(t, before[name]), name
+        else:
+            assert torch.equal(t, before[name]), name
+    assert torch.equal(d.draft_vocab, vocab)
+    assert after[0] == first[0] and after[1] < 0.95 * first[1], (first, after)
+    saved = load_drafter(tr.save_final(), dtype=torch.float32)
+    assert torch.equal(saved.draft_vocab, vocab)
+    assert saved.candidate_selector.successor_codebook.shape == (vocab.numel(), SMALL["selector_rank"])
+    plain = load_drafter(dflash_dir, dtype=torch.float32)
+    for name, t in plain.state_dict().items():
+        assert torch.equal(saved.state_dict()[name], t), name
+
+
+def test_train_selector_settings_are_checked(data, dflash_dir, tmp_path):
+    with pytest.raises(ConfigError, match="--train selector trains a DFlash 2.*--arch dflash2"):
+        _config(tmp_path / "a", init=str(dflash_dir), arch="dflash", conv_group_size=None, selector_rank=None,
+                selector_top_k=None, train="selector")
+    with pytest.raises(ConfigError, match="give --init DIR"):
+        _config(tmp_path / "b", train="selector")
+    with pytest.raises(ConfigError, match="--selector-loss-alpha must be > 0"):
+        _config(tmp_path / "c", init=str(dflash_dir), train="selector", selector_loss_alpha=0.0)
+    with pytest.raises(ConfigError, match="--train must be 'all' or 'selector'"):
+        _config(tmp_path / "d", train="backbone")

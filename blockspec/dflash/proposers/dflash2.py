@@ -2,8 +2,14 @@
 for the tree builder, and its greedy walk as a proposer.
 
 At depth t the candidates are the drafter's top-K of position t, scored S_t(prev, .) given the
-token before; their softmax is the conditional draft distribution, so a path's probability is the
-product of S-softmaxes along it: the "conditional path score" a best-first tree grows by.
+token before; a path's probability is the product along it of each node's conditional draft
+probability: the "conditional path score" a best-first tree grows by. With the unary
+distribution's normaliser (`log_norm`) a candidate's probability is its score's share of the
+unary distribution whose candidates' logits are replaced by their scores, the tokens outside the
+candidates keeping their mass (as the greedy walk's confidence reads it): a selector whose
+transitions are all 0 then scores every node exactly as the DFlash tree of the same drafter does,
+and a tree never takes the top K for the whole distribution. Without it, the softmax over the K
+candidates alone, which overrates every node where the top K hold little of the mass.
 """
 
 from __future__ import annotations
@@ -21,12 +27,14 @@ from blockspec.errors import ConfigError
 @dataclass(frozen=True)
 class SelectorDistributions:
     """One row's selector inputs: hidden [D, H] (the drafter's final states at depths 1..D),
-    cand_ids and cand_logits [D, K] (each position's top-K, descending)."""
+    cand_ids and cand_logits [D, K] (each position's top-K, descending), log_norm [D] (the unary
+    distribution's log normaliser at each depth, or None)."""
 
     selector: CandidateSelector
     hidden: torch.Tensor
     cand_ids: torch.Tensor
     cand_logits: torch.Tensor
+    log_norm: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         d, k = self.cand_ids.shape if self.cand_ids.dim() == 2 else (-1, -1)
@@ -43,8 +51,15 @@ class SelectorDistributions:
         t = depth - 1
         prev_t = torch.tensor(prev, dtype=torch.long, device=self.cand_ids.device)
         scores = self.selector.scores(self.hidden[t], prev_t, self.cand_ids[t], self.cand_logits[t])  # [K]
+        if self.log_norm is None:
+            logp = torch.log_softmax(scores, dim=-1)
+        else:
+            norm = self.log_norm[t].float()
+            # log of the unary mass outside the candidates, which their scores do not replace
+            outside = norm + torch.log1p(-torch.exp(self.cand_logits[t].float().logsumexp(-1) - norm).clamp(max=1.0))
+            logp = scores - torch.logaddexp(scores.logsumexp(-1), outside)
         # stable: on a tie the unary-likelier candidate first, as the selector's own walk picks
-        logp, order = torch.log_softmax(scores, dim=-1).sort(descending=True, stable=True)
+        logp, order = logp.sort(descending=True, stable=True)
         return self.cand_ids[t][order].tolist(), logp.tolist()
 
 

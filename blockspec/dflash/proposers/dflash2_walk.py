@@ -31,10 +31,10 @@ class DFlash2WalkProposer:
         hidden, head = draft.hidden, draft.head
         cands = dists = None
         if draft.tree_top_k:
-            # the normaliser only where the chain's confidences need it
-            cands = self.drafter.candidates(hidden, head, normaliser=draft.chain and draft.confidence)
+            # the normaliser puts the trees' node probabilities on the unary distribution's scale
+            cands = self.drafter.candidates(hidden, head, normaliser=True)
             selector = self.drafter.candidate_selector
-            dists = [SelectorDistributions(selector, hidden[i], cands.ids[i], cands.logits[i])
+            dists = [SelectorDistributions(selector, hidden[i], cands.ids[i], cands.logits[i], cands.logsumexp[i])
                      for i in range(hidden.shape[0])]
         if not draft.chain:
             return BatchProposal(None, None, None, dists)
