@@ -390,7 +390,8 @@ def run_suite(
     log: Callable[[str], None] | None = None,
 ) -> list[RunRecord]:
     """Every runner over every task, setting and concurrency level. Runners are interleaved per
-    round of prompts (see SuitePlan.interleave) so drift of the machine hits all alike. Batch-1 baselines
+    round of prompts (see SuitePlan.interleave), the first of each round rotating, so drift of
+    the machine and what one runner leaves behind for the next hit all alike. Batch-1 baselines
     run once per task and setting, reported at concurrency 1."""
     from tqdm.auto import tqdm
 
@@ -429,8 +430,10 @@ def run_suite(
                                 r.prepare(level[r.name])
                     # Rounds of several batches' worth, so the engine can refill freed slots.
                     step = conc * plan.round_batches if plan.interleave else len(samples)
-                    for start in range(0, len(samples), step):
-                        for r in active:
+                    for turn, start in enumerate(range(0, len(samples), step)):
+                        # each round starts with the next runner, so none always follows the
+                        # same others (their freed memory, their caches' state)
+                        for r in active[turn % len(active):] + active[:turn % len(active)]:
                             bar.set_postfix_str(f"{task} c{level[r.name]} {r.name} {setting.key}")
                             run_task(r, task, samples[start:start + step], tokenizer, setting, level[r.name],
                                      plan, bar.update, into=here[r.name])

@@ -224,3 +224,27 @@ def test_main_table_has_the_prompt_lookup_column_at_batch_one(pipe, tmp_path):
     row_c2 = next(line for line in md.splitlines() if line.startswith("| maths | 2 |"))
     assert "x)" in row_c1.split("|")[4]  # PLD rate with its ratio to AR
     assert row_c2.split("|")[4].strip() == "–"
+
+
+class _Recording:
+    """A runner that answers every request with the same tokens and logs when it ran."""
+
+    method, block_size, max_concurrency = "ar", 1, 8
+
+    def __init__(self, name: str, log: list[str]) -> None:
+        self.name, self.log = name, log
+
+    def run(self, requests, concurrency, progress=None):
+        self.log.append(self.name)
+        return [Output(token_ids=[5, 6], finish_reason="length", latency_s=0.0) for _ in requests]
+
+
+def test_each_round_starts_with_the_next_runner(pipe):
+    log: list[str] = []
+    runners = [_Recording(n, log) for n in ("a", "b", "c")]
+    samples = {"maths": [SimpleNamespace(id=f"m{i}", turns=["What is 2 + 2?"]) for i in range(4)]}
+    plan = SuitePlan(settings=(Setting(0.0, None),), max_new_tokens=2, warmup=False, round_batches=1)
+    runs = run_suite(runners, samples, pipe.tokenizer, plan, progress=False)
+    # four rounds of one prompt: no runner always runs after the same others
+    assert log == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]
+    assert [len(r.records) for r in runs] == [4, 4, 4]
