@@ -100,24 +100,26 @@ def test_selector_loss_matches_speculators_scores_and_the_full_logits(monkeypatc
     assert torch.equal(res.correct, inside & (best == labels)) and torch.equal(res.in_top_k, inside)
 
 
+def _fixed_batch_losses(tr: Trainer, target, examples) -> tuple[float, float]:
+    """(unary, selector) loss of the trainer's drafter on the examples, each with the anchors of
+    step 0, weight-normalised: a fixed batch to compare before and after training steps."""
+    w = position_weights(4)
+    unary, sel, wsum = 0.0, 0.0, 0.0
+    with torch.no_grad():
+        for i, ex in enumerate(examples):
+            s = prepare_sequence(ex, 4, 16, 512, w, seed=_seed(0, "anchors", 0, i))
+            parts: dict = {}
+            sequence_forward(tr.drafter, target, s, tr._features(ex, s.ids.numel()), parts=parts)
+            unary, sel, wsum = unary + parts["unary"], sel + parts["selector"], wsum + s.weight_sum
+    return unary / wsum, sel / wsum
+
+
 def test_dflash2_steps_lower_both_losses_on_a_fixed_batch(data, tmp_path):
     target, examples, _ = data
     tr = Trainer(_config(tmp_path / "o", max_steps=3), target, examples, log_fn=lambda *a: None)
-    w = position_weights(4)
-
-    def losses() -> tuple[float, float]:
-        unary, sel, wsum = 0.0, 0.0, 0.0
-        with torch.no_grad():
-            for i, ex in enumerate(examples):
-                s = prepare_sequence(ex, 4, 16, 512, w, seed=_seed(0, "anchors", 0, i))
-                parts: dict = {}
-                sequence_forward(tr.drafter, target, s, tr._features(ex, s.ids.numel()), parts=parts)
-                unary, sel, wsum = unary + parts["unary"], sel + parts["selector"], wsum + s.weight_sum
-        return unary / wsum, sel / wsum
-
-    before = losses()
+    before = _fixed_batch_losses(tr, target, examples)
     records = [tr.train_step(step) for step in range(3)]
-    after = losses()
+    after = _fixed_batch_losses(tr, target, examples)
     assert after[0] < 0.98 * before[0] and after[1] < 0.98 * before[1], (before, after)
     assert records[0]["loss"] == pytest.approx(records[0]["unary_loss"] + records[0]["selector_loss"], rel=1e-6)
     zero = Trainer(_config(tmp_path / "z", selector_loss_alpha=0.0), target, examples, log_fn=lambda *a: None)
@@ -300,22 +302,10 @@ def test_train_selector_moves_the_selector_alone(data, dflash_dir, tmp_path):
     vocab = d.draft_vocab.clone()
     assert d.candidate_selector.predecessor_codebook.shape == (vocab.numel(), SMALL["selector_rank"])
     before = {k: v.clone() for k, v in d.state_dict().items()}
-    w = position_weights(4)
-
-    def losses() -> tuple[float, float]:
-        unary, sel, wsum = 0.0, 0.0, 0.0
-        with torch.no_grad():
-            for i, ex in enumerate(examples):
-                s = prepare_sequence(ex, 4, 16, 512, w, seed=_seed(0, "anchors", 0, i))
-                parts: dict = {}
-                sequence_forward(d, target, s, tr._features(ex, s.ids.numel()), parts=parts)
-                unary, sel, wsum = unary + parts["unary"], sel + parts["selector"], wsum + s.weight_sum
-        return unary / wsum, sel / wsum
-
-    first = losses()
+    first = _fixed_batch_losses(tr, target, examples)
     for step in range(6):
         tr.train_step(step)
-    after = losses()
+    after = _fixed_batch_losses(tr, target, examples)
     backbone = [n for n, _ in d.named_parameters() if not n.startswith("candidate_selector.")]
     assert backbone and all(p.grad is None for n, p in d.named_parameters() if n in backbone)
     for name, t in d.state_dict().items():
