@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from blockspec.cpu import kernels
-from blockspec.dflash.sampling import RACE_HEAD, RowRandom, probabilities, slot_uniforms
+from blockspec.dflash.sampling import RACE_HEAD, RowRandom, probabilities, sample_from, slot_uniforms
 
 
 @dataclass(frozen=True, eq=False)
@@ -135,13 +135,6 @@ def race_on_host(ids: torch.Tensor, probs: torch.Tensor, log_u: torch.Tensor) ->
 
 
 def sample_from_pairs(ids: torch.Tensor, probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """`sampling.sample_from` of the rows these pairs stand for (ids ascending): ids [..] of the
-    token whose cumulative mass first exceeds u times the total. The partial sums are the
-    vocabulary-wide row's at its nonzero entries, so the same token; where the float32 uniform
-    rounds to 1 (no partial sum exceeds it) the last token of mass > 0, not the vocabulary's last."""
-    cdf = probs.cumsum(dim=-1)  # [.., k]
-    target = uniforms.to(cdf.dtype) * cdf[..., -1]
-    idx = torch.searchsorted(cdf, target[..., None], right=True)  # [.., 1]
-    last = (probs > 0).long().cumsum(dim=-1).argmax(dim=-1, keepdim=True)  # the last of mass > 0
-    idx = torch.where(idx >= probs.shape[-1], last, idx)
-    return ids.gather(-1, idx)[..., 0]
+    """`sampling.sample_from` of the rows these pairs stand for (ids ascending): ids [..]. The
+    partial sums are the vocabulary-wide row's at its nonzero entries, so the same token."""
+    return ids.gather(-1, sample_from(probs, uniforms)[..., None])[..., 0]

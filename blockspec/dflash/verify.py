@@ -154,12 +154,13 @@ def _f32(x: float) -> float:
 
 
 def _inverse_cdf(w: list[float], u: float) -> int:
-    """`sample_from` of one row of float32 weights w (need not sum to 1) with uniform u: the
-    index whose float32 cumulative sum (accumulated in float64, as PyTorch's) first exceeds
-    float32(u) times the total; where none does (u rounds to 1), the last of weight > 0."""
+    """`sample_from` of one row of float32 weights w (need not sum to 1, some > 0) with uniform u:
+    the index whose float32 cumulative sum (accumulated in float64, as PyTorch's) first exceeds
+    float32(u) times the total, that product kept below the total as `sample_from` keeps it."""
     cdf, run = [], 0.0
     for x in w:
         run += x
         cdf.append(_f32(run))
-    i = bisect.bisect_right(cdf, _f32(_f32(u) * cdf[-1]))
-    return i if i < len(w) else max(j for j, x in enumerate(w) if x > 0)
+    total = cdf[-1]
+    below = struct.unpack("f", struct.pack("I", struct.unpack("I", struct.pack("f", total))[0] - 1))[0]
+    return min(bisect.bisect_right(cdf, min(_f32(_f32(u) * total), below)), len(w) - 1)

@@ -13,7 +13,7 @@ from blockspec.cpu import kernels
 from blockspec.dflash.sampling import RowRandom, probabilities, sample_from
 from blockspec.dflash.sparse_probs import draw, nucleus_pairs, race_on_host, sample_from_pairs, shaped
 from blockspec.dflash.tree_verify import keyed_draws
-from blockspec.dflash.verify import verify_standard
+from blockspec.dflash.verify import _inverse_cdf, verify_standard
 
 pytestmark = pytest.mark.skipif(kernels.kernel() is None, reason="needs the C kernels (a compiler)")
 
@@ -149,6 +149,10 @@ def test_sampling_from_pairs_picks_the_dense_rows_token() -> None:
     dense[0, 3], dense[0, 8] = 0.25, 0.75
     for u in (torch.tensor([1.0 - 2.0**-40], dtype=torch.float64), torch.tensor([1.0 - 2.0**-30])):
         assert sample_from(dense, u).tolist() == [8]
+    # the standard rule's host draw picks what `sample_from` picks, at the top end too
+    w = [0.25, 0.75, 1e-12, 0.0]
+    for u in (0.1, 0.25, 0.999, 1.0 - 2.0**-30, 1.0 - 2.0**-40):
+        assert _inverse_cdf(w, u) == int(sample_from(torch.tensor([w]), torch.tensor([u], dtype=torch.float64)))
 
 
 def _draft(b: int, m: int, v: int, seed: int) -> torch.Tensor:
