@@ -1,8 +1,10 @@
 """Benchmark report: summaries, the greedy lossless check, Markdown, JSON and a PNG plot.
 
 Throughput is end to end: generated tokens over the wall time of a whole run (prefill included),
-so at concurrency > 1 it is the batch's aggregate rate. tau is committed tokens per target
-verification pass (accepted + 1); the first token, which comes from prefill, is not a pass.
+so at concurrency > 1 it is the batch's aggregate rate. Decode-only throughput (a second table)
+leaves prefill out: tokens after each request's first over the run's time less its prefill
+passes, each pass once (RunRecord). tau is committed tokens per target verification pass
+(accepted + 1); the first token, which comes from prefill, is not a pass.
 """
 
 from __future__ import annotations
@@ -278,6 +280,48 @@ def _main_table(summaries: Sequence[Summary]) -> list[str]:
     return _table(header, rows)
 
 
+def _decode_table(summaries: Sequence[Summary]) -> list[str]:
+    """`Task | Concurrency | AR | DFlash X (speedup) ...` in decode-only tokens/s, for the runners
+    that can tell their prefill time (our AR and DFlash); empty when none can."""
+    known = [s for s in summaries if s.run.method in ("ar", "dflash") and s.run.decode_s is not None]
+    if not known:
+        return []
+    names = _ordered(s.run.runner for s in known if s.run.method == "ar")[:1]
+    names += _ordered(s.run.runner for s in known if s.run.method == "dflash")
+    tasks = _ordered(s.run.task for s in known)
+    levels = sorted({s.run.concurrency for s in known})
+    by = {(s.run.task, s.run.concurrency, s.run.runner): s.run for s in known}
+    header = ["Task", "Concurrency"] + ["AR" if n == "ar" else f"{_column(n)} (speedup)" for n in names]
+    rows = []
+    for task in tasks + (["all"] if len(tasks) > 1 else []):
+        for c in levels:
+            runs = {n: [by[(t, c, n)] for t in tasks if (t, c, n) in by] if task == "all"
+                    else [by[(task, c, n)]] if (task, c, n) in by else [] for n in names}
+            if not any(runs.values()):
+                continue
+            rate = {n: _pooled_decode_rate(v) for n, v in runs.items()}
+            ar = rate.get("ar")
+            row = ["**all**" if task == "all" else task, str(c)]
+            for n in names:
+                r = rate[n]
+                if r is None:
+                    row.append("–")
+                elif n == "ar":
+                    row.append(_fmt_rate(r))
+                else:
+                    row.append(_fmt_rate(r) + (f" ({r / ar:.2f}x)" if ar else ""))
+            rows.append(row)
+    return _table(header, rows)
+
+
+def _pooled_decode_rate(runs: Sequence[RunRecord]) -> float | None:
+    """Decode-only tokens over decode-only time of several runs together (None: none known)."""
+    if not runs:
+        return None
+    seconds = sum(r.decode_s for r in runs)
+    return sum(r.decode_tokens for r in runs) / seconds if seconds > 0 else 0.0
+
+
 def _pooled_rate(summaries: Sequence[Summary]) -> float:
     tokens = sum(s.run.generated_tokens for s in summaries)
     wall = sum(s.run.wall_s for s in summaries)
@@ -419,11 +463,20 @@ def markdown(summaries: Sequence[Summary], agreements: Sequence[Agreement], meta
     per = ("second of process CPU time (`--clock cpu`)" if meta.get("clock") == "cpu"
            else "second of wall-clock time")
     lines += ["", f"Cells are end-to-end output tokens per {per}, prefill included; speedup is DFlash ÷ AR "
-              "(our decoder, block size 1, same target); τ is tokens committed per verification pass.", ""]
+              "(our decoder, block size 1, same target); τ is tokens committed per verification pass. "
+              "Decode-only tables leave prefill out: the tokens after each request's first (which comes "
+              "from its prefill) over the run's time less the time of its prefill passes, on the same "
+              "clock. At concurrency > 1 a prefill pass stalls every request in flight, so it is taken "
+              "out once, however many requests it admitted: the figure is the rate of the decode steps "
+              "alone. Only runners that time their prefill passes (ours) have one.", ""]
     by_agreement = {a.runner: a for a in agreements}
     for setting in _settings(summaries):
         part = [s for s in summaries if Setting(s.run.temperature, s.run.thinking) == setting]
         lines += [f"## {setting.label}", ""] + _main_table(part) + [""]
+        decode = _decode_table(part)
+        if decode:
+            lines += ["### Decode-only (prefill left out)", ""]
+            lines += decode + [""]
         base = _baseline_table(part, by_agreement)
         if base:
             lines += ["### Against baselines (batch 1)", ""] + base + [""]

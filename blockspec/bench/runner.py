@@ -53,7 +53,11 @@ class Output:
 
 
 class Runner(Protocol):
-    """Generates for requests. `name` is unique in a suite ("ar", "dflash b16", "hf", ...)."""
+    """Generates for requests. `name` is unique in a suite ("ar", "dflash b16", "hf", ...).
+
+    A runner that can tell the time its last `run` spent in prefill passes sets
+    `last_prefill_s`, keyed by clock name ("wall", "cpu"): each pass counted once however many
+    requests it admitted. The suite then reports decode-only throughput for it (RunRecord)."""
 
     name: str
     method: str  # "ar" | "dflash" | "hf" | "pld" | "reference"
@@ -109,6 +113,7 @@ class EngineRunner:
             self.name += f" {self.sampling_rule}"
         self._engines: dict[int, object] = {}
         self.last_block_sizes: dict[int, int] = {}  # steps per block size of the last `run`
+        self.last_prefill_s: dict[str, float] = {}  # time in prefill passes of the last `run`, per clock
 
     def _engine(self, concurrency: int) -> object:
         from blockspec.engine import Engine, EngineConfig
@@ -133,13 +138,17 @@ class EngineRunner:
 
     def run(self, requests: Sequence[Request], concurrency: int, progress: Progress | None = None) -> list[Output]:
         engine = self._engine(concurrency)
-        before = engine.metrics.block_sizes
+        start = engine.metrics
+        before = start.block_sizes
         rule = self.sampling_rule
         handles = [engine.submit(list(r.prompt_ids), r.params if rule is None else r.params.with_(sampling_rule=rule))
                    for r in requests]
         engine.run_until_idle(progress)
-        after = engine.metrics.block_sizes
+        end = engine.metrics
+        after = end.block_sizes
         self.last_block_sizes = {n: c - before.get(n, 0) for n, c in sorted(after.items()) if c > before.get(n, 0)}
+        self.last_prefill_s = {"wall": end.prefill_s_total - start.prefill_s_total,
+                               "cpu": end.prefill_cpu_s_total - start.prefill_cpu_s_total}
         outputs: list[Output] = []
         speculative = self.block_size > 1
         for handle in handles:
@@ -256,7 +265,13 @@ class RequestRecord:
 @dataclass
 class RunRecord:
     """One runner over one task at one concurrency and setting: the time of the whole run (all
-    turns; wall clock, or CPU time with SuitePlan.clock "cpu") is what throughput is computed from."""
+    turns; wall clock, or CPU time with SuitePlan.clock "cpu") is what throughput is computed from.
+
+    Decode-only throughput is the tokens after each request's first (the first comes from its
+    prefill) over the run's time less the time of its prefill passes, on the same clock. At
+    concurrency > 1 a prefill pass stalls every row in flight, so it is taken out once, however
+    many requests it admitted; what is left is the time of the decode steps. None where the
+    runner cannot tell its prefill time (Runner.last_prefill_s)."""
 
     runner: str
     method: str
@@ -268,6 +283,7 @@ class RunRecord:
     requests: int = 0
     generated_tokens: int = 0
     wall_s: float = 0.0
+    prefill_s: float | None = 0.0  # time in prefill passes, clock of wall_s; None: not known
     block_sizes: dict[int, int] = field(default_factory=dict)  # engine steps per block size used
     records: list[RequestRecord] = field(default_factory=list)
 
@@ -275,9 +291,31 @@ class RunRecord:
     def tokens_per_s(self) -> float:
         return self.generated_tokens / self.wall_s if self.wall_s > 0 else 0.0
 
+    @property
+    def decode_tokens(self) -> int:
+        """Generated tokens after each request's first."""
+        return sum(max(0, r.generated_tokens - 1) for r in self.records)
+
+    @property
+    def decode_s(self) -> float | None:
+        """The run's time less its prefill passes (None where those are not known)."""
+        return None if self.prefill_s is None else max(0.0, self.wall_s - self.prefill_s)
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """Decode-only throughput (see the class docstring); None where the prefill time is unknown."""
+        decode_s = self.decode_s
+        if decode_s is None:
+            return None
+        return self.decode_tokens / decode_s if decode_s > 0 else 0.0
+
     def as_dict(self) -> dict:
         d = {k: v for k, v in asdict(self).items() if k != "records"}
         d["tokens_per_s"] = round(self.tokens_per_s, 3)
+        d["decode_tokens"] = self.decode_tokens
+        d["decode_s"] = None if self.decode_s is None else round(self.decode_s, 6)
+        rate = self.decode_tokens_per_s
+        d["decode_tokens_per_s"] = None if rate is None else round(rate, 3)
         return d
 
 
@@ -351,6 +389,8 @@ def run_task(
         t0 = clock()
         outputs = runner.run(requests, concurrency, progress)
         run.wall_s += clock() - t0
+        prefill = getattr(runner, "last_prefill_s", {}).get(plan.clock)
+        run.prefill_s = None if prefill is None or run.prefill_s is None else run.prefill_s + prefill
         for n, steps in getattr(runner, "last_block_sizes", {}).items():
             run.block_sizes[n] = run.block_sizes.get(n, 0) + steps
         for i, req, out in zip(active, requests, outputs):
@@ -440,8 +480,10 @@ def run_suite(
                     runs += here.values()
                     if log is not None:
                         for run in here.values():
+                            decode = run.decode_tokens_per_s
                             log(f"{task:>10} c{run.concurrency} {run.runner:<16} {setting.key}: "
-                                f"{run.tokens_per_s:8.2f} tok/s ({run.generated_tokens} tokens, {run.wall_s:.1f} s)")
+                                f"{run.tokens_per_s:8.2f} tok/s ({run.generated_tokens} tokens, {run.wall_s:.1f} s)"
+                                + ("" if decode is None else f", decode-only {decode:.2f} tok/s"))
     finally:
         bar.close()
     return runs

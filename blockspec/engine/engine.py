@@ -289,7 +289,7 @@ class Engine:
         for r in joining:
             self._requests[r.request_id] = r
         before = len(self.batch.rows)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         try:
             self.batch.join([r.prompt_ids for r in joining], rows)
         except Exception as e:
@@ -303,6 +303,7 @@ class Engine:
             self.scheduler.set_running(len(self.batch.rows))
             return
         prefill_s = time.perf_counter() - t0
+        self.recorder.prefill(prefill_s, time.process_time() - c0)
         for row in rows:
             row.stats.prefill_s = prefill_s
         self._report()

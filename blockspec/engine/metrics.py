@@ -50,6 +50,10 @@ class EngineMetrics:
     errors_total: int
     cancelled_total: int
     block_sizes: dict[int, int]  # steps per block size used
+    # prefill passes (requests joining the batch; no row decodes during one), each counted once
+    # however many requests it admitted: wall-clock seconds and process CPU seconds
+    prefill_s_total: float = 0.0
+    prefill_cpu_s_total: float = 0.0
 
 
 class MetricsRecorder:
@@ -65,6 +69,8 @@ class MetricsRecorder:
         self.errors_total = 0
         self.cancelled_total = 0
         self.block_sizes: dict[int, int] = {}
+        self.prefill_s_total = 0.0
+        self.prefill_cpu_s_total = 0.0
 
     def submitted(self) -> None:
         with self._lock:
@@ -76,6 +82,12 @@ class MetricsRecorder:
             self.row_steps += rows
             self.committed_in_steps += committed
             self.block_sizes[block] = self.block_sizes.get(block, 0) + 1
+
+    def prefill(self, wall_s: float, cpu_s: float) -> None:
+        """One prefill pass took `wall_s` seconds of wall clock and `cpu_s` of process CPU time."""
+        with self._lock:
+            self.prefill_s_total += wall_s
+            self.prefill_cpu_s_total += cpu_s
 
     def tokens(self, n: int) -> None:
         with self._lock:
@@ -100,4 +112,6 @@ class MetricsRecorder:
                 errors_total=self.errors_total,
                 cancelled_total=self.cancelled_total,
                 block_sizes=dict(self.block_sizes),
+                prefill_s_total=self.prefill_s_total,
+                prefill_cpu_s_total=self.prefill_cpu_s_total,
             )

@@ -44,6 +44,7 @@ def test_report_is_well_formed(greedy_runs, tmp_path):
             assert any(line.startswith(f"| {task} | {c} | ") for line in md.splitlines()), (task, c)
     assert "Lossless check: passed. All 8 greedy DFlash outputs" in md  # 4 requests x 2 concurrencies
     assert "Acceptance rate by block position" in md
+    assert "### Decode-only (prefill left out)" in md
 
     data = json.loads((tmp_path / "results.json").read_text())
     assert data["lossless"]["passed"] is True
@@ -59,6 +60,9 @@ def test_report_is_well_formed(greedy_runs, tmp_path):
     assert all(r["acceptance_lengths"] is None for r in data["requests"] if r["method"] == "ar")
     summary = next(s for s in data["summaries"] if s["runner"] == "dflash b4")
     assert {"tokens_per_s", "mean_tau", "acceptance_histogram", "acceptance_by_position", "wall_s"} <= set(summary)
+    assert 0 < summary["prefill_s"] < summary["wall_s"]
+    assert summary["decode_s"] == pytest.approx(summary["wall_s"] - summary["prefill_s"], abs=1e-5)
+    assert summary["decode_tokens_per_s"] == pytest.approx(summary["decode_tokens"] / summary["decode_s"], rel=1e-3)
     assert sum(summary["acceptance_histogram"].values()) == sum(
         len(r["acceptance_lengths"]) for r in dflash if r["task"] == summary["task"]
         and r["concurrency"] == summary["concurrency"])
