@@ -313,9 +313,9 @@ class DFlashDrafter(nn.Module):
         `cands`: `candidates(hidden, head)` computed already (with the normaliser where
         `confidence`), which saves the head pass."""
         if self.candidate_selector is None:
-            logits = self._draft_vocab_logits(hidden, head) if self.draft_vocab is not None else self.logits(hidden, head)
+            logits, support = self.greedy_logits(hidden, head)
             top, conf = argmax_and_peak(logits)
-            ids = self.draft_vocab[top] if self.draft_vocab is not None else top
+            ids = support[top] if support is not None else top
             return ids, conf
         if cands is None:
             cands = self.candidates(hidden, head, normaliser=confidence)
@@ -325,6 +325,14 @@ class DFlashDrafter(nn.Module):
         outside = cands.logsumexp + torch.log1p(-torch.exp(cands.logits.logsumexp(-1) - cands.logsumexp).clamp(max=1.0))
         total = torch.logaddexp(scores.logsumexp(-1), outside)  # [b, n]
         return ids, torch.exp(scores.max(dim=-1).values - total)
+
+    def greedy_logits(self, hidden: torch.Tensor, head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The logits a greedy proposal and its confidence are read from (`greedy_with_confidence`
+        without a selector): with a draft vocabulary its tokens' logits [.., Vd] as the restricted
+        head computes them and their ids [Vd] (ascending), else the full logits [.., V] and None."""
+        if self.draft_vocab is not None:
+            return self._draft_vocab_logits(hidden, head), self.draft_vocab
+        return self.logits(hidden, head), None
 
     def top_logprobs(self, hidden: torch.Tensor, head: nn.Module, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The k most likely proposals at each position of hidden [.., H]: their draft

@@ -284,3 +284,86 @@ def test_a_sampled_step_offered_trees_verifies_the_chain_a_chains_only_batch_dra
     assert len(chain_seen) > 3 and [ids for ids, _ in offered_seen] == [ids for ids, _ in chain_seen]
     for (_, a), (_, b) in zip(chain_seen, offered_seen):
         assert (a is None and b is None) or torch.equal(a, b)
+
+
+class _EveryThird:
+    """A grammar that allows the token ids t with t % 3 == `r` and is complete after `length`
+    tokens (then anything may follow, as dflash/constraint.py fills it)."""
+
+    def __init__(self, r: int, vocab: int, length: int = 3) -> None:
+        self.r, self.vocab, self.length, self.accepted = r, vocab, length, 0
+
+    def fill_mask(self, out: torch.Tensor) -> None:
+        allowed = torch.zeros(out.numel() * 32, dtype=torch.bool)
+        allowed[self.r:self.vocab:3] = True
+        words = (allowed.view(-1, 32).long() << torch.arange(32)).sum(-1)  # bit j of word w: token 32w + j
+        out.copy_(torch.where(words >= 2**31, words - 2**32, words).to(torch.int32))
+
+    def accept(self, token: int) -> bool:
+        if token % 3 != self.r:
+            return False
+        self.accepted += 1
+        return True
+
+    def rollback(self, n: int) -> None:
+        self.accepted -= n
+
+    def is_terminated(self) -> bool:
+        return self.accepted >= self.length
+
+
+def _old_greedy(drafter, draft: BatchDraft) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The greedy proposals as the block proposer made them when it ran the head twice for
+    constrained rows: the greedy kernel over every row, then the constrained rows' full logits
+    masked by their grammar."""
+    from blockspec.dflash.constraint import argmax_masked
+
+    if draft.confidence:
+        ids, conf = drafter.greedy_with_confidence(draft.hidden, draft.head, draft.last)
+    else:
+        ids, conf = drafter.greedy_tokens(draft.hidden, draft.head, draft.last), None
+    rows = [i for i, c in enumerate(draft.constraints) if c is not None]
+    logits = drafter.logits(draft.hidden[torch.tensor(rows)], draft.head)  # [m, D, V]
+    ids[torch.tensor(rows)] = argmax_masked(logits, rows, list(draft.constraints))
+    return ids, conf
+
+
+@pytest.mark.parametrize("confidence", [False, True], ids=["plain", "confidence"])
+@pytest.mark.parametrize("draft_vocab", [False, True], ids=["", "draft_vocab"])
+@pytest.mark.parametrize("layout", ["CFC", "FC", "CC"])
+def test_constrained_greedy_rows_run_the_head_once_and_propose_what_two_passes_did(
+        monkeypatch: pytest.MonkeyPatch, confidence: bool, draft_vocab: bool, layout: str) -> None:
+    """A batch mixing rows under a grammar (C) and free rows (F): the proposals (and
+    confidences) are those of the old kernel-then-mask path, each row's head runs once, the
+    constrained rows' proposals keep to their grammar up to its end and free rows get the plain
+    argmax."""
+    model = _model()
+    drafter = _dflash(model)
+    vocab = model.config.vocab_size
+    if draft_vocab:
+        drafter.set_draft_vocab(torch.arange(0, vocab, 2), vocab)
+
+    def draft() -> BatchDraft:  # fresh matchers: the old and new paths each walk their own
+        constraints = [_EveryThird(i % 3, vocab) if k == "C" else None for i, k in enumerate(layout)]
+        return _draft(drafter, model, [GREEDY] * len(layout), confidence=confidence, constraints=constraints)
+
+    want_ids, want_conf = _old_greedy(drafter, draft())
+    rows_seen: list[int] = []
+    shape_logits = drafter._shape_logits  # every head pass, full or draft vocabulary, goes through it
+    monkeypatch.setattr(drafter, "_shape_logits", lambda x: rows_seen.append(x.shape[0]) or shape_logits(x))
+    this = draft()
+    got = DFlashBlockProposer(drafter, sampled=False).propose(this)
+    assert sum(rows_seen) == len(layout) and len(rows_seen) == len(set(layout))  # one pass per row
+    assert torch.equal(got.ids, want_ids)
+    if confidence:
+        assert got.confidence.dtype == want_conf.dtype and torch.allclose(got.confidence, want_conf, rtol=1e-6)
+    else:
+        assert got.confidence is None
+    assert all(c is None or c.accepted == 0 for c in this.constraints)  # matchers rolled back
+    plain = drafter.logits(this.hidden, this.head).argmax(-1)  # [b, D]
+    for i, kind in enumerate(layout):
+        if kind == "F":
+            assert torch.equal(got.ids[i], plain[i])
+        else:  # up to the grammar's end (3 tokens) every proposal is one it allows
+            assert all(int(t) % 3 == i % 3 for t in got.ids[i, :3]), (i, got.ids[i])
+    assert not torch.equal(got.ids, plain)  # the grammar bit somewhere: the test sees masking

@@ -3,7 +3,8 @@ distribution, the positions independent of each other.
 
 Greedy (every row at temperature 0): the draft argmax, whose top-k's first column is the same
 token (the same tie rule: cpu/top_k.py), so a step offered trees reads its chain from the top-k
-its trees grow from. Sampled (any row sampling): each row draws from its shaped draft
+its trees grow from. A row under a grammar (dflash/constraint.py) takes the best tokens its grammar
+allows instead, read off its logits in the same one head pass per row. Sampled (any row sampling): each row draws from its shaped draft
 distribution with the draws the target's own sample takes at that output position
 (dflash/sampling.py; a row of the standard rule from the sharpened one it is tested against), and
 its tree grows from the same shaped distribution, where its draws go.
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from blockspec.cpu.argmax import argmax_and_peak
 from blockspec.cpu.top_k import top_logprobs
 from blockspec.dflash import sampling
 from blockspec.dflash.constraint import argmax_masked, sample_masked
@@ -37,6 +39,8 @@ class DFlashBlockProposer:
     def _greedy(self, draft: BatchDraft) -> BatchProposal:
         hidden, head = draft.hidden, draft.head
         ids = conf = dists = None
+        # DecodeBatch offers no tree to a batch with a constrained row (batch.py), so a tree
+        # step's proposals are its top-k's alone, masked by no grammar
         if draft.tree_top_k:
             top, top_ids = self.drafter.top_logprobs(hidden, head, draft.tree_top_k)  # [b, D, k], descending
             dists = PositionDistributions.batch(top_ids, top)
@@ -44,11 +48,34 @@ class DFlashBlockProposer:
                 ids = top_ids[..., 0]
                 conf = top[..., 0].exp() if draft.confidence else None  # [b, D]
             return BatchProposal(ids, conf, None, dists)
+        rows = [i for i, c in enumerate(draft.constraints) if c is not None]
+        if not rows:
+            return BatchProposal(*self._argmax(hidden, head, draft.last, draft.confidence))
+        # each row's head runs once: the free rows' in the greedy kernel, the constrained rows'
+        # where their grammar masks the logits
+        b, depth = hidden.shape[:2]
+        index = torch.tensor(rows, device=hidden.device)
+        masked_ids, masked_conf = self._argmax_masked(draft, rows, index)
+        if len(rows) == b:
+            return BatchProposal(masked_ids, masked_conf)
+        taken = set(rows)
+        free = torch.tensor([i for i in range(b) if i not in taken], device=hidden.device)
+        free_ids, free_conf = self._argmax(hidden[free], head, None if draft.last is None else draft.last[free],
+                                           draft.confidence)
+        ids = torch.empty(b, depth, dtype=free_ids.dtype, device=free_ids.device)  # [b, D]
+        ids[free], ids[index] = free_ids, masked_ids.to(ids.device)
         if draft.confidence:
-            ids, conf = self.drafter.greedy_with_confidence(hidden, head, draft.last)
-        else:
-            ids = self.drafter.greedy_tokens(hidden, head, draft.last)  # [b, D]
-        return BatchProposal(self._mask_greedy(draft, ids), conf)
+            conf = torch.empty(b, depth, dtype=free_conf.dtype, device=free_conf.device)  # [b, D]
+            conf[free], conf[index] = free_conf, masked_conf.to(conf.device)
+        return BatchProposal(ids, conf)
+
+    def _argmax(self, hidden: torch.Tensor, head: object, last: torch.Tensor | None,
+                confidence: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The draft argmax [b, D] of hidden [b, D, H], and its softmax peak [b, D] where
+        `confidence` (else None), by the drafter's greedy kernel."""
+        if confidence:
+            return self.drafter.greedy_with_confidence(hidden, head, last)
+        return self.drafter.greedy_tokens(hidden, head, last), None
 
     def _sampled(self, draft: BatchDraft) -> BatchProposal:
         # the step's one head pass: the draft vocabulary's logits alone [b, D, Vd] (support: their
@@ -75,17 +102,17 @@ class DFlashBlockProposer:
         _mask_sampled(draft, probs, ids)
         return BatchProposal(ids, conf, drawn if draft.keep_q else None, dists)
 
-    def _mask_greedy(self, draft: BatchDraft, ids: torch.Tensor) -> torch.Tensor:
-        """ids [b, D] with constrained rows' proposals replaced by the best tokens their grammar
-        allows (their draft logits), so fewer blocks are cut at a proposal the target could never
-        accept."""
-        rows = [i for i, c in enumerate(draft.constraints) if c is not None]
-        if not rows:
-            return ids
-        index = torch.tensor(rows, device=draft.hidden.device)
-        logits = self.drafter.logits(draft.hidden[index], draft.head)  # [m, D, V]
-        ids[index] = argmax_masked(logits, rows, list(draft.constraints)).to(ids.device)
-        return ids
+    def _argmax_masked(self, draft: BatchDraft, rows: list[int],
+                       index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The proposals [m, D] of constrained rows `rows` (`index` on the hidden states' device):
+        the best tokens their grammar allows, so fewer blocks are cut at a proposal the target
+        could never accept; and where the step wants confidence, the peak [m, D] of their
+        unmasked draft distribution, the figure the greedy kernel gives a free row."""
+        logits, support = self.drafter.greedy_logits(draft.hidden[index], draft.head)  # [m, D, Vd or V]
+        conf = argmax_and_peak(logits)[1] if draft.confidence else None
+        if support is not None:  # the full vocabulary in the head's dtype, as `drafter.logits` gives it
+            logits = sampling.spread(logits.to(draft.head.weight.dtype), support, draft.vocab)  # [m, D, V]
+        return argmax_masked(logits, rows, list(draft.constraints)), conf
 
 
 def draft_confidence(draft_probs: torch.Tensor) -> torch.Tensor:
