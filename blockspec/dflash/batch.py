@@ -618,10 +618,12 @@ class DecodeBatch:
                                                       torch.full_like(path, EMPTY)))
             self.draft_top = max(self.draft_top, top)
         token_lp = None
-        if not self.argmax_only:  # the logits at a path node predict the path's next committed token
+        wanted = [r.params.logprobs for r in rows]
+        if not self.argmax_only and any(k is not None for k in wanted):
+            # the logits at a path node predict the path's next committed token
             path_logits = gather_path(logits, path)  # [b, m, V]
             padded = torch.tensor([c + [0] * (m - len(c)) for c in committed], device=d)
-            token_lp = token_logprobs(path_logits, padded, [r.params.logprobs for r in rows])
+            token_lp = token_logprobs(path_logits, padded, wanted)
         if self.capture:
             host_feats = feats.float().cpu()
             for i, (r, a, k) in enumerate(zip(rows, walks, n_host)):

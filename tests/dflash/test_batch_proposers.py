@@ -115,6 +115,41 @@ def test_a_sampled_dflash_block_draws_the_targets_keyed_draws_with_or_without_a_
             assert set(ids) <= set(ref[d - 1].topk(4).indices.tolist()) and ids[0] == int(ref[d - 1].argmax())
 
 
+@pytest.mark.parametrize("draft_vocab", [False, True], ids=["", "draft_vocab"])
+def test_a_sampled_rows_tree_ranks_the_k_most_likely_tokens_of_its_shaped_distribution(draft_vocab: bool) -> None:
+    """The tree's top-k of a sampled row, read off the draft vocabulary's logits, is the top-k of
+    its shaped draft distribution over the whole vocabulary (ids in order and the same
+    log-probabilities), a nucleus narrower than k leaving the rest out; a greedy row's beside it
+    is what a greedy step's tree grows from."""
+    model = _model()
+    drafter = _dflash(model)
+    vocab = model.config.vocab_size
+    if draft_vocab:
+        drafter.set_draft_vocab(torch.arange(1, vocab, 3), vocab)
+    narrow = KEYED.with_(top_p=0.2, temperature=0.5, seed=8)  # a nucleus of 1-3 tokens here
+    params = [KEYED, narrow, STANDARD.with_(top_k=3), GREEDY]
+    draft = _draft(drafter, model, params, tree_top_k=6)
+    got = DFlashBlockProposer(drafter, sampled=True).propose(draft).distributions
+    logits = drafter.logits(draft.hidden, draft.head)  # [b, D, V], -inf outside a draft vocabulary
+    probs = probabilities(logits, draft.temperature, draft.top_k, draft.top_p)  # [b, D, V]
+    greedy_top, greedy_ids = drafter.top_logprobs(draft.hidden, draft.head, 6)  # [b, D, 6]
+    narrower = 0
+    for i, p in enumerate(params):
+        for d in range(1, draft.hidden.shape[1] + 1):
+            ids, lps = got[i].children(d, 0)
+            if p.greedy:
+                assert ids == greedy_ids[i, d - 1].tolist()
+                assert lps == greedy_top[i, d - 1].tolist()
+                continue
+            row = probs[i, d - 1]
+            order = row.sort(descending=True, stable=True).indices[:6]
+            want = [t for t in order.tolist() if row[t] > 0]
+            narrower += len(want) < 6
+            assert ids == want
+            assert lps == row[want].log().float().tolist()
+    assert narrower  # the narrow nucleus and the top-k row were cut below k
+
+
 def test_a_greedy_dflash2_walk_is_the_selectors_walk_per_row() -> None:
     model = _model()
     drafter = random_dflash2(model, seed=2, top_k=4)

@@ -84,15 +84,7 @@ class DFlashBlockProposer:
         probs = draft.probs(logits, support)  # [b, D, V]: each row's shaped draft distribution
         dists = None
         if draft.tree_top_k:
-            if support is not None:
-                logits = sampling.spread(logits, support, draft.vocab)  # [b, D, V]
-            logp = torch.log_softmax(logits.float(), dim=-1)
-            # sampled rows grow their trees where their own draws go
-            greedy = (draft.temperature <= 0)[:, None, None]
-            logp = torch.where(greedy, logp, probs.log())
-            # renormalising log-probabilities changes them by rounding only; the kernel's tie order
-            top, top_ids = top_logprobs(logp, min(draft.tree_top_k, logp.shape[-1]))  # [b, D, k], descending
-            dists = PositionDistributions.batch(top_ids, top)
+            dists = PositionDistributions.batch(*_tree_top(draft, logits, support, probs))
         if not draft.chain:
             return BatchProposal(None, None, None, dists)
         drawn = _standard_sharpened(draft, probs)  # [b, D, V]: what each row draws from
@@ -113,6 +105,29 @@ class DFlashBlockProposer:
         if support is not None:  # the full vocabulary in the head's dtype, as `drafter.logits` gives it
             logits = sampling.spread(logits.to(draft.head.weight.dtype), support, draft.vocab)  # [m, D, V]
         return argmax_masked(logits, rows, list(draft.constraints)), conf
+
+
+def _tree_top(draft: BatchDraft, logits: torch.Tensor, support: torch.Tensor | None,
+              probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ids [b, D, k] and log-probabilities [b, D, k] (descending) each row's tree grows
+    from: a sampled row's k most likely tokens under its shaped draft distribution probs [b, D,
+    V], where its own draws go; a greedy row's under its draft distribution, as a greedy step's
+    (`DFlashDrafter.top_logprobs`). logits [b, D, Vd] of the tokens `support` [Vd], or [b, D, V]
+    with support None. Temperature, top-k and top-p keep the logits' order and cut their tail,
+    so a sampled row's k most likely tokens are its k largest logits, with probability 0 (log
+    -inf) past its nucleus: read off the draft vocabulary's logits and k gathered probabilities
+    instead of a pass over the whole vocabulary."""
+    k = min(draft.tree_top_k, logits.shape[-1])
+    top, index = top_logprobs(logits, k)  # [b, D, k], descending; the greedy rows' log-probabilities
+    ids = index if support is None else support[index]
+    sampled = (draft.temperature > 0)[:, None, None]  # [b, 1, 1]
+    if not bool(sampled.any()):
+        return ids, top
+    shaped = probs.gather(-1, ids).log()  # [b, D, k]
+    # a nucleus cut between equal logits may keep the later of them: sort so each row's column
+    # order stays the ranking its tree is grown by (stable: the logits' order where equal)
+    shaped, order = shaped.sort(dim=-1, descending=True, stable=True)
+    return torch.where(sampled, ids.gather(-1, order), ids), torch.where(sampled, shaped, top)
 
 
 def draft_confidence(draft_probs: torch.Tensor) -> torch.Tensor:
