@@ -301,7 +301,7 @@ class DecodeBatch:
         self._proposals: BatchProposer | None = None  # `_proposer`: for the rows' rules
         # [b, q-1, V]: the distribution each proposal of the step being verified was drawn from,
         # for rows verified by the standard rule (None when no row is)
-        self._draft_q: torch.Tensor | None = None
+        self._draft_q: torch.Tensor | SparseProbs | None = None
         self.verified = 0  # tokens the last step verified, over all rows (a ragged step's padding not counted)
         # The last step verified token trees, and the trials of their nodes (what the adaptive
         # policy calibrates tree pricing by: dflash/node_acceptance.py).
@@ -987,11 +987,19 @@ def _ragged(lengths: list[int], offsets: torch.Tensor, positions: torch.Tensor
     return limit, padding, positions.masked_fill(padding, EMPTY)
 
 
-def _one_hot_where(q: torch.Tensor | None, proposals: torch.Tensor, looked: list[int], vocab: int | None = None
-                   ) -> torch.Tensor:
-    """q [b, n, V] with each row's first looked[r] positions replaced by one-hots on its
-    proposals [b, n] (deterministic proposals: drawn from a point mass); q None: zero elsewhere."""
+def _one_hot_where(q: torch.Tensor | SparseProbs | None, proposals: torch.Tensor, looked: list[int],
+                   vocab: int | None = None) -> torch.Tensor | SparseProbs:
+    """q [b, n, V] (or its pairs) with each row's first looked[r] positions replaced by one-hots
+    on its proposals [b, n] (deterministic proposals: drawn from a point mass); q None: zero
+    elsewhere."""
     b, n = proposals.shape
+    if isinstance(q, SparseProbs):
+        mask = (torch.arange(n, device=proposals.device)[None]
+                < torch.tensor(looked, device=proposals.device)[:, None])[..., None]  # [b, n, 1]
+        first = torch.arange(q.ids.shape[-1], device=proposals.device) == 0  # [k]: the one pair kept
+        ids = torch.where(mask, torch.where(first, proposals[..., None], 0), q.ids)
+        probs = torch.where(mask, first.to(q.probs.dtype).expand_as(q.probs), q.probs)
+        return SparseProbs(ids, probs, q.vocab)
     v = q.shape[-1] if q is not None else vocab
     onehot = torch.zeros(b, n, v, dtype=torch.float32 if q is None else q.dtype, device=proposals.device)
     onehot.scatter_(-1, proposals[..., None], 1.0)

@@ -59,11 +59,11 @@ def _within(limit: torch.Tensor, m: int) -> torch.Tensor:
 
 
 def verify_standard(
-    proposals: torch.Tensor, target_probs: torch.Tensor | SparseProbs, draft_probs: torch.Tensor, accept_u: torch.Tensor,
-    bonus_u: torch.Tensor, limit: torch.Tensor | None = None,
+    proposals: torch.Tensor, target_probs: torch.Tensor | SparseProbs, draft_probs: torch.Tensor | SparseProbs,
+    accept_u: torch.Tensor, bonus_u: torch.Tensor, limit: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The standard rule: proposals [b, m], each drawn from its row of draft_probs [b, m, V] (a
-    one-hot row for a deterministic proposal), against target_probs [b, m+1, V] (the target's
+    one-hot row for a deterministic proposal; or a nucleus's pairs), against target_probs [b, m+1, V] (the target's
     shaped p) -> accepted [b], bonus [b].
 
     Proposal i is kept while accept_u[:, i] * q(x_i) < p(x_i) (accept_u [b, m] uniforms in
@@ -76,6 +76,8 @@ def verify_standard(
     """
     if isinstance(target_probs, SparseProbs):
         return _verify_pairs(proposals, target_probs, draft_probs, accept_u, bonus_u, limit)
+    if isinstance(draft_probs, SparseProbs):  # a nucleus of pairs beside a vocabulary-wide p
+        draft_probs = draft_probs.dense()
     b, m = proposals.shape
     rows = torch.arange(b, device=proposals.device)
     if m == 0:
@@ -97,18 +99,18 @@ def verify_standard(
 
 
 def _verify_pairs(
-    proposals: torch.Tensor, target: SparseProbs, draft_probs: torch.Tensor, accept_u: torch.Tensor,
+    proposals: torch.Tensor, target: SparseProbs, draft_probs: torch.Tensor | SparseProbs, accept_u: torch.Tensor,
     bonus_u: torch.Tensor, limit: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`verify_standard` with the target's p as pairs [b, m+1, k], on the host: a handful of
     numbers per row, where each tensor operation would cost more than its arithmetic. The same
     arithmetic as the tensors' (`_f32` rounds as float32 operations do; float32 cumulative sums
-    accumulate in float64), so the same accepted and bonus."""
+    accumulate in float64), so the same accepted and bonus. The draft's q may be pairs too."""
     b, m = proposals.shape
     ids = target.ids.tolist()  # [b][m+1][k]
     p = target.probs.tolist()
     props = proposals.tolist()
-    q_x = draft_probs.gather(-1, proposals[..., None])[..., 0].tolist() if m else [[] for _ in range(b)]  # [b][m]
+    q_x = _draft_at(draft_probs, proposals) if m else [[] for _ in range(b)]  # [b][m]
     acc_u, bon_u = accept_u.tolist(), bonus_u.tolist()
     lim = [m] * b if limit is None else limit.tolist()
     accepted = []
@@ -117,7 +119,7 @@ def _verify_pairs(
         while a < min(m, lim[r]):
             row_ids, row_p = ids[r][a], p[r][a]
             x = props[r][a]
-            p_x = next((pj for ij, pj in zip(row_ids, row_p) if ij == x and pj > 0), 0.0)
+            p_x = _pair_prob(row_ids, row_p, x)
             if not acc_u[r][a] * q_x[r][a] < p_x:  # float64, as the uniforms come
                 break
             a += 1
@@ -126,12 +128,8 @@ def _verify_pairs(
     rejected = [r for r in range(b) if accepted[r] < lim[r]]
     q_at: dict[int, list[float]] = {}
     if rejected:
-        k = len(ids[0][0])
-        rows = torch.tensor([r for r in rejected for _ in range(k)])
-        pos = torch.tensor([min(accepted[r], m - 1) for r in rejected for _ in range(k)])
-        toks = torch.tensor([t for r in rejected for t in ids[r][accepted[r]]])
-        flat = draft_probs[rows.to(draft_probs.device), pos.to(draft_probs.device), toks.to(draft_probs.device)].tolist()
-        q_at = {r: flat[i * k:(i + 1) * k] for i, r in enumerate(rejected)}
+        at = [(r, min(accepted[r], m - 1), ids[r][accepted[r]]) for r in rejected]
+        q_at = dict(zip(rejected, _draft_over(draft_probs, at)))
     bonus = []
     for r in range(b):
         a = accepted[r]
@@ -145,6 +143,32 @@ def _verify_pairs(
         bonus.append(ids[r][a][_inverse_cdf(w, bon_u[r][a])])
     device = proposals.device
     return torch.tensor(accepted, dtype=torch.long, device=device), torch.tensor(bonus, dtype=torch.long, device=device)
+
+
+def _draft_at(draft_probs: torch.Tensor | SparseProbs, proposals: torch.Tensor) -> list[list[float]]:
+    """q [b][m] of each proposal under its row of the draft's q [b, m, V] or its pairs."""
+    if isinstance(draft_probs, torch.Tensor):
+        return draft_probs.gather(-1, proposals[..., None])[..., 0].tolist()
+    ids, probs = draft_probs.ids.tolist(), draft_probs.probs.tolist()  # [b][m][k]
+    return [[_pair_prob(ids[r][j], probs[r][j], x) for j, x in enumerate(row)] for r, row in enumerate(proposals.tolist())]
+
+
+def _draft_over(draft_probs: torch.Tensor | SparseProbs, at: list[tuple[int, int, list[int]]]) -> list[list[float]]:
+    """Per (row, position, tokens) of `at`, q of those tokens there (0 outside a nucleus)."""
+    if isinstance(draft_probs, SparseProbs):
+        return [[_pair_prob(draft_probs.ids[r, j].tolist(), draft_probs.probs[r, j].tolist(), t) for t in toks]
+                for r, j, toks in at]
+    k = len(at[0][2])
+    dev = draft_probs.device
+    rows = torch.tensor([r for r, _, toks in at for _ in toks], device=dev)
+    pos = torch.tensor([j for _, j, toks in at for _ in toks], device=dev)
+    flat = draft_probs[rows, pos, torch.tensor([t for _, _, toks in at for t in toks], device=dev)].tolist()
+    return [flat[i * k:(i + 1) * k] for i in range(len(at))]
+
+
+def _pair_prob(ids: list[int], probs: list[float], token: int) -> float:
+    """The probability of `token` in one position's pairs (0 where it is not among them)."""
+    return next((pj for ij, pj in zip(ids, probs) if ij == token and pj > 0), 0.0)
 
 
 def _f32(x: float) -> float:

@@ -20,6 +20,7 @@ from blockspec.dflash.drafter import new_drafter_for_target
 from blockspec.dflash.proposers import (BatchDraft, DFlash2WalkProposer, DFlashBlockProposer, Draft, LookupOverride,
                                         SelectorDistributions, SelectorWalkProposer)
 from blockspec.dflash.sampling import RowRandom, probabilities
+from blockspec.dflash.sparse_probs import SparseProbs
 from blockspec.errors import ConfigError
 from blockspec.targets.hf import HFTarget
 
@@ -102,7 +103,10 @@ def test_a_sampled_dflash_block_draws_the_targets_keyed_draws_with_or_without_a_
         assert torch.equal(got.ids, want)
         assert torch.equal(got.confidence, probs.amax(-1))
         if any(p.rule == "standard" for p in params):
-            assert torch.equal(got.draft_q, probs)
+            # a batch of temperature / top-p rows keeps its q as its nucleus's pairs
+            q = got.draft_q
+            assert isinstance(q, SparseProbs) == all(not p.greedy for p in params)
+            assert torch.equal(q.dense() if isinstance(q, SparseProbs) else q, probs)
         else:
             assert got.draft_q is None
     logp = torch.log_softmax(logits, -1)
@@ -116,22 +120,32 @@ def test_a_sampled_dflash_block_draws_the_targets_keyed_draws_with_or_without_a_
 
 
 @pytest.mark.parametrize("draft_vocab", [False, True], ids=["", "draft_vocab"])
-def test_a_sampled_rows_tree_ranks_the_k_most_likely_tokens_of_its_shaped_distribution(draft_vocab: bool) -> None:
-    """The tree's top-k of a sampled row, read off the draft vocabulary's logits, is the top-k of
-    its shaped draft distribution over the whole vocabulary (ids in order and the same
-    log-probabilities), a nucleus narrower than k leaving the rest out; a greedy row's beside it
-    is what a greedy step's tree grows from."""
+@pytest.mark.parametrize("rows", ["nucleus", "mixed"])
+def test_a_sampled_rows_tree_ranks_the_k_most_likely_tokens_of_its_shaped_distribution(draft_vocab: bool,
+                                                                                       rows: str) -> None:
+    """The tree's top-k of a sampled row, read off the draft vocabulary's logits (rows of several
+    kinds) or its nucleus's pairs (temperature / top-p rows alone), is the top-k of its shaped
+    draft distribution over the whole vocabulary (ids in order and the same log-probabilities),
+    a nucleus narrower than k leaving the rest out; a greedy row's beside it is what a greedy
+    step's tree grows from. The pairs give the same draws, peaks and q as the vocabulary-wide
+    rows."""
     model = _model()
     drafter = _dflash(model)
     vocab = model.config.vocab_size
     if draft_vocab:
         drafter.set_draft_vocab(torch.arange(1, vocab, 3), vocab)
-    narrow = KEYED.with_(top_p=0.2, temperature=0.5, seed=8)  # a nucleus of 1-3 tokens here
-    params = [KEYED, narrow, STANDARD.with_(top_k=3), GREEDY]
-    draft = _draft(drafter, model, params, tree_top_k=6)
-    got = DFlashBlockProposer(drafter, sampled=True).propose(draft).distributions
+    narrow = KEYED.with_(top_p=0.05, temperature=0.2, seed=8)  # a nucleus of a few tokens here
+    params = [KEYED, narrow, STANDARD] if rows == "nucleus" else [KEYED, narrow, STANDARD.with_(top_k=3), GREEDY]
+    draft = _draft(drafter, model, params, tree_top_k=6, confidence=True)
+    proposal = DFlashBlockProposer(drafter, sampled=True).propose(draft)
+    got = proposal.distributions
     logits = drafter.logits(draft.hidden, draft.head)  # [b, D, V], -inf outside a draft vocabulary
     probs = probabilities(logits, draft.temperature, draft.top_k, draft.top_p)  # [b, D, V]
+    assert isinstance(proposal.draft_q, SparseProbs) == (rows == "nucleus")
+    q = proposal.draft_q
+    assert torch.equal(q.dense() if isinstance(q, SparseProbs) else q, probs)
+    assert torch.equal(proposal.ids, RowRandom([p.seed for p in params]).sample(probs, list(draft.starts)))
+    assert torch.equal(proposal.confidence, probs.amax(-1))
     greedy_top, greedy_ids = drafter.top_logprobs(draft.hidden, draft.head, 6)  # [b, D, 6]
     narrower = 0
     for i, p in enumerate(params):
@@ -304,7 +318,7 @@ def test_a_sampled_step_offered_trees_verifies_the_chain_a_chains_only_batch_dra
 
         def spy(ids, *a, _verify=verify, _batch=batch, **k):
             q = _batch._draft_q
-            seen.append((ids.tolist(), None if q is None else q.clone()))
+            seen.append((ids.tolist(), None if q is None else q.dense() if isinstance(q, SparseProbs) else q.clone()))
             return _verify(ids, *a, **k)
 
         monkeypatch.setattr(batch, "_verify_and_commit", spy)

@@ -16,6 +16,7 @@ import blockspec.dflash.batch as decode
 import blockspec.dflash.sampling as sampling
 from blockspec.config import SamplingParams, SpecConfig
 from blockspec.dflash.sampling import sharpened
+from blockspec.dflash.sparse_probs import SparseProbs
 from blockspec.dflash.verify import verify_standard
 from blockspec.engine.decoder import SpecDecoder
 from blockspec.targets.hf import HFTarget
@@ -43,7 +44,8 @@ def _first_q(monkeypatch: pytest.MonkeyPatch, factor: float) -> torch.Tensor:
     seen: list[torch.Tensor] = []
 
     def spy(proposals, target_probs, draft_probs, *args, **kwargs):
-        seen.append(draft_probs.clone())
+        # the request's own q may come as its nucleus's pairs
+        seen.append(draft_probs.dense() if isinstance(draft_probs, SparseProbs) else draft_probs.clone())
         return verify_standard(proposals, target_probs, draft_probs, *args, **kwargs)
 
     monkeypatch.setattr(sampling, "STANDARD_DRAFT_FACTOR", factor)

@@ -189,3 +189,47 @@ def test_the_standard_rule_decides_the_same(ragged: bool) -> None:
     want = verify_standard(empty, p0, q[:, :0], accept_u[:, :0], bonus_u[:, :1])
     assert torch.equal(got[1], want[1]) and not bool(got[0].any())
 
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_the_standard_rule_decides_the_same_with_the_drafts_q_as_pairs(ragged: bool) -> None:
+    """A drafter's q shaped by temperature / top-p as pairs (how a chat request's drafts come,
+    dflash/proposers/dflash_block.py): the same accepted and bonus as its vocabulary-wide rows,
+    whether the target's p is pairs or rows, and lookup proposals' one-hot pairs among them."""
+    b, m, v = 5, 4, 600
+    outcomes = set()
+    for trial in range(60):
+        g = torch.Generator().manual_seed(trial)
+        x = _logits(b, m + 1, v, seed=2000 + trial, strong=3, spread=3.0)
+        settings = _settings(b, 0.8, 0.95)
+        p_pairs, p = nucleus_pairs(x, *settings), probabilities(x, *settings)
+        # the draft's logits: the target's, moved, so its nucleus overlaps p's but is not p's
+        y = 0.6 * x[:, :m] + 0.4 * _logits(b, m, v, seed=3000 + trial, strong=3, spread=3.0)
+        q_pairs, q = nucleus_pairs(y, *settings), probabilities(y, *settings)
+        assert q_pairs is not None and torch.equal(q_pairs.dense(), q)
+        proposals = sample_from(q, torch.rand(b, m, generator=g, dtype=torch.float64))
+        accept_u = torch.rand(b, m, generator=g, dtype=torch.float64)
+        bonus_u = torch.rand(b, m + 1, generator=g, dtype=torch.float64)
+        limit = torch.randint(0, m + 1, (b,), generator=g) if ragged else None
+        want = verify_standard(proposals, p, q, accept_u, bonus_u, limit)
+        for target in (p_pairs, p):
+            got = verify_standard(proposals, target, q_pairs, accept_u, bonus_u, limit)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        outcomes.update(want[0].tolist())
+    assert len(outcomes) >= 3  # rejections at several positions, and acceptances, were compared
+
+
+def test_lookup_proposals_replace_a_pairs_q_by_their_point_masses() -> None:
+    """Where n-gram lookup proposed a row's first positions, the standard rule tests them against
+    point masses: the pairs say what the vocabulary-wide rows say."""
+    from blockspec.dflash.batch import _one_hot_where
+
+    b, n, v = 3, 4, 50
+    settings = _settings(b, 0.8, 0.95)
+    y = _logits(b, n, v, seed=7)
+    pairs, q = nucleus_pairs(y, *settings), probabilities(y, *settings)
+    proposals = torch.randint(0, v, (b, n), generator=torch.Generator().manual_seed(1))
+    looked = [0, 2, 4]
+    got = _one_hot_where(pairs, proposals, looked)
+    assert torch.equal(got.dense(), _one_hot_where(q, proposals, looked))
+    assert not torch.equal(got.dense(), q)

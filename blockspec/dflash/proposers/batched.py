@@ -27,6 +27,7 @@ from torch import nn
 from blockspec.dflash.constraint import TokenConstraint
 from blockspec.dflash.proposers.base import Distributions
 from blockspec.dflash.sampling import RowRandom, probabilities
+from blockspec.dflash.sparse_probs import SparseProbs
 from blockspec.errors import ConfigError
 
 
@@ -89,13 +90,13 @@ class BatchDraft:
 @dataclass(frozen=True)
 class BatchProposal:
     """A step's proposals: ids [b, D] (None where the chain was not wanted), their confidences
-    [b, D] a trim reads (None where not asked), the standard rule's q [b, D, V] (None unless a
-    row needs it), per row the distributions its tree grows from (None: no tree), and per row how
+    [b, D] a trim reads (None where not asked), the standard rule's q [b, D, V] or its nucleus's
+    pairs (None unless a row needs it), per row the distributions its tree grows from (None: no tree), and per row how
     many leading proposals came from n-gram lookup (empty: none did)."""
 
     ids: torch.Tensor | None
     confidence: torch.Tensor | None = None
-    draft_q: torch.Tensor | None = None
+    draft_q: torch.Tensor | SparseProbs | None = None
     distributions: list[Distributions] | None = None
     looked: tuple[int, ...] = field(default=())
 

@@ -24,6 +24,7 @@ from blockspec.dflash.drafter import DFlashDrafter
 from blockspec.dflash.proposers.base import PositionDistributions
 from blockspec.dflash.proposers.batched import BatchDraft, BatchProposal
 from blockspec.dflash.sampling import RowRandom, sharpened
+from blockspec.dflash.sparse_probs import SparseProbs, nucleus_pairs, sample_pairs
 
 
 @dataclass(frozen=True, eq=False)
@@ -81,6 +82,9 @@ class DFlashBlockProposer:
         # the step's one head pass: the draft vocabulary's logits alone [b, D, Vd] (support: their
         # ids), or the whole vocabulary's [b, D, V] (support None)
         logits, support = self.drafter.draft_logits(draft.hidden, draft.head)
+        pairs = _draft_pairs(draft, logits, support)
+        if pairs is not None:
+            return _sampled_pairs(draft, pairs)
         probs = draft.probs(logits, support)  # [b, D, V]: each row's shaped draft distribution
         dists = None
         if draft.tree_top_k:
@@ -128,6 +132,43 @@ def _tree_top(draft: BatchDraft, logits: torch.Tensor, support: torch.Tensor | N
     # order stays the ranking its tree is grown by (stable: the logits' order where equal)
     shaped, order = shaped.sort(dim=-1, descending=True, stable=True)
     return torch.where(sampled, ids.gather(-1, order), ids), torch.where(sampled, shaped, top)
+
+
+def _draft_pairs(draft: BatchDraft, logits: torch.Tensor, support: torch.Tensor | None) -> SparseProbs | None:
+    """Each row's shaped draft distribution as its nucleus's pairs (dflash/sparse_probs.py) over
+    the target's vocabulary, from logits [b, D, Vd] of the tokens `support` (or [b, D, V]), where
+    the batch is the chat clients' usual one (every row temperature and top-p, no grammar, drafts
+    from the request's own q); else None, and the vocabulary-wide rows serve. The pairs have the
+    bits of `BatchDraft.probs`'s entries, so the draws, peaks and trees read off them are the
+    same."""
+    vocab = draft.vocab
+    if any(c is not None for c in draft.constraints) or not all(k <= 0 or k >= vocab for k in draft.top_k.tolist()):
+        return None
+    if "standard" in draft.rules and sampling.STANDARD_DRAFT_FACTOR != 1.0:
+        return None
+    pairs = nucleus_pairs(logits, draft.temperature, torch.zeros_like(draft.top_k), draft.top_p)  # ids over the logits' columns
+    if pairs is None or support is None:
+        return None if pairs is None else SparseProbs(pairs.ids, pairs.probs, vocab)
+    # support ascends, so the nucleus's ids still do; padding keeps id 0
+    ids = torch.where(pairs.probs > 0, support[pairs.ids], torch.zeros_like(pairs.ids))
+    return SparseProbs(ids, pairs.probs, vocab)
+
+
+def _sampled_pairs(draft: BatchDraft, pairs: SparseProbs) -> BatchProposal:
+    """`DFlashBlockProposer._sampled` over each row's nucleus pairs [b, D, k]: the same keyed
+    draws, peaks and tree rankings as over the vocabulary-wide rows, and the standard rule's q as
+    the pairs (dflash/verify.py reads them alone)."""
+    dists = None
+    if draft.tree_top_k:
+        # the nucleus's ids ascend, so a stable sort ranks equal probabilities by the lower id
+        probs, order = pairs.probs.sort(dim=-1, descending=True, stable=True)  # [b, D, k]
+        k = min(draft.tree_top_k, probs.shape[-1])
+        dists = PositionDistributions.batch(pairs.ids.gather(-1, order[..., :k]), probs[..., :k].log())
+    if not draft.chain:
+        return BatchProposal(None, None, None, dists)
+    ids = sample_pairs(draft.random, pairs, list(draft.starts))  # [b, D]
+    conf = pairs.probs.amax(dim=-1) if draft.confidence else None  # [b, D]: the peaks, as `draft_confidence`
+    return BatchProposal(ids, conf, pairs if draft.keep_q else None, dists)
 
 
 def draft_confidence(draft_probs: torch.Tensor) -> torch.Tensor:
