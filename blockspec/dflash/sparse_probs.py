@@ -1,9 +1,10 @@
 """A verified position's shaped distribution as (id, probability) pairs, and the draws from it.
 
 A temperature / top-p request's nucleus holds a handful of tokens at each position (a few on
-real text, at most the nucleus kernel's candidates), so the target's side of a sampled step
-never builds a vocabulary-wide probability row: `shaped` returns the nucleus kernel's pairs, and
-the keyed race (`draw`) and the standard rule (dflash/verify.py) read only them. Each pair's
+real text, at most the nucleus kernel's candidates), so neither side of a sampled step builds a
+vocabulary-wide probability row: `shaped` returns the target's nucleus as the kernel's pairs (the
+drafter's, dflash/proposers/dflash_block.py, its draft vocabulary's), and the keyed race (`draw`)
+and the standard rule (dflash/verify.py) read only them. Each pair's
 probability has the bits of `sampling.probabilities`'s entry, and every draw here picks the token
 the same draw picks from that vocabulary-wide row (the race's head in the same order, the
 inverse CDF over the same partial sums: zeros add nothing), so a seed draws the same tokens
