@@ -174,7 +174,8 @@ class CostModel:
     do, unevenly across sizes, so each count keeps its own over the shared calibration.
     The tables derived from all that (`table`, `draft_table`, `least_table`, `row_scale`) are
     kept until `set`, `observe` or `use_threads` changes what they read: a step reads them
-    several times (its choice, a lookup option, a trim), and they change once per step at most.
+    several times (its choice, a lookup option, a trim), and they change once per step at most
+    (so their fields change only through those methods).
     """
 
     max_block: int
@@ -187,6 +188,8 @@ class CostModel:
     # (what, batch size) -> a derived table, until the next change (`_changed`); callers get copies
     _kept: dict[tuple[str, int], list[float] | None] = field(default_factory=dict, init=False, repr=False,
                                                              compare=False)
+    # batch size -> `row_scale`, until the next calibration (it reads calibrations only)
+    _scales: dict[int, list[float] | None] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.max_block < 1:
@@ -204,6 +207,7 @@ class CostModel:
             if values is not None and len(values) != self.max_block:
                 raise ValueError(f"need {self.max_block} {name}, got {len(values)}")
         self._changed()
+        self._scales.clear()
         self.calibrated[bucket(batch)] = list(costs)
         for table in (self.measured, *self.other_threads.values()):
             table.pop(bucket(batch), None)
@@ -265,8 +269,9 @@ class CostModel:
         seen = self.measured.get(b, {})
         ratios = {n: t / base[n - 1] for n, t in seen.items() if base[n - 1] > 0}
         if ratios:
-            kept = [seen[n] if n in seen else c * r
-                    for n, c, r in zip(range(1, self.max_block + 1), base, _interpolated(ratios, self.max_block))]
+            kept = [seen[n] if n in seen else c * (ratios[lo] + t * (ratios[hi] - ratios[lo]))
+                    for n, c, (lo, hi, t) in zip(range(1, self.max_block + 1), base,
+                                                 _interpolation(tuple(sorted(ratios)), self.max_block))]
         else:
             kept = [seen.get(n, c) for n, c in zip(range(1, self.max_block + 1), base)]
         self._kept[key] = kept
@@ -284,16 +289,15 @@ class CostModel:
 
     def _row_scale(self, batch: int) -> list[float] | None:
         """`row_scale`, kept: read only."""
-        key = ("scale", batch)
-        if key in self._kept:
-            return self._kept[key]
+        if batch in self._scales:
+            return self._scales[batch]
         b = bucket(batch)
         scale = None
         if batch != b and b // 2 in self.calibrated and b in self.calibrated:
             t = (batch - b // 2) / (b - b // 2)
             scale = [min(1.0, (lo + t * (hi - lo)) / hi) if hi > 0 else 1.0
                      for lo, hi in zip(self.calibrated[b // 2], self.calibrated[b])]
-        self._kept[key] = scale
+        self._scales[batch] = scale
         return scale
 
     def _scaled(self, batch: int, costs: list[float]) -> list[float]:
@@ -361,19 +365,13 @@ def at_least(tree: list[float], chain: list[float]) -> list[float]:
     return [max(t, c) for t, c in zip(tree, chain)]
 
 
-def _interpolated(ratios: dict[int, float], max_block: int) -> list[float]:
-    """Measured/calibrated ratios (at least one) at block sizes 1..max_block, linearly
-    interpolated between the nearest measured sizes (flat beyond the ends)."""
-    return [ratios[lo] + t * (ratios[hi] - ratios[lo])
-            for lo, hi, t in _interpolation(tuple(sorted(ratios)), max_block)]
-
-
 @functools.lru_cache(maxsize=256)
 def _interpolation(sizes: tuple[int, ...], max_block: int) -> tuple[tuple[int, int, float], ...]:
-    """For each block size 1..max_block, the measured sizes (lo, hi) its ratio is interpolated
-    between and its weight t on hi; (m, m, 0.0) at a measured size m or beyond the ends, where
-    the ratio is m's own (r + 0.0 * 0.0 is r). Cached: the measured sizes rarely change, their
-    ratios at every step."""
+    """How measured/calibrated ratios, measured at `sizes` (at least one), are interpolated
+    linearly at block sizes 1..max_block (flat beyond the ends): for each, the measured sizes
+    (lo, hi) it lies between and its weight t on hi, the ratio r(lo) + t * (r(hi) - r(lo));
+    (m, m, 0.0) at a measured size m or beyond the ends, where the ratio is m's own (r + 0.0 *
+    0.0 is r). Cached: the measured sizes rarely change, their ratios at every step."""
     out = []
     for n in range(1, max_block + 1):
         lower = [m for m in sizes if m <= n]
