@@ -52,10 +52,12 @@ def test_kept_expectations_equal_fresh_ones_through_drafting_joins_and_retiremen
     """Plain steps, drafting steps (whose acceptance `record` books), rows retiring and joining
     (a new row may reuse a gone row's id()), a row's counts edited in place and a changed prior:
     after each, the expectation the policy keeps equals one computed from scratch, and it did
-    change along the way (so a stale one would have been caught)."""
+    change along the way (so a stale one would have been caught), lookup plans of several
+    lengths among them."""
     batch = _batch(model, [[5, 6, 7, 5, 6], [9, 8], [11, 12, 13]], max_new=12)
     policy = AdaptiveBlock(4)
     seen = []
+    planned = set()  # lookup plan lengths met: a row's kept looked-up expectation serves them all
     for n, block in enumerate([1, 1, 3, 1, 2, 4, 1, 1, 3, 2, 1, 4, 1, 1, 2, 3, 1, 1, 4, 1]):
         if not batch.rows:
             break
@@ -72,11 +74,12 @@ def test_kept_expectations_equal_fresh_ones_through_drafting_joins_and_retiremen
         if n in (5, 11):
             _join(batch, [[7, 7, 7], [3, 4]], max_new=6 + n)
         if batch.rows:
+            planned.update(len(cont) for cont in batch.lookup_plan())
             kept = policy.expected(batch.rows, batch.lookup_plan())
             assert kept == _fresh(policy, batch), n  # to the last bit: the same sums in the same order
             assert policy.expected(batch.rows, batch.lookup_plan()) == kept  # asked twice: the same
             seen.append(tuple(kept))
-    assert len(set(seen)) > 3
+    assert len(set(seen)) > 3 and len(planned - {0}) >= 2
     # rows that left are forgotten once they outnumber the batch's by far
     assert batch.rows
     policy._rows_expected.update({(-i, False): (None, (), []) for i in range(1, 100)})

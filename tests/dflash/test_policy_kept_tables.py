@@ -1,0 +1,120 @@
+"""What the adaptive policy keeps between steps instead of deriving it again (dflash/policy.py):
+CostModel's tables, kept until a calibration, a measurement or a thread count changes them, equal
+tables derived from scratch to the last bit after every such change (and equal the documented
+interpolation, done the long way); and the best block among equal rates is the smallest."""
+
+from __future__ import annotations
+
+import copy
+import random
+from types import SimpleNamespace
+
+from blockspec.config import SamplingParams
+from blockspec.dflash.policy import AdaptiveBlock, CostModel, bucket
+
+MAX_BLOCK = 8
+BATCHES = range(1, 9)  # buckets 1, 2, 4, 8, and sizes between them (scaled by `row_scale`)
+
+
+def _fresh(model: CostModel) -> CostModel:
+    """A model with `model`'s calibrations and measurements and nothing kept."""
+    return CostModel(model.max_block, model.smoothing, copy.deepcopy(model.calibrated), copy.deepcopy(model.measured),
+                     copy.deepcopy(model.drafting), model.threads, copy.deepcopy(model.other_threads))
+
+
+def _long_way(model: CostModel, batch: int) -> list[float]:
+    """`CostModel.table` as documented, size by size: a measured size's own measurement, else its
+    calibration times the measured/calibrated ratios of the nearest measured sizes, interpolated
+    linearly (flat beyond the ends); then scaled to `batch` rows."""
+    b = bucket(batch)
+    base, seen = model.calibrated[b], model.measured.get(b, {})
+    ratios = {n: t / base[n - 1] for n, t in seen.items() if base[n - 1] > 0}
+    out = []
+    for n in range(1, model.max_block + 1):
+        if n in seen:
+            out.append(seen[n])
+            continue
+        if not ratios:
+            out.append(base[n - 1])
+            continue
+        lower, upper = [m for m in ratios if m <= n], [m for m in ratios if m >= n]
+        if not lower or not upper:
+            ratio = ratios[min(upper)] if not lower else ratios[max(lower)]
+        elif max(lower) == min(upper):
+            ratio = ratios[n]
+        else:
+            lo, hi = max(lower), min(upper)
+            ratio = ratios[lo] + (n - lo) / (hi - lo) * (ratios[hi] - ratios[lo])
+        out.append(base[n - 1] * ratio)
+    scale = model.row_scale(batch)
+    return out if scale is None else [c * s for c, s in zip(out, scale)]
+
+
+def _tables(model: CostModel) -> list:
+    return [(model.table(b), model.draft_table(b), model.least_table(b), model.row_scale(b)) for b in BATCHES]
+
+
+def test_kept_cost_tables_equal_fresh_ones_after_every_change() -> None:
+    """Random calibrations, measurements of every batch size and block size, and thread count
+    switches; every table is read before each change (so a kept one could go stale) and after
+    it equals, to the last bit, a fresh model's and the long way's. The tables did change."""
+    rng = random.Random(7)
+    model = CostModel(MAX_BLOCK)
+
+    def calibration() -> tuple[list[float], list[float] | None]:
+        costs = [1.0 + rng.uniform(0.02, 0.3) * (n - 1) for n in range(1, MAX_BLOCK + 1)]
+        drafting = [0.0] + [rng.uniform(0.01, 0.2) * c for c in costs[1:]] if rng.random() < 0.7 else None
+        return costs, drafting
+
+    for b in (1, 2, 4, 8):
+        model.set(b, *calibration())
+    model.use_threads(2)
+    seen = set()
+    for step in range(400):
+        _tables(model)  # kept now: the change below must not leave them stale
+        op = rng.random()
+        if op < 0.85:
+            model.observe(rng.choice(BATCHES), rng.randint(1, MAX_BLOCK), rng.uniform(0.5, 4.0))
+        elif op < 0.95:
+            model.use_threads(rng.choice((1, 2)))
+        else:
+            model.set(rng.choice((1, 2, 4, 8)), *calibration())
+        kept = _tables(model)
+        assert kept == _tables(_fresh(model)), step
+        for b, (table, *_) in zip(BATCHES, kept):
+            assert table == _long_way(model, b), (step, b)
+            assert [model.cost(b, n) for n in range(1, MAX_BLOCK + 1)] == table
+        seen.add(repr(kept))
+    assert len(seen) > 300
+    # callers get copies: editing one leaves the model's tables as they were
+    table = model.table(3)
+    table[0] = -1.0
+    drafts = model.draft_table(3) or [0.0]
+    drafts[0] = -1.0
+    assert model.table(3) == _fresh(model).table(3) and model.draft_table(3) == _fresh(model).draft_table(3)
+
+
+def _batch(rate: float) -> SimpleNamespace:
+    row = SimpleNamespace(remaining=100, params=SamplingParams(),
+                          acceptance_rates=lambda prior, lookup=False: [rate] * (MAX_BLOCK - 1))
+    return SimpleNamespace(drafter=object(), argmax_only=True, rows=[row], lookup_plan=lambda: [[]])
+
+
+def test_the_best_block_among_equal_rates_is_the_smallest() -> None:
+    """Rates 0.5 give E = 1, 1.5, 1.75, ...: costs making blocks 2 and 3 commit exactly as many
+    tokens per second choose 2; costs making block 2 tie plain decoding choose 1 (no draft pass)."""
+    tie = CostModel(MAX_BLOCK)
+    tie.set(1, [1.0, 0.75, 0.875] + [10.0] * (MAX_BLOCK - 3))  # 1, 2, 2, ... tokens per second
+    policy = AdaptiveBlock(MAX_BLOCK, costs=tie, probe_every=1000)
+    policy.choose(_batch(0.5))  # the first drafting choice of a bucket checks plain decoding
+    assert policy.choose(_batch(0.5)) == 2 and not policy.forced
+    plain = CostModel(MAX_BLOCK)
+    plain.set(1, [1.0, 1.5] + [10.0] * (MAX_BLOCK - 2))  # 1, 1, ... tokens per second
+    policy = AdaptiveBlock(MAX_BLOCK, costs=plain, probe_every=1000)
+    assert [policy.choose(_batch(0.5)) for _ in range(3)] == [1, 1, 1] and not policy.forced
+    # the check can fail: block 2 a little cheaper wins
+    cheaper = CostModel(MAX_BLOCK)
+    cheaper.set(1, [1.0, 1.49] + [10.0] * (MAX_BLOCK - 2))
+    policy = AdaptiveBlock(MAX_BLOCK, costs=cheaper, probe_every=1000)
+    policy.choose(_batch(0.5))
+    assert policy.choose(_batch(0.5)) == 2
