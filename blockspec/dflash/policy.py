@@ -188,8 +188,10 @@ class CostModel:
     # (what, batch size) -> a derived table, until the next change (`_changed`); callers get copies
     _kept: dict[tuple[str, int], list[float] | None] = field(default_factory=dict, init=False, repr=False,
                                                              compare=False)
-    # batch size -> `row_scale`, until the next calibration (it reads calibrations only)
-    _scales: dict[int, list[float] | None] = field(default_factory=dict, init=False, repr=False, compare=False)
+    # ("scale", batch size): `row_scale`; ("shares", bucket): `_draft_shares`; until the next
+    # calibration (they read calibrations only)
+    _scales: dict[tuple[str, int], list[float] | None] = field(default_factory=dict, init=False, repr=False,
+                                                               compare=False)
 
     def __post_init__(self) -> None:
         if self.max_block < 1:
@@ -237,12 +239,18 @@ class CostModel:
         calibrated share of each step's current estimate; None when it was not timed."""
         key = ("draft", batch)
         if key not in self._kept:
-            cal = self.drafting.get(bucket(batch))
-            base = self.calibrated.get(bucket(batch))
-            self._kept[key] = None if cal is None else [t * (c / b if b > 0 else 0.0)
-                                                        for t, c, b in zip(self._table(batch), cal, base)]
+            shares = self._draft_shares(bucket(batch))
+            self._kept[key] = None if shares is None else [t * share for t, share in zip(self._table(batch), shares)]
         kept = self._kept[key]
         return None if kept is None else list(kept)
+
+    def _draft_shares(self, b: int) -> list[float] | None:
+        """Bucket b's draft passes' calibrated shares of its steps, kept until the next calibration."""
+        key = ("shares", b)
+        if key not in self._scales:
+            cal, base = self.drafting.get(b), self.calibrated.get(b)
+            self._scales[key] = None if cal is None else [c / t if t > 0 else 0.0 for c, t in zip(cal, base)]
+        return self._scales[key]
 
     def table(self, batch: int) -> list[float]:
         """Estimated seconds of a step at block sizes 1..max_block. Not forced non-decreasing: on
@@ -289,15 +297,16 @@ class CostModel:
 
     def _row_scale(self, batch: int) -> list[float] | None:
         """`row_scale`, kept: read only."""
-        if batch in self._scales:
-            return self._scales[batch]
+        key = ("scale", batch)
+        if key in self._scales:
+            return self._scales[key]
         b = bucket(batch)
         scale = None
         if batch != b and b // 2 in self.calibrated and b in self.calibrated:
             t = (batch - b // 2) / (b - b // 2)
             scale = [min(1.0, (lo + t * (hi - lo)) / hi) if hi > 0 else 1.0
                      for lo, hi in zip(self.calibrated[b // 2], self.calibrated[b])]
-        self._scales[batch] = scale
+        self._scales[key] = scale
         return scale
 
     def _scaled(self, batch: int, costs: list[float]) -> list[float]:
@@ -319,7 +328,8 @@ class CostModel:
             out = self._bucket_table(bucket(batch))
             base = self.calibrated[bucket(batch)]
             drift = out[0] / base[0] if base[0] > 0 else 1.0
-            kept = self._kept[key] = self._scaled(batch, out[:1] + [min(t, c * drift) for t, c in zip(out[1:], base[1:])])
+            least = out[:1] + [min(t, c * drift) for t, c in zip(out[1:], base[1:])]
+            kept = self._kept[key] = self._scaled(batch, least)
         return list(kept)
 
     def drafting_measured(self, batch: int) -> bool:
@@ -1139,7 +1149,7 @@ class AdaptiveBlock:
         self._trial_conf = None
         # a plain step proposes nothing, so no acceptance count moves (most steps of a large batch)
         before = _counts(batch.rows) if block > 1 else None
-        rows = list(batch.rows)
+        rows = list(batch.rows) if block > 1 else []  # `record`'s, as they were before the step
         backlog = getattr(batch, "draft_backlog", 0) if block > 1 else 0
         t0 = time.perf_counter()
         used = batch.step(block, trim, tree=self.tree_choice) if self._offered else batch.step(block, trim)

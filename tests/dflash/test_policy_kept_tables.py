@@ -81,8 +81,13 @@ def test_kept_cost_tables_equal_fresh_ones_after_every_change() -> None:
             model.set(rng.choice((1, 2, 4, 8)), *calibration())
         kept = _tables(model)
         assert kept == _tables(_fresh(model)), step
-        for b, (table, *_) in zip(BATCHES, kept):
+        for b, (table, drafts, *_) in zip(BATCHES, kept):
             assert table == _long_way(model, b), (step, b)
+            cal, base = model.drafting.get(bucket(b)), model.calibrated[bucket(b)]
+            if cal is not None:  # each step's estimate times its draft pass's calibrated share
+                assert drafts == [t * (c / k if k > 0 else 0.0) for t, c, k in zip(table, cal, base)]
+            else:
+                assert drafts is None
             assert [model.cost(b, n) for n in range(1, MAX_BLOCK + 1)] == table
         seen.add(repr(kept))
     assert len(seen) > 300
