@@ -58,7 +58,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from operator import add
+from operator import add, itemgetter
 
 import torch
 
@@ -415,8 +415,9 @@ def split_lengths(expected: list[list[float]], sunk: float, verify: list[float],
     order where they tie).
     """
     b = len(expected)
+    # largest first; equal gains keep their order (a reversed sort stays stable)
     gains = sorted(((e[k] - e[k - 1], i) for i, e in enumerate(expected) for k in range(1, len(e))),
-                   key=lambda gain: -gain[0])
+                   key=itemgetter(0), reverse=True)
     total = sum(e[0] for e in expected)
     best_rate, best_extra = total / (sunk + verify[0]), 0
     lengths, longest = [1] * b, 1

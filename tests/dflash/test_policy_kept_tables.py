@@ -1,7 +1,8 @@
 """What the adaptive policy keeps between steps instead of deriving it again (dflash/policy.py):
 CostModel's tables, kept until a calibration, a measurement or a thread count changes them, equal
 tables derived from scratch to the last bit after every such change (and equal the documented
-interpolation, done the long way); and the best block among equal rates is the smallest."""
+interpolation, done the long way); and how ties fall: the best block among equal rates is the
+smallest, and equal gains of a ragged split go to the rows in order."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import random
 from types import SimpleNamespace
 
 from blockspec.config import SamplingParams
-from blockspec.dflash.policy import AdaptiveBlock, CostModel, bucket
+from blockspec.dflash.policy import AdaptiveBlock, CostModel, bucket, split_lengths
 
 MAX_BLOCK = 8
 BATCHES = range(1, 9)  # buckets 1, 2, 4, 8, and sizes between them (scaled by `row_scale`)
@@ -123,3 +124,13 @@ def test_the_best_block_among_equal_rates_is_the_smallest() -> None:
     policy = AdaptiveBlock(MAX_BLOCK, costs=cheaper, probe_every=1000)
     policy.choose(_batch(0.5))
     assert policy.choose(_batch(0.5)) == 2
+
+
+def test_equal_gains_of_a_split_go_to_the_rows_in_order() -> None:
+    """Three extra tokens of equal gain (row 0's two, row 1's one) where only one pays (padding
+    costs whole rows): the first row's first, then a tie broken the other way round would
+    give [1, 2]."""
+    lengths, rate = split_lengths([[1.0, 1.5, 2.0], [1.0, 1.5]], 0.0, [1.0, 1.2, 5.0], 1.0)
+    assert lengths == [2, 1] and rate == 2.5 / 1.2
+    # the rows the other way round: row 1's second token would pad, so both first tokens pay
+    assert split_lengths([[1.0, 1.5], [1.0, 1.5, 2.0]], 0.0, [1.0, 1.2, 5.0], 1.0)[0] == [2, 2]
