@@ -58,7 +58,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from operator import add, itemgetter
+from operator import add, itemgetter, sub
 
 import torch
 
@@ -144,6 +144,13 @@ def _counts(rows: list[Row]) -> list[tuple[list[int], ...]]:
     """Each row's acceptance counts so far, for `AdaptiveBlock.record` after a step."""
     return [(list(r.stats.accepted_by_position), list(r.tries), list(r.stats.lookup_accepted_by_position),
              list(r.lookup_tries)) for r in rows]
+
+
+def _moved(now: list[int], before: list[int], positions: int) -> list[int]:
+    """Per position (the first `positions`), how much a count grew since `before`."""
+    if len(now) < positions or len(before) < positions:
+        raise IndexError(f"counts of {len(now)} and {len(before)} positions, need {positions}")
+    return list(map(sub, now[:positions], before[:positions]))
 
 
 def bucket(batch: int) -> int:
@@ -748,22 +755,26 @@ class AdaptiveBlock:
         drafter probabilities where `confidences`, the trimmed step's, were read back)."""
         drafted = looked = False  # whether the counts of each kind moved
         for i, (r, (acc0, tries0, lacc0, ltries0)) in enumerate(zip(rows, before)):
-            counts = self._acceptance(r.params.rule)
-            nodes = self.node_acceptance(r.params.rule)
-            conf = confidences[i] if confidences is not None else []
-            for k in range(len(counts.tries)):
-                accepted, tried = r.stats.accepted_by_position[k] - acc0[k], r.tries[k] - tries0[k]
-                lookup_accepted = r.stats.lookup_accepted_by_position[k] - lacc0[k]
-                lookup_tried = r.lookup_tries[k] - ltries0[k]
-                counts.accepted[k] += accepted
-                counts.tries[k] += tried
-                counts.lookup_accepted[k] += lookup_accepted
-                counts.lookup_tries[k] += lookup_tried
-                drafted = drafted or bool(accepted or tried)
-                looked = looked or bool(lookup_accepted or lookup_tried)
-                if trials is None and tried > 0:
-                    p = conf[k] if k < len(conf) else None
-                    nodes.observe(k + 1, 0, p, accepted > 0)
+            rule = r.params.rule
+            counts = self._acceptance(rule)
+            positions = len(counts.tries)
+            # what the step added at each position, of each kind (the row's counts only grow)
+            accepted = _moved(r.stats.accepted_by_position, acc0, positions)
+            tried = _moved(r.tries, tries0, positions)
+            lookup_accepted = _moved(r.stats.lookup_accepted_by_position, lacc0, positions)
+            lookup_tried = _moved(r.lookup_tries, ltries0, positions)
+            counts.accepted[:] = map(add, counts.accepted, accepted)
+            counts.tries[:] = map(add, counts.tries, tried)
+            counts.lookup_accepted[:] = map(add, counts.lookup_accepted, lookup_accepted)
+            counts.lookup_tries[:] = map(add, counts.lookup_tries, lookup_tried)
+            drafted = drafted or any(accepted) or any(tried)
+            looked = looked or any(lookup_accepted) or any(lookup_tried)
+            if trials is None and any(tried):
+                nodes = self.node_acceptance(rule)
+                conf = confidences[i] if confidences is not None else []
+                for k, (a, t) in enumerate(zip(accepted, tried)):
+                    if t > 0:
+                        nodes.observe(k + 1, 0, conf[k] if k < len(conf) else None, a > 0)
         for t in trials or ():
             self.node_acceptance(rows[t.row].params.rule).observe(t.depth, t.rank, t.p, t.accepted)
         self._recorded[0] += drafted

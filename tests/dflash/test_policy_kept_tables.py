@@ -1,8 +1,9 @@
 """What the adaptive policy keeps between steps instead of deriving it again (dflash/policy.py):
 CostModel's tables, kept until a calibration, a measurement or a thread count changes them, equal
 tables derived from scratch to the last bit after every such change (and equal the documented
-interpolation, done the long way); and how ties fall: the best block among equal rates is the
-smallest, and equal gains of a ragged split go to the rows in order."""
+interpolation, done the long way); `record` moves only the kind of counts a step moved, so
+what is kept from the other kind stays; and how ties fall: the best block among equal rates is
+the smallest, and equal gains of a ragged split go to the rows in order."""
 
 from __future__ import annotations
 
@@ -134,3 +135,52 @@ def test_equal_gains_of_a_split_go_to_the_rows_in_order() -> None:
     assert lengths == [2, 1] and rate == 2.5 / 1.2
     # the rows the other way round: row 1's second token would pad, so both first tokens pay
     assert split_lengths([[1.0, 1.5], [1.0, 1.5, 2.0]], 0.0, [1.0, 1.2, 5.0], 1.0)[0] == [2, 2]
+
+
+def _row(rule_params: SamplingParams, positions: int) -> SimpleNamespace:
+    stats = SimpleNamespace(accepted_by_position=[0] * positions, lookup_accepted_by_position=[0] * positions)
+    return SimpleNamespace(params=rule_params, stats=stats, tries=[0] * positions, lookup_tries=[0] * positions)
+
+
+def test_recorded_counts_add_up_and_move_only_their_kind() -> None:
+    """Rows of two rules grow their counts step by step (drafted ones, looked-up ones, both or
+    neither): the batch-wide counts of each rule are the sums of its rows' growth, each
+    drafted trial is booked by depth, and only a kind whose counts moved renews what is kept
+    from them (`priors`, and through `_recorded` each row's expectations)."""
+    rng = random.Random(3)
+    positions = MAX_BLOCK - 1
+    greedy, sampled = SamplingParams(), SamplingParams(temperature=0.8, seed=1)
+    rows = [_row(greedy, positions), _row(greedy, positions), _row(sampled, positions)]
+    policy = AdaptiveBlock(MAX_BLOCK)
+    sums = {rule: [[0] * positions for _ in range(4)] for rule in ("greedy", "keyed")}
+    trials = {rule: [0] * positions for rule in sums}  # drafted (row, position) trials booked
+    for step in range(60):
+        before = [(list(r.stats.accepted_by_position), list(r.tries), list(r.stats.lookup_accepted_by_position),
+                   list(r.lookup_tries)) for r in rows]
+        kinds = step % 4  # bit 0: drafted proposals verified, bit 1: looked-up ones
+        moved = [False, False]
+        for r in rows:
+            for k in range(positions):
+                for looked, (acc, tries) in enumerate(((r.stats.accepted_by_position, r.tries),
+                                                       (r.stats.lookup_accepted_by_position, r.lookup_tries))):
+                    if kinds & (1 << looked) and rng.random() < 0.5:
+                        tried = rng.randint(1, 3)
+                        accepted = rng.randint(0, tried)
+                        tries[k] += tried
+                        acc[k] += accepted
+                        sums[r.params.rule][2 * looked][k] += accepted
+                        sums[r.params.rule][2 * looked + 1][k] += tried
+                        trials[r.params.rule][k] += looked == 0
+                        moved[looked] = True
+        priors = (policy.priors(), policy.priors(lookup=True))
+        recorded = list(policy._recorded)
+        policy.record(rows, before)
+        assert policy._recorded == [n + m for n, m in zip(recorded, moved)], step
+        for lookup in (False, True):
+            assert (policy.priors(lookup=lookup) is priors[lookup]) == (not moved[lookup]), step
+    for rule, (acc, tries, lacc, ltries) in sums.items():
+        counts = policy.acceptance[rule]
+        assert (counts.accepted, counts.tries, counts.lookup_accepted, counts.lookup_tries) == (acc, tries, lacc, ltries)
+        means = policy.node_acceptance(rule).means
+        assert [means[(k + 1, 0)].tries if (k + 1, 0) in means else 0 for k in range(positions)] == trials[rule]
+    assert min(policy._recorded) > 10 and min(min(t) for t in trials.values()) > 5
