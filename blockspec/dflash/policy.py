@@ -718,7 +718,8 @@ class AdaptiveBlock:
         # kind, the row's own or the batch's, or its cap change.
         self._recorded = [0, 0]
         self._priors: dict[bool, tuple[tuple, dict[str, list[float]]]] = {}
-        self._rows_expected: dict[tuple[int, bool], tuple[Row, tuple, list[float]]] = {}
+        # (id(row), looked up) -> (row, (counts' generation, prior, cap), its counts, its tries, E)
+        self._rows_expected: dict[tuple[int, bool], tuple[Row, tuple, list[int], list[int], list[float]]] = {}
 
     def _acceptance(self, rule: str) -> Acceptance:
         if rule not in self.acceptance:
@@ -808,14 +809,15 @@ class AdaptiveBlock:
             return expected_by_block(self._row_rates(r, m), self.max_block, r.remaining)
         acc = r.stats.lookup_accepted_by_position if lookup else r.stats.accepted_by_position
         tries = r.lookup_tries if lookup else r.tries
-        key = (self._recorded[lookup], self.prior, min(r.remaining, self.max_block), tuple(acc), tuple(tries))
+        key = (self._recorded[lookup], self.prior, min(r.remaining, self.max_block))
         kept = self._rows_expected.get((id(r), lookup))
-        if kept is not None and kept[0] is r and kept[1] == key:
-            out = kept[2]
+        # the row's counts compared as lists (copies kept): cheaper than keying on tuples of them
+        if kept is not None and kept[0] is r and kept[1] == key and kept[2] == acc and kept[3] == tries:
+            out = kept[4]
         else:
             out = expected_by_block(self._row_rates(r, self.max_block - 1 if lookup else 0), self.max_block,
                                     r.remaining)
-            self._rows_expected[(id(r), lookup)] = (r, key, out)
+            self._rows_expected[(id(r), lookup)] = (r, key, list(acc), list(tries), out)
         if not lookup:
             return out
         m = min(m, self.max_block - 1)

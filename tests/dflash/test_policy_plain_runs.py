@@ -66,8 +66,12 @@ def test_kept_expectations_equal_fresh_ones_through_drafting_joins_and_retiremen
         batch.step(block)
         if block > 1:
             policy.record(rows, before)
-        if n == 6:  # a row's counts edited in place, as a caller may
-            batch.rows[0].tries[0] += 5
+        if n == 6:  # rows' counts edited in place, as a caller may: their tries of either kind
+            unedited = policy.expected(batch.rows, batch.lookup_plan())
+            for r in batch.rows:
+                r.tries[0] += 5
+                r.lookup_tries[0] += 5
+            assert policy.expected(batch.rows, batch.lookup_plan()) != unedited
         if n == 9:
             policy.prior = 0.2
         batch.retire()
@@ -82,7 +86,7 @@ def test_kept_expectations_equal_fresh_ones_through_drafting_joins_and_retiremen
     assert len(set(seen)) > 3 and len(planned - {0}) >= 2
     # rows that left are forgotten once they outnumber the batch's by far
     assert batch.rows
-    policy._rows_expected.update({(-i, False): (None, (), []) for i in range(1, 100)})
+    policy._rows_expected.update({(-i, False): (None, (), [], [], []) for i in range(1, 100)})
     policy.expected(batch.rows, batch.lookup_plan())
     assert {key[0] for key in policy._rows_expected} == {id(r) for r in batch.rows}
 
