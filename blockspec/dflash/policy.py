@@ -53,11 +53,12 @@ probabilities of its lower-ranked choices promise far more than they are accepte
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from operator import add
+from operator import add, itemgetter, sub
 
 import torch
 
@@ -145,6 +146,13 @@ def _counts(rows: list[Row]) -> list[tuple[list[int], ...]]:
              list(r.lookup_tries)) for r in rows]
 
 
+def _moved(now: list[int], before: list[int], positions: int) -> list[int]:
+    """Per position (the first `positions`), how much a count grew since `before`."""
+    if len(now) < positions or len(before) < positions:
+        raise IndexError(f"counts of {len(now)} and {len(before)} positions, need {positions}")
+    return list(map(sub, now[:positions], before[:positions]))
+
+
 def bucket(batch: int) -> int:
     """Batch sizes share calibrations and measurements by power-of-two bucket (each size priced
     at its own row count: `CostModel.row_scale`)."""
@@ -171,6 +179,10 @@ class CostModel:
     Measurements belong to the intra-op thread count they ran at (`use_threads`): the count
     follows the cores other processes leave free (cpu/threads.py), and 1 thread costs more than 2
     do, unevenly across sizes, so each count keeps its own over the shared calibration.
+    The tables derived from all that (`table`, `draft_table`, `least_table`, `row_scale`) are
+    kept until `set`, `observe` or `use_threads` changes what they read: a step reads them
+    several times (its choice, a lookup option, a trim), and they change once per step at most
+    (so their fields change only through those methods).
     """
 
     max_block: int
@@ -180,6 +192,13 @@ class CostModel:
     drafting: dict[int, list[float]] = field(default_factory=dict)  # calibrated draft passes alone
     threads: int = 0  # the thread count `measured` belongs to (0: not told yet)
     other_threads: dict[int, dict[int, dict[int, float]]] = field(default_factory=dict)  # the other counts'
+    # (what, batch size) -> a derived table, until the next change (`_changed`); callers get copies
+    _kept: dict[tuple[str, int], list[float] | None] = field(default_factory=dict, init=False, repr=False,
+                                                             compare=False)
+    # ("scale", batch size): `row_scale`; ("shares", bucket): `_draft_shares`; until the next
+    # calibration (they read calibrations only)
+    _scales: dict[tuple[str, int], list[float] | None] = field(default_factory=dict, init=False, repr=False,
+                                                               compare=False)
 
     def __post_init__(self) -> None:
         if self.max_block < 1:
@@ -196,6 +215,8 @@ class CostModel:
         for name, values in (("costs", costs), ("drafting costs", drafting)):
             if values is not None and len(values) != self.max_block:
                 raise ValueError(f"need {self.max_block} {name}, got {len(values)}")
+        self._changed()
+        self._scales.clear()
         self.calibrated[bucket(batch)] = list(costs)
         for table in (self.measured, *self.other_threads.values()):
             table.pop(bucket(batch), None)
@@ -209,42 +230,67 @@ class CostModel:
         what was measured before); True when the count changed."""
         if threads == self.threads or threads < 1:
             return False
+        self._changed()
         if self.threads:
             self.other_threads[self.threads] = self.measured
             self.measured = self.other_threads.pop(threads, {})
         self.threads = threads
         return True
 
+    def _changed(self) -> None:
+        """Forgets the derived tables: what they read is about to change."""
+        self._kept.clear()
+
     def draft_table(self, batch: int) -> list[float] | None:
         """Estimated seconds of the draft pass alone at block sizes 1..max_block (0 at 1): its
         calibrated share of each step's current estimate; None when it was not timed."""
-        cal = self.drafting.get(bucket(batch))
-        if cal is None:
-            return None
-        base = self.calibrated[bucket(batch)]
-        return [t * (c / b if b > 0 else 0.0) for t, c, b in zip(self.table(batch), cal, base)]
+        key = ("draft", batch)
+        if key not in self._kept:
+            shares = self._draft_shares(bucket(batch))
+            self._kept[key] = None if shares is None else [t * share for t, share in zip(self._table(batch), shares)]
+        kept = self._kept[key]
+        return None if kept is None else list(kept)
+
+    def _draft_shares(self, b: int) -> list[float] | None:
+        """Bucket b's draft passes' calibrated shares of its steps, kept until the next calibration."""
+        key = ("shares", b)
+        if key not in self._scales:
+            cal, base = self.drafting.get(b), self.calibrated.get(b)
+            self._scales[key] = None if cal is None else [c / t if t > 0 else 0.0 for c, t in zip(cal, base)]
+        return self._scales[key]
 
     def table(self, batch: int) -> list[float]:
         """Estimated seconds of a step at block sizes 1..max_block. Not forced non-decreasing: on
         a CPU a larger block can really cost less (4 rows take MKL's fast path, 3 do not), and
         raising 4 to 3's cost had priced the best block out (docs/DESIGN.md section 12)."""
-        return self._scaled(batch, self._bucket_table(bucket(batch)))
+        return list(self._table(batch))
+
+    def _table(self, batch: int) -> list[float]:
+        """`table`, kept: read only."""
+        key = ("table", batch)
+        kept = self._kept.get(key)
+        if kept is None:
+            kept = self._kept[key] = self._scaled(batch, self._bucket_table(bucket(batch)))
+        return kept
 
     def _bucket_table(self, b: int) -> list[float]:
-        """`table` at bucket b's own row count: its measurements, or its calibration scaled like
-        the nearest measured block sizes'."""
+        """`table` at bucket b's own row count, kept (read only): its measurements, or its
+        calibration scaled like the nearest measured block sizes'."""
+        key = ("bucket", b)
+        kept = self._kept.get(key)
+        if kept is not None:
+            return kept
         base = self.calibrated[b]
         seen = self.measured.get(b, {})
         ratios = {n: t / base[n - 1] for n, t in seen.items() if base[n - 1] > 0}
-        out = []
-        for n in range(1, self.max_block + 1):
-            if n in seen:
-                out.append(seen[n])
-            elif ratios:
-                out.append(base[n - 1] * _interpolated(ratios, n))
-            else:
-                out.append(base[n - 1])
-        return out
+        if ratios:
+            kept = [seen[n] if n in seen else c * (ratios[lo] + t * (ratios[hi] - ratios[lo]))
+                    for n, c, (lo, hi, t) in zip(range(1, self.max_block + 1), base,
+                                                 _interpolation(tuple(sorted(ratios)), self.max_block))]
+        else:
+            kept = [seen.get(n, c) for n, c in zip(range(1, self.max_block + 1), base)]
+        self._kept[key] = kept
+        return kept
 
     def row_scale(self, batch: int) -> list[float] | None:
         """Per block size, what a step of `batch` rows costs over one of its bucket's row count:
@@ -253,30 +299,45 @@ class CostModel:
         was not calibrated. A bucket's measurements are kept at its own row count, so a step of
         5 rows neither prices 8 rows' steps as 5 rows' nor the other way round: pooled, a
         drafting step measured while a batch of 8 shrank priced drafting at 8 rows too low."""
+        scale = self._row_scale(batch)
+        return None if scale is None else list(scale)
+
+    def _row_scale(self, batch: int) -> list[float] | None:
+        """`row_scale`, kept: read only."""
+        key = ("scale", batch)
+        if key in self._scales:
+            return self._scales[key]
         b = bucket(batch)
-        if batch == b or b // 2 not in self.calibrated or b not in self.calibrated:
-            return None
-        t = (batch - b // 2) / (b - b // 2)
-        return [min(1.0, (lo + t * (hi - lo)) / hi) if hi > 0 else 1.0
-                for lo, hi in zip(self.calibrated[b // 2], self.calibrated[b])]
+        scale = None
+        if batch != b and b // 2 in self.calibrated and b in self.calibrated:
+            t = (batch - b // 2) / (b - b // 2)
+            scale = [min(1.0, (lo + t * (hi - lo)) / hi) if hi > 0 else 1.0
+                     for lo, hi in zip(self.calibrated[b // 2], self.calibrated[b])]
+        self._scales[key] = scale
+        return scale
 
     def _scaled(self, batch: int, costs: list[float]) -> list[float]:
         """Bucket-row-count `costs` scaled to `batch` rows (`row_scale`)."""
-        scale = self.row_scale(batch)
+        scale = self._row_scale(batch)
         return costs if scale is None else [c * s for c, s in zip(costs, scale)]
 
     def cost(self, batch: int, block: int) -> float:
-        return self.table(batch)[block - 1]
+        return self._table(batch)[block - 1]
 
     def least_table(self, batch: int) -> list[float]:
         """`table`, each drafting size at most its calibration scaled as plain decoding's cost
         moved: what it costs unless outside load slowed its own last steps. Its measurements
         only move with plain decoding's damped, so a burst that priced drafting out would
         otherwise keep it out (only a drafting step re-measures it)."""
-        out = self._bucket_table(bucket(batch))
-        base = self.calibrated[bucket(batch)]
-        drift = out[0] / base[0] if base[0] > 0 else 1.0
-        return self._scaled(batch, out[:1] + [min(t, c * drift) for t, c in zip(out[1:], base[1:])])
+        key = ("least", batch)
+        kept = self._kept.get(key)
+        if kept is None:
+            out = self._bucket_table(bucket(batch))
+            base = self.calibrated[bucket(batch)]
+            drift = out[0] / base[0] if base[0] > 0 else 1.0
+            least = out[:1] + [min(t, c * drift) for t, c in zip(out[1:], base[1:])]
+            kept = self._kept[key] = self._scaled(batch, least)
+        return list(kept)
 
     def drafting_measured(self, batch: int) -> bool:
         """Whether a real step of a drafting size (2 or more) was measured in `batch`'s bucket
@@ -288,7 +349,7 @@ class CostModel:
         b = bucket(batch)
         if b not in self.calibrated or seconds <= 0:
             return
-        scale = self.row_scale(batch)
+        scale = self._row_scale(batch)
         if scale is not None and scale[block - 1] > 0:
             seconds /= scale[block - 1]  # kept at the bucket's row count
         seen = self.measured.setdefault(b, {})
@@ -298,12 +359,15 @@ class CostModel:
             # the size's cost; believed whole, it would price this size (and, through the
             # interpolation of unmeasured sizes, its neighbours) out until it happened to run
             # again, which it then would not (seen at concurrency 16: docs/DESIGN.md section 12).
-            seen[block] = min(seconds, FIRST_TIMING_CAP * self._bucket_table(b)[block - 1])
+            first = min(seconds, FIRST_TIMING_CAP * self._bucket_table(b)[block - 1])
+            self._changed()
+            seen[block] = first
             return
         # A faster step is believed at once: outside load only ever slows steps, and an estimate
         # too low corrects itself (that size gets chosen, and measured), one too high never does.
         new = seconds if seconds < old else (1 - self.smoothing) * old + self.smoothing * seconds
         drift = 1 + 0.25 * (new / old - 1)
+        self._changed()
         for n in seen:
             seen[n] = new if n == block else seen[n] * drift
 
@@ -318,19 +382,21 @@ def at_least(tree: list[float], chain: list[float]) -> list[float]:
     return [max(t, c) for t, c in zip(tree, chain)]
 
 
-def _interpolated(ratios: dict[int, float], n: int) -> float:
-    """Linear interpolation of measured/calibrated ratios at block size n (flat beyond the ends)."""
-    lower = [m for m in ratios if m <= n]
-    upper = [m for m in ratios if m >= n]
-    if not lower:
-        return ratios[min(upper)]
-    if not upper:
-        return ratios[max(lower)]
-    lo, hi = max(lower), min(upper)
-    if lo == hi:
-        return ratios[lo]
-    t = (n - lo) / (hi - lo)
-    return ratios[lo] + t * (ratios[hi] - ratios[lo])
+@functools.lru_cache(maxsize=256)
+def _interpolation(sizes: tuple[int, ...], max_block: int) -> tuple[tuple[int, int, float], ...]:
+    """How measured/calibrated ratios, measured at `sizes` (at least one), are interpolated
+    linearly at block sizes 1..max_block (flat beyond the ends): for each, the measured sizes
+    (lo, hi) it lies between and its weight t on hi, the ratio r(lo) + t * (r(hi) - r(lo));
+    (m, m, 0.0) at a measured size m or beyond the ends, where the ratio is m's own (r + 0.0 *
+    0.0 is r). Cached: the measured sizes rarely change, their ratios at every step."""
+    out = []
+    for n in range(1, max_block + 1):
+        lower = [m for m in sizes if m <= n]
+        upper = [m for m in sizes if m >= n]
+        lo = max(lower) if lower else min(upper)
+        hi = min(upper) if upper else max(lower)
+        out.append((lo, hi, 0.0 if lo == hi else (n - lo) / (hi - lo)))
+    return tuple(out)
 
 
 def _at(values: list[float], x: float) -> float:
@@ -356,8 +422,9 @@ def split_lengths(expected: list[list[float]], sunk: float, verify: list[float],
     order where they tie).
     """
     b = len(expected)
+    # largest first; equal gains keep their order (a reversed sort stays stable)
     gains = sorted(((e[k] - e[k - 1], i) for i, e in enumerate(expected) for k in range(1, len(e))),
-                   key=lambda gain: -gain[0])
+                   key=itemgetter(0), reverse=True)
     total = sum(e[0] for e in expected)
     best_rate, best_extra = total / (sunk + verify[0]), 0
     lengths, longest = [1] * b, 1
@@ -645,11 +712,14 @@ class AdaptiveBlock:
         self.catch_up = 0.0
         # `expected` runs at every step, yet a run of plain steps moves none of what it reads: no
         # acceptance count changes without a verified proposal. So `priors` are kept until
-        # `record` changes the batch-wide counts (`_recorded`), and each row's expectation
-        # (`_row_expected`) until its own counts, its lookup plan's length or its cap change.
-        self._recorded = 0
+        # `record` changes the batch-wide counts of their kind (`_recorded`: [drafted, looked
+        # up]), and each row's expectations (`_row_expected`: drafted, and looked up at full
+        # length, which every lookup plan's length reads a prefix of) until the counts of that
+        # kind, the row's own or the batch's, or its cap change.
+        self._recorded = [0, 0]
         self._priors: dict[bool, tuple[tuple, dict[str, list[float]]]] = {}
-        self._rows_expected: dict[int, tuple[Row, tuple, list[float]]] = {}
+        # (id(row), looked up) -> (row, (counts' generation, prior, cap), its counts, its tries, E)
+        self._rows_expected: dict[tuple[int, bool], tuple[Row, tuple, list[int], list[int], list[float]]] = {}
 
     def _acceptance(self, rule: str) -> Acceptance:
         if rule not in self.acceptance:
@@ -670,7 +740,7 @@ class AdaptiveBlock:
     def priors(self, *, lookup: bool = False) -> dict[str, list[float]]:
         """`global_rates` of every verification rule, what each row's own rates shrink towards
         (kept until `record` moves the counts; callers only read it)."""
-        key = (self._recorded, self.prior)
+        key = (self._recorded[lookup], self.prior)
         kept = self._priors.get(lookup)
         if kept is not None and kept[0] == key:
             return kept[1]
@@ -684,51 +754,74 @@ class AdaptiveBlock:
         `trials`: a tree step's node trials (DecodeBatch.node_trials), booked by (depth, rank);
         without them the step verified chains, whose proposals are rank-0 trials (with their
         drafter probabilities where `confidences`, the trimmed step's, were read back)."""
-        self._recorded += 1
+        drafted = looked = False  # whether the counts of each kind moved
         for i, (r, (acc0, tries0, lacc0, ltries0)) in enumerate(zip(rows, before)):
-            counts = self._acceptance(r.params.rule)
-            nodes = self.node_acceptance(r.params.rule)
-            conf = confidences[i] if confidences is not None else []
-            for k in range(len(counts.tries)):
-                accepted, tried = r.stats.accepted_by_position[k] - acc0[k], r.tries[k] - tries0[k]
-                counts.accepted[k] += accepted
-                counts.tries[k] += tried
-                counts.lookup_accepted[k] += r.stats.lookup_accepted_by_position[k] - lacc0[k]
-                counts.lookup_tries[k] += r.lookup_tries[k] - ltries0[k]
-                if trials is None and tried > 0:
-                    p = conf[k] if k < len(conf) else None
-                    nodes.observe(k + 1, 0, p, accepted > 0)
+            rule = r.params.rule
+            counts = self._acceptance(rule)
+            positions = len(counts.tries)
+            # what the step added at each position, of each kind (the row's counts only grow)
+            accepted = _moved(r.stats.accepted_by_position, acc0, positions)
+            tried = _moved(r.tries, tries0, positions)
+            lookup_accepted = _moved(r.stats.lookup_accepted_by_position, lacc0, positions)
+            lookup_tried = _moved(r.lookup_tries, ltries0, positions)
+            counts.accepted[:] = map(add, counts.accepted, accepted)
+            counts.tries[:] = map(add, counts.tries, tried)
+            counts.lookup_accepted[:] = map(add, counts.lookup_accepted, lookup_accepted)
+            counts.lookup_tries[:] = map(add, counts.lookup_tries, lookup_tried)
+            drafted = drafted or any(accepted) or any(tried)
+            looked = looked or any(lookup_accepted) or any(lookup_tried)
+            if trials is None and any(tried):
+                nodes = self.node_acceptance(rule)
+                conf = confidences[i] if confidences is not None else []
+                for k, (a, t) in enumerate(zip(accepted, tried)):
+                    if t > 0:
+                        nodes.observe(k + 1, 0, conf[k] if k < len(conf) else None, a > 0)
         for t in trials or ():
             self.node_acceptance(rows[t.row].params.rule).observe(t.depth, t.rank, t.p, t.accepted)
+        self._recorded[0] += drafted
+        self._recorded[1] += looked
 
     def expected(self, rows: list[Row], plan: list[list[int]] | None = None) -> list[float]:
         """Expected committed tokens of the whole batch for block sizes 1..max_block. A row with
         a lookup continuation of m ids (`plan`) expects from lookup's rates up to m proposals and
         nothing after them (drafted proposals behind a lookup prefix rarely fit it)."""
-        if len(self._rows_expected) > 2 * len(rows) + 64:  # forget rows that left
-            self._rows_expected = {id(r): e for r in rows if (e := self._rows_expected.get(id(r))) is not None}
-        totals = [0.0] * self.max_block
-        for i, r in enumerate(rows):
-            totals = list(map(add, totals, self._row_expected(r, len(plan[i]) if plan else 0)))
+        if len(self._rows_expected) > 4 * len(rows) + 64:  # forget rows that left
+            self._rows_expected = {key: e for r in rows for key in ((id(r), False), (id(r), True))
+                                   if (e := self._rows_expected.get(key)) is not None}
+        each = [self._row_expected(r, len(plan[i]) if plan else 0) for i, r in enumerate(rows)]
+        if not each:
+            return [0.0] * self.max_block
+        # summed in row order from the first row's (0.0 + x is x, so as from zeros)
+        totals = list(each[0])
+        for e in each[1:]:
+            totals = list(map(add, totals, e))
         return totals
 
     def _row_expected(self, r: Row, m: int) -> list[float]:
-        """One row's [E(1), ..., E(max_block)] with a lookup continuation of m ids (0: none),
-        kept while nothing it reads changes: the batch-wide counts, the row's own counts of the
-        kind it uses (they only grow with verified proposals), m, and its remaining tokens where
-        they cap E (E never exceeds max_block)."""
+        """One row's [E(1), ..., E(max_block)] with a lookup continuation of m ids (0: none;
+        read only). The drafted expectation, and the looked-up one of every lookup proposal, are
+        kept while nothing they read changes: the batch-wide counts of their kind, the row's own
+        (they only grow with verified proposals), and its remaining tokens where they cap E (E
+        never exceeds max_block). A plan of m ids reads the looked-up one's first m + 1 values,
+        flat after them: the same sums in the same order, capped alike, as from its m rates."""
         lookup = m > 0
         if not isinstance(r, Row):  # a stand-in whose rates may come from anything: computed afresh
             return expected_by_block(self._row_rates(r, m), self.max_block, r.remaining)
         acc = r.stats.lookup_accepted_by_position if lookup else r.stats.accepted_by_position
         tries = r.lookup_tries if lookup else r.tries
-        key = (self._recorded, self.prior, m, min(r.remaining, self.max_block), tuple(acc), tuple(tries))
-        kept = self._rows_expected.get(id(r))
-        if kept is not None and kept[0] is r and kept[1] == key:
-            return kept[2]
-        out = expected_by_block(self._row_rates(r, m), self.max_block, r.remaining)
-        self._rows_expected[id(r)] = (r, key, out)
-        return out
+        key = (self._recorded[lookup], self.prior, min(r.remaining, self.max_block))
+        kept = self._rows_expected.get((id(r), lookup))
+        # the row's counts compared as lists (copies kept): cheaper than keying on tuples of them
+        if kept is not None and kept[0] is r and kept[1] == key and kept[2] == acc and kept[3] == tries:
+            out = kept[4]
+        else:
+            out = expected_by_block(self._row_rates(r, self.max_block - 1 if lookup else 0), self.max_block,
+                                    r.remaining)
+            self._rows_expected[(id(r), lookup)] = (r, key, list(acc), list(tries), out)
+        if not lookup:
+            return out
+        m = min(m, self.max_block - 1)
+        return out[:m + 1] + [out[m]] * (self.max_block - 1 - m)
 
     def _row_rates(self, r: Row, m: int) -> list[float]:
         """The rates a row's expectation reads: lookup's for its m looked-up proposals, else the
@@ -741,7 +834,7 @@ class AdaptiveBlock:
         chain expectation (`expected`) times the gain of the best tree over the chain of the
         same size under its rule's acceptance by (depth, rank) (`NodeAcceptance.mean_rate`). A
         row with a lookup continuation expects what its chain does (its branch is lookup's)."""
-        chain = [self.expected([r], [p] if plan else None) for r, p in zip(rows, plan or [[]] * len(rows))]
+        chain = [self._row_expected(r, len(plan[i]) if plan else 0) for i, r in enumerate(rows)]
         budget = min(self.max_block - 1, tree_nodes)
         gains = {rule: self._tree_gains(rule, budget) for rule in {r.params.rule for r in rows}}
         totals = [0.0] * self.max_block
@@ -820,7 +913,7 @@ class AdaptiveBlock:
         plan = batch.lookup_plan()
         expected = self.expected(batch.rows, plan)
         rates = [tokens / cost for tokens, cost in zip(expected, costs)]
-        best = planned = max(range(1, self.max_block + 1), key=lambda n: (rates[n - 1], -n))
+        best = planned = rates.index(max(rates)) + 1  # the smallest of the best
         tree = False
         self._offered = self.offers_trees(batch)
         # A step verifies a tree only where its chain drafts (below), so while plain decoding
@@ -834,7 +927,7 @@ class AdaptiveBlock:
             tree_costs = at_least(tree_model.table(b), costs)
             tree_rates = [tokens / cost for tokens, cost in
                           zip(self.tree_expected(batch.rows, plan, batch.tree_nodes), tree_costs)]
-            tree_best = max(range(2, self.max_block + 1), key=lambda n: (tree_rates[n - 1], -n))
+            tree_best = tree_rates.index(max(tree_rates[1:]), 1) + 1  # the smallest drafting one of the best
             # A step drafts where its chain pays: trees priced by these mean rates (before the
             # drafts exist) promised more than they accepted where chains did not pay (a trimmed
             # step's trim then answered with a chain, a batch's 3-wide trees took second choices
@@ -908,9 +1001,8 @@ class AdaptiveBlock:
             return None
         drafts = self._model.draft_table(b) or [0.0] * self.max_block
         verify = [t - dr for t, dr in zip(self._model.table(b), drafts)]
-        priors = self.priors(lookup=True)
-        expected = [expected_by_block(r.acceptance_rates(priors, lookup=True)[:len(cont)], 1 + len(cont), r.remaining)
-                    if cont else [1.0] for r, cont in zip(rows, plan)]
+        # a looked-up continuation's own m + 1 values (capped alike)
+        expected = [self._row_expected(r, len(cont))[:1 + len(cont)] if cont else [1.0] for r, cont in zip(rows, plan)]
         lengths, rate = split_lengths(expected, 0.0, verify, PAD_SHARE)
         if max(lengths) == 1:
             return None
@@ -1071,7 +1163,7 @@ class AdaptiveBlock:
         self._trial_conf = None
         # a plain step proposes nothing, so no acceptance count moves (most steps of a large batch)
         before = _counts(batch.rows) if block > 1 else None
-        rows = list(batch.rows)
+        rows = list(batch.rows) if block > 1 else []  # `record`'s, as they were before the step
         backlog = getattr(batch, "draft_backlog", 0) if block > 1 else 0
         t0 = time.perf_counter()
         used = batch.step(block, trim, tree=self.tree_choice) if self._offered else batch.step(block, trim)

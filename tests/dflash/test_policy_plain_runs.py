@@ -52,10 +52,12 @@ def test_kept_expectations_equal_fresh_ones_through_drafting_joins_and_retiremen
     """Plain steps, drafting steps (whose acceptance `record` books), rows retiring and joining
     (a new row may reuse a gone row's id()), a row's counts edited in place and a changed prior:
     after each, the expectation the policy keeps equals one computed from scratch, and it did
-    change along the way (so a stale one would have been caught)."""
+    change along the way (so a stale one would have been caught), lookup plans of several
+    lengths among them."""
     batch = _batch(model, [[5, 6, 7, 5, 6], [9, 8], [11, 12, 13]], max_new=12)
     policy = AdaptiveBlock(4)
     seen = []
+    planned = set()  # lookup plan lengths met: a row's kept looked-up expectation serves them all
     for n, block in enumerate([1, 1, 3, 1, 2, 4, 1, 1, 3, 2, 1, 4, 1, 1, 2, 3, 1, 1, 4, 1]):
         if not batch.rows:
             break
@@ -64,24 +66,29 @@ def test_kept_expectations_equal_fresh_ones_through_drafting_joins_and_retiremen
         batch.step(block)
         if block > 1:
             policy.record(rows, before)
-        if n == 6:  # a row's counts edited in place, as a caller may
-            batch.rows[0].tries[0] += 5
+        if n == 6:  # rows' counts edited in place, as a caller may: their tries of either kind
+            unedited = policy.expected(batch.rows, batch.lookup_plan())
+            for r in batch.rows:
+                r.tries[0] += 5
+                r.lookup_tries[0] += 5
+            assert policy.expected(batch.rows, batch.lookup_plan()) != unedited
         if n == 9:
             policy.prior = 0.2
         batch.retire()
         if n in (5, 11):
             _join(batch, [[7, 7, 7], [3, 4]], max_new=6 + n)
         if batch.rows:
+            planned.update(len(cont) for cont in batch.lookup_plan())
             kept = policy.expected(batch.rows, batch.lookup_plan())
             assert kept == _fresh(policy, batch), n  # to the last bit: the same sums in the same order
             assert policy.expected(batch.rows, batch.lookup_plan()) == kept  # asked twice: the same
             seen.append(tuple(kept))
-    assert len(set(seen)) > 3
+    assert len(set(seen)) > 3 and len(planned - {0}) >= 2
     # rows that left are forgotten once they outnumber the batch's by far
     assert batch.rows
-    policy._rows_expected.update({-i: (None, (), []) for i in range(1, 100)})
+    policy._rows_expected.update({(-i, False): (None, (), [], [], []) for i in range(1, 100)})
     policy.expected(batch.rows, batch.lookup_plan())
-    assert set(policy._rows_expected) == {id(r) for r in batch.rows}
+    assert {key[0] for key in policy._rows_expected} == {id(r) for r in batch.rows}
 
 
 def test_a_batch_whose_policy_never_drafts_runs_no_draft_pass(model, monkeypatch: pytest.MonkeyPatch) -> None:
