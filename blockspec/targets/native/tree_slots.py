@@ -190,7 +190,7 @@ def _host_tree_slots(positions: torch.Tensor, ancestors: torch.Tensor, scratch: 
     and the end, with five tensors out."""
     b, n = positions.shape
     pos = positions.tolist()
-    if n <= 62:  # each row of the mask as one int64
+    if b * n * n > 256 and n <= 62:  # each row of the mask as one int64 (a few list items are cheaper read)
         masks = (ancestors.to(torch.int64) << torch.arange(n)).sum(dim=-1).tolist()  # [b][n]
     else:
         masks = [[sum(1 << j for j, v in enumerate(row) if v) for row in rows] for rows in ancestors.tolist()]
