@@ -256,10 +256,13 @@ def _host_tree_slots(positions: torch.Tensor, ancestors: torch.Tensor, scratch: 
         sees_t = (ancestors.to(torch.bool) | own) & real_t[:, None, :] & real_t[:, :, None]
     host = HostGeometry(tuple(map(tuple, slots)), tuple(bases), tuple(map(tuple, reals)),
                         tuple(tuple(_deepest_other(row, i) for i in range(n)) for row in masks), scratch)
-    return TreeSlots(torch.tensor(slots, dtype=torch.int64).reshape(b, n), torch.tensor(bases, dtype=torch.int64),
-                     real_t, sees_t, torch.tensor(visible, dtype=torch.int64).reshape(b, n),
-                     table=torch.tensor(table, dtype=torch.int64).reshape(b, n, 1 + width),
-                     known_end=max(ends, default=0), host=host)
+    # every integer output as one tensor (each creation costs more than the numbers): slots, bases,
+    # visible, the key table, as views of it
+    flat = torch.tensor([x for row in slots for x in row] + bases + [x for row in visible for x in row]
+                        + [x for row in table for x in row], dtype=torch.int64)
+    m = b * n
+    return TreeSlots(flat[:m].view(b, n), flat[m : m + b], real_t, sees_t, flat[m + b : 2 * m + b].view(b, n),
+                     table=flat[2 * m + b :].view(b, n, 1 + width), known_end=max(ends, default=0), host=host)
 
 
 def _deepest_other(masks: list[int], i: int) -> int:
