@@ -595,3 +595,13 @@ def test_the_host_geometry_holds_the_parents_tree_parents_finds(seed: int) -> No
         assert torch.equal(moved.slots, torch.where(host.real, host.slots, 77)) and moved.host.scratch == 77
     for row, t in enumerate(trees):  # a tree's parents are its own
         assert geometry.tree_slots(positions, ancestors, 99).host.parents[row][: len(t)] == t.parents
+
+
+def test_reject_after_a_tree_pass_names_a_keep_of_the_wrong_shape() -> None:
+    """The host geometry's `reject` reads keep row by row: a keep that is not one flag per node
+    is a clear error, not a silently shortened path."""
+    store = KVStore(2, 1, 4, dtype=torch.float32, device="cpu", rows=1, capacity=16)
+    cache = StaticCache(store, batch=1)
+    cache.note_tree(tree_slots(torch.tensor([SMALL.positions(3)]), SMALL.ancestor_mask(), cache.scratch))
+    with pytest.raises(ValueError, match="one flag per node"):
+        cache.reject(torch.ones(1, len(SMALL) - 1, dtype=torch.bool))

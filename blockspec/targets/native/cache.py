@@ -171,6 +171,9 @@ class StaticCache:
         """`reject` after a pass whose geometry is on the host (`TreeSlots.host`): the same lengths
         and moves from host integers, one copy only where a kept node is not in its place."""
         host = tree.host
+        if tuple(keep.shape) != tuple(tree.slots.shape):
+            raise ValueError(f"reject after a tree pass takes keep [{', '.join(map(str, tree.slots.shape))}] "
+                             f"(one flag per node), got {tuple(keep.shape)}")
         lengths = self.length.tolist()
         rows, src, dst = [], [], []
         for r, (flags, real, slots, base) in enumerate(zip(keep.tolist(), host.real, host.slots, host.base)):
