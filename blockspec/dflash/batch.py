@@ -607,8 +607,12 @@ class DecodeBatch:
         m = max(n_host)
         # [b, m]: each row's committed path nodes (its root first), padded with the root
         path = torch.tensor([list(a.path[:k]) + [0] * (m - k) for a, k in zip(walks, n_host)], device=d)
-        keep = torch.zeros(b, n, dtype=torch.bool, device=d).scatter_(1, path, True)
-        self.tcache.reject(keep | packed.padding)  # padding never took a slot
+        keep = [[False] * n for _ in rows]  # the committed path's nodes and the padding (it never took a slot)
+        for flags, a, k, t in zip(keep, walks, n_host, trees):
+            for node in a.path[:k]:
+                flags[node] = True
+            flags[len(t):] = [True] * (n - len(t))
+        self.tcache.reject(torch.tensor(keep, device=d))
         committed = [a.committed(t)[:k] for a, t, k in zip(walks, trees, n_host)]
         n_new = torch.tensor(n_host, device=d)
         if self.drafter is not None:  # the path's features, in order: what the drafter reads next

@@ -98,27 +98,34 @@ class PackedTrees:
 
 def pack_trees(trees: Sequence[TokenTree], cur: Sequence[int], device: torch.device | str) -> PackedTrees:
     """The verify inputs of row r's tree rooted at position cur[r] (see PackedTrees). Built from
-    host lists, one tensor each, since a step packs its trees on its critical path."""
+    host lists in a handful of tensor operations, since a step packs its trees on its critical
+    path: ids and positions as one tensor, each node's ancestors as the bits of one integer."""
     b, n = len(trees), max(len(t) for t in trees)
-    ids, positions = [], []
-    rows: list[int] = []  # the ancestor mask's True entries: (row, node, ancestor or itself)
-    nodes: list[int] = []
-    seen: list[int] = []
-    for r, (tree, c) in enumerate(zip(trees, cur)):
+    ids: list[int] = []
+    positions: list[int] = []
+    masks: list[list[int]] = []  # per row, per node: bit j set where it sees node j (its ancestors, itself)
+    for tree, c in zip(trees, cur):
         pad = n - len(tree)
-        ids.append([*tree.tokens, *[0] * pad])
-        positions.append([*(c + d for d in tree.depths), *[EMPTY] * pad])
-        lineage: list[list[int]] = []  # per node: its ancestors from the root, then itself
-        for i, p in enumerate(tree.parents):
-            line = [*(lineage[p] if p >= 0 else ()), i]
-            lineage.append(line)
-            rows.extend([r] * len(line))
-            nodes.extend([i] * len(line))
-            seen.extend(line)
-    ancestors = torch.zeros(b, n, n, dtype=torch.bool)
-    ancestors[torch.tensor(rows), torch.tensor(nodes), torch.tensor(seen)] = True
-    pos = torch.tensor(positions)
-    return PackedTrees(torch.tensor(ids).to(device), pos.to(device), ancestors.to(device), (pos == EMPTY).to(device))
+        ids.extend(tree.tokens)
+        ids.extend([0] * pad)
+        positions.extend(c + d for d in tree.depths)
+        positions.extend([EMPTY] * pad)
+        row: list[int] = []
+        for i, p in enumerate(tree.parents):  # a parent precedes its children
+            row.append((row[p] if p >= 0 else 0) | 1 << i)
+        masks.append(row + [0] * pad)
+    both = torch.tensor(ids + positions).view(2, b, n)
+    pos = both[1]
+    return PackedTrees(both[0].to(device), pos.to(device), mask_bits(masks, n).to(device), (pos == EMPTY).to(device))
+
+
+def mask_bits(masks: Sequence[Sequence[int]], n: int) -> torch.Tensor:
+    """[b, n, n] bool from masks [b][n] (integers): entry [r, i, j] is bit j of masks[r][i]."""
+    if n <= 62:  # the bits of an int64: shifted out in two tensor operations
+        bits = torch.tensor(masks, dtype=torch.int64).view(len(masks), n, 1)
+        return bits.bitwise_right_shift(torch.arange(n)).bitwise_and_(1).bool()
+    return torch.tensor([m >> j & 1 == 1 for row in masks for m in row for j in range(n)],
+                        dtype=torch.bool).view(len(masks), n, n)
 
 
 def gather_path(values: torch.Tensor, path: torch.Tensor) -> torch.Tensor:

@@ -198,3 +198,21 @@ def test_a_ranking_reused_from_the_same_distributions_equals_a_fresh_one(seed: i
             assert BestFirstProposer(budget, max_depth=depth).propose(Draft(5, shared)) == \
                 BestFirstProposer(budget, max_depth=depth).propose(Draft(5, fresh))
     assert len(BestFirstProposer(200).ranked(Draft(5, shared))) < 200  # exhausted: every node ranked
+
+
+@pytest.mark.parametrize("nodes", [62, 63, 70])
+def test_packed_ancestors_of_trees_wider_than_an_int64s_bits(nodes: int) -> None:
+    """A node's ancestors are packed as the bits of one integer: trees of more nodes than an
+    int64 holds bits for take the other path, with the same masks."""
+    gen = torch.Generator().manual_seed(nodes)
+    parents = [-1] + [int(torch.randint(max(0, i - 3), i, (1,), generator=gen)) for i in range(1, nodes)]
+    depths = [0]
+    for p in parents[1:]:
+        depths.append(depths[p] + 1)
+    order = sorted(range(nodes), key=lambda i: (depths[i], i))  # breadth-first, parents first
+    where = {old: new for new, old in enumerate(order)}
+    tree = TokenTree(tuple(range(1000, 1000 + nodes)), tuple(-1 if i == 0 else where[parents[i]] for i in order))
+    packed = pack_trees([tree, TokenTree.chain(3, [4, 5])], [5, 9], "cpu")
+    assert torch.equal(packed.ancestors[0], tree.ancestor_mask())
+    assert torch.equal(packed.ancestors[1, :3, :3], TokenTree.chain(3, [4, 5]).ancestor_mask())
+    assert not packed.ancestors[1, 3:].any() and not packed.ancestors[1, :, 3:].any()

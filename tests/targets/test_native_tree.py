@@ -457,14 +457,19 @@ def reference_reject(cache: StaticCache, keep: torch.Tensor) -> None:
         v[rows, :, dst] = v[rows, :, src]
 
 
+@pytest.mark.parametrize("host", [True, False])
 @pytest.mark.parametrize("seed", range(6))
-def test_the_one_call_reject_moves_what_a_copy_per_layer_moves(seed: int) -> None:
+def test_the_one_call_reject_moves_what_a_copy_per_layer_moves(seed: int, host: bool) -> None:
     """Random K/V in a window of a store's rows (rows below and above it untouched), random trees
     and random accepted paths (lookup-like branches deeper than the spine included): the stacked
-    copy leaves the store bit-identical to copying layer by layer."""
+    copy leaves the store bit-identical to copying layer by layer, whether the geometry is on host
+    integers (`TreeSlots.host`, CPU tensors: `note_tree` and `reject` read lists) or tensors only
+    (an accelerator's)."""
+    from blockspec.targets.native import tree_slots as geometry
+
     gen = torch.Generator().manual_seed(seed)
     trees = [TREE, CHAIN, SMALL, TokenTree((1, 2, 3, 4, 5), (-1, 0, 0, 2, 3))]  # the last: its deepest branch is second
-    b, n = len(trees), max(map(len, trees))
+    b, n = len(trees) + 1, max(map(len, trees))  # the last row: padding only (a row that joined)
     base = torch.randint(0, 20, (b,), generator=gen)
     positions = torch.full((b, n), EMPTY)
     ancestors = torch.zeros(b, n, n, dtype=torch.bool)
@@ -475,14 +480,20 @@ def test_the_one_call_reject_moves_what_a_copy_per_layer_moves(seed: int) -> Non
         leaf = t.leaves()[int(torch.randint(0, len(t.leaves()), (1,), generator=gen))]
         path = t.path(leaf)[: int(torch.randint(1, len(t.path(leaf)) + 1, (1,), generator=gen))]
         keep[row, path] = True
+    keep[:, -1] |= positions[:, -1] == EMPTY  # as a step keeps its padding: it never took a slot
     caches = []
     for _ in range(2):
         torch.manual_seed(seed)
         store = KVStore(3, 2, 4, dtype=torch.float32, device="cpu", rows=b + 2, capacity=40)
         store.kv.normal_()
         cache = StaticCache(store, row0=1, batch=b)
-        cache.note_tree(tree_slots(positions, ancestors, cache.scratch))
+        cache.length = torch.arange(b) + 100  # a row holding no node (padding only) keeps its length
+        made = tree_slots if host else geometry._tensor_tree_slots
+        slots = made(positions, ancestors, cache.scratch)
+        assert (slots.host is not None) == host
+        cache.note_tree(slots)
         caches.append(cache)
+    assert caches[0].lengths().tolist() == (base[:-1] + torch.tensor([len(t) for t in trees])).tolist() + [100 + b - 1]
     caches[0].reject(keep)
     reference_reject(caches[1], keep)
     assert torch.equal(caches[0].store.kv, caches[1].store.kv)
@@ -551,3 +562,46 @@ def test_the_host_geometry_of_a_mask_that_is_no_trees_takes_node_order() -> None
     host = geometry._host_tree_slots(positions, ancestors, 99)
     assert_same_geometry(host, geometry._tensor_tree_slots(positions, ancestors, 99))
     assert host.slots.tolist() == [list(range(9, 19)), list(range(7, 13)) + [99] * 4]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_host_geometry_holds_the_parents_tree_parents_finds(seed: int) -> None:
+    """A greedy tree pass reads each node's parent off the host geometry instead of
+    `tree_parents`' tensor operations: the same parents for random ragged trees, a row of padding
+    only, a garbage mask in that row and a mask that is no tree's; and the host lists name the
+    tensors' slots, bases and real nodes, before and after the scratch slot moves."""
+    from blockspec.targets.native import tree_slots as geometry
+    from blockspec.targets.native.llama import tree_parents
+
+    gen = torch.Generator().manual_seed(seed)
+    trees = [random_tree(gen, int(torch.randint(1, 17, (1,), generator=gen))) for _ in range(4)]
+    n = max(map(len, trees)) + int(torch.randint(0, 3, (1,), generator=gen))
+    positions = torch.full((5, n), EMPTY)
+    ancestors = torch.zeros(5, n, n, dtype=torch.bool)
+    for row, t in enumerate(trees):
+        positions[row, : len(t)] = torch.tensor(t.positions(int(torch.randint(0, 50, (1,), generator=gen))))
+        ancestors[row, : len(t), : len(t)] = t.ancestor_mask()
+    masks = [ancestors.clone(), ancestors.clone()]
+    masks[1][4] = torch.rand(n, n, generator=gen) < 0.3
+    masks[1][0, -1, 1] = True  # no tree's: the last node of row 0 sees node 1 as well
+    for mask in masks:
+        host = geometry.tree_slots(positions, mask, 99)
+        assert torch.equal(host.parents(), tree_parents(mask, 5))
+        for got in (host, host.with_scratch(77)):
+            assert torch.equal(got.slots, torch.tensor(got.host.slots))
+            assert got.host.base == tuple(got.base.tolist()) and got.host.real == tuple(map(tuple, got.real.tolist()))
+            assert got.host.ends() == (got.base + got.real.sum(dim=1)).tolist()
+        moved = host.with_scratch(77)
+        assert torch.equal(moved.slots, torch.where(host.real, host.slots, 77)) and moved.host.scratch == 77
+    for row, t in enumerate(trees):  # a tree's parents are its own
+        assert geometry.tree_slots(positions, ancestors, 99).host.parents[row][: len(t)] == t.parents
+
+
+def test_reject_after_a_tree_pass_names_a_keep_of_the_wrong_shape() -> None:
+    """The host geometry's `reject` reads keep row by row: a keep that is not one flag per node
+    is a clear error, not a silently shortened path."""
+    store = KVStore(2, 1, 4, dtype=torch.float32, device="cpu", rows=1, capacity=16)
+    cache = StaticCache(store, batch=1)
+    cache.note_tree(tree_slots(torch.tensor([SMALL.positions(3)]), SMALL.ancestor_mask(), cache.scratch))
+    with pytest.raises(ValueError, match="one flag per node"):
+        cache.reject(torch.ones(1, len(SMALL) - 1, dtype=torch.bool))

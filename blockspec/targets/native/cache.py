@@ -127,8 +127,14 @@ class StaticCache:
     def note_tree(self, tree: TreeSlots) -> None:
         """Called by a tree pass instead of `note_written`: rows hold their nodes in slots
         base .. base + nodes - 1 until `reject` keeps one path of them."""
-        has = tree.real.any(dim=1)
-        self.length = torch.where(has, tree.base + tree.real.sum(dim=1), self.length)
+        if tree.host is not None:  # on host integers: a few nodes' arithmetic, no tensor operations
+            old = self.length.tolist()
+            self.length = torch.tensor([end if any(real) else length for end, real, length
+                                        in zip(tree.host.ends(), tree.host.real, old)],
+                                       dtype=self.length.dtype, device=self.length.device)
+        else:
+            has = tree.real.any(dim=1)
+            self.length = torch.where(has, tree.base + tree.real.sum(dim=1), self.length)
         self.fresh = False
         self.tree = tree
 
@@ -147,6 +153,9 @@ class StaticCache:
         if tree is None:
             self.length = self.length - (~keep).sum(dim=1)
             return
+        if tree.host is not None:
+            self._reject_host(tree, keep)
+            return
         keep = keep.to(device=tree.slots.device, dtype=torch.bool) & tree.real  # [b, n]
         kept = keep.sum(dim=1)  # [b]
         self.length = torch.where(tree.real.any(dim=1), tree.base + kept, self.length)
@@ -157,6 +166,31 @@ class StaticCache:
             return
         rows, nodes = move.nonzero(as_tuple=True)  # [m]
         self.move_slots(rows, tree.slots[rows, nodes], dst[rows, nodes])
+
+    def _reject_host(self, tree: TreeSlots, keep: torch.Tensor) -> None:
+        """`reject` after a pass whose geometry is on the host (`TreeSlots.host`): the same lengths
+        and moves from host integers, one copy only where a kept node is not in its place."""
+        host = tree.host
+        if tuple(keep.shape) != tuple(tree.slots.shape):
+            raise ValueError(f"reject after a tree pass takes keep [{', '.join(map(str, tree.slots.shape))}] "
+                             f"(one flag per node), got {tuple(keep.shape)}")
+        lengths = self.length.tolist()
+        rows, src, dst = [], [], []
+        for r, (flags, real, slots, base) in enumerate(zip(keep.tolist(), host.real, host.slots, host.base)):
+            kept = 0
+            for ok, is_real, slot in zip(flags, real, slots):
+                if ok and is_real:
+                    if slot != base + kept:
+                        rows.append(r)
+                        src.append(slot)
+                        dst.append(base + kept)
+                    kept += 1
+            if any(real):
+                lengths[r] = base + kept
+        self.length = torch.tensor(lengths, dtype=self.length.dtype, device=self.length.device)
+        if rows:
+            device = tree.slots.device
+            self.move_slots(*(torch.tensor(v, dtype=torch.int64, device=device) for v in (rows, src, dst)))
 
     def move_slots(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copies the K/V of slot src[i] to slot dst[i] in row rows[i] (all [m]), every layer in one

@@ -390,7 +390,10 @@ class NativeTarget:
         tree = tree_slots(positions, ancestors, cache.scratch)
         cache.reserve(max(tree.end, cache.horizon if cache.fresh else 0))
         tree = tree.with_scratch(cache.scratch)  # the store may have grown, moving its scratch slot
-        parents = tree_parents(ancestors, ids.shape[0]) if greedy and until_rejected else None
+        parents = None
+        if greedy and until_rejected:
+            parents = tree.parents()
+            parents = tree_parents(ancestors, ids.shape[0]) if parents is None else parents
         return self.net(ids, positions, cache, layer_ids, real=padding_index(positions), tree=tree, greedy=greedy,
                         until_rejected=parents is not None, parents=parents)
 

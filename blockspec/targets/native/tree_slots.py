@@ -30,6 +30,23 @@ from blockspec.targets.slots import EMPTY
 
 
 @dataclass(frozen=True)
+class HostGeometry:
+    """A tree pass's geometry as host integers, per row: what `tree_slots` found on the host (CPU
+    tensors), so that the cache's `note_tree` / `reject` and the verify head read it without small
+    tensor operations (each costs more than a few nodes' arithmetic)."""
+
+    slots: tuple[tuple[int, ...], ...]  # [b][n]: each node's slot (`scratch` for padding)
+    base: tuple[int, ...]  # [b]
+    real: tuple[tuple[bool, ...], ...]  # [b][n]
+    parents: tuple[tuple[int, ...], ...]  # [b][n]: each node's parent as `tree_parents` finds it (-1: none)
+    scratch: int
+
+    def ends(self) -> list[int]:
+        """Per row one past its last tree slot (its base where it holds no node)."""
+        return [base + sum(real) for base, real in zip(self.base, self.real)]
+
+
+@dataclass(frozen=True)
 class TreeSlots:
     """One tree pass's geometry: per row [b] and per node [b, n] in node order."""
 
@@ -41,6 +58,7 @@ class TreeSlots:
     # `keys()` and `end`, where they were computed with the rest (on the host): None, computed on demand
     table: torch.Tensor | None = field(default=None, repr=False, compare=False)
     known_end: int | None = field(default=None, repr=False, compare=False)
+    host: HostGeometry | None = field(default=None, repr=False, compare=False)  # where computed on the host
 
     @property
     def end(self) -> int:
@@ -52,7 +70,21 @@ class TreeSlots:
 
     def with_scratch(self, scratch: int) -> TreeSlots:
         """The same geometry with padding nodes writing to `scratch` (a grown cache's)."""
-        return replace(self, slots=torch.where(self.real, self.slots, scratch))
+        host = self.host
+        if host is None:
+            return replace(self, slots=torch.where(self.real, self.slots, scratch))
+        if scratch == host.scratch or all(all(real) for real in host.real):
+            return self
+        slots = tuple(tuple(x if ok else scratch for x, ok in zip(row, real)) for row, real in zip(host.slots, host.real))
+        return replace(self, slots=torch.tensor(slots, dtype=torch.int64).reshape(self.slots.shape),
+                       host=replace(host, slots=slots, scratch=scratch))
+
+    def parents(self) -> torch.Tensor | None:
+        """Each node's parent [b, n] (`tree_parents` of the pass's ancestors) where the host
+        geometry holds them, else None."""
+        if self.host is None:
+            return None
+        return torch.tensor(self.host.parents, dtype=torch.int64, device=self.slots.device).reshape(self.slots.shape)
 
     def select_rows(self, rows: torch.Tensor) -> TreeSlots:
         """These rows (new row i = old row rows[i]), as the cache's `select_rows` keeps them."""
@@ -158,7 +190,7 @@ def _host_tree_slots(positions: torch.Tensor, ancestors: torch.Tensor, scratch: 
     and the end, with five tensors out."""
     b, n = positions.shape
     pos = positions.tolist()
-    if n <= 62:  # each row of the mask as one int64
+    if b * n * n > 256 and n <= 62:  # each row of the mask as one int64 (a few list items are cheaper read)
         masks = (ancestors.to(torch.int64) << torch.arange(n)).sum(dim=-1).tolist()  # [b][n]
     else:
         masks = [[sum(1 << j for j, v in enumerate(row) if v) for row in rows] for rows in ancestors.tolist()]
@@ -217,9 +249,34 @@ def _host_tree_slots(positions: torch.Tensor, ancestors: torch.Tensor, scratch: 
                 m ^= low
             table.append(keys + [0] * (width + 1 - len(keys)))
     real_t = torch.tensor(reals, dtype=torch.bool).reshape(b, n)
-    own = torch.eye(n, dtype=torch.bool)[None]
-    sees_t = (ancestors.to(torch.bool) | own) & real_t[:, None, :] & real_t[:, :, None]
-    return TreeSlots(torch.tensor(slots, dtype=torch.int64).reshape(b, n), torch.tensor(bases, dtype=torch.int64),
-                     real_t, sees_t, torch.tensor(visible, dtype=torch.int64).reshape(b, n),
-                     table=torch.tensor(table, dtype=torch.int64).reshape(b, n, 1 + width),
-                     known_end=max(ends, default=0))
+    if ancestors.dtype == torch.bool and all(s == m for sees, row in zip(sees_rows, masks) for s, m in zip(sees, row)):
+        sees_t = ancestors  # every node real and marked as seeing itself (a packed tree's mask): as it is
+    else:
+        own = torch.eye(n, dtype=torch.bool)[None]
+        sees_t = (ancestors.to(torch.bool) | own) & real_t[:, None, :] & real_t[:, :, None]
+    host = HostGeometry(tuple(map(tuple, slots)), tuple(bases), tuple(map(tuple, reals)),
+                        tuple(tuple(_deepest_other(row, i) for i in range(n)) for row in masks), scratch)
+    # every integer output as one tensor (each creation costs more than the numbers): slots, bases,
+    # visible, the key table, as views of it
+    flat = torch.tensor([x for row in slots for x in row] + bases + [x for row in visible for x in row]
+                        + [x for row in table for x in row], dtype=torch.int64)
+    m = b * n
+    return TreeSlots(flat[:m].view(b, n), flat[m : m + b], real_t, sees_t, flat[m + b : 2 * m + b].view(b, n),
+                     table=flat[2 * m + b :].view(b, n, 1 + width), known_end=max(ends, default=0), host=host)
+
+
+def _deepest_other(masks: list[int], i: int) -> int:
+    """`tree_parents` of node i on host bit masks (row j of the ancestors as bits): the other
+    marked node that marks the most nodes itself, the first of ties; -1 where it marks none (and,
+    as the argmax of a row of zeros, 0 where those it marks mark nothing)."""
+    others, best, parent = masks[i] & ~(1 << i), 0, 0
+    if not others:
+        return -1
+    while others:
+        low = others & -others
+        j = low.bit_length() - 1
+        depth = masks[j].bit_count()
+        if depth > best:
+            best, parent = depth, j
+        others ^= low
+    return parent
