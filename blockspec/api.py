@@ -333,7 +333,7 @@ def load(
     tree_nodes: verify a token tree of up to this many proposed nodes per step instead of one
     chain (docs/DESIGN.md section 5.3): each step spends its verify width best-first over the
     drafter's top choices at every depth, so its second and third choices get verified too. Same
-    output. None (default): DEFAULT_TREE_NODES (0: chains only). With the adaptive block size each
+    output. None (default): DEFAULT_TREE_NODES (15); 0: chains only. With the adaptive block size each
     step verifies a tree only where it is expected to pay better than its chain. Targets with recurrent
     layers keep chains.
     """

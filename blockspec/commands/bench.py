@@ -329,7 +329,7 @@ def run(args: argparse.Namespace) -> int:
     if args.sampling_rule != "auto" and all(t == 0 for t in args.temperature):
         notes.append(f"--sampling-rule {args.sampling_rule} has no effect on greedy requests (--temperature 0)")
     # --tree-nodes N: chains and trees of N, interleaved; without it the default
-    # (DEFAULT_TREE_NODES); --tree-nodes 0: chains
+    # (DEFAULT_TREE_NODES) alone; --tree-nodes 0: chains
     trees = (0, pipe.tree_nodes) if args.tree_nodes else (pipe.tree_nodes,)
     for lookup in lookups:
         for rule in rules:

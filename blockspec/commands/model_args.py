@@ -111,7 +111,7 @@ FLAGS: tuple[RuntimeFlag, ...] = (
         default=None, type=non_negative_int, metavar="N",
         help="verify a token tree of up to N proposed tokens per step instead of one chain: each step spends "
              "its verify width best-first over the drafter's top choices at every depth, where the adaptive "
-             "policy expects it to pay (same output; default: 0, chains only; targets with recurrent "
+             "policy expects it to pay (same output; default: 15; 0: chains only; targets with recurrent "
              "layers keep chains)")),
 )
 

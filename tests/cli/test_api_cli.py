@@ -338,14 +338,14 @@ def test_every_verb_defaults_to_the_demo_model_adaptive_with_lookup(capsys) -> N
         assert f"(default {DEFAULT_TARGET})" in " ".join(capsys.readouterr().out.split()), verb
 
 
-def test_trees_are_off_by_default_and_on_on_request(tiny_model_dir: Path, tiny_drafter_dir: Path) -> None:
-    """`load` verifies chains unless asked for trees (DEFAULT_TREE_NODES); tree_nodes=N verifies
-    token trees of up to N nodes where they pay; the output is plain decoding's either way."""
+def test_trees_are_on_by_default_and_off_on_request(tiny_model_dir: Path, tiny_drafter_dir: Path) -> None:
+    """`load` verifies token trees of up to DEFAULT_TREE_NODES nodes where they pay unless told
+    otherwise; tree_nodes=0 verifies chains; the output is plain decoding's either way."""
     from blockspec.config import DEFAULT_TREE_NODES
 
-    chains = blockspec.load(str(tiny_model_dir), str(tiny_drafter_dir), adaptive_block=False)
-    trees = blockspec.load(str(tiny_model_dir), str(tiny_drafter_dir), adaptive_block=False, tree_nodes=15)
-    assert DEFAULT_TREE_NODES == 0 and chains.tree_nodes == 0 and trees.tree_nodes == 15
+    trees = blockspec.load(str(tiny_model_dir), str(tiny_drafter_dir), adaptive_block=False)
+    chains = blockspec.load(str(tiny_model_dir), str(tiny_drafter_dir), adaptive_block=False, tree_nodes=0)
+    assert DEFAULT_TREE_NODES == 15 and trees.tree_nodes == 15 and chains.tree_nodes == 0
     prompt = "Count: one, two, three,"
     plain = trees.generate(prompt, max_new_tokens=12, temperature=0.0, block_size=1).text
     assert trees.generate(prompt, max_new_tokens=12, temperature=0.0).text == plain
