@@ -146,7 +146,10 @@ def _draft_pairs(draft: BatchDraft, logits: torch.Tensor, support: torch.Tensor 
         return None
     if "standard" in draft.rules and sampling.STANDARD_DRAFT_FACTOR != 1.0:
         return None
-    pairs = nucleus_pairs(logits, draft.temperature, torch.zeros_like(draft.top_k), draft.top_p)  # ids over the logits' columns
+    # top-k is off for every row (checked against the whole vocabulary above, as `BatchDraft.probs`
+    # reads it; the kernel's own check would read the draft vocabulary's width); ids index the
+    # logits' columns
+    pairs = nucleus_pairs(logits, draft.temperature, torch.zeros_like(draft.top_k), draft.top_p)
     if pairs is None or support is None:
         return None if pairs is None else SparseProbs(pairs.ids, pairs.probs, vocab)
     # support ascends, so the nucleus's ids still do; padding keeps id 0
