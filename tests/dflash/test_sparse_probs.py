@@ -162,6 +162,17 @@ def _draft(b: int, m: int, v: int, seed: int) -> torch.Tensor:
     return torch.where(torch.arange(b)[:, None, None] == 0, onehot, q)
 
 
+def _rule_draws(q: torch.Tensor, g: torch.Generator, ragged: bool
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Proposals drawn from q [b, m, V], the standard rule's accept and bonus uniforms, and a
+    ragged limit per row (None unless `ragged`), all from g."""
+    b, m = q.shape[:2]
+    proposals = sample_from(q, torch.rand(b, m, generator=g, dtype=torch.float64))
+    accept_u = torch.rand(b, m, generator=g, dtype=torch.float64)
+    bonus_u = torch.rand(b, m + 1, generator=g, dtype=torch.float64)
+    return proposals, accept_u, bonus_u, torch.randint(0, m + 1, (b,), generator=g) if ragged else None
+
+
 @pytest.mark.parametrize("ragged", [False, True])
 def test_the_standard_rule_decides_the_same(ragged: bool) -> None:
     b, m, v = 5, 4, 600
@@ -174,10 +185,7 @@ def test_the_standard_rule_decides_the_same(ragged: bool) -> None:
         p = probabilities(x, *settings)
         q = _draft(b, m, v, seed=1000 + trial)  # target-like but different logits: some kept, some not
         q = 0.5 * q + 0.5 * p[:, :m]
-        proposals = sample_from(q, torch.rand(b, m, generator=g, dtype=torch.float64))
-        accept_u = torch.rand(b, m, generator=g, dtype=torch.float64)
-        bonus_u = torch.rand(b, m + 1, generator=g, dtype=torch.float64)
-        limit = torch.randint(0, m + 1, (b,), generator=g) if ragged else None
+        proposals, accept_u, bonus_u, limit = _rule_draws(q, g, ragged)
         got = verify_standard(proposals, pairs, q, accept_u, bonus_u, limit)
         want = verify_standard(proposals, p, q, accept_u, bonus_u, limit)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
@@ -195,7 +203,7 @@ def test_the_standard_rule_decides_the_same(ragged: bool) -> None:
 def test_the_standard_rule_decides_the_same_with_the_drafts_q_as_pairs(ragged: bool) -> None:
     """A drafter's q shaped by temperature / top-p as pairs (how a chat request's drafts come,
     dflash/proposers/dflash_block.py): the same accepted and bonus as its vocabulary-wide rows,
-    whether the target's p is pairs or rows, and lookup proposals' one-hot pairs among them."""
+    whether the target's p is pairs or rows."""
     b, m, v = 5, 4, 600
     outcomes = set()
     for trial in range(60):
@@ -207,10 +215,7 @@ def test_the_standard_rule_decides_the_same_with_the_drafts_q_as_pairs(ragged: b
         y = 0.6 * x[:, :m] + 0.4 * _logits(b, m, v, seed=3000 + trial, strong=3, spread=3.0)
         q_pairs, q = nucleus_pairs(y, *settings), probabilities(y, *settings)
         assert q_pairs is not None and torch.equal(q_pairs.dense(), q)
-        proposals = sample_from(q, torch.rand(b, m, generator=g, dtype=torch.float64))
-        accept_u = torch.rand(b, m, generator=g, dtype=torch.float64)
-        bonus_u = torch.rand(b, m + 1, generator=g, dtype=torch.float64)
-        limit = torch.randint(0, m + 1, (b,), generator=g) if ragged else None
+        proposals, accept_u, bonus_u, limit = _rule_draws(q, g, ragged)
         want = verify_standard(proposals, p, q, accept_u, bonus_u, limit)
         for target in (p_pairs, p):
             got = verify_standard(proposals, target, q_pairs, accept_u, bonus_u, limit)
