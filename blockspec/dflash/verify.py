@@ -156,8 +156,11 @@ def _draft_at(draft_probs: torch.Tensor | SparseProbs, proposals: torch.Tensor) 
 def _draft_over(draft_probs: torch.Tensor | SparseProbs, at: list[tuple[int, int, list[int]]]) -> list[list[float]]:
     """Per (row, position, tokens) of `at`, q of those tokens there (0 outside a nucleus)."""
     if isinstance(draft_probs, SparseProbs):
-        return [[_pair_prob(draft_probs.ids[r, j].tolist(), draft_probs.probs[r, j].tolist(), t) for t in toks]
-                for r, j, toks in at]
+        out = []
+        for r, j, toks in at:
+            ids, probs = draft_probs.ids[r, j].tolist(), draft_probs.probs[r, j].tolist()  # one position's pairs
+            out.append([_pair_prob(ids, probs, t) for t in toks])
+        return out
     k = len(at[0][2])
     dev = draft_probs.device
     rows = torch.tensor([r for r, _, toks in at for _ in toks], device=dev)
