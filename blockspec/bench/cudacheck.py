@@ -52,6 +52,7 @@ class Plan:
     step_batches: str = "1,8,32"
     step_context: int = 512
     step_steps: int = 20
+    step_rounds: int = 3  # plain and DFlash alternate; a GPU host just started is slow for a while
     hybrid_shape: str = "qwen3.5"  # a hybrid_step.SHAPES name
     hybrid_hidden: int = 0  # with hybrid_shape "scaled" only
     hybrid_vocab: int = 0
@@ -81,7 +82,7 @@ class Plan:
 
 FULL = Plan()
 TINY = Plan(step_shape="tiny", step_draft_layers=1, step_blocks="4", step_batches="1", step_context=16,
-            step_steps=2, hybrid_shape="scaled", hybrid_hidden=160, hybrid_vocab=64, hybrid_layers=4,
+            step_steps=2, step_rounds=2, hybrid_shape="scaled", hybrid_hidden=160, hybrid_vocab=64, hybrid_layers=4,
             hybrid_block=4, hybrid_context=8, hybrid_batches=(1,), hybrid_repeats=1, decode_shape="tiny",
             decode_prompts=(5, 9), decode_new_tokens=12, decode_block=4, decode_tree_nodes=3)
 
@@ -125,7 +126,7 @@ def step_cost(plan: Plan, device: str) -> dict:
 
     argv = ["--shape", plan.step_shape, "--draft-layers", str(plan.step_draft_layers), "--block", plan.step_blocks,
             "--batch", plan.step_batches, "--context", str(plan.step_context), "--steps", str(plan.step_steps),
-            "--device", device, "--dtype", "bfloat16"]
+            "--rounds", str(plan.step_rounds), "--device", device, "--dtype", "bfloat16"]
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         stepcost.main(argv)

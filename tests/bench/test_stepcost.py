@@ -55,3 +55,22 @@ def test_random_target_has_the_named_shape() -> None:
     assert target.info.num_layers == 4 and target.info.vocab_size == 256
     with pytest.raises(ConfigError, match="unknown shape"):
         stepcost.random_target("gpt-9", device="cpu", dtype=None)
+
+
+def test_stepcost_rounds_alternate_the_sides_and_keep_each_sides_fastest(capsys, monkeypatch) -> None:
+    calls: list[int] = []
+    # plain, DFlash, plain, DFlash: round 1 slow on the DFlash side, round 2 slow on the plain side
+    seconds = iter([0.010, 0.040, 0.030, 0.015])
+
+    def fake(target, drafter, block, batch, context, steps, device, seed=0):
+        calls.append(block)
+        return next(seconds)
+
+    monkeypatch.setattr(stepcost, "step_seconds", fake)
+    assert stepcost.main(["--shape", "tiny", "--draft-layers", "1", "--batch", "1", "--block", "4",
+                          "--context", "16", "--steps", "2", "--device", "cpu", "--rounds", "2"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert calls == [1, 4, 1, 4] and result["rounds"] == 2
+    assert [(r["plain_ms"], r["dflash_ms"], r["ratio"]) for r in result["rows"]] == [(10.0, 15.0, 1.5)]
+    with pytest.raises(ConfigError, match="--rounds"):
+        stepcost.main(["--shape", "tiny", "--rounds", "0"])
