@@ -95,6 +95,21 @@ PROBE_SHARE = 0.05
 # and drafting is priced by `CostModel.least_table` there, so that steps slowed by a burst of
 # load do not stop the probes that would measure them again.
 BATCH_PROBE_MARGIN = 0.1
+# A batch of several rows drafts only where its best drafting size is expected to commit at least
+# (1 + BATCH_DRAFT_MARGIN) times plain decoding's tokens per second. Picking the best of noisy
+# estimates favours the sizes whose estimates came out low (the winner's curse), and a batch's
+# step costs are known to about 10%, while the gain a drafting step can offer a batch on a CPU
+# is a few per cent: at concurrency 8 the chosen block-2 steps were expected to gain 3-7% and
+# lost 8-10% against plain steps (BENCHMARKS.md, "Concurrency 8 and 16"). A lone row's gains
+# are several times that margin, so it keeps the plain comparison.
+BATCH_DRAFT_MARGIN = 0.1
+# Where a batch of several rows found even drafting's least costs short of what it has to beat
+# (so it neither drafts nor probes), its next PLAIN_HOLD - 1 steps are plain without the choice
+# being worked out again, while its rows stay the same. Nothing a plain step does moves the
+# acceptance rates, and the costs and the drafter's backlog move a step's worth; the full
+# choice (expected tokens and lookup plans of every row, the cost tables) costs about 0.2 ms at
+# 8 rows, 1.3% of a plain step there.
+PLAIN_HOLD = 8
 # Widening and trimming run for batches of at most this many rows (trimming also for larger ones
 # with AdaptiveBlock(ragged=True): a length per row). Where a batch verifies one length for all its
 # rows, their confidences average out, and a wider draft costs more per step: with them batches
@@ -689,6 +704,7 @@ class AdaptiveBlock:
         self._confirming = False  # the step being chosen repeats a probe
         self._thread_count = thread_count
         self.last_choice = 1
+        self._hold: tuple[int, tuple] | None = None  # (plain steps left, the rows) of a PLAIN_HOLD
         self.base_plain_every = plain_every
         self.plain_checks: dict[int, tuple[int, int]] = {}  # bucket -> (drafting steps since, interval)
         self.base_challenge_every = challenge_every
@@ -898,6 +914,15 @@ class AdaptiveBlock:
         if self.max_block <= 1 or batch.drafter is None:
             return 1
         b = len(batch.rows)
+        if self._hold is not None:
+            left, rows = self._hold
+            self._hold = None
+            if left > 0 and len(rows) == b and all(x is y for x, y in zip(rows, batch.rows)):
+                self._hold = (left - 1, rows)
+                self.plain_streak += 1
+                self._probing = self._confirming = False
+                self.last_choice, self.forced = 1, False
+                return 1
         threads = self._thread_count()
         if any([m.use_threads(threads) for m in (self.costs, self.sampled_costs, self.tree_costs,
                                                  self.sampled_tree_costs)]):
@@ -941,6 +966,9 @@ class AdaptiveBlock:
             elif trims:  # its trim decides from the drafts in hand
                 tree = (tree_rates[tree_best - 1] >= (1 - TREE_OFFER_MARGIN) * rates[best - 1]
                         or self._unoffered + 1 >= TREE_OFFER_EVERY)
+        if b > 1 and best > 1 and rates[best - 1] < (1 + BATCH_DRAFT_MARGIN) * rates[0]:
+            best = planned = 1
+            tree = False
         lookup = self._lookup_option(batch, plan, rates[best - 1])
         self._probing = self._confirming = False
         confirm, self._confirm = self._confirm, None
@@ -953,9 +981,12 @@ class AdaptiveBlock:
             self._probing = self._confirming = True
         elif best == 1 or lookup is not None:  # the drafter sits this step out
             self.plain_streak += 1
+            gate = (b <= 1 or not model.drafting_measured(b)
+                    or self.probe_may_pay(b, [e / c for e, c in zip(expected, model.least_table(b))]))
+            if not gate and lookup is None:
+                self._hold = (PLAIN_HOLD - 1, tuple(batch.rows))
             if (self.plain_streak >= self.probe_every and self.plain_spent * PROBE_SHARE >= self.probe_extra
-                    and (b <= 1 or not model.drafting_measured(b)
-                         or self.probe_may_pay(b, [e / c for e, c in zip(expected, model.least_table(b))]))):
+                    and gate):
                 self.plain_streak = 0
                 self.plain_spent = 0.0
                 self.probe_every = min(self.probe_every * 2, MAX_INTERVAL)
@@ -981,8 +1012,10 @@ class AdaptiveBlock:
     @staticmethod
     def probe_may_pay(rows: int, rates: list[float]) -> bool:
         """Whether a batch of `rows` rows whose block sizes 1..n are expected to commit at most
-        `rates` tokens per second may probe (see BATCH_PROBE_MARGIN): always for a lone row."""
-        return rows <= 1 or len(rates) < 2 or max(rates[1:]) >= (1 - BATCH_PROBE_MARGIN) * rates[0]
+        `rates` tokens per second may probe (see BATCH_PROBE_MARGIN): within the margin of what
+        drafting has to beat (BATCH_DRAFT_MARGIN above plain decoding); always for a lone row."""
+        return (rows <= 1 or len(rates) < 2
+                or max(rates[1:]) >= (1 - BATCH_PROBE_MARGIN) * (1 + BATCH_DRAFT_MARGIN) * rates[0])
 
     def _lookup_option(self, batch: DecodeBatch, plan: list[list[int]], to_beat: float) -> list[int] | None:
         """Per row verify lengths of a step without a draft pass, where the rows with an n-gram

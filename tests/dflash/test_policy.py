@@ -130,9 +130,10 @@ def test_adaptive_policy_probes_while_plain_decoding_wins() -> None:
 
 
 def test_a_batch_probes_only_while_drafting_comes_close_to_plain_decoding() -> None:
-    """A batch of several rows whose best drafting size is expected far below plain decoding
-    (here 1 + a tokens a row for 2x a plain step) never probes; one within BATCH_PROBE_MARGIN
-    does, and so does a lone row however far drafting is."""
+    """A batch of several rows whose best drafting size is expected far below what drafting has
+    to beat (BATCH_DRAFT_MARGIN above plain decoding; here 1 + a tokens a row for 2x a plain
+    step) never probes; one within BATCH_PROBE_MARGIN of it does, and so does a lone row however
+    far drafting is."""
     from blockspec.dflash import policy as adaptive
 
     def probes(rows: int, rate: float) -> list[int]:
@@ -144,11 +145,12 @@ def test_a_batch_probes_only_while_drafting_comes_close_to_plain_decoding() -> N
         policy = AdaptiveBlock(8, costs=costs, probe_every=4)
         return [i for i in range(1, 41) if policy.choose(batch) > 1]
 
-    assert adaptive.BATCH_PROBE_MARGIN == 0.1
+    assert adaptive.BATCH_PROBE_MARGIN == 0.1 and adaptive.BATCH_DRAFT_MARGIN == 0.1
     assert probes(8, 0.6) == []  # 1.6 / 2 = 0.8 of plain decoding
-    assert probes(8, 0.85) == [4, 12, 28]  # 0.925 of it: within the margin, the usual back-off
+    assert probes(8, 0.85) == []  # 0.925 of it: outside the margin of the 1.1 drafting has to beat
+    assert probes(8, 0.99) == [4, 12, 28]  # 0.995 of it: within the margin, the usual back-off
     assert probes(1, 0.0) == [4, 12, 28]  # a lone row probes whatever the estimate
-    assert AdaptiveBlock.probe_may_pay(8, [1.0, 0.9, 0.5]) and not AdaptiveBlock.probe_may_pay(8, [1.0, 0.89, 0.5])
+    assert AdaptiveBlock.probe_may_pay(8, [1.0, 0.995, 0.5]) and not AdaptiveBlock.probe_may_pay(8, [1.0, 0.985, 0.5])
     costs = CostModel(max_block=8)
     costs.set(8, [1.0, 2.0] + [10.0] * 6)
     costs.use_threads(2)
@@ -178,6 +180,57 @@ def test_a_batch_probes_only_while_drafting_comes_close_to_plain_decoding() -> N
     assert costs.cost(8, 2) == pytest.approx(2.4) and costs.least_table(8)[:2] == pytest.approx([1.0, 1.2])
     costs.observe(8, 1, 3.0)  # plain decoding slowed too: the whole machine did
     assert costs.cost(8, 1) > 1.0 and costs.least_table(8)[1] == pytest.approx(1.2 * costs.cost(8, 1))
+
+
+def test_a_batch_drafts_only_where_drafting_beats_plain_decoding_by_the_margin() -> None:
+    """A batch of several rows drafts where its best drafting size is expected to commit at least
+    (1 + BATCH_DRAFT_MARGIN) times plain decoding's tokens per second; a lone row wherever drafting
+    wins at all. Block 2 costs 1.6 plain steps and commits 1 + a tokens a row."""
+    from blockspec.dflash import policy as adaptive
+
+    def choice(rows: int, rate: float) -> int:
+        costs = CostModel(max_block=8)
+        costs.set(rows, [1.0, 1.6] + [10.0] * 6)
+        costs.observe(rows, 2, 1.6)
+        row = SimpleNamespace(remaining=100, acceptance_rates=lambda prior, lookup=False: [rate] * 7)
+        batch = SimpleNamespace(drafter=object(), argmax_only=True, rows=[row] * rows, lookup_plan=lambda: [[]] * rows)
+        policy = AdaptiveBlock(8, costs=costs, probe_every=1000)
+        return max(policy.choose(batch) for _ in range(3))  # where drafting wins, a plain check runs first
+
+    assert adaptive.BATCH_DRAFT_MARGIN == 0.1
+    assert choice(8, 0.68) == 1 and choice(1, 0.68) == 2  # 1.05x plain decoding: a lone row's gain only
+    assert choice(8, 0.78) == 2 and choice(1, 0.78) == 2  # 1.11x: a batch drafts too
+    assert choice(8, 0.5) == 1 and choice(1, 0.5) == 1  # 0.94x: neither
+
+
+def test_a_batch_priced_far_from_drafting_holds_plain_steps_without_working_the_choice_out() -> None:
+    """Where a batch of several rows neither drafts nor may probe, its next PLAIN_HOLD - 1 choices
+    are plain without the rows' expectations being worked out again; a change of rows ends the
+    hold, and a lone row never holds."""
+    from blockspec.dflash import policy as adaptive
+
+    def run(rows: int, steps: int, change_at: int | None = None) -> tuple[list[int], int]:
+        costs = CostModel(max_block=8)
+        costs.set(rows, [1.0, 2.0] + [10.0] * 6)
+        costs.observe(rows, 2, 2.0)  # drafting measured: the probe gate applies
+        row = SimpleNamespace(remaining=100, acceptance_rates=lambda prior, lookup=False: [0.3] * 7)
+        batch = SimpleNamespace(drafter=object(), argmax_only=True, rows=[row] * rows, lookup_plan=lambda: [[]] * rows)
+        policy = AdaptiveBlock(8, costs=costs, probe_every=4)
+        worked = []
+        expected = policy.expected
+        policy.expected = lambda *a: worked.append(1) or expected(*a)
+        out = []
+        for i in range(steps):
+            if i == change_at:
+                batch.rows = [SimpleNamespace(**vars(row)) for _ in range(rows)]  # rows left and joined
+            out.append(policy.choose(batch))
+        return out, len(worked)
+
+    assert adaptive.PLAIN_HOLD == 8
+    assert run(8, 20) == ([1] * 20, 3)  # worked out at steps 0, 8 and 16
+    assert run(8, 20, change_at=2) == ([1] * 20, 4)  # 0, 2 (new rows), 10, 18
+    choices, worked = run(1, 20)
+    assert worked == 20 and choices.count(1) < 20  # a lone row works every step out, and probes
 
 
 def test_adaptive_probes_cost_at_most_their_share_of_plain_decoding(monkeypatch: pytest.MonkeyPatch) -> None:
