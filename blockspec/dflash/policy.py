@@ -101,8 +101,10 @@ BATCH_PROBE_MARGIN = 0.1
 # step costs are known to about 10%, while the gain a drafting step can offer a batch on a CPU
 # is a few per cent: at concurrency 8 the chosen block-2 steps were expected to gain 3-7% and
 # lost 8-10% against plain steps (BENCHMARKS.md, "Concurrency 8 and 16"). A lone row's gains
-# are several times that margin, so it keeps the plain comparison.
+# are several times that margin, and two rows' still paid (+5% at concurrency 2, where the
+# margin forwent them), so batches of fewer than MARGIN_ROWS rows keep the plain comparison.
 BATCH_DRAFT_MARGIN = 0.1
+MARGIN_ROWS = 3
 # Where a batch of several rows found even drafting's least costs short of what it has to beat
 # (so it neither drafts nor probes), its next PLAIN_HOLD - 1 steps are plain without the choice
 # being worked out again, while its rows stay the same. Nothing a plain step does moves the
@@ -385,6 +387,11 @@ class CostModel:
         self._changed()
         for n in seen:
             seen[n] = new if n == block else seen[n] * drift
+
+
+def draft_margin(rows: int) -> float:
+    """By how much a batch of `rows` rows needs drafting to beat plain decoding (BATCH_DRAFT_MARGIN)."""
+    return BATCH_DRAFT_MARGIN if rows >= MARGIN_ROWS else 0.0
 
 
 def at_least(tree: list[float], chain: list[float]) -> list[float]:
@@ -966,7 +973,7 @@ class AdaptiveBlock:
             elif trims:  # its trim decides from the drafts in hand
                 tree = (tree_rates[tree_best - 1] >= (1 - TREE_OFFER_MARGIN) * rates[best - 1]
                         or self._unoffered + 1 >= TREE_OFFER_EVERY)
-        if b > 1 and best > 1 and rates[best - 1] < (1 + BATCH_DRAFT_MARGIN) * rates[0]:
+        if best > 1 and rates[best - 1] < (1 + draft_margin(b)) * rates[0]:
             best = planned = 1
             tree = False
         lookup = self._lookup_option(batch, plan, rates[best - 1])
@@ -1013,9 +1020,9 @@ class AdaptiveBlock:
     def probe_may_pay(rows: int, rates: list[float]) -> bool:
         """Whether a batch of `rows` rows whose block sizes 1..n are expected to commit at most
         `rates` tokens per second may probe (see BATCH_PROBE_MARGIN): within the margin of what
-        drafting has to beat (BATCH_DRAFT_MARGIN above plain decoding); always for a lone row."""
+        drafting has to beat (`draft_margin` above plain decoding); always for a lone row."""
         return (rows <= 1 or len(rates) < 2
-                or max(rates[1:]) >= (1 - BATCH_PROBE_MARGIN) * (1 + BATCH_DRAFT_MARGIN) * rates[0])
+                or max(rates[1:]) >= (1 - BATCH_PROBE_MARGIN) * (1 + draft_margin(rows)) * rates[0])
 
     def _lookup_option(self, batch: DecodeBatch, plan: list[list[int]], to_beat: float) -> list[int] | None:
         """Per row verify lengths of a step without a draft pass, where the rows with an n-gram

@@ -183,9 +183,9 @@ def test_a_batch_probes_only_while_drafting_comes_close_to_plain_decoding() -> N
 
 
 def test_a_batch_drafts_only_where_drafting_beats_plain_decoding_by_the_margin() -> None:
-    """A batch of several rows drafts where its best drafting size is expected to commit at least
-    (1 + BATCH_DRAFT_MARGIN) times plain decoding's tokens per second; a lone row wherever drafting
-    wins at all. Block 2 costs 1.6 plain steps and commits 1 + a tokens a row."""
+    """A batch of MARGIN_ROWS rows or more drafts where its best drafting size is expected to
+    commit at least (1 + BATCH_DRAFT_MARGIN) times plain decoding's tokens per second; a lone row
+    and two rows wherever drafting wins at all. Block 2 costs 1.6 plain steps and commits 1 + a tokens a row."""
     from blockspec.dflash import policy as adaptive
 
     def choice(rows: int, rate: float) -> int:
@@ -197,8 +197,9 @@ def test_a_batch_drafts_only_where_drafting_beats_plain_decoding_by_the_margin()
         policy = AdaptiveBlock(8, costs=costs, probe_every=1000)
         return max(policy.choose(batch) for _ in range(3))  # where drafting wins, a plain check runs first
 
-    assert adaptive.BATCH_DRAFT_MARGIN == 0.1
-    assert choice(8, 0.68) == 1 and choice(1, 0.68) == 2  # 1.05x plain decoding: a lone row's gain only
+    assert adaptive.BATCH_DRAFT_MARGIN == 0.1 and adaptive.MARGIN_ROWS == 3
+    assert choice(8, 0.68) == 1 and choice(3, 0.68) == 1  # 1.05x plain decoding: not for a batch
+    assert choice(1, 0.68) == 2 and choice(2, 0.68) == 2  # but for a lone row, and two rows
     assert choice(8, 0.78) == 2 and choice(1, 0.78) == 2  # 1.11x: a batch drafts too
     assert choice(8, 0.5) == 1 and choice(1, 0.5) == 1  # 0.94x: neither
 
