@@ -118,6 +118,13 @@ def test_int8_forms_follow_a_changed_weight() -> None:
         drafter.layers[1].self_attn.q_proj.weight.add_(1.0)  # a fused weight: rebuilt with the fusion
     third = static.weights.integer(static.weights.fused())
     assert third is not second and not torch.equal(third.layers[1][0].qs, second.layers[1][0].qs)
+    gate = drafter.layers[0].mlp.gate_proj
+    gate.weight = torch.nn.Parameter(gate.weight.detach() * 3.0)  # a weight replaced, not changed in place
+    fourth = static.weights.integer(static.weights.fused())
+    assert fourth is not third
+    assert torch.equal(static.weights.fused()[0][2][: gate.weight.shape[0]], gate.weight)
+    drafter.layers = torch.nn.ModuleList(list(drafter.layers)[:1])  # the layers replaced
+    assert len(static.weights.fused()) == 1 and len(static.weights.integer(static.weights.fused()).layers) == 1
 
 
 @needs_kernel
