@@ -90,9 +90,13 @@ PROBE_SHARE = 0.05
 # stretch moves it little, and each probe's draft pass catches up on every row's context: at
 # concurrency 8 on a CPU, where drafting was expected at about 0.8 of plain decoding, the probes
 # alone cost about 3% of the run and never found drafting paying (BENCHMARKS.md, "What a plain
-# step carries"). Until then it probes as a lone row always does (a lone row's acceptance swings
-# with its text), since only a real step corrects a calibration that outside load priced wrong;
-# and drafting is priced by `CostModel.least_table` there, so that steps slowed by a burst of
+# step carries"). Until then a batch of fewer than MARGIN_ROWS rows probes as a lone row always
+# does (a lone row's acceptance swings with its text), since only a real step corrects a
+# calibration that outside load priced wrong; a larger one goes by its calibration (timed in
+# interleaved rounds, the fastest of each size), since its probes' block-2 steps commit one or two
+# tokens a row: rows that finish together then finish apart, and every later join prefills fewer
+# prompts and every leave moves a row's cache (concurrency 8, GSM8K: 11 probes cost 3%, 2.5% of it
+# in the joins). Drafting is priced by `CostModel.least_table`, so that steps slowed by a burst of
 # load do not stop the probes that would measure them again.
 BATCH_PROBE_MARGIN = 0.1
 # A batch of several rows drafts only where its best drafting size is expected to commit at least
@@ -988,7 +992,7 @@ class AdaptiveBlock:
             self._probing = self._confirming = True
         elif best == 1 or lookup is not None:  # the drafter sits this step out
             self.plain_streak += 1
-            gate = (b <= 1 or not model.drafting_measured(b)
+            gate = (b <= 1 or (b < MARGIN_ROWS and not model.drafting_measured(b))
                     or self.probe_may_pay(b, [e / c for e, c in zip(expected, model.least_table(b))]))
             if not gate and lookup is None:
                 self._hold = (PLAIN_HOLD - 1, tuple(batch.rows))

@@ -122,11 +122,14 @@ def test_adaptive_policy_probes_while_plain_decoding_wins() -> None:
         rows = [SimpleNamespace(remaining=100, acceptance_rates=lambda prior, lookup=False: [rate] * 7)] * 16
         return SimpleNamespace(drafter=object(), argmax_only=True, rows=rows, lookup_plan=lambda: [[]] * 16)
 
-    # block 2 commits 1.5 tokens a row for 1.6x a plain step: drafting just loses, so the batch
-    # probes, with 2 tokens a row
+    # block 2 commits 1.75 tokens a row for 1.6x a plain step: 1.09x plain decoding, short of the
+    # batch's drafting margin (1.1x) but within its probes' margin, so the batch probes, with 2
+    # tokens a row; at 1.5 tokens a row (0.94x) its calibration keeps it from probing at all
     costs.set(16, [1.0, 1.6] + [10.0] * 6)
     policy = AdaptiveBlock(8, costs=costs, probe_block=3, probe_every=4)
-    assert [policy.choose(batch_of(0.5)) for _ in range(4)] == [1, 1, 1, 2]
+    assert [policy.choose(batch_of(0.75)) for _ in range(4)] == [1, 1, 1, 2]
+    policy = AdaptiveBlock(8, costs=costs, probe_block=3, probe_every=4)
+    assert [policy.choose(batch_of(0.5)) for _ in range(12)] == [1] * 12
 
 
 def test_a_batch_probes_only_while_drafting_comes_close_to_plain_decoding() -> None:
@@ -164,13 +167,18 @@ def test_a_batch_probes_only_while_drafting_comes_close_to_plain_decoding() -> N
     costs.use_threads(2)
     assert costs.drafting_measured(8)
     # drafting costs never measured by a real step (a calibration under outside load may have
-    # priced them wrong): the batch probes, and the probe's repeat measures them
-    busy = CostModel(max_block=8)
-    busy.set(8, [1.0] + [10.0] * 7)
-    row = SimpleNamespace(remaining=100, acceptance_rates=lambda prior, lookup=False: [0.6] * 7)
-    batch = SimpleNamespace(drafter=object(), argmax_only=True, rows=[row] * 8, lookup_plan=lambda: [[]] * 8)
-    policy = AdaptiveBlock(8, costs=busy, probe_every=4)
-    assert [i for i in range(1, 41) if policy.choose(batch) > 1] == [4, 12, 28]
+    # priced them wrong): two rows probe, and the probe's repeat measures them; from MARGIN_ROWS
+    # rows on the calibration decides, as a measurement would
+    def unmeasured(rows: int) -> list[int]:
+        busy = CostModel(max_block=8)
+        busy.set(rows, [1.0] + [10.0] * 7)
+        row = SimpleNamespace(remaining=100, acceptance_rates=lambda prior, lookup=False: [0.6] * 7)
+        batch = SimpleNamespace(drafter=object(), argmax_only=True, rows=[row] * rows, lookup_plan=lambda: [[]] * rows)
+        policy = AdaptiveBlock(8, costs=busy, probe_every=4)
+        return [i for i in range(1, 41) if policy.choose(batch) > 1]
+
+    assert adaptive.MARGIN_ROWS == 3
+    assert unmeasured(2) == [4, 12, 28] and unmeasured(3) == [] and unmeasured(8) == []
     # drafting measured dear (a burst of load) is priced at the least of its measurement and its
     # calibration scaled like plain decoding's cost (which a burst slows alike)
     costs = CostModel(max_block=8)

@@ -12,6 +12,7 @@ from conftest import make_tiny_target
 from blockspec.config import LookupConfig, SamplingParams
 from blockspec.dflash.batch import DecodeBatch, make_row
 from blockspec.dflash.drafter import DFLASH, DFLASH2, new_drafter_for_target
+from blockspec.dflash import policy as policy_module
 from blockspec.dflash.policy import RULES, AdaptiveBlock, CostModel, _counts, expected_by_block
 from blockspec.targets.native import load_native_target
 
@@ -126,7 +127,9 @@ def test_a_batch_whose_policy_never_drafts_runs_no_draft_pass(model, monkeypatch
     batch = _batch(model, prompts, max_new=30)
     counted(batch)
     probing = AdaptiveBlock(4, costs=CostModel(max_block=4), probe_every=2)
-    probing.costs.set(4, [1e-4, 1.0, 1.0, 1.0])  # calibrated only: the batch probes regardless
+    probing.costs.set(4, [1e-4, 1.0, 1.0, 1.0])
+    # calibrated only, and counted as a batch of too few rows to go by its calibration: it probes regardless
+    monkeypatch.setattr(policy_module, "MARGIN_ROWS", 5)
     for _ in range(6):
         probing.step(batch)
     assert passes
