@@ -137,13 +137,30 @@ class EngineRunner:
         self._engines.clear()
 
     def run(self, requests: Sequence[Request], concurrency: int, progress: Progress | None = None) -> list[Output]:
+        started = self.start(requests, concurrency)
+        self._engine(concurrency).run_until_idle(progress)
+        return self.finish(started)
+
+    def start(self, requests: Sequence[Request], concurrency: int) -> tuple:
+        """Submits `requests` to this concurrency's engine without decoding them (`step`, then
+        `finish`): what `run` does in parts, so several runners can step in turn."""
         engine = self._engine(concurrency)
-        start = engine.metrics
-        before = start.block_sizes
         rule = self.sampling_rule
         handles = [engine.submit(list(r.prompt_ids), r.params if rule is None else r.params.with_(sampling_rule=rule))
                    for r in requests]
-        engine.run_until_idle(progress)
+        return engine, engine.metrics, handles
+
+    def step(self, started: tuple) -> tuple[bool, int]:
+        """One engine step of a `start`ed run: (requests still left, requests that ended in it)."""
+        engine = started[0]
+        before = engine.pending
+        left = engine.step_once()
+        return left, before - engine.pending
+
+    def finish(self, started: tuple) -> list[Output]:
+        """The outputs of a `start`ed run once no request is left, and its step and prefill tallies."""
+        engine, start, handles = started
+        before = start.block_sizes
         end = engine.metrics
         after = end.block_sizes
         self.last_block_sizes = {n: c - before.get(n, 0) for n, c in sorted(after.items()) if c > before.get(n, 0)}
@@ -210,6 +227,9 @@ class SuitePlan:
     # the next round, so load from other processes on a shared machine drifts over all runners alike.
     interleave: bool = True
     round_batches: int = 4  # a round is this many times `concurrency` prompts
+    # Within a round, the engine runners (ours) step in turn, one engine step each, every step
+    # timed to its own runner (`run_task_stepped`); False: each runs its share of the round whole.
+    stepped: bool = True
     # "wall": throughput per second of wall-clock time; "cpu": per second of this process's CPU
     # time (steadier on a machine shared with other jobs; pair it with one torch thread).
     clock: str = "wall"
@@ -357,6 +377,58 @@ def _tau(out: Output) -> float | None:
     return None
 
 
+def _turn_requests(samples: Sequence[object], answers: list[list[str]], turn: int, tokenizer: object,
+                   setting: Setting, plan: SuitePlan) -> tuple[list[int], list[Request]]:
+    """The samples that have a turn `turn` and their requests, each after its runner's own
+    earlier answers."""
+    active = [i for i, s in enumerate(samples) if turn < len(s.turns)]
+    prompts = [encode_turn(tokenizer, samples[i].turns, answers[i], turn, setting.thinking) for i in active]
+    requests = [
+        Request(tuple(p), SamplingParams(max_new_tokens=plan.max_new_tokens, temperature=setting.temperature,
+                                         top_p=plan.top_p if setting.temperature > 0 else 1.0,
+                                         seed=_request_seed(plan.seed, str(samples[i].id), turn)),
+                messages=tuple(_messages_for(samples[i].turns, answers[i], turn)),
+                enable_thinking=setting.thinking)
+        for i, p in zip(active, prompts)
+    ]
+    return active, requests
+
+
+def _book(run: RunRecord, runner: Runner, task: str, samples: Sequence[object], tokenizer: object,
+          setting: Setting, concurrency: int, turn: int, active: list[int], requests: list[Request],
+          outputs: list[Output], answers: list[list[str]], seconds: float, plan: SuitePlan) -> None:
+    """Adds one turn's outputs (and `seconds` of the plan's clock) to `run`."""
+    run.wall_s += seconds
+    prefill = getattr(runner, "last_prefill_s", {}).get(plan.clock)
+    run.prefill_s = None if prefill is None or run.prefill_s is None else run.prefill_s + prefill
+    for n, steps in getattr(runner, "last_block_sizes", {}).items():
+        run.block_sizes[n] = run.block_sizes.get(n, 0) + steps
+    for i, req, out in zip(active, requests, outputs):
+        text = _visible(tokenizer, out.token_ids)
+        answers[i].append(text)
+        n = len(out.token_ids)
+        tau = _tau(out)
+        run.records.append(RequestRecord(
+            runner=runner.name, method=runner.method, block_size=runner.block_size, task=task,
+            concurrency=concurrency, temperature=setting.temperature, thinking=setting.thinking,
+            sample_id=str(samples[i].id), turn=turn, prompt_tokens=len(req.prompt_ids), generated_tokens=n,
+            finish_reason=out.finish_reason, latency_s=round(out.latency_s, 6),
+            prefill_s=None if out.prefill_s is None else round(out.prefill_s, 6),
+            tokens_per_s=round(n / out.latency_s, 3) if out.latency_s > 0 else 0.0,
+            steps=out.steps, mean_tau=None if tau is None else round(tau, 4),
+            acceptance_lengths=out.acceptance_lengths, accepted_by_position=out.accepted_by_position,
+            token_ids=list(out.token_ids), text=text, sampling_rule=out.sampling_rule,
+            tree_steps=out.tree_steps, accepted_by_rank=out.accepted_by_rank,
+        ))
+        run.requests += 1
+        run.generated_tokens += n
+
+
+def _new_run(runner: Runner, task: str, setting: Setting, concurrency: int) -> RunRecord:
+    return RunRecord(runner.name, runner.method, runner.block_size, task, concurrency, setting.temperature,
+                     setting.thinking)
+
+
 def run_task(
     runner: Runner,
     task: str,
@@ -371,48 +443,56 @@ def run_task(
     """Runs every turn of every sample through one runner (adding to `into` when given). Turn k+1
     of a conversation is asked after the runner's own turn-k answer (mt-bench), so all turn-k
     requests go first."""
-    run = into or RunRecord(runner.name, runner.method, runner.block_size, task, concurrency,
-                            setting.temperature, setting.thinking)
+    run = into or _new_run(runner, task, setting, concurrency)
     answers: list[list[str]] = [[] for _ in samples]
+    clock = CLOCKS[plan.clock]
     for turn in range(max(len(s.turns) for s in samples)):
-        active = [i for i, s in enumerate(samples) if turn < len(s.turns)]
-        prompts = [encode_turn(tokenizer, samples[i].turns, answers[i], turn, setting.thinking) for i in active]
-        requests = [
-            Request(tuple(p), SamplingParams(max_new_tokens=plan.max_new_tokens, temperature=setting.temperature,
-                                             top_p=plan.top_p if setting.temperature > 0 else 1.0,
-                                             seed=_request_seed(plan.seed, str(samples[i].id), turn)),
-                    messages=tuple(_messages_for(samples[i].turns, answers[i], turn)),
-                    enable_thinking=setting.thinking)
-            for i, p in zip(active, prompts)
-        ]
-        clock = CLOCKS[plan.clock]
+        active, requests = _turn_requests(samples, answers, turn, tokenizer, setting, plan)
         t0 = clock()
         outputs = runner.run(requests, concurrency, progress)
-        run.wall_s += clock() - t0
-        prefill = getattr(runner, "last_prefill_s", {}).get(plan.clock)
-        run.prefill_s = None if prefill is None or run.prefill_s is None else run.prefill_s + prefill
-        for n, steps in getattr(runner, "last_block_sizes", {}).items():
-            run.block_sizes[n] = run.block_sizes.get(n, 0) + steps
-        for i, req, out in zip(active, requests, outputs):
-            text = _visible(tokenizer, out.token_ids)
-            answers[i].append(text)
-            n = len(out.token_ids)
-            tau = _tau(out)
-            run.records.append(RequestRecord(
-                runner=runner.name, method=runner.method, block_size=runner.block_size, task=task,
-                concurrency=concurrency, temperature=setting.temperature, thinking=setting.thinking,
-                sample_id=str(samples[i].id), turn=turn, prompt_tokens=len(req.prompt_ids), generated_tokens=n,
-                finish_reason=out.finish_reason, latency_s=round(out.latency_s, 6),
-                prefill_s=None if out.prefill_s is None else round(out.prefill_s, 6),
-                tokens_per_s=round(n / out.latency_s, 3) if out.latency_s > 0 else 0.0,
-                steps=out.steps, mean_tau=None if tau is None else round(tau, 4),
-                acceptance_lengths=out.acceptance_lengths, accepted_by_position=out.accepted_by_position,
-                token_ids=list(out.token_ids), text=text, sampling_rule=out.sampling_rule,
-                tree_steps=out.tree_steps, accepted_by_rank=out.accepted_by_rank,
-            ))
-            run.requests += 1
-            run.generated_tokens += n
+        _book(run, runner, task, samples, tokenizer, setting, concurrency, turn, active, requests, outputs, answers,
+              clock() - t0, plan)
     return run
+
+
+def run_task_stepped(
+    runners: Sequence[EngineRunner],
+    task: str,
+    samples: Sequence[object],
+    tokenizer: object,
+    setting: Setting,
+    concurrency: int,
+    plan: SuitePlan,
+    progress: Progress | None = None,
+    into: dict[str, RunRecord] | None = None,
+) -> dict[str, RunRecord]:
+    """`run_task` for several engine runners at once, their engines stepping in turn, one step
+    each, every step timed on the plan's clock to its own runner: a machine whose speed drifts
+    (a VM, other jobs) slows all of them alike, where runs one after the other would each get
+    different minutes of it. Each runner's turn k+1 follows its own turn-k answers."""
+    runs = into if into is not None else {r.name: _new_run(r, task, setting, concurrency) for r in runners}
+    answers = {r.name: [[] for _ in samples] for r in runners}
+    clock = CLOCKS[plan.clock]
+    for turn in range(max(len(s.turns) for s in samples)):
+        turns = {r.name: _turn_requests(samples, answers[r.name], turn, tokenizer, setting, plan) for r in runners}
+        started = {r.name: r.start(turns[r.name][1], concurrency) for r in runners}
+        seconds = dict.fromkeys(started, 0.0)
+        busy = list(runners)
+        while busy:
+            for r in list(busy):
+                t0 = clock()
+                left, ended = r.step(started[r.name])
+                seconds[r.name] += clock() - t0
+                if progress is not None and ended:
+                    progress(ended)
+                if not left:
+                    busy.remove(r)
+        for r in runners:
+            active, requests = turns[r.name]
+            outputs = r.finish(started[r.name])
+            _book(runs[r.name], r, task, samples, tokenizer, setting, concurrency, turn, active, requests, outputs,
+                  answers[r.name], seconds[r.name], plan)
+    return runs
 
 
 def count_requests(datasets: dict[str, Sequence[object]]) -> int:
@@ -431,7 +511,8 @@ def run_suite(
 ) -> list[RunRecord]:
     """Every runner over every task, setting and concurrency level. Runners are interleaved per
     round of prompts (see SuitePlan.interleave), the first of each round rotating, so drift of
-    the machine and what one runner leaves behind for the next hit all alike. Batch-1 baselines
+    the machine and what one runner leaves behind for the next hit all alike; within a round
+    the engine runners step in turn (SuitePlan.stepped). Batch-1 baselines
     run once per task and setting, reported at concurrency 1."""
     from tqdm.auto import tqdm
 
@@ -473,7 +554,15 @@ def run_suite(
                     for turn, start in enumerate(range(0, len(samples), step)):
                         # each round starts with the next runner, so none always follows the
                         # same others (their freed memory, their caches' state)
-                        for r in active[turn % len(active):] + active[:turn % len(active)]:
+                        order = active[turn % len(active):] + active[:turn % len(active)]
+                        stepped = [r for r in order if isinstance(r, EngineRunner)] if plan.stepped else []
+                        if len(stepped) > 1:
+                            bar.set_postfix_str(f"{task} c{conc} {len(stepped)} engines in turn {setting.key}")
+                            run_task_stepped(stepped, task, samples[start:start + step], tokenizer, setting, conc,
+                                             plan, bar.update, into={r.name: here[r.name] for r in stepped})
+                        for r in order:
+                            if len(stepped) > 1 and r in stepped:
+                                continue
                             bar.set_postfix_str(f"{task} c{level[r.name]} {r.name} {setting.key}")
                             run_task(r, task, samples[start:start + step], tokenizer, setting, level[r.name],
                                      plan, bar.update, into=here[r.name])

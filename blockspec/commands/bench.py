@@ -145,6 +145,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="time base of tokens/s: wall clock (default) or this process's CPU time "
                              "(for machines shared with other jobs; use with --threads 1)")
+    parser.add_argument("--interleave", choices=("steps", "rounds"), default="steps",
+                        help="how our engine runners share the machine: 'steps' (default) steps their engines in "
+                             "turn, each step timed to its own runner, so a machine whose speed drifts slows all "
+                             "alike; 'rounds' runs each one's share of a round of prompts whole, one after the "
+                             "other (baselines always run so)")
     parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                         help="one uncounted warm-up generation per runner first (default on)")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
@@ -270,7 +275,8 @@ def command_line(args: argparse.Namespace) -> str:
             parts += ["--pld-tokens", str(args.pld_tokens)]
     if args.threads is not None:
         parts += ["--threads", str(args.threads)]
-    parts += ["--clock", args.clock, "--backend", args.backend, "--warmup" if args.warmup else "--no-warmup"]
+    parts += ["--clock", args.clock, "--interleave", args.interleave, "--backend", args.backend,
+              "--warmup" if args.warmup else "--no-warmup"]
     if args.out:
         parts += ["--out", str(args.out)]
     return shlex.join(parts)
@@ -344,7 +350,8 @@ def run(args: argparse.Namespace) -> int:
     thinking = _thinking_modes(args.thinking, pipe.tokenizer, notes)
     settings = tuple(Setting(t, th) for t in args.temperature for th in thinking)
     plan = SuitePlan(concurrency=tuple(args.concurrency), settings=settings, max_new_tokens=args.max_new_tokens,
-                     top_p=args.top_p, seed=args.seed, warmup=args.warmup, clock=args.clock)
+                     top_p=args.top_p, seed=args.seed, warmup=args.warmup, clock=args.clock,
+                     stepped=args.interleave == "steps")
     if args.seed is None and any(t > 0 for t in args.temperature):
         notes.append("sampled requests carry no seed (as chat clients send them): their text varies from run to "
                       "run; --seed N makes it reproducible")

@@ -180,6 +180,22 @@ class Engine:
                 now = self.scheduler.depth + len(self._requests)
             left = now
 
+    def step_once(self) -> bool:
+        """One engine step on the calling thread (an engine made with EngineConfig(own_thread=False)):
+        admits waiting requests and decodes one step; True while requests are left waiting or
+        running. Several engines stepped in turn see the same machine, step by step."""
+        if self.config.own_thread:
+            raise ConfigError("step_once() is for engines made with EngineConfig(own_thread=False)")
+        self.wait_ready()
+        if self.pending:
+            self._tick()
+        return bool(self.pending)
+
+    @property
+    def pending(self) -> int:
+        """Requests waiting or running."""
+        return self.scheduler.depth + len(self._requests)
+
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
