@@ -19,8 +19,10 @@ small probe block (4 tokens for a lone row, 2 for a batch) runs now and then (ba
 exponentially, and never costing more than PROBE_SHARE of the plain decoding time since the
 last probe) to notice when drafting pays again; a probe whose draft pass caught up on the plain
 steps' context runs once more, and that repeat's time is what drafting gets priced by. A batch of
-several rows probes only while drafting is expected within BATCH_PROBE_MARGIN of plain decoding
-(once a real step has measured drafting at its size). The other
+three rows or more drafts only where drafting is expected to beat plain decoding by
+BATCH_DRAFT_MARGIN, and probes only while it comes within BATCH_PROBE_MARGIN of that (by its
+calibration until a real step has measured drafting at its size); where it may not even probe,
+its next plain steps skip the choice (PLAIN_HOLD). The other
 way round, while drafting wins, a plain step runs first and then now and then (also backing off)
 in each batch-size bucket:
 otherwise plain decoding's cost would only ever be the calibration's guess scaled like the
