@@ -170,14 +170,14 @@ class Engine:
             raise ConfigError("run_until_idle() is for engines made with EngineConfig(own_thread=False); "
                               "this one decodes on its own thread: wait on the request handles")
         self.wait_ready()
-        left = self.scheduler.depth + len(self._requests)
+        left = self.pending
         while left:
             self._tick()
-            now = self.scheduler.depth + len(self._requests)
+            now = self.pending
             if on_finished is not None and now < left:
                 on_finished(left - now)
                 # it may have submitted work (a request replacing the one that ended)
-                now = self.scheduler.depth + len(self._requests)
+                now = self.pending
             left = now
 
     def step_once(self) -> bool:
