@@ -104,11 +104,10 @@ class StaticWeights:
 
     def fused(self) -> list[Fused]:
         """Per layer (w_qkv, b_qkv, w_gate_up), current with the module's weights."""
-        layers = self.module.layers
         key = self._versions(self._slots()[0])
         if self._fused is None or self._fused[0] != key:
             fused = []
-            for layer in layers:
+            for layer in self.module.layers:
                 a, mlp = layer.self_attn, layer.mlp
                 projs = (a.q_proj, a.k_proj, a.v_proj)
                 w_qkv = torch.cat([p.weight.detach() for p in projs])
