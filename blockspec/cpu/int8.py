@@ -10,7 +10,8 @@ speculative decoding in this mode equals this mode's own plain decoding.
 Weights: a matrix a Q4_1 / Q8_0 GGUF left (cpu/packed_weights.py's PackedWeight) is multiplied as
 its GGUF levels and scales, so its weights are exactly the exact mode's; any other fp32 matrix is
 quantised to Q8_0's form here (`quantize_weight`), which changes its values (the mode is then
-only what its user asked for).
+only what its user asked for). Scales are held as fp16 numbers, as a GGUF holds them: a one-row
+product is bound by the memory, and fp32 scales made a 4-bit weight 0.75 bytes against 0.625.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ class Int8Weight(QuantisedRows):
     """A [out, in] matrix as the integer kernels read it (int8.c's layout): rows in groups of 16
     (G = out / 16 rounded up, zero padded), block by block. bits 4: qs [G, nb, 256] uint8 (GGUF
     Q4_1's nibbles, 4 bytes of each of 16 rows in turn), weight m + d q; bits 8: qs [G, nb, 512]
-    int8 (4 values of each of 16 rows in turn), weight d q. d [G, nb, 16] fp32 (nb = in / 32);
-    m [G, nb, 16] fp32 (bits 4), else None. `source`: the model weight's identity when made
+    int8 (4 values of each of 16 rows in turn), weight d q. d [G, nb, 16] fp16 (nb = in / 32);
+    m [G, nb, 16] fp16 (bits 4), else None. `source`: the model weight's identity when made
     (packed_weights.identity)."""
 
     bits: int
@@ -48,13 +49,13 @@ class Int8Weight(QuantisedRows):
         nb = self.d.shape[1] if self.d.dim() == 3 else -1
         ok = (self.bits in (4, 8) and self.out > 0 and self.qs.dtype == (torch.uint8 if self.bits == 4 else torch.int8)
               and self.qs.shape == (groups, nb, GROUP * BLOCK * self.bits // 8) and self.qs.is_contiguous()
-              and self.d.dtype == torch.float32 and self.d.shape == (groups, nb, GROUP) and self.d.is_contiguous())
+              and self.d.dtype == torch.float16 and self.d.shape == (groups, nb, GROUP) and self.d.is_contiguous())
         if self.bits == 4:
-            ok = ok and self.m is not None and self.m.shape == self.d.shape and self.m.dtype == torch.float32 \
+            ok = ok and self.m is not None and self.m.shape == self.d.shape and self.m.dtype == torch.float16 \
                 and self.m.is_contiguous()
         if not ok:
-            raise ValueError(f"an Int8Weight needs bits 4 (qs uint8 [G, nb, 256], m fp32 [G, nb, 16]) or 8 (qs int8 "
-                             f"[G, nb, 512]) with d fp32 [G, nb, 16], G = out / 16 rounded up; got bits={self.bits}, "
+            raise ValueError(f"an Int8Weight needs bits 4 (qs uint8 [G, nb, 256], m fp16 [G, nb, 16]) or 8 (qs int8 "
+                             f"[G, nb, 512]) with d fp16 [G, nb, 16], G = out / 16 rounded up; got bits={self.bits}, "
                              f"out={self.out}, qs {self.qs.dtype} {tuple(self.qs.shape)}, d {tuple(self.d.shape)}")
 
     @property
@@ -72,16 +73,19 @@ class Int8Weight(QuantisedRows):
         return q.reshape(out, n_in).to(torch.int16)
 
     def scales(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(d [out, nb], m [out, nb] or None): each block's scale and (4 bits) minimum."""
+        """(d [out, nb], m [out, nb] or None) fp32: each block's scale and (4 bits) minimum."""
         def rows(t: torch.Tensor) -> torch.Tensor:
-            return t.permute(0, 2, 1).reshape(-1, t.shape[1])[: self.out]
+            return t.permute(0, 2, 1).reshape(-1, t.shape[1])[: self.out].float()
         return rows(self.d), None if self.m is None else rows(self.m)
 
 
 def interleave(bits: int, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, source: tuple[int, int],
                exact: bool = True) -> Int8Weight:
     """An Int8Weight from row-major values: qs [out, in / 2] uint8 (bits 4, GGUF Q4's byte order)
-    or [out, in] int8 (bits 8), d and m [out, in / 32] fp32 (m for bits 4 only)."""
+    or [out, in] int8 (bits 8), d and m [out, in / 32] (m for bits 4 only), each an fp16 number
+    (`fp16_exact`; ValueError otherwise)."""
+    if not all(fp16_exact(t) for t in (d, m) if t is not None):
+        raise ValueError("an Int8Weight's scales must be fp16 numbers (int8.c reads them as fp16)")
     out, nb = d.shape
     groups = -(-out // GROUP)
     pad = groups * GROUP - out
@@ -91,7 +95,7 @@ def interleave(bits: int, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | N
         return t.view(groups, GROUP, *t.shape[1:])
 
     def lanes(t: torch.Tensor) -> torch.Tensor:  # [out, nb] -> [G, nb, 16]
-        return grouped(t.float()).permute(0, 2, 1).contiguous()
+        return grouped(t.half()).permute(0, 2, 1).contiguous()
 
     per = qs.shape[1] // nb  # bytes of a row's block: 16 (4 bits) or 32
     words = qs.contiguous().view(torch.int32).view(out, nb, per // 4)  # 4 bytes of a row moved as one
@@ -99,23 +103,35 @@ def interleave(bits: int, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | N
     return Int8Weight(bits, out, q, lanes(d), None if m is None else lanes(m), source, exact)
 
 
+def fp16_exact(t: torch.Tensor) -> bool:
+    """Whether every value of `t` is an fp16 number (so fp16 storage keeps it exactly)."""
+    return bool(torch.equal(t.half().to(t.dtype), t))
+
+
 def from_packed(packed: PackedWeight) -> Int8Weight | None:
     """The integer form of an fp32 matrix packed from a GGUF's Q4_1 / Q8_0 values (the same
-    levels and scales), or None for a bf16 model's packed copy."""
-    if packed.dtype != torch.float32:
+    levels and scales), or None for a bf16 model's packed copy or a 4-bit form whose block minima
+    are not fp16 numbers (GGUF's are; a matrix packed from other values may not be)."""
+    if packed.dtype != torch.float32 or not fp16_exact(packed.sc):
         return None
     return interleave(packed.bits, packed.qs, packed.sc[..., 0], packed.sc[..., 1] if packed.bits == 4 else None,
                       packed.source)
 
 
 def quantize_weight(weight: torch.Tensor) -> Int8Weight | None:
-    """An fp32 [out, in] CPU matrix in Q8_0's form (per block of 32: d = max |w| / 127, q = w / d
-    rounded), for a model without GGUF values asked to run in int8; None where `in` is not a
-    multiple of 32 or the weight is not fp32 on the CPU."""
+    """An fp32 [out, in] CPU matrix in Q8_0's form (per block of 32: d = max |w| / 127 rounded to
+    fp16, as Q8_0 stores it, q = w / d rounded and clamped to [-127, 127]), for a model without GGUF
+    values asked to run in int8; None where `in` is not a multiple of 32, the weight is not fp32 on
+    the CPU, or a scale is past fp16's range."""
     if weight.dtype != torch.float32 or weight.dim() != 2 or weight.device.type != "cpu" or weight.shape[1] % BLOCK:
         return None
-    q, d, _ = quantize_rows(weight.detach())
-    return interleave(8, q.to(torch.int8), d, None, identity(weight), exact=False)
+    out, n_in = weight.shape
+    wb = weight.detach().reshape(out, n_in // BLOCK, BLOCK)
+    d = (wb.abs().amax(-1) / 127).half().float()  # [out, nb]
+    if not bool(torch.isfinite(d).all()):
+        return None
+    q = torch.where(d[..., None] > 0, (wb / d[..., None]).round().clamp(-127, 127), torch.zeros(()))
+    return interleave(8, q.reshape(out, n_in).to(torch.int8), d, None, identity(weight), exact=False)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -4,6 +4,7 @@ batch and on any thread split."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -22,8 +23,8 @@ needs_kernel = pytest.mark.skipif(kernels.kernel() is None, reason="the native C
 TESTS = Path(__file__).resolve().parents[1]
 
 
-def _weight(kind: str, out: int, width: int, seed: int) -> tuple[torch.Tensor, int8.Int8Weight]:
-    w = gguf_round_trip(torch.randn(out, width, generator=torch.Generator().manual_seed(seed)) * 0.05, kind)
+def _weight(kind: str, out: int, width: int, seed: int, scale: float = 0.05) -> tuple[torch.Tensor, int8.Int8Weight]:
+    w = gguf_round_trip(torch.randn(out, width, generator=torch.Generator().manual_seed(seed)) * scale, kind)
     iw = int8.from_packed(pack(w))
     assert iw is not None and iw.bits == (4 if kind == "Q4_1" else 8) and iw.exact
     return w, iw
@@ -54,6 +55,40 @@ def test_weights_become_the_integer_form_of_their_gguf_values() -> None:
     assert int8.quantize_weight(torch.randn(4, 64).double()) is None
     with pytest.raises(ValueError, match="Int8Weight needs"):
         int8.Int8Weight(4, 5, iw.qs, iw.d, None, iw.source)
+
+
+def test_scales_are_held_as_fp16_numbers_without_changing_a_weight() -> None:
+    # a GGUF holds d and m as fp16: stored so, a 4-bit weight streams 0.625 bytes, not 0.75
+    w, iw = _weight("Q4_1", 64, 576, seed=3)
+    assert iw.d.dtype == iw.m.dtype == torch.float16
+    assert (iw.qs.numel() + 2 * (iw.d.numel() + iw.m.numel())) / w.numel() == 0.625
+    d, m = iw.scales()
+    assert d.dtype == torch.float32
+    assert torch.equal((m[:, :, None] + d[:, :, None] * iw.levels().float().view(64, 18, 32)).reshape(64, 576), w)
+    # Q8_0's form of other matrices rounds d to fp16 first, as Q8_0 does, and q stays within +-127
+    x = torch.randn(8, 64) * torch.logspace(-6, 3, 8)[:, None]
+    q8 = int8.quantize_weight(x)
+    assert q8.d.dtype == torch.float16 and q8.levels().abs().max() <= 127
+    assert (q8.scales()[0][:, :, None] * q8.levels().float().view(8, 2, 32) - x.view(8, 2, 32)).abs().max() \
+        <= 0.51 * q8.scales()[0].max() + 1e-3 * x.abs().max()
+    assert int8.quantize_weight(torch.full((2, 32), 1e7)) is None  # a scale past fp16's range
+    # a 4-bit form whose block minima are not fp16 numbers has no integer form (and is quantised instead)
+    packed = pack(w)
+    bent = dataclasses.replace(packed, sc=packed.sc * torch.tensor([1.0, 1 + 2.0 ** -20]))
+    assert int8.from_packed(bent) is None
+    with pytest.raises(ValueError, match="fp16 numbers"):
+        int8.interleave(8, torch.zeros(2, 32, dtype=torch.int8), torch.full((2, 1), 0.1), None, (0, 0))
+
+
+@needs_kernel
+def test_subnormal_fp16_scales_widen_exactly() -> None:
+    # weights of ~1e-5: their blocks' d are fp16 subnormals, which each path widens to fp32 exactly
+    for kind in ("Q4_1", "Q8_0"):
+        _, iw = _weight(kind, 37, 96, seed=7, scale=2e-5)
+        d = iw.scales()[0]
+        assert bool(((d > 0) & (d < 2.0 ** -14)).any())  # subnormal in fp16
+        x = torch.randn(5, 96, generator=torch.Generator().manual_seed(1))
+        assert torch.equal(int8.int8_linear(x, iw), int8.reference_product(x, iw))
 
 
 @needs_kernel
@@ -130,8 +165,9 @@ from test_int8 import _weight
 from blockspec.cpu import int8
 out = {"path": int8.int8_path(), "equal": []}
 for kind in ("Q4_1", "Q8_0"):
-    for width, rows, outs in ((96, 1, 37), (576, 6, 37), (1568, 9, 37), (64, 17, 37), (1568, 19, 700)):
-        _, iw = _weight(kind, outs, width, seed=width)
+    for width, rows, outs, scale in ((96, 1, 37, 0.05), (576, 6, 37, 0.05), (1568, 9, 37, 0.05), (64, 17, 37, 0.05),
+                                     (1568, 19, 700, 0.05), (96, 3, 37, 2e-5)):  # the last: subnormal fp16 scales
+        _, iw = _weight(kind, outs, width, seed=width, scale=scale)
         x = torch.randn(rows, width, generator=torch.Generator().manual_seed(rows))
         b = torch.randn(outs)
         y = int8.int8_linear(x, iw, b)
@@ -151,7 +187,7 @@ def test_forced_narrower_paths_have_the_same_arithmetic(flags: str, path: str) -
     run = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
-    assert out["path"] == path and out["equal"] == [True] * 10
+    assert out["path"] == path and out["equal"] == [True] * 12
 
 
 def test_without_a_kernel_the_emulation_runs(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -29,7 +29,9 @@
  * - 4-bit qs [groups, nb, 4, 16, 4] uint8: [g, b, k, r, t] is byte 4k + t of row 16g + r's block b
  *   in GGUF's Q4 order (input 4k + t in its low nibble, input 16 + 4k + t in its high one);
  * - 8-bit qs [groups, nb, 8, 16, 4] int8: [g, b, k, r, t] is input 32b + 4k + t of row 16g + r;
- * - wd [groups, nb, 16] the blocks' d, wm [groups, nb, 16] (4-bit only) the blocks' m.
+ * - wd [groups, nb, 16] the blocks' d, wm [groups, nb, 16] (4-bit only) the blocks' m, as fp16 numbers (GGUF
+ *   stores them so; widened to fp32 exactly): 0.625 bytes a 4-bit weight, where fp32 scales took 0.75 and
+ *   a one-row product streams its weights at the memory's pace.
  */
 #include <omp.h>
 #include <stdlib.h>
@@ -241,8 +243,8 @@ typedef struct {
 
 /* the MR rows of tile t against one group of 16 weight rows: columns j..j + 16 of y (`valid` of
  * them real), rows MR_MAX t.. */
-static inline __attribute__((always_inline)) void tile_int8(qrows x, int64_t t, const uint8_t *gq, const float *gd,
-                                                            const float *gm, const float *bias, const float *res,
+static inline __attribute__((always_inline)) void tile_int8(qrows x, int64_t t, const uint8_t *gq, const uint16_t *gd,
+                                                            const uint16_t *gm, const float *bias, const float *res,
                                                             float *y, int64_t ldy, int64_t j, int valid, const int MR,
                                                             const int bits) {
     const int64_t nb = x.nb, wstride = bits == 4 ? 256 : 512;
@@ -255,7 +257,7 @@ static inline __attribute__((always_inline)) void tile_int8(qrows x, int64_t t, 
     for (int64_t b = 0; b < nb; b++) {
         i16 sum[MR_MAX];
         block_sums(sum, gq + wstride * b, xq + b * MR_MAX * 32, xc + b * MR_MAX, MR, bits);
-        const v16 dw = load16(gd + GROUP * b);
+        const v16 dw = load16h(gd + GROUP * b);
 #pragma GCC unroll 8
         for (int r = 0; r < MR; r++)
             acc[r] = acc[r] + (dw * xd[b * MR_MAX + r]) * __builtin_convertvector(sum[r], v16);
@@ -265,7 +267,7 @@ static inline __attribute__((always_inline)) void tile_int8(qrows x, int64_t t, 
 #pragma GCC unroll 8
         for (int r = 0; r < MR; r++) ms[r] = (v16){0};
         for (int64_t b = 0; b < nb; b++) {
-            const v16 m = load16(gm + GROUP * b);
+            const v16 m = load16h(gm + GROUP * b);
 #pragma GCC unroll 8
             for (int r = 0; r < MR; r++) ms[r] = ms[r] + m * xs[b * MR_MAX + r];
         }
@@ -292,12 +294,12 @@ static inline __attribute__((always_inline)) void tile_int8(qrows x, int64_t t, 
 
 /* rows of x tile t against group g of the weight rows */
 static inline __attribute__((always_inline)) void group_tile(qrows rows, int64_t g, int64_t t, int64_t n,
-                                                             const uint8_t *qs, const float *wd, const float *wm,
+                                                             const uint8_t *qs, const uint16_t *wd, const uint16_t *wm,
                                                              const float *bias, const float *res, float *y,
                                                              int64_t out, const int bits) {
     const int64_t nb = rows.nb;
     const uint8_t *gq = qs + g * nb * (bits == 4 ? 256 : 512);
-    const float *gd = wd + g * nb * GROUP, *gm = wm ? wm + g * nb * GROUP : 0;
+    const uint16_t *gd = wd + g * nb * GROUP, *gm = wm ? wm + g * nb * GROUP : 0;
     const int64_t j = g * GROUP;
     const int valid = out - j < GROUP ? (int)(out - j) : GROUP;
     switch (n - t * MR_MAX < MR_MAX ? n - t * MR_MAX : MR_MAX) {
@@ -323,11 +325,11 @@ static inline __attribute__((always_inline)) void group_tile(qrows rows, int64_t
  * gate/up product, the strips ran at half the speed of the others). Which tile and group come when
  * changes no output's arithmetic. */
 static inline __attribute__((always_inline)) void groups_int8(qrows rows, int64_t g0, int64_t g1, int64_t n,
-                                                              const uint8_t *qs, const float *wd, const float *wm,
+                                                              const uint8_t *qs, const uint16_t *wd, const uint16_t *wm,
                                                               const float *bias, const float *res, float *y,
                                                               int64_t out, const int bits) {
     const int64_t tiles = (n + MR_MAX - 1) / MR_MAX;
-    const int64_t group_bytes = rows.nb * (bits == 4 ? 256 + 2 * 4 * GROUP : 512 + 4 * GROUP);
+    const int64_t group_bytes = rows.nb * (bits == 4 ? 256 + 2 * 2 * GROUP : 512 + 2 * GROUP);
     const int64_t panel = PANEL_BYTES / group_bytes > 1 ? PANEL_BYTES / group_bytes : 1;
     for (int64_t p0 = g0; p0 < g1; p0 += panel) {
         const int64_t p1 = g1 - p0 < panel ? g1 : p0 + panel;
@@ -338,8 +340,8 @@ static inline __attribute__((always_inline)) void groups_int8(qrows rows, int64_
 
 /* Returns 0; 1 if `in` is not a multiple of 32, 2 if the quantised rows could not be allocated.
  * Groups of weight rows are split evenly between `threads` OpenMP threads. */
-static inline __attribute__((always_inline)) int int8_matmul(const float *x, const uint8_t *qs, const float *wd,
-                                                             const float *wm, const float *bias, const float *res,
+static inline __attribute__((always_inline)) int int8_matmul(const float *x, const uint8_t *qs, const uint16_t *wd,
+                                                             const uint16_t *wm, const float *bias, const float *res,
                                                              float *y, int64_t n, int64_t in, int64_t out,
                                                              int threads, const int bits) {
     if (in % 32) return 1;
@@ -369,13 +371,13 @@ static inline __attribute__((always_inline)) int int8_matmul(const float *x, con
     return 0;
 }
 
-int bs_int8_matmul_q4(const float *x, const uint8_t *qs, const float *wd, const float *wm, const float *bias,
+int bs_int8_matmul_q4(const float *x, const uint8_t *qs, const uint16_t *wd, const uint16_t *wm, const float *bias,
                       const float *res, float *y, int64_t n, int64_t in, int64_t out, int threads) {
     return int8_matmul(x, qs, wd, wm, bias, res, y, n, in, out, threads, 4);
 }
 
 /* wm: unused (null) */
-int bs_int8_matmul_q8(const float *x, const uint8_t *qs, const float *wd, const float *wm, const float *bias,
+int bs_int8_matmul_q8(const float *x, const uint8_t *qs, const uint16_t *wd, const uint16_t *wm, const float *bias,
                       const float *res, float *y, int64_t n, int64_t in, int64_t out, int threads) {
     (void)wm;
     return int8_matmul(x, qs, wd, 0, bias, res, y, n, in, out, threads, 8);

@@ -18,9 +18,9 @@ int bs_rows_matmul_q4_bf16(const uint16_t *x, const uint8_t *qs, const float *sc
                            int64_t n, int64_t in, int64_t out, int threads);
 int bs_rows_matmul_q8_bf16(const uint16_t *x, const uint8_t *qs, const float *sc, const float *bias, float *y,
                            int64_t n, int64_t in, int64_t out, int threads);
-int bs_int8_matmul_q4(const float *x, const uint8_t *qs, const float *wd, const float *wm, const float *bias,
+int bs_int8_matmul_q4(const float *x, const uint8_t *qs, const uint16_t *wd, const uint16_t *wm, const float *bias,
                       const float *res, float *y, int64_t n, int64_t in, int64_t out, int threads);
-int bs_int8_matmul_q8(const float *x, const uint8_t *qs, const float *wd, const float *wm, const float *bias,
+int bs_int8_matmul_q8(const float *x, const uint8_t *qs, const uint16_t *wd, const uint16_t *wm, const float *bias,
                       const float *res, float *y, int64_t n, int64_t in, int64_t out, int threads);
 int bs_rms_norm(const float *x, const float *w, float *y, int64_t rows, int64_t n, float eps, int threads);
 int bs_rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t rows, int64_t n, float eps,

@@ -76,8 +76,8 @@ int bs_silu_mul_bf16(const uint16_t *gate_up, uint16_t *y, int64_t rows, int64_t
 
 /* One product, described by PRODUCT_FIELDS int64: kind (0: the weight, 4 / 8: its packed copy,
  * rows.c; 20 / 24: an integer product of 4- / 8-bit weights, int8.c, fp32 only), the packed bytes,
- * the packed scales (int8: the blocks' d), the bias (fp32, 0: none), the weight (the model's
- * dtype; int8: the blocks' m of 4-bit weights). y = x . w^T + bias (+ res, may be null), in the model's dtype: fp32 straight
+ * the packed scales (int8: the blocks' d, fp16), the bias (fp32, 0: none), the weight (the model's
+ * dtype; int8: the blocks' m of 4-bit weights, fp16). y = x . w^T + bias (+ res, may be null), in the model's dtype: fp32 straight
  * from the kernel (the residual in the same call); bf16 through acc (fp32 scratch), the product
  * rounded to bf16, then res + product rounded again. A bf16 product of more than packed_max rows
  * reads the weight, not the packed copy (cpu/packed_weights.py). Returns rows.c's code. */
@@ -96,8 +96,8 @@ static int product(const int64_t *p, const void *x, const void *res, void *y, fl
                      : bs_rows_matmul(x, w, bias, y, n, in, out, threads);
         case 4: return bs_rows_matmul_q4(x, qs, sc, bias, r, y, n, in, out, threads);
         case 8: return bs_rows_matmul_q8(x, qs, sc, bias, r, y, n, in, out, threads);
-        case 20: return bs_int8_matmul_q4(x, qs, sc, (const float *)w, bias, r, y, n, in, out, threads);
-        case 24: return bs_int8_matmul_q8(x, qs, sc, 0, bias, r, y, n, in, out, threads);
+        case 20: return bs_int8_matmul_q4(x, qs, (const uint16_t *)sc, (const uint16_t *)w, bias, r, y, n, in, out, threads);
+        case 24: return bs_int8_matmul_q8(x, qs, (const uint16_t *)sc, 0, bias, r, y, n, in, out, threads);
         default: return 3;
         }
     }

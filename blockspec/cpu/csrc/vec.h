@@ -7,7 +7,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#if defined(__AVX512F__) || defined(__FMA__)
+#if defined(__AVX512F__) || defined(__FMA__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -20,6 +20,36 @@ typedef uint32_t u16 __attribute__((vector_size(64)));
 static inline v16 load16(const float *p) {
     v16 v;
     memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* 16 fp16 numbers from p as fp32: exact (every fp16 number, subnormals included, is an fp32 one) */
+static inline v16 load16h(const uint16_t *p) {
+    v16 v;
+#if defined(__AVX512F__)
+    const __m512 f = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+    memcpy(&v, &f, sizeof v);
+#elif defined(__F16C__)
+    const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)),
+                 hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)));
+    memcpy(&v, &lo, sizeof lo);
+    memcpy((char *)&v + sizeof lo, &hi, sizeof hi);
+#else
+    for (int l = 0; l < 16; l++) {
+        const uint32_t h = p[l], sign = (h & 0x8000u) << 16, e = (h >> 10) & 31, m = h & 1023;
+        uint32_t u;
+        if (e == 31) u = sign | 0x7f800000u | (m << 13); /* inf, nan */
+        else if (e) u = sign | ((e + 112) << 23) | (m << 13);
+        else if (!m) u = sign; /* zero */
+        else { /* a subnormal: normalise the mantissa */
+            int k = 0;
+            uint32_t mm = m;
+            while (!(mm & 1024)) mm <<= 1, k++;
+            u = sign | ((uint32_t)(113 - k) << 23) | ((mm & 1023) << 13);
+        }
+        memcpy((char *)&v + 4 * l, &u, 4);
+    }
+#endif
     return v;
 }
 
