@@ -78,6 +78,33 @@ def test_one_call_layer_loop_has_the_python_loops_bits(family: str, gguf: bool, 
     assert all(torch.equal(a, b) for a, b in zip(got_keys, want_keys))
 
 
+def _alternating_growing_passes(target) -> list:
+    """Two caches of 2 rows, stepped in turn, each from a capacity of 4 slots, so their stores grow
+    (new storage) between passes of one program: logits, then every key of both stores."""
+    g = torch.Generator().manual_seed(1)
+    caches = [target.new_cache(2, capacity=4), target.new_cache(2, capacity=4)]
+    out, start = [], [0, 0]
+    for q in (6, 1, 3, 1, 20, 2):
+        for i, cache in enumerate(caches):
+            ids = torch.randint(0, 200, (2, q), generator=g)
+            pos = torch.arange(start[i], start[i] + q)[None].expand(2, q).contiguous()
+            out.append(target.forward(ids, pos, cache, (1,))[0])
+            start[i] += q
+    return out + [k.clone() for cache in caches for k in cache.store.keys]
+
+
+def test_the_program_follows_caches_that_grow_and_take_turns(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the program keeps each store's layer pointers: a store that grew has new ones
+    model = _model("llama", seed=7, gguf=True)
+    fast = load_native_target(model, dtype="float32", eos_token_ids=())
+    got = _alternating_growing_passes(fast)
+    assert fast.net.backend.program is not None
+    slow = load_native_target(model, dtype="float32", eos_token_ids=())
+    _python_loop(monkeypatch)
+    want = _alternating_growing_passes(slow)
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def test_environment_keeps_the_python_loops(monkeypatch: pytest.MonkeyPatch) -> None:
     model = _model("llama", seed=6)
     ids, pos = torch.tensor([[3, 1, 4, 1, 5]]), torch.arange(5)[None]
