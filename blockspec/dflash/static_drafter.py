@@ -226,7 +226,7 @@ class StaticPass:
         t = self.t = ctx_pos.shape[0]
         # context and block tokens, flat: [T + b q], through each layer's K/V projection together
         all_pos = torch.cat([ctx_pos, block_positions.reshape(-1)])
-        cos, sin = (x[0, :, None] for x in m.rotary(all_pos[None], dtype))  # [T + b q, 1, d]
+        cos, sin = (x[0, :, None] for x in m.rotary.below(all_pos[None], dtype, self.horizon))  # [T + b q, 1, d]
         self.cos, self.sin = cos, sin
         self.cos_b, self.sin_b = cos[t:].view(b, q, 1, d), sin[t:].view(b, q, 1, d)
         self.all_rows = torch.cat([ctx_rows, torch.arange(b, device=device).repeat_interleave(q)])

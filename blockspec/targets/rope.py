@@ -31,6 +31,9 @@ def rope_inv_freq(
     return inv_freq.float(), float(scaling)
 
 
+TABLE_MIN = 1024  # positions a first table covers (`Rotary.below`); it doubles as needed
+
+
 class Rotary(nn.Module):
     """cos/sin tables for given absolute positions."""
 
@@ -38,6 +41,8 @@ class Rotary(nn.Module):
         super().__init__()
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.attention_scaling = attention_scaling
+        # dtype -> (what it was built from, cos [n, d], sin [n, d]) for positions 0..n-1 (`below`)
+        self._tables: dict[torch.dtype, tuple[tuple, torch.Tensor, torch.Tensor]] = {}
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [b, n] -> cos, sin [b, n, head_dim]."""
@@ -46,6 +51,22 @@ class Rotary(nn.Module):
         cos = emb.cos() * self.attention_scaling
         sin = emb.sin() * self.attention_scaling
         return cos.to(dtype), sin.to(dtype)
+
+    def below(self, positions: torch.Tensor, dtype: torch.dtype, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`'s cos, sin [.., head_dim] for CPU positions [..] all below `bound`, read
+        from a table of positions 0..n-1 (n >= bound) kept per dtype: the same numbers (each an
+        elementwise function of its own position), in two index operations instead of ten, which
+        took ~0.1 ms of every pass of a small model. Other devices compute them."""
+        if positions.device.type != "cpu" or self.inv_freq.device.type != "cpu":
+            return self.forward(positions, dtype)
+        made_of = (self.inv_freq.data_ptr(), self.inv_freq._version, self.attention_scaling)
+        table = self._tables.get(dtype)
+        if table is None or table[0] != made_of or table[1].shape[0] < bound:
+            n = max(TABLE_MIN, 1 << max(0, bound - 1).bit_length())
+            cos, sin = self.forward(torch.arange(n)[None], dtype)
+            table = self._tables[dtype] = (made_of, cos[0], sin[0])
+        index = positions.clamp_min(0)
+        return table[1][index], table[2][index]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -233,10 +233,10 @@ class NativeLlama(nn.Module):
         rows = torch.arange(b, device=positions.device)[:, None]
         if real is not None:  # rope and the K/V writes of the T real tokens only
             write, rows = write.reshape(-1)[real], torch.div(real, q, rounding_mode="floor")  # [T]
-            cos, sin = self.rotary(positions.reshape(-1)[real][None], dtype)  # [1, T, d]
+            cos, sin = self.rotary.below(positions.reshape(-1)[real][None], dtype, horizon)  # [1, T, d]
             cos, sin = cos[0, :, None], sin[0, :, None]  # [T, 1, d]
         else:
-            cos, sin = self.rotary(positions, dtype)  # [b, q, d]
+            cos, sin = self.rotary.below(positions, dtype, horizon)  # [b, q, d]
             cos, sin = cos[:, :, None], sin[:, :, None]
         return Pass(b, q, positions, real, rows, write, cos, sin, horizon, visible, cache, tree=tree,
                     tree_keys=tree_keys)
