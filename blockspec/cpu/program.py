@@ -13,6 +13,7 @@ ragged passes, resumed passes, causal or windowed draft layers).
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -78,6 +79,10 @@ class LayerProgram:
         # the layers' K/V pointers [2 layers] by (store tensor's address, shape and dtype, byte offset):
         # read from every layer's views at each pass, they took ~0.07 ms of a 4-5 ms step
         self._pointers: dict[tuple, torch.Tensor] = {}
+        # per thread (its ident), the kernel's scratch tensors of the last few shapes (`_scratch`):
+        # allocated at every pass, a verify pass's larger ones came fresh from the system (page
+        # faults at first touch); kept, DFlash ran 1.03x as fast
+        self._scratches: dict[int, dict[tuple, tuple[torch.Tensor, ...]]] = {}
 
     def _key(self) -> tuple[tuple[int, int], ...]:
         # data_ptr too: `module.to()` and `param.data = ...` swap storage without a new version
@@ -153,6 +158,31 @@ class LayerProgram:
                 self._pointers[key] = kv
         return kv
 
+    def _scratch(self, dtype: torch.dtype, t: int, tokens: int, b: int, q: int, hidden: int, width: int, h: int,
+                 kvh: int, d: int, inter: int) -> tuple[torch.Tensor, ...]:
+        """The kernel's scratch tensors for a pass of these sizes (kin, acc, xb, qkv, qs, att, o_in,
+        gate_up, act), kept per calling thread for its last few shapes: a plain step's are the
+        same at every step. Nothing in them outlives a call (the kernel writes before it reads)."""
+        key = (dtype, t, tokens, b, q, hidden, width, h, kvh, d, inter)
+        mine = self._scratches.get(threading.get_ident())
+        if mine is None:
+            if len(self._scratches) >= 8:  # threads come and go (engines, tests): keep the recent ones
+                self._scratches.pop(next(iter(self._scratches)))
+            mine = self._scratches[threading.get_ident()] = {}
+        bufs = mine.get(key)
+        if bufs is None:
+            g = h // kvh
+            acc = torch.empty(max((t + tokens) * width, tokens * 2 * inter, tokens * hidden) if dtype != torch.float32
+                              else 1)
+            bufs = (torch.empty(t + tokens, hidden, dtype=dtype), acc, torch.empty(b, q, hidden, dtype=dtype),
+                    torch.empty(t + tokens, width, dtype=dtype), torch.empty(b, kvh, g * q, d, dtype=dtype),
+                    torch.empty(b, kvh, g * q, d), torch.empty(tokens, h * d, dtype=dtype),
+                    torch.empty(tokens, 2 * inter, dtype=dtype), torch.empty(tokens, inter, dtype=dtype))
+            if len(mine) >= 4:
+                mine.pop(next(iter(mine)))
+            mine[key] = bufs
+        return bufs
+
     def fits(self) -> bool:
         """Whether the weights are still the ones the table was built from (none replaced,
         changed in place or given new storage since `build`)."""
@@ -190,20 +220,12 @@ class LayerProgram:
                 0 if tree is None else tree.shape[-1] - 1]
         assert len(dims) == DIMS  # the order of cpu/csrc/layers.c's D_* values
         dims_t = torch.tensor(dims, dtype=torch.int64)  # named: a temporary would be freed before the call
-        kin = torch.empty(t + tokens, hidden, dtype=dtype)
+        kin, acc, xb, qkv, qs, att, o_in, gate_up, act = self._scratch(dtype, t, tokens, b, q, hidden, width, h, kvh,
+                                                                       d, inter)
         if ctx is not None:
             kin[:t] = ctx
-        acc = torch.empty(max((t + tokens) * width, tokens * 2 * inter, tokens * hidden) if dtype != torch.float32
-                          else 1)
         cap = torch.tensor(capture if capture is not None else [-1] * layers, dtype=torch.int64)
         scal = torch.tensor([*self.eps, scale], dtype=torch.float32)
-
-        def buf(*shape: int, dt: torch.dtype = dtype) -> torch.Tensor:
-            return torch.empty(shape, dtype=dt)
-
-        xb, qkv, qs, att = buf(b, q, hidden), buf(t + tokens, width), buf(b, kvh, g * q, d), buf(
-            b, kvh, g * q, d, dt=torch.float32)
-        o_in, gate_up, act = buf(tokens, h * d), buf(tokens, 2 * inter), buf(tokens, inter)
         rc = (fn.layers if dtype == torch.float32 else fn.layers_bf16)(
             x.data_ptr(), xb.data_ptr(), dims_t.data_ptr(), scal.data_ptr(),
             self.table.data_ptr(), kv.data_ptr(), place.cos.data_ptr(), place.sin.data_ptr(), place.q_rows.data_ptr(),

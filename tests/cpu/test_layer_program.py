@@ -105,6 +105,20 @@ def test_the_program_follows_caches_that_grow_and_take_turns(monkeypatch: pytest
     assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
 
 
+def test_threads_sharing_a_program_keep_their_own_scratch() -> None:
+    # the program keeps its kernel's scratch tensors per thread: two threads stepping their own
+    # caches through one program at once get what one thread gets alone
+    from concurrent.futures import ThreadPoolExecutor
+
+    target = load_native_target(_model("llama", seed=8, gguf=True), dtype="float32", eos_token_ids=())
+    alone = _alternating_growing_passes(target)
+    assert target.net.backend.program is not None
+    with ThreadPoolExecutor(2) as pool:
+        runs = [f.result() for f in [pool.submit(_alternating_growing_passes, target) for _ in range(4)]]
+    assert all(len(r) == len(alone) and all(torch.equal(a, b) for a, b in zip(r, alone)) for r in runs)
+    assert len(target.net.backend.program._scratches) >= 2
+
+
 def test_environment_keeps_the_python_loops(monkeypatch: pytest.MonkeyPatch) -> None:
     model = _model("llama", seed=6)
     ids, pos = torch.tensor([[3, 1, 4, 1, 5]]), torch.arange(5)[None]
