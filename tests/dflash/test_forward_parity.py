@@ -16,7 +16,7 @@ from conftest import make_tiny_target
 from blockspec.cpu import kernels
 from blockspec.cpu.program import LayerProgram
 from blockspec.dflash.drafter import DFLASH2, DFlashDrafter, init_drafter_weights, new_drafter_for_target
-from blockspec.dflash.static_drafter import StaticDrafter, StaticWeights
+from blockspec.dflash.static_drafter import StaticDrafter, StaticPass, StaticWeights
 from blockspec.targets.slots import EMPTY
 
 KINDS = ["bidirectional", "causal", "window-cuts", "window-wide", "sliding-and-full", "dflash2"]
@@ -126,3 +126,31 @@ def test_the_module_forward_with_a_static_cache_is_the_static_drafter() -> None:
         drafter(*args, cache)
     with torch.inference_mode(), pytest.raises(ValueError, match="no attn_mask"):
         other(*args, cache, attn_mask=torch.ones(1, 1, 2, 4, dtype=torch.bool))
+
+
+def test_a_pass_geometry_from_host_lists_is_the_tensor_ones() -> None:
+    # StaticPass works a small pass's geometry out on the host: the same tensors as the tensor
+    # operations give, with padding, context slots the block overwrites (the scratch slot), a lone
+    # EMPTY position (kept, as padding_index keeps it) and no context at all
+    static = StaticDrafter(_drafter("bidirectional"))
+    cache = static.new_cache(3)
+    cache.reserve(40, 64)
+    g = torch.Generator().manual_seed(5)
+    cases = [(torch.tensor([[EMPTY]]), torch.tensor([[3, 4]])), (torch.empty(2, 0, dtype=torch.long),
+                                                                 torch.tensor([[4, 5], [9, 10]]))]
+    for _ in range(30):
+        b, c, q = (int(torch.randint(1, 4, (), generator=g)), int(torch.randint(1, 9, (), generator=g)),
+                   int(torch.randint(1, 6, (), generator=g)))
+        ctx = torch.randint(0, 30, (b, c), generator=g)
+        ctx[torch.rand(b, c, generator=g) < 0.3] = EMPTY
+        start = torch.randint(0, 30, (b, 1), generator=g)
+        cases.append((ctx, start + torch.arange(q)))
+    overlaps = 0
+    for ctx, block in cases:
+        want = StaticPass._geometry(cache, ctx, block)
+        got = StaticPass._host_geometry(cache, ctx, block)
+        assert (got[0] is None) == (want[0] is None)
+        assert want[0] is None or torch.equal(got[0], want[0])
+        assert all(torch.equal(a, w) and a.dtype == w.dtype for a, w in zip(got[1:], want[1:]))
+        overlaps += int((want[3] == cache.scratch).sum())
+    assert overlaps > 0  # some context slots went to the scratch slot
