@@ -130,8 +130,7 @@ def quantize_weight(weight: torch.Tensor) -> Int8Weight | None:
     d = (wb.abs().amax(-1) / 127).half().float()  # [out, nb]
     if not bool(torch.isfinite(d).all()):
         return None
-    q = torch.where(d[..., None] > 0, (wb / d[..., None]).round().clamp(-127, 127), torch.zeros(()))
-    return interleave(8, q.reshape(out, n_in).to(torch.int8), d, None, identity(weight), exact=False)
+    return interleave(8, _levels(wb, d).reshape(out, n_in).to(torch.int8), d, None, identity(weight), exact=False)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -140,8 +139,14 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     n, k = x.shape
     xb = x.reshape(n, k // BLOCK, BLOCK)
     d = xb.abs().amax(-1) / 127
-    q = torch.where(d[..., None] > 0, (xb / d[..., None]).round().clamp(-127, 127), torch.zeros(()))
+    q = _levels(xb, d)
     return q.reshape(n, k), d, d * q.sum(-1)
+
+
+def _levels(xb: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """Blocks xb [.., nb, 32] in steps of d [.., nb]: x / d rounded half to even, clamped to
+    [-127, 127], 0 where d is 0 (fp32 integers)."""
+    return torch.where(d[..., None] > 0, (xb / d[..., None]).round().clamp(-127, 127), torch.zeros(()))
 
 
 def _in_order(t: torch.Tensor) -> torch.Tensor:

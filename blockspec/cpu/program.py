@@ -206,7 +206,6 @@ class LayerProgram:
         tokens = b * q
         t = 0 if ctx is None else ctx.shape[0]
         h, kvh, d = place.heads, place.kv_heads, place.head_dim
-        g = h // kvh
         width = (h + 2 * kvh) * d
         store = cache.store
         k0 = store.keys[0]
