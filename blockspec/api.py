@@ -23,7 +23,7 @@ from blockspec.errors import CheckpointError, ConfigError
 from blockspec.dflash.drafter import DFlashDrafter, load_drafter, new_drafter_for_target, read_drafter_config
 from blockspec.cpu.linear import cpu_bf16_matmul
 from blockspec.targets.base import DTYPES, Target
-from blockspec.dflash.batch import GenerationResult, RequestStats
+from blockspec.dflash.results import GenerationResult, RequestStats
 from blockspec.engine.decoder import SpecDecoder
 from blockspec.dflash.lookup import LookupConfig
 from blockspec.zoo.registry import resolve_target_dir

@@ -195,7 +195,7 @@ class SpecConfig:
     # Compact a batch's KV slots once this fraction of them holds rejected tokens (ragged batches).
     compact_ratio: float = 0.25
     # Choose each step's block size (up to block_size) from measured step costs and acceptance
-    # (dflash/policy.py); the output is the same for any choice.
+    # (dflash/policy/); the output is the same for any choice.
     adaptive: bool = False
     # Propose a row's n-gram lookup continuation instead of the drafted block where its last
     # tokens occurred before (dflash/lookup.py); None drafts every proposal.

@@ -124,7 +124,8 @@ def step_seconds(target: object, drafter: object | None, block: int, batch: int,
                  device: str, seed: int = 0) -> float:
     """Median seconds of one decode step (block 1 without drafter: plain) for `batch` rows that
     each hold `context` tokens; the first steps are warm-up."""
-    from blockspec.dflash.batch import DecodeBatch, make_row
+    from blockspec.dflash.batch import DecodeBatch
+    from blockspec.dflash.row import make_row
 
     vocab = target.info.vocab_size
     g = torch.Generator().manual_seed(seed)

@@ -41,8 +41,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     from blockspec.api import resolve_target_dir
     from blockspec.errors import ConfigError
     from blockspec.dflash.drafter import load_drafter

@@ -57,8 +57,6 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.context < 0:
         raise ConfigError(f"--context must be >= 0 tokens, got {args.context}")
-    import torch
-
     from blockspec.api import load
     from blockspec.text import encode_prompt
     from blockspec.train.data import heldout_prompts

@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from blockspec.config import SamplingParams
 from blockspec.errors import ConfigError
 from blockspec.dflash.drafter import DFlashDrafter, DraftContextCache
 from blockspec.dflash.feature_queue import FeatureQueue
@@ -40,11 +38,13 @@ from blockspec.dflash.proposers import (BatchDraft, BatchProposal, BatchProposer
 from blockspec.dflash.proposers.lookup_override import splice
 from blockspec.dflash.token_tree import TokenTree
 from blockspec.dflash.tree_step import TREE_TOP_K, gather_path, pack_trees, path_stats, propose_tree, tree_offers
-from blockspec.dflash.tree_step import TreeOffer  # noqa: F401 (what a Trim is offered: its callers import it here)
 from blockspec.dflash.tree_verify import TreeAcceptance, keyed_draws, walk
-from blockspec.dflash.constraint import RowMasks, TokenConstraint, cut_block, first_masks, follow, masked
+from blockspec.dflash.constraint import RowMasks, cut_block, first_masks, follow, masked
 from blockspec.cpu.argmax import greedy_ids
 from blockspec.cpu.linear import project
+from blockspec.dflash.results import TokenLogprob
+from blockspec.dflash.row import Row
+from blockspec.dflash.trim import Shape, Trim
 
 # A batch that keeps decoding plainly queues a column of features per step (`FeatureQueue`), and a
 # busy one never empties to drop them (rows leave and join one at a time): the queue's memory, and
@@ -54,106 +54,6 @@ from blockspec.cpu.linear import project
 # pass would have done, done early, once per this many steps, so memory and the backlog's price
 # stay bounded and a batch that drafts within that many steps does no drafter work before it.
 FOLD_COLUMNS = 512
-
-
-@dataclass
-class RequestStats:
-    """Per-request statistics. tau counts committed tokens per decode step (accepted + 1)."""
-
-    prompt_tokens: int = 0
-    acceptance_lengths: list[int] = field(default_factory=list)
-    accepted_by_position: list[int] = field(default_factory=list)
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    block_size: int = 1
-    # Steps that proposed an n-gram lookup continuation, and how often its proposal k was
-    # accepted; accepted_by_position counts the drafter's proposals only.
-    lookup_steps: int = 0
-    lookup_accepted_by_position: list[int] = field(default_factory=list)
-    # How proposals were verified (SamplingParams.rule): "greedy", "keyed" or "standard"; a
-    # sampled row's tree steps accept by the target's keyed draws whatever its rule.
-    sampling_rule: str = "greedy"
-    # Steps that verified a token tree (accepted_by_position counts what their first-choice chain
-    # would have accepted), and per rank among siblings how many accepted nodes had it (0: the
-    # drafter's first choice).
-    tree_steps: int = 0
-    accepted_by_rank: list[int] = field(default_factory=list)
-
-    @property
-    def steps(self) -> int:
-        return len(self.acceptance_lengths)
-
-    @property
-    def mean_tau(self) -> float:
-        return sum(self.acceptance_lengths) / max(1, len(self.acceptance_lengths))
-
-    def tokens_per_s(self, generated: int) -> float:
-        total = self.prefill_s + self.decode_s
-        return generated / total if total > 0 else 0.0
-
-    def as_dict(self, generated: int) -> dict:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "generated_tokens": generated,
-            "block_size": self.block_size,
-            "sampling_rule": self.sampling_rule,
-            "steps": self.steps,
-            "mean_tau": round(self.mean_tau, 4),
-            "acceptance_lengths": list(self.acceptance_lengths),
-            "accepted_by_position": list(self.accepted_by_position),
-            "lookup_steps": self.lookup_steps,
-            "lookup_accepted_by_position": list(self.lookup_accepted_by_position),
-            "tree_steps": self.tree_steps,
-            "accepted_by_rank": list(self.accepted_by_rank),
-            "prefill_s": round(self.prefill_s, 6),
-            "decode_s": round(self.decode_s, 6),
-            "tokens_per_s": round(self.tokens_per_s(generated), 3),
-        }
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """A generated token's log-probability under the target's own distribution (log-softmax of
-    its logits: before temperature, top-k and top-p) and the `top` most likely (id, logprob)."""
-
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
-
-
-@dataclass
-class GenerationResult:
-    """Generated token ids (stop token included when one ended the request) and statistics."""
-
-    token_ids: list[int]
-    finish_reason: str  # "stop" | "length"
-    stats: RequestStats
-    # With capture_layer_ids: target features [prompt + generated, L*H] (CPU, float32), the last
-    # row zero (the last token is never fed to the target); what training uses as context.
-    features: torch.Tensor | None = None
-
-
-RowStopCheck = Callable[[list[int]], int | None]
-# A step's verify length from its drafts: (per row, the peak probability of the draft
-# distribution at each proposal position; per row, how many leading proposals came from n-gram
-# lookup instead) -> tokens to verify, in 1..block: one length for every row, or a list with one
-# per row (a ragged step; the rows' unverified tail is padding, which costs nothing where the
-# target `skips_padding`). It sees the draft distributions only, never the target nor the
-# sampled proposals: whether a sampled proposal is verified must not depend on the proposal
-# itself (verifying only the likely-looking samples would bias the output towards them), and the
-# peaks are fixed before any sample is drawn. Greedy, the peak is the proposal's own probability.
-# Where the step may verify token trees, the trim is also given each row's `TreeOffer` and may
-# answer with a `Shape` that says whether the step verifies trees or chains (a plain length
-# verifies trees there).
-Trim = Callable[..., "int | list[int] | Shape"]
-
-
-@dataclass(frozen=True)
-class Shape:
-    """A trim's answer where trees are offered: the verify length (one, or one per row) and
-    whether the step verifies token trees of those widths (else chains)."""
-
-    lengths: int | list[int]
-    tree: bool
 
 
 @dataclass(frozen=True)
@@ -167,69 +67,6 @@ class NodeTrial:
     rank: int
     p: float | None
     accepted: bool
-
-
-@dataclass
-class Row:
-    """One sequence of a DecodeBatch. `key` is the caller's identity for it."""
-
-    key: object
-    params: SamplingParams
-    stop_ids: frozenset[int]
-    stats: RequestStats
-    stop_check: RowStopCheck | None = None
-    generated: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    new_tokens: list[int] = field(default_factory=list)  # committed by the latest join or step
-    # tries[k]: steps in which proposal k (0-based) was verified with proposals 0..k-1 accepted.
-    tries: list[int] = field(default_factory=list)
-    decode_t0: float = 0.0
-    captured: list[torch.Tensor] | None = None  # feature chunks of fed positions (capture mode)
-    index: TokenIndex | None = None  # prompt + generated, for n-gram lookup proposals
-    lookup_tries: list[int] = field(default_factory=list)  # as `tries`, for lookup proposals
-    # With params.logprobs: one entry per generated token, and those of `new_tokens`.
-    logprobs: list[TokenLogprob] | None = None
-    new_logprobs: list[TokenLogprob] = field(default_factory=list)
-    # The grammar the output must match (dflash/constraint.py), at the committed tokens.
-    constraint: TokenConstraint | None = None
-
-    @property
-    def remaining(self) -> int:
-        return self.params.max_new_tokens - len(self.generated)
-
-    def acceptance_rates(self, priors: Mapping[str, list[float]], weight: float = 4.0, *, lookup: bool = False
-                         ) -> list[float]:
-        """Per-position conditional acceptance estimates of the drafter's proposals (or with
-        lookup=True of lookup proposals), shrunk towards the prior of this row's verification
-        rule (`priors[rule]`: rows of different rules accept sampled proposals unalike)."""
-        prior = priors[self.params.rule]
-        acc = self.stats.lookup_accepted_by_position if lookup else self.stats.accepted_by_position
-        tries = self.lookup_tries if lookup else self.tries
-        return [
-            (acc[k] + weight * prior[k]) / (tries[k] + weight) if k < len(tries) else prior[k]
-            for k in range(len(prior))
-        ]
-
-
-def _stop_ids(params: SamplingParams, eos: tuple[int, ...]) -> frozenset[int]:
-    ids = set(params.stop_token_ids)
-    if not params.ignore_eos:
-        ids.update(eos)
-    return frozenset(ids)
-
-
-def make_row(key: object, prompt_len: int, params: SamplingParams, eos: tuple[int, ...], max_block: int,
-             stop_check: RowStopCheck | None = None, constraint: TokenConstraint | None = None) -> Row:
-    """A Row with fresh statistics for a request of `prompt_len` tokens (`constraint`: a fresh
-    grammar matcher its output must match)."""
-    if params.rule_for(constraint is not None) != params.rule:  # a constrained row stays keyed
-        params = params.with_(sampling_rule=params.rule_for(True))
-    positions = max(0, max_block - 1)
-    stats = RequestStats(prompt_tokens=prompt_len, block_size=max_block, accepted_by_position=[0] * positions,
-                         lookup_accepted_by_position=[0] * positions, sampling_rule=params.rule)
-    return Row(key, params, _stop_ids(params, eos), stats, stop_check, tries=[0] * positions,
-               lookup_tries=[0] * positions, logprobs=[] if params.logprobs is not None else None,
-               constraint=constraint)
 
 
 class DecodeBatch:
@@ -582,7 +419,6 @@ class DecodeBatch:
         drafter's context and everything that reads a step's outputs then follow that path.
         Returns the largest tree's size."""
         rows = self.rows
-        b = len(rows)
         d = self.device
         budgets = [max(0, min(n - 1, self.tree_nodes)) for n in lengths]
         plan = self.lookup_plan() if self.lookup is not None else [[] for _ in rows]

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from blockspec.errors import ConfigError
 from blockspec.targets.slots import EMPTY, SlotTable, gather_slots

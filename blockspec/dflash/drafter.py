@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from blockspec.errors import CheckpointError, ConfigError
+from blockspec.errors import ConfigError
 from blockspec.cpu.argmax import argmax_and_peak, greedy_ids
 from blockspec.cpu.int8 import Int8Weight, int8_linear, quantize_weight
 from blockspec.cpu.linear import linear, project

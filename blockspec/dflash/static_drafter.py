@@ -31,7 +31,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from blockspec.cpu import kernels
 from blockspec.cpu.int8 import Int8Weight, int8_linear, quantize_weight

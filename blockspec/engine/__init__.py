@@ -7,7 +7,7 @@ from blockspec.engine.engine import Engine, EngineConfig
 from blockspec.engine.metrics import EngineMetrics, Histogram
 from blockspec.engine.request import RequestHandle, TokenEvent
 from blockspec.engine.scheduler import QueueFullError
-from blockspec.dflash.batch import GenerationResult, RequestStats
+from blockspec.dflash.results import GenerationResult, RequestStats
 
 __all__ = [
     "Engine",
@@ -22,7 +22,7 @@ __all__ = [
     "TokenEvent",
 ]
 
-# The block-size policy lives in dflash/policy.py; its old names here warn until the next release.
+# The block-size policy lives in dflash/policy/; its old names here warn until the next release.
 _MOVED = ("AdaptiveBlock", "CostModel")
 
 

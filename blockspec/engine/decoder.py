@@ -15,7 +15,7 @@ from dataclasses import replace
 import torch
 
 from blockspec.config import SamplingParams, SpecConfig
-from blockspec.dflash.batch import GenerationResult
+from blockspec.dflash.results import GenerationResult
 from blockspec.dflash.constraint import TokenConstraint
 from blockspec.dflash.drafter import DFlashDrafter
 from blockspec.dflash.policy import AdaptiveBlock

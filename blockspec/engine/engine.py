@@ -32,7 +32,9 @@ import torch
 from blockspec.config import SamplingParams, SpecConfig
 from blockspec.cpu.openmp import release_thread_pool
 from blockspec.cpu.threads import follow_free_cores
-from blockspec.dflash.batch import DecodeBatch, GenerationResult, RequestStats, Row, captured_features, make_row
+from blockspec.dflash.batch import DecodeBatch, captured_features
+from blockspec.dflash.results import GenerationResult, RequestStats
+from blockspec.dflash.row import Row, make_row
 from blockspec.dflash.constraint import TokenConstraint
 from blockspec.dflash.drafter import DFlashDrafter, check_compatible
 from blockspec.dflash.policy import AdaptiveBlock

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from blockspec.config import SamplingParams
-from blockspec.dflash.batch import GenerationResult, RequestStats, TokenLogprob
+from blockspec.dflash.results import GenerationResult, RequestStats, TokenLogprob
 from blockspec.dflash.constraint import TokenConstraint
 from blockspec.errors import ConfigError, ContextLengthError
 from blockspec.targets.base import TargetInfo

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from blockspec.dflash.batch import TokenLogprob, token_logprobs
+from blockspec.dflash.results import TokenLogprob
+from blockspec.dflash.batch import token_logprobs
 from blockspec.targets.base import Target
 
 PROMPT_CHUNK = 128  # positions per pass: [128, 49K] fp32 logits are 25 MB

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from blockspec.dflash.batch import TokenLogprob
+from blockspec.dflash.results import TokenLogprob
 from blockspec.server.logprobs import TokenTexts
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import lru_cache
 
-from blockspec.dflash.batch import TokenLogprob
+from blockspec.dflash.results import TokenLogprob
 
 
 @lru_cache(maxsize=1)

@@ -15,7 +15,9 @@ from support import one_thread, ragged_prompts  # noqa: F401 (fixture)
 from test_dflash2_decode import random_dflash2
 
 from blockspec.config import LookupConfig, SamplingParams
-from blockspec.dflash.batch import DecodeBatch, Shape, make_row
+from blockspec.dflash.batch import DecodeBatch
+from blockspec.dflash.trim import Shape
+from blockspec.dflash.row import make_row
 from blockspec.dflash.drafter import new_drafter_for_target
 from blockspec.dflash.proposers import (BatchDraft, DFlash2WalkProposer, DFlashBlockProposer, Draft, LookupOverride,
                                         SelectorDistributions, SelectorWalkProposer)

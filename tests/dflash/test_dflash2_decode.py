@@ -15,7 +15,8 @@ from conftest import make_tiny_target
 from support import PROMPT, VOCAB, chi2_pvalue, exact_joint, ragged_prompts, reference_greedy, sample_many
 
 from blockspec.config import SamplingParams, SpecConfig
-from blockspec.dflash.batch import DecodeBatch, make_row
+from blockspec.dflash.batch import DecodeBatch
+from blockspec.dflash.row import make_row
 from blockspec.engine.decoder import SpecDecoder
 from blockspec.dflash.drafter import DFLASH2, DFlashDrafter, new_drafter_for_target, save_drafter
 from blockspec.dflash.lookup import LookupConfig

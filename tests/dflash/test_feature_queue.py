@@ -14,7 +14,8 @@ import torch
 from conftest import make_tiny_target
 
 from blockspec.config import LookupConfig, SamplingParams
-from blockspec.dflash.batch import DecodeBatch, make_row
+from blockspec.dflash.batch import DecodeBatch
+from blockspec.dflash.row import make_row
 from blockspec.dflash.drafter import new_drafter_for_target
 from blockspec.dflash.feature_queue import FeatureQueue
 from blockspec.dflash.policy import AdaptiveBlock

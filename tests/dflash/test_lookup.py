@@ -119,7 +119,8 @@ def test_lookup_steps_without_a_draft_pass_equal_plain(backend: str) -> None:
     import random
 
     from blockspec.targets.native import load_native_target
-    from blockspec.dflash.batch import DecodeBatch, make_row
+    from blockspec.dflash.batch import DecodeBatch
+    from blockspec.dflash.row import make_row
 
     model = make_tiny_target("llama", seed=4)
     target = load_native_target(model, dtype=None, eos_token_ids=()) if backend == "native" else HFTarget(model)

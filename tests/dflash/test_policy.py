@@ -137,7 +137,7 @@ def test_a_batch_probes_only_while_drafting_comes_close_to_plain_decoding() -> N
     to beat (BATCH_DRAFT_MARGIN above plain decoding; here 1 + a tokens a row for 2x a plain
     step) never probes; one within BATCH_PROBE_MARGIN of it does, and so does a lone row however
     far drafting is."""
-    from blockspec.dflash import policy as adaptive
+    from blockspec.dflash.policy import adaptive
 
     def probes(rows: int, rate: float) -> list[int]:
         costs = CostModel(max_block=8)
@@ -194,7 +194,7 @@ def test_a_batch_drafts_only_where_drafting_beats_plain_decoding_by_the_margin()
     """A batch of MARGIN_ROWS rows or more drafts where its best drafting size is expected to
     commit at least (1 + BATCH_DRAFT_MARGIN) times plain decoding's tokens per second; a lone row
     and two rows wherever drafting wins at all. Block 2 costs 1.6 plain steps and commits 1 + a tokens a row."""
-    from blockspec.dflash import policy as adaptive
+    from blockspec.dflash.policy import adaptive
 
     def choice(rows: int, rate: float) -> int:
         costs = CostModel(max_block=8)
@@ -216,7 +216,7 @@ def test_a_batch_priced_far_from_drafting_holds_plain_steps_without_working_the_
     """Where a batch of several rows neither drafts nor may probe, its next PLAIN_HOLD - 1 choices
     are plain without the rows' expectations being worked out again; a change of rows ends the
     hold, and a lone row never holds."""
-    from blockspec.dflash import policy as adaptive
+    from blockspec.dflash.policy import adaptive
 
     def run(rows: int, steps: int, change_at: int | None = None) -> tuple[list[int], int]:
         costs = CostModel(max_block=8)
@@ -247,7 +247,7 @@ def test_adaptive_probes_cost_at_most_their_share_of_plain_decoding(monkeypatch:
     context) waits until the plain steps since the last probe took 1 / PROBE_SHARE times its extra
     cost; a cheap one keeps the step back-off alone. Steps run on a fake clock: plain 1 s, probes
     1.2 s or 5 s."""
-    from blockspec.dflash import policy as adaptive
+    from blockspec.dflash.policy import adaptive
 
     clock = SimpleNamespace(t=0.0)
     monkeypatch.setattr(adaptive, "time", SimpleNamespace(perf_counter=lambda: clock.t))
@@ -281,7 +281,7 @@ def test_adaptive_cost_model_leaves_out_draft_passes_that_catch_up(monkeypatch: 
     (`DecodeBatch.caught_up`) costs more than its block size does: its time stays out of the cost
     model (believed, it had priced drafting out for the rest of a run). Fake clock: a step costs
     1 + 0.1 block seconds, 50 when it catches up."""
-    from blockspec.dflash import policy as adaptive
+    from blockspec.dflash.policy import adaptive
 
     clock = SimpleNamespace(t=0.0)
     monkeypatch.setattr(adaptive, "time", SimpleNamespace(perf_counter=lambda: clock.t))
@@ -455,7 +455,7 @@ def test_a_batch_prices_its_drafters_catch_up(monkeypatch: pytest.MonkeyPatch) -
     that joined, a run of plain steps) costs more the longer the backlog. The policy learns what
     a backlog token costs from such steps, and a batch of several rows prices it into drafting
     while its drafter is behind. Fake clock: plain 1 s, block 2 1.5 s, plus 0.01 s a backlog token."""
-    from blockspec.dflash import policy as adaptive
+    from blockspec.dflash.policy import adaptive
 
     clock = SimpleNamespace(t=0.0)
     monkeypatch.setattr(adaptive, "time", SimpleNamespace(perf_counter=lambda: clock.t))

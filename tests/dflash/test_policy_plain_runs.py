@@ -10,10 +10,11 @@ import torch
 from conftest import make_tiny_target
 
 from blockspec.config import LookupConfig, SamplingParams
-from blockspec.dflash.batch import DecodeBatch, make_row
+from blockspec.dflash.batch import DecodeBatch
+from blockspec.dflash.row import make_row
 from blockspec.dflash.drafter import DFLASH, DFLASH2, new_drafter_for_target
-from blockspec.dflash import policy as policy_module
-from blockspec.dflash.policy import RULES, AdaptiveBlock, CostModel, _counts, expected_by_block
+from blockspec.dflash.policy import adaptive as policy_module
+from blockspec.dflash.policy import RULES, AdaptiveBlock, CostModel, acceptance_counts, expected_by_block
 from blockspec.targets.native import load_native_target
 
 
@@ -62,7 +63,7 @@ def test_kept_expectations_equal_fresh_ones_through_drafting_joins_and_retiremen
     for n, block in enumerate([1, 1, 3, 1, 2, 4, 1, 1, 3, 2, 1, 4, 1, 1, 2, 3, 1, 1, 4, 1]):
         if not batch.rows:
             break
-        before = _counts(batch.rows)
+        before = acceptance_counts(batch.rows)
         rows = list(batch.rows)
         batch.step(block)
         if block > 1:

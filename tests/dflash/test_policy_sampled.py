@@ -12,9 +12,10 @@ from scripted import ScriptedDrafter
 from support import PROMPT, VOCAB, chi2_pvalue, exact_joint
 from test_standard_rule import sample_unseeded
 
-import blockspec.dflash.policy as adaptive
+from blockspec.dflash.policy import calibration as calibration_module
 from blockspec.config import SamplingParams, SpecConfig
-from blockspec.dflash.batch import DecodeBatch, make_row
+from blockspec.dflash.batch import DecodeBatch
+from blockspec.dflash.row import make_row
 from blockspec.dflash.drafter import new_drafter_for_target
 from blockspec.dflash.policy import AdaptiveBlock, CostModel, calibrate
 from blockspec.engine import Engine, EngineConfig
@@ -55,7 +56,7 @@ def test_sampled_calibration_times_what_sampled_steps_run(model, monkeypatch: py
     by: dict[str, list[int]] = {"probabilities": [], "shaped": []}
     # the target's side shapes as a step does (`sparse_probs.shaped`), the draft's side densely
     for name in by:
-        monkeypatch.setattr(adaptive, name, lambda logits, *a, f=getattr(adaptive, name), n=name:
+        monkeypatch.setattr(calibration_module, name, lambda logits, *a, f=getattr(calibration_module, name), n=name:
                             (shaped.append(tuple(logits.shape)), by[n].append(logits.shape[1]), f(logits, *a))[-1])
     batch = _batch(model, [SAMPLED])
     greedy = calibrate(batch, 2, 4, rounds=1)
@@ -188,10 +189,10 @@ def test_sampled_steps_are_calibrated_at_chat_shaping(model, monkeypatch: pytest
     temperature 1 a dummy context's nucleus spans far more tokens than real text's does, which
     priced every sampled position, and so the drafting sizes, too high."""
     seen: list[tuple[float, float]] = []
-    probabilities = adaptive.probabilities
-    monkeypatch.setattr(adaptive, "probabilities", lambda logits, t, k, p: (
+    probabilities = calibration_module.probabilities
+    monkeypatch.setattr(calibration_module, "probabilities", lambda logits, t, k, p: (
         seen.append((float(t[0]), float(p[0]))), probabilities(logits, t, k, p))[1])
     calibrate(_batch(model, [SAMPLED]), 1, 4, rounds=1, sampled=True)
-    assert seen and all(t == pytest.approx(adaptive.CALIBRATION_TEMPERATURE) and p == pytest.approx(0.9)
+    assert seen and all(t == pytest.approx(calibration_module.CALIBRATION_TEMPERATURE) and p == pytest.approx(0.9)
                         for t, p in seen)
-    assert adaptive.CALIBRATION_TEMPERATURE < 1
+    assert calibration_module.CALIBRATION_TEMPERATURE < 1

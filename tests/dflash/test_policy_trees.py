@@ -14,7 +14,7 @@ from scripted import RankedDrafter
 from support import one_thread, ragged_prompts, reference_greedy  # noqa: F401 (fixture)
 
 from blockspec.config import SamplingParams, SpecConfig
-from blockspec.dflash.batch import Shape, TreeOffer
+from blockspec.dflash.trim import Shape, TreeOffer
 from blockspec.dflash.node_acceptance import NodeAcceptance, best_tree_expectations
 from blockspec.dflash.policy import AdaptiveBlock, CostModel, tree_expected_by_width
 from blockspec.engine.decoder import SpecDecoder
@@ -141,7 +141,7 @@ def test_a_batch_chooses_trees_by_their_mean_acceptance_and_cost() -> None:
 def test_tree_steps_are_timed_apart_from_chain_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     """A tree step's time goes to the tree costs, a chain step's to the chain costs. Fake clock:
     chain steps 1 + 0.1 n seconds, tree steps 1 + 0.05 n."""
-    from blockspec.dflash import policy as adaptive
+    from blockspec.dflash.policy import adaptive
 
     clock = SimpleNamespace(t=0.0)
     monkeypatch.setattr(adaptive, "time", SimpleNamespace(perf_counter=lambda: clock.t))
@@ -204,7 +204,7 @@ def test_the_policy_with_trees_is_lossless_and_follows_tree_costs(tree_cost: flo
 def test_a_lone_row_is_offered_trees_while_they_come_close() -> None:
     """A trimmed step reads back and ranks its drafter's top choices only while trees promise
     nearly what chains do, and every TREE_OFFER_EVERY drafting steps regardless."""
-    from blockspec.dflash.policy import TREE_OFFER_EVERY
+    from blockspec.dflash.policy.adaptive import TREE_OFFER_EVERY
 
     lone = [_row(0.5)]
     close = AdaptiveBlock(8, costs=_costs(0.05), tree_costs=_costs(0.05), plain_every=1000, challenge_every=1000)

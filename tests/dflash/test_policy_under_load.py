@@ -10,8 +10,9 @@ from types import SimpleNamespace
 import pytest
 
 from blockspec.config import SamplingParams
-from blockspec.dflash import policy as adaptive
-from blockspec.dflash.policy import AdaptiveBlock, CostModel, expected_tokens, interpolate, time_sizes
+from blockspec.dflash.policy import adaptive
+from blockspec.dflash.policy import (AdaptiveBlock, CostModel, calibration_sizes, expected_tokens, interpolate,
+                                     time_sizes)
 
 RATE = 0.7  # every row's drafts are accepted at this rate per position
 ROWS = 2  # a batch of 2: no widening or trimming, so the chosen size is the size run
@@ -84,7 +85,7 @@ def test_policy_drafts_after_a_calibration_hit_by_load(monkeypatch: pytest.Monke
     """The calibration's timings are taken during a burst that slowed the drafting sizes' first
     rounds; the policy still drafts at once, at the best block size."""
     machine = Machine(monkeypatch)
-    sizes = adaptive.calibration_sizes(8)
+    sizes = calibration_sizes(8)
     calls = []
 
     def run(n: int) -> tuple[float, float]:

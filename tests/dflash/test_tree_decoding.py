@@ -16,7 +16,8 @@ from support import one_thread, ragged_prompts, reference_greedy  # noqa: F401 (
 
 from blockspec.config import SamplingParams, SpecConfig
 from blockspec.dflash import batch as batch_module
-from blockspec.dflash.batch import DecodeBatch, Row, make_row
+from blockspec.dflash.batch import DecodeBatch
+from blockspec.dflash.row import Row, make_row
 from blockspec.dflash.drafter import DFLASH2, new_drafter_for_target
 from blockspec.dflash.lookup import LookupConfig
 from blockspec.dflash.tree_verify import TreeAcceptance

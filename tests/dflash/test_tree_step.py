@@ -12,7 +12,9 @@ from scripted import RankedDrafter
 from support import one_thread, ragged_prompts, reference_greedy  # noqa: F401 (fixture)
 
 from blockspec.config import SamplingParams
-from blockspec.dflash.batch import DecodeBatch, Shape, make_row
+from blockspec.dflash.batch import DecodeBatch
+from blockspec.dflash.trim import Shape
+from blockspec.dflash.row import make_row
 from blockspec.dflash.drafter import new_drafter_for_target
 from blockspec.dflash.drafter_config import DFLASH2
 from blockspec.dflash.proposers import BestFirstProposer, Draft, LookupProposer, PositionDistributions

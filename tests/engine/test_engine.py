@@ -153,7 +153,8 @@ def test_adaptive_steps_draft_the_chosen_width_unless_wider_is_cheap(setup) -> N
     """A short adaptive block costs what a fixed short block costs: the drafter sees exactly the
     chosen width, unless a lone row's step can draft wider for next to nothing; then it drafts
     the whole block and verifies what the drafts' confidences earn. The output is the target's."""
-    from blockspec.dflash.batch import DecodeBatch, make_row
+    from blockspec.dflash.batch import DecodeBatch
+    from blockspec.dflash.row import make_row
 
     model, target, prompts, truths = setup
     for costs, n in ((_FixedCosts(max_block=8), 3), (_CheapDrafts(max_block=8), 3), (_CheapDrafts(max_block=8), 1)):
@@ -183,7 +184,8 @@ def test_trimmed_verify_never_changes_the_output(setup) -> None:
     target's own tokens (the native cache must not read the slots past a trimmed block)."""
     import random
 
-    from blockspec.dflash.batch import DecodeBatch, make_row
+    from blockspec.dflash.batch import DecodeBatch
+    from blockspec.dflash.row import make_row
 
     model, target, prompts, truths = setup
     rng = random.Random(0)
@@ -215,7 +217,8 @@ def test_verify_lengths_per_row_never_change_the_output(setup, backend) -> None:
     of its matmuls) and through the Hugging Face adapter."""
     import random
 
-    from blockspec.dflash.batch import DecodeBatch, make_row
+    from blockspec.dflash.batch import DecodeBatch
+    from blockspec.dflash.row import make_row
 
     model, native_target, prompts, truths = setup
     target = native_target if backend == "native" else HFTarget(model)
@@ -243,7 +246,8 @@ def test_verify_lengths_per_row_never_change_the_output(setup, backend) -> None:
 def test_decode_batch_reports_draft_passes_that_catch_up(setup) -> None:
     """`caught_up` after a step: its draft pass read rows that joined since the last one, or the
     context of more than one plain step; not after a plain step or a steady drafting step."""
-    from blockspec.dflash.batch import DecodeBatch, make_row
+    from blockspec.dflash.batch import DecodeBatch
+    from blockspec.dflash.row import make_row
 
     model, target, prompts, _ = setup
     drafter = new_drafter_for_target(model.config, mask_token_id=47, num_layers=1, dtype=torch.float64)
@@ -435,7 +439,8 @@ def test_plain_steps_queue_every_committed_tokens_features_for_the_next_draft(se
     so plain steps, retirements and joins copy nothing): whatever plain steps, retirements and joins happen meanwhile,
     the next draft pass gets each row's features of exactly the tokens it has not seen, in
     order, equal to a full forward's."""
-    from blockspec.dflash.batch import DecodeBatch, make_row
+    from blockspec.dflash.batch import DecodeBatch
+    from blockspec.dflash.row import make_row
     from blockspec.train.features import target_features
 
     model, target, prompts, truths = setup

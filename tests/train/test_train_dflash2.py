@@ -14,7 +14,7 @@ from support import CharTokenizer, one_thread, predictable_target, prompts  # no
 
 from blockspec.config import SamplingParams, SpecConfig
 from blockspec.engine.decoder import SpecDecoder
-from blockspec.dflash.drafter import DFLASH2, load_drafter, new_drafter_for_target, save_drafter
+from blockspec.dflash.drafter import DFLASH2, load_drafter, new_drafter_for_target
 from blockspec.errors import CheckpointError, ConfigError
 from blockspec.train.data import read_examples
 from blockspec.train.datagen import regenerate

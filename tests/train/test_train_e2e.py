@@ -9,15 +9,13 @@ import pytest
 import torch
 
 from blockspec.dflash.drafter import DFlashDrafter, load_drafter
-from blockspec.targets.hf import HFTarget
-from blockspec.train.data import Example, Prompt, read_examples
+from blockspec.train.data import Example, read_examples
 from blockspec.train.datagen import regenerate
 from blockspec.train.evaluate import quick_tau
 from blockspec.errors import ConfigError
 from blockspec.train.trainer import Trainer, TrainConfig, _seed, prepare_sequence, sequence_forward
 from blockspec.train.loss import position_weights
 
-from conftest import make_tiny_target
 from support import CharTokenizer, one_thread, predictable_target, prompts  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")

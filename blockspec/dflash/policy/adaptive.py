@@ -55,26 +55,21 @@ probabilities of its lower-ranked choices promise far more than they are accepte
 
 from __future__ import annotations
 
-import functools
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from operator import add, itemgetter, sub
+from operator import add
 
 import torch
 
-from blockspec.targets.base import greedy_forward, greedy_forward_tree
-from blockspec.targets.slots import EMPTY
-from blockspec.dflash.batch import DecodeBatch, Row, Shape, TreeOffer, Trim
-from blockspec.dflash.proposers import draft_confidence
+from blockspec.dflash.batch import DecodeBatch
+from blockspec.dflash.row import Row
+from blockspec.dflash.trim import Shape, TreeOffer, Trim
 from blockspec.dflash.node_acceptance import RANKS, NodeAcceptance, best_tree_expectations
-from blockspec.dflash.proposers import BestFirstProposer, Draft, PositionDistributions
-from blockspec.dflash.sampling import RowRandom, probabilities
-from blockspec.dflash.sparse_probs import draw, shaped
-from blockspec.dflash.tree_step import TREE_TOP_K, pack_trees, propose_tree
-from blockspec.dflash.tree_verify import keyed_draws
-
+from blockspec.dflash.policy.calibration import calibrate
+from blockspec.dflash.policy.costs import CostModel, at_least, bucket, buckets_up_to, cost_at
+from blockspec.dflash.policy.expectation import (RULES, Acceptance, acceptance_counts, count_growth, expected_by_block,
+                                                 split_lengths, tree_expected_by_width)
 
 MAX_INTERVAL = 256  # steps: the longest back-off of both checks (a probe, a plain step)
 FIRST_TIMING_CAP = 2.0  # a size's first real timing counts for at most this many times its estimate
@@ -137,529 +132,10 @@ GAINS_EVERY = 8  # steps between recomputations of a batch's tree gains (`_tree_
 PAD_SHARE = 0.05
 
 
-RULES = ("greedy", "keyed", "standard")  # SamplingParams.rule
-# The shaping sampled steps are calibrated with: chat clients' usual temperature and top-p. Steps
-# of other shapings correct the calibration as they run (CostModel.observe). Not temperature 1:
-# on the calibration's dummy context that spreads the 0.9 nucleus over ~1,000 tokens, where real
-# text at 0.7 keeps it to a handful, so every verified and drafted position was priced with a
-# sort of a far wider head (`sampling._top_p`) and the drafting sizes came out dearer per token
-# than sampled steps really are.
-CALIBRATION_TEMPERATURE = 0.7
-CALIBRATION_TOP_P = 0.9
-
-
-@dataclass
-class Acceptance:
-    """Batch-wide acceptance counts of one verification rule: how often proposal k (drafted, or
-    looked up) was accepted, of the times it was verified with proposals 0..k-1 accepted."""
-
-    accepted: list[int]
-    tries: list[int]
-    lookup_accepted: list[int]
-    lookup_tries: list[int]
-
-    @classmethod
-    def empty(cls, positions: int) -> Acceptance:
-        return cls(*([0] * positions for _ in range(4)))
-
-
-def _counts(rows: list[Row]) -> list[tuple[list[int], ...]]:
-    """Each row's acceptance counts so far, for `AdaptiveBlock.record` after a step."""
-    return [(list(r.stats.accepted_by_position), list(r.tries), list(r.stats.lookup_accepted_by_position),
-             list(r.lookup_tries)) for r in rows]
-
-
-def _moved(now: list[int], before: list[int], positions: int) -> list[int]:
-    """Per position (the first `positions`), how much a count grew since `before`."""
-    if len(now) < positions or len(before) < positions:
-        raise IndexError(f"counts of {len(now)} and {len(before)} positions, need {positions}")
-    return list(map(sub, now[:positions], before[:positions]))
-
-
-def bucket(batch: int) -> int:
-    """Batch sizes share calibrations and measurements by power-of-two bucket (each size priced
-    at its own row count: `CostModel.row_scale`)."""
-    size = 1
-    while size < batch:
-        size *= 2
-    return size
-
-
-@dataclass
-class CostModel:
-    """Seconds per step by (batch bucket, block size): calibrated, then corrected by real steps,
-    and scaled from the bucket's row count to each batch size's (`row_scale`).
-
-    A calibration runs on a short throwaway context, so its shape can be off at serving time
-    (attention over a long context adds cost per verified token; other work on the machine adds
-    cost per step). Real steps therefore override it: each block size that has run keeps its own
-    moving average, and a block size that has not run yet is estimated from its calibrated cost
-    times the measured/calibrated ratio of the nearest block sizes that have (interpolated), so
-    one step's surprise never leaks into plain decoding's cost as a whole. A slower repeat
-    measurement is averaged in, a faster one replaces the estimate (see `observe`). A repeat
-    measurement of a block size that drifted (longer contexts, machine load) moves the others'
-    averages by a damped share of the drift, since such drift hits every block size alike.
-    Measurements belong to the intra-op thread count they ran at (`use_threads`): the count
-    follows the cores other processes leave free (cpu/threads.py), and 1 thread costs more than 2
-    do, unevenly across sizes, so each count keeps its own over the shared calibration.
-    The tables derived from all that (`table`, `draft_table`, `least_table`, `row_scale`) are
-    kept until `set`, `observe` or `use_threads` changes what they read: a step reads them
-    several times (its choice, a lookup option, a trim), and they change once per step at most
-    (so their fields change only through those methods).
-    """
-
-    max_block: int
-    smoothing: float = 0.2
-    calibrated: dict[int, list[float]] = field(default_factory=dict)
-    measured: dict[int, dict[int, float]] = field(default_factory=dict)  # at `threads` threads
-    drafting: dict[int, list[float]] = field(default_factory=dict)  # calibrated draft passes alone
-    threads: int = 0  # the thread count `measured` belongs to (0: not told yet)
-    other_threads: dict[int, dict[int, dict[int, float]]] = field(default_factory=dict)  # the other counts'
-    # (what, batch size) -> a derived table, until the next change (`_changed`); callers get copies
-    _kept: dict[tuple[str, int], list[float] | None] = field(default_factory=dict, init=False, repr=False,
-                                                             compare=False)
-    # ("scale", batch size): `row_scale`; ("shares", bucket): `_draft_shares`; until the next
-    # calibration (they read calibrations only)
-    _scales: dict[tuple[str, int], list[float] | None] = field(default_factory=dict, init=False, repr=False,
-                                                               compare=False)
-
-    def __post_init__(self) -> None:
-        if self.max_block < 1:
-            raise ValueError(f"max_block must be >= 1, got {self.max_block}")
-        if not 0 < self.smoothing <= 1:
-            raise ValueError(f"smoothing must be in (0, 1], got {self.smoothing}")
-
-    def known(self, batch: int) -> bool:
-        return bucket(batch) in self.calibrated
-
-    def set(self, batch: int, costs: list[float], drafting: list[float] | None = None) -> None:
-        """Stores a calibration (seconds for block sizes 1..max_block; `drafting`: the draft
-        pass's part of each, if timed) and forgets measurements."""
-        for name, values in (("costs", costs), ("drafting costs", drafting)):
-            if values is not None and len(values) != self.max_block:
-                raise ValueError(f"need {self.max_block} {name}, got {len(values)}")
-        self._changed()
-        self._scales.clear()
-        self.calibrated[bucket(batch)] = list(costs)
-        for table in (self.measured, *self.other_threads.values()):
-            table.pop(bucket(batch), None)
-        if drafting is None:
-            self.drafting.pop(bucket(batch), None)
-        else:
-            self.drafting[bucket(batch)] = list(drafting)
-
-    def use_threads(self, threads: int) -> bool:
-        """Switches to the measurements taken at `threads` threads (the first count told keeps
-        what was measured before); True when the count changed."""
-        if threads == self.threads or threads < 1:
-            return False
-        self._changed()
-        if self.threads:
-            self.other_threads[self.threads] = self.measured
-            self.measured = self.other_threads.pop(threads, {})
-        self.threads = threads
-        return True
-
-    def _changed(self) -> None:
-        """Forgets the derived tables: what they read is about to change."""
-        self._kept.clear()
-
-    def draft_table(self, batch: int) -> list[float] | None:
-        """Estimated seconds of the draft pass alone at block sizes 1..max_block (0 at 1): its
-        calibrated share of each step's current estimate; None when it was not timed."""
-        key = ("draft", batch)
-        if key not in self._kept:
-            shares = self._draft_shares(bucket(batch))
-            self._kept[key] = None if shares is None else [t * share for t, share in zip(self._table(batch), shares)]
-        kept = self._kept[key]
-        return None if kept is None else list(kept)
-
-    def _draft_shares(self, b: int) -> list[float] | None:
-        """Bucket b's draft passes' calibrated shares of its steps, kept until the next calibration."""
-        key = ("shares", b)
-        if key not in self._scales:
-            cal, base = self.drafting.get(b), self.calibrated.get(b)
-            self._scales[key] = None if cal is None else [c / t if t > 0 else 0.0 for c, t in zip(cal, base)]
-        return self._scales[key]
-
-    def table(self, batch: int) -> list[float]:
-        """Estimated seconds of a step at block sizes 1..max_block. Not forced non-decreasing: on
-        a CPU a larger block can really cost less (4 rows take MKL's fast path, 3 do not), and
-        raising 4 to 3's cost had priced the best block out (docs/DESIGN.md section 12)."""
-        return list(self._table(batch))
-
-    def _table(self, batch: int) -> list[float]:
-        """`table`, kept: read only."""
-        key = ("table", batch)
-        kept = self._kept.get(key)
-        if kept is None:
-            kept = self._kept[key] = self._scaled(batch, self._bucket_table(bucket(batch)))
-        return kept
-
-    def _bucket_table(self, b: int) -> list[float]:
-        """`table` at bucket b's own row count, kept (read only): its measurements, or its
-        calibration scaled like the nearest measured block sizes'."""
-        key = ("bucket", b)
-        kept = self._kept.get(key)
-        if kept is not None:
-            return kept
-        base = self.calibrated[b]
-        seen = self.measured.get(b, {})
-        ratios = {n: t / base[n - 1] for n, t in seen.items() if base[n - 1] > 0}
-        if ratios:
-            kept = [seen[n] if n in seen else c * (ratios[lo] + t * (ratios[hi] - ratios[lo]))
-                    for n, c, (lo, hi, t) in zip(range(1, self.max_block + 1), base,
-                                                 _interpolation(tuple(sorted(ratios)), self.max_block))]
-        else:
-            kept = [seen.get(n, c) for n, c in zip(range(1, self.max_block + 1), base)]
-        self._kept[key] = kept
-        return kept
-
-    def row_scale(self, batch: int) -> list[float] | None:
-        """Per block size, what a step of `batch` rows costs over one of its bucket's row count:
-        the calibrations of the bucket and the one below, interpolated linearly in rows, at most
-        1 (fewer rows never cost more); None at a bucket's own size, or where the bucket below
-        was not calibrated. A bucket's measurements are kept at its own row count, so a step of
-        5 rows neither prices 8 rows' steps as 5 rows' nor the other way round: pooled, a
-        drafting step measured while a batch of 8 shrank priced drafting at 8 rows too low."""
-        scale = self._row_scale(batch)
-        return None if scale is None else list(scale)
-
-    def _row_scale(self, batch: int) -> list[float] | None:
-        """`row_scale`, kept: read only."""
-        key = ("scale", batch)
-        if key in self._scales:
-            return self._scales[key]
-        b = bucket(batch)
-        scale = None
-        if batch != b and b // 2 in self.calibrated and b in self.calibrated:
-            t = (batch - b // 2) / (b - b // 2)
-            scale = [min(1.0, (lo + t * (hi - lo)) / hi) if hi > 0 else 1.0
-                     for lo, hi in zip(self.calibrated[b // 2], self.calibrated[b])]
-        self._scales[key] = scale
-        return scale
-
-    def _scaled(self, batch: int, costs: list[float]) -> list[float]:
-        """Bucket-row-count `costs` scaled to `batch` rows (`row_scale`)."""
-        scale = self._row_scale(batch)
-        return costs if scale is None else [c * s for c, s in zip(costs, scale)]
-
-    def cost(self, batch: int, block: int) -> float:
-        return self._table(batch)[block - 1]
-
-    def least_table(self, batch: int) -> list[float]:
-        """`table`, each drafting size at most its calibration scaled as plain decoding's cost
-        moved: what it costs unless outside load slowed its own last steps. Its measurements
-        only move with plain decoding's damped, so a burst that priced drafting out would
-        otherwise keep it out (only a drafting step re-measures it)."""
-        key = ("least", batch)
-        kept = self._kept.get(key)
-        if kept is None:
-            out = self._bucket_table(bucket(batch))
-            base = self.calibrated[bucket(batch)]
-            drift = out[0] / base[0] if base[0] > 0 else 1.0
-            least = out[:1] + [min(t, c * drift) for t, c in zip(out[1:], base[1:])]
-            kept = self._kept[key] = self._scaled(batch, least)
-        return list(kept)
-
-    def drafting_measured(self, batch: int) -> bool:
-        """Whether a real step of a drafting size (2 or more) was measured in `batch`'s bucket
-        at the current thread count (else its drafting costs are the calibration's guess)."""
-        return any(n > 1 for n in self.measured.get(bucket(batch), {}))
-
-    def observe(self, batch: int, block: int, seconds: float) -> None:
-        """Adds the measured time of one real step."""
-        b = bucket(batch)
-        if b not in self.calibrated or seconds <= 0:
-            return
-        scale = self._row_scale(batch)
-        if scale is not None and scale[block - 1] > 0:
-            seconds /= scale[block - 1]  # kept at the bucket's row count
-        seen = self.measured.setdefault(b, {})
-        old = seen.get(block)
-        if old is None:
-            # A first timing far above the estimate is more likely a burst of outside load than
-            # the size's cost; believed whole, it would price this size (and, through the
-            # interpolation of unmeasured sizes, its neighbours) out until it happened to run
-            # again, which it then would not (seen at concurrency 16: docs/DESIGN.md section 12).
-            first = min(seconds, FIRST_TIMING_CAP * self._bucket_table(b)[block - 1])
-            self._changed()
-            seen[block] = first
-            return
-        # A faster step is believed at once: outside load only ever slows steps, and an estimate
-        # too low corrects itself (that size gets chosen, and measured), one too high never does.
-        new = seconds if seconds < old else (1 - self.smoothing) * old + self.smoothing * seconds
-        drift = 1 + 0.25 * (new / old - 1)
-        self._changed()
-        for n in seen:
-            seen[n] = new if n == block else seen[n] * drift
-
-
 def draft_margin(rows: int) -> float:
     """By how much a batch of `rows` rows needs drafting to beat plain decoding (BATCH_DRAFT_MARGIN)."""
     return BATCH_DRAFT_MARGIN if rows >= MARGIN_ROWS else 0.0
 
-
-def at_least(tree: list[float], chain: list[float]) -> list[float]:
-    """Tree step costs by width, each at least the chain step's of that width (its draft's
-    catch-up included where `chain` prices one). A tree step of w nodes runs the chain step's
-    draft pass and a verify pass of as many tokens, plus its own host work, so it never costs
-    less; but its table is calibrated apart from the chain's and corrected only where trees
-    run, so outside load at either time can price a width below the chain's, and trees would
-    then win on price instead of on the tokens they add."""
-    return [max(t, c) for t, c in zip(tree, chain)]
-
-
-@functools.lru_cache(maxsize=256)
-def _interpolation(sizes: tuple[int, ...], max_block: int) -> tuple[tuple[int, int, float], ...]:
-    """How measured/calibrated ratios, measured at `sizes` (at least one), are interpolated
-    linearly at block sizes 1..max_block (flat beyond the ends): for each, the measured sizes
-    (lo, hi) it lies between and its weight t on hi, the ratio r(lo) + t * (r(hi) - r(lo));
-    (m, m, 0.0) at a measured size m or beyond the ends, where the ratio is m's own (r + 0.0 *
-    0.0 is r). Cached: the measured sizes rarely change, their ratios at every step."""
-    out = []
-    for n in range(1, max_block + 1):
-        lower = [m for m in sizes if m <= n]
-        upper = [m for m in sizes if m >= n]
-        lo = max(lower) if lower else min(upper)
-        hi = min(upper) if upper else max(lower)
-        out.append((lo, hi, 0.0 if lo == hi else (n - lo) / (hi - lo)))
-    return tuple(out)
-
-
-def _at(values: list[float], x: float) -> float:
-    """values[n - 1] at a fractional block size x in [1, len(values)], linearly interpolated."""
-    lo = min(int(x), len(values))
-    if lo >= len(values):
-        return values[-1]
-    t = x - lo
-    return values[lo - 1] + t * (values[lo] - values[lo - 1])
-
-
-def split_lengths(expected: list[list[float]], sunk: float, verify: list[float],
-                  pad_share: float) -> tuple[list[int], float]:
-    """A verify length per row that maximises expected tokens per second, and that rate.
-
-    expected[i]: row i's expected committed tokens [E(1), E(2), ...] for verifying 1, 2, ...
-    tokens (rows may offer different most); sunk: seconds already paid (a draft pass); verify:
-    seconds of a uniform verify of 1..n tokens per row. T verified tokens over b rows cost what a
-    uniform block of T / b does (the matmuls cost by rows), plus pad_share of what padding every
-    row to the longest adds (0: padding is free; 1: every row costs the longest, as without
-    packing). Each row's gains per extra token are non-increasing, so taking the largest gains
-    across rows first is the best split of every total (a stable sort keeps a row's own gains in
-    order where they tie).
-    """
-    b = len(expected)
-    # largest first; equal gains keep their order (a reversed sort stays stable)
-    gains = sorted(((e[k] - e[k - 1], i) for i, e in enumerate(expected) for k in range(1, len(e))),
-                   key=itemgetter(0), reverse=True)
-    total = sum(e[0] for e in expected)
-    best_rate, best_extra = total / (sunk + verify[0]), 0
-    lengths, longest = [1] * b, 1
-    for extra, (gain, i) in enumerate(gains, 1):
-        if gain <= 0:
-            break
-        total += gain
-        lengths[i] += 1
-        longest = max(longest, lengths[i])
-        packed = _at(verify, 1 + extra / b)
-        rate = total / (sunk + packed + pad_share * (verify[longest - 1] - packed))
-        if rate > best_rate:
-            best_rate, best_extra = rate, extra
-    lengths = [1] * b
-    for _, i in gains[:best_extra]:
-        lengths[i] += 1
-    return lengths, best_rate
-
-
-def expected_tokens(rates: list[float], block: int, remaining: int) -> float:
-    """E(block) for one row: 1 + sum over k < block-1 of prod_{j<=k} rates[j], capped."""
-    return expected_by_block(rates, block, remaining)[-1]
-
-
-def expected_by_block(rates: list[float], max_block: int, remaining: int) -> list[float]:
-    """[E(1), ..., E(max_block)] for one row, in one pass."""
-    out, total, p = [1.0], 1.0, 1.0
-    for rate in rates[:max_block - 1]:
-        p *= rate
-        total += p
-        out.append(total)
-    out += [total] * (max_block - len(out))
-    cap = float(max(1, remaining))
-    # rates are probabilities, so E is non-decreasing: only a row near its end needs capping
-    return out if total <= cap else [min(e, cap) for e in out]
-
-
-def tree_expected_by_width(offer: TreeOffer, nodes: NodeAcceptance, width: int, remaining: int,
-                           lookup: list[float]) -> list[float]:
-    """[E(1), ..., E(width)] for one row's tree step of 1..width nodes (the root included):
-    1 plus each of its first w - 1 best-first nodes' chance of acceptance, the product of the
-    rates along its path, calibrated in a chain's units (`NodeAcceptance.relative_rate`: a
-    chain's trim reads its first choices' draft probabilities), capped by the row's remaining
-    tokens. A row with a lookup continuation (`lookup`: its rates) spends the first nodes of its
-    budget on that branch (as `propose_tree` does) and the rest on the drafter's best nodes."""
-    reach: list[float] = []
-    for depth, rank, parent, p in zip(offer.depths, offer.ranks, offer.parents, offer.probs):
-        reach.append((reach[parent] if parent >= 0 else 1.0) * nodes.relative_rate(depth, rank, p))
-    branch = expected_by_block(lookup, 1 + len(lookup), remaining) if lookup else [1.0]
-    summed = [0.0]  # summed[k]: the first k nodes' chances
-    for x in reach:
-        summed.append(summed[-1] + x)
-    out, cap = [], float(max(1, remaining))
-    for w in range(1, width + 1):
-        own = min(w - 1, len(branch) - 1)
-        out.append(min(cap, branch[own] + summed[min(w - 1 - own, len(reach))]))
-    return out
-
-
-def calibration_sizes(max_block: int) -> list[int]:
-    """Block sizes timed by `calibrate`; the others are interpolated. Dense at small sizes: on a
-    CPU the kernel, and so the cost, changes with the row count (cpu/linear.py)."""
-    return sorted({n for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if n <= max_block} | {max_block})
-
-
-def buckets_up_to(max_batch: int) -> list[int]:
-    """Every batch-size bucket a batch of at most `max_batch` rows can fall in."""
-    return sorted({bucket(b) for b in range(1, max_batch + 1)})
-
-
-def interpolate(points: dict[int, float], max_block: int) -> list[float]:
-    """Piecewise-linear costs for 1..max_block from measured points."""
-    xs = sorted(points)
-    out = []
-    for n in range(1, max_block + 1):
-        hi = next(x for x in xs if x >= n)
-        lo = max(x for x in xs if x <= n)
-        t = 0.0 if hi == lo else (n - lo) / (hi - lo)
-        out.append(points[lo] + t * (points[hi] - points[lo]))
-    return out
-
-
-def time_sizes(run: Callable[[int], tuple[float, float]], sizes: list[int],
-               rounds: int = 3) -> tuple[dict[int, float], dict[int, float]]:
-    """The fastest of `rounds` timings of every size: `run(n)` returns the seconds of a whole step
-    of n tokens and of its draft pass. The rounds take the sizes in turn (forwards, then backwards),
-    after one warm-up round, so a burst of outside load lands on one or two timings of every size
-    instead of on all the timings of a few sizes: timed one size after the other, a burst over the
-    drafting sizes had priced drafting out for the whole run. Outside load only ever slows a
-    step, so the fastest timing is the one closest to the step's own cost."""
-    if rounds < 1:
-        raise ValueError(f"rounds must be >= 1, got {rounds}")
-    best = {n: float("inf") for n in sizes}
-    best_draft = dict(best)
-    for r in range(rounds + 1):
-        for n in (sizes if r % 2 == 0 else sizes[::-1]):
-            total, draft = run(n)
-            if r:  # round 0 warms up
-                best[n] = min(best[n], total)
-                best_draft[n] = min(best_draft[n], draft)
-    return best, best_draft
-
-
-@torch.inference_mode()
-def calibrate(batch: DecodeBatch, size: int, max_block: int, context: int = 8,
-              rounds: int = 3, confidence: bool | None = None, sampled: bool = False,
-              tree: bool = False) -> tuple[list[float], list[float]]:
-    """Times one step's model work (target forward of n tokens, plus a draft pass for n > 1) at
-    batch size `size` for the block sizes of `calibration_sizes` (`time_sizes`: interleaved
-    rounds, the fastest of each), interpolating the rest.
-
-    Runs the target (and drafter) on throwaway caches with `context` dummy tokens per row (kept
-    short: the prefill of size x context tokens is pure overhead); returns seconds: whole steps,
-    and their draft passes alone (0 for block 1). confidence: time drafts that also read back
-    their confidences, as trimmed steps do (default: for batches of at most TRIM_MAX_ROWS rows).
-    sampled: time what a sampled step runs instead of a greedy one: the target's whole logits
-    (a greedy step may skip most of its head) shaped (CALIBRATION_TEMPERATURE, CALIBRATION_TOP_P)
-    and drawn from, and a DFlash drafter's shaped draft distributions drawn from (a DFlash 2
-    walk is timed greedy).
-    tree: time tree steps of n nodes instead (`DecodeBatch._verify_tree`'s work): after the
-    draft pass, the drafter's top choices read back and ranked best-first (the draft part, what
-    a trim sees), then a best-first tree of min(n - 1, tree_nodes) nodes per row built, packed,
-    verified in one `forward_tree` pass and walked (a DFlash 2 selector's trees are timed as a
-    DFlash drafter's).
-    """
-    if confidence is None:
-        confidence = size <= TRIM_MAX_ROWS
-    target, d = batch.target, batch.device
-    layer_ids = batch.layer_ids
-    ids = torch.zeros(size, context, dtype=torch.long, device=d)
-    positions = torch.arange(context, device=d).expand(size, context).contiguous()
-    tcache = target.new_cache(size)
-    tcache.reserve(context)
-    _, feats = target.forward(ids, positions, tcache, layer_ids, last_logits_only=True)
-    dcache = batch.draft.new_cache(size) if batch.draft is not None else None
-    shaping = (torch.full((size,), CALIBRATION_TEMPERATURE, device=d), torch.zeros(size, dtype=torch.long, device=d),
-               torch.full((size,), CALIBRATION_TOP_P, device=d))
-    random = RowRandom(list(range(size)))
-    starts = [0] * size
-    head = target.head()
-
-    def tree_step(hidden: torch.Tensor, n: int) -> Callable[[], None]:
-        """The tree part of a drafting step of n nodes up to its trim; returns the rest."""
-        budget = min(n - 1, batch.tree_nodes)
-        top, ids = batch.drafter.top_logprobs(hidden[:, 1:n], head, min(budget, TREE_TOP_K))  # [size, n-1, k]
-        top, ids = top.cpu(), ids.cpu()
-        dists = [PositionDistributions(ids[i], top[i]) for i in range(size)]
-        for dist in dists:
-            BestFirstProposer(budget).ranked(Draft(0, dist))
-
-        def verify() -> None:
-            trees = [propose_tree(0, dist, [], budget) for dist in dists]
-            packed = pack_trees(trees, [context] * size, d)
-            m = packed.ids.shape[1]
-            tcache.reserve(context + m)
-            if sampled:
-                logits, _ = target.forward_tree(packed.ids, packed.positions, packed.ancestors, tcache, layer_ids)
-                keyed_draws(random, shaped(logits, *shaping), [t.depths for t in trees], starts).tolist()
-            else:
-                greedy_forward_tree(target, packed.ids, packed.positions, packed.ancestors, tcache,
-                                    layer_ids, until_rejected=True)[0].tolist()
-            tcache.reject(torch.zeros(size, m, dtype=torch.bool, device=d))
-
-        return verify
-
-    def run(n: int) -> tuple[float, float]:
-        block_ids = torch.zeros(size, n, dtype=torch.long, device=d)  # drafted and verified alike
-        block_pos = context + torch.arange(n, device=d).expand(size, n)
-        t0 = time.perf_counter()
-        if n > 1 and batch.draft is not None:
-            dcache.reserve(context + n, context + n)
-            ctx_pos = torch.full_like(positions[:, :1], EMPTY)
-            hidden = batch.draft(feats[:, :1], ctx_pos, target.embed(block_ids), block_pos, dcache)
-            anchor = block_ids[:, 0]  # a DFlash 2 drafter walks from it
-            if sampled and batch.drafter.candidate_selector is None:  # what sampled drafting steps compute
-                draft_probs = probabilities(batch.drafter.logits(hidden[:, 1:n], target.head()), *shaping)
-                random.sample(draft_probs, starts).tolist()
-                if confidence:
-                    draft_confidence(draft_probs).tolist()
-            elif tree and batch.drafter.candidate_selector is None:
-                pass  # a greedy tree step's chain, where it has one, is its top-k's first column (tree_step)
-            elif confidence:  # what trimmed steps compute: proposals and their confidences
-                batch.drafter.greedy_with_confidence(hidden[:, 1:n], target.head(), anchor)[1].tolist()
-            else:
-                batch.drafter.greedy_tokens(hidden[:, 1:n], target.head(), anchor).tolist()
-            verify_tree = tree_step(hidden, n) if tree else None
-        t1 = time.perf_counter()
-        if n > 1 and tree and batch.draft is not None:
-            verify_tree()
-        elif sampled:  # as a sampled step does
-            tcache.reserve(context + n)
-            logits, _ = target.forward(block_ids, block_pos, tcache, layer_ids)
-            draw(random, shaped(logits, *shaping), starts).tolist()
-        else:
-            tcache.reserve(context + n)
-            # as a greedy step does: its head stops after the first rejected proposal's position
-            greedy_forward(target, block_ids, block_pos, tcache, layer_ids, until_rejected=True)[0].tolist()
-        elapsed = time.perf_counter() - t0
-        if not (n > 1 and tree and batch.draft is not None):
-            tcache.reject(torch.zeros(size, n, dtype=torch.bool, device=d))
-        tcache.compact(1.0)
-        if dcache is not None:
-            dcache.compact(1.0)  # the dummy context took only empty slots: a growing cache drops them
-        return elapsed, (t1 - t0 if n > 1 else 0.0)
-
-    out, drafting = time_sizes(run, calibration_sizes(max_block), rounds)
-    return interpolate(out, max_block), interpolate(drafting, max_block)
 
 
 class AdaptiveBlock:
@@ -789,10 +265,10 @@ class AdaptiveBlock:
             counts = self._acceptance(rule)
             positions = len(counts.tries)
             # what the step added at each position, of each kind (the row's counts only grow)
-            accepted = _moved(r.stats.accepted_by_position, acc0, positions)
-            tried = _moved(r.tries, tries0, positions)
-            lookup_accepted = _moved(r.stats.lookup_accepted_by_position, lacc0, positions)
-            lookup_tried = _moved(r.lookup_tries, ltries0, positions)
+            accepted = count_growth(r.stats.accepted_by_position, acc0, positions)
+            tried = count_growth(r.tries, tries0, positions)
+            lookup_accepted = count_growth(r.stats.lookup_accepted_by_position, lacc0, positions)
+            lookup_tried = count_growth(r.lookup_tries, ltries0, positions)
             counts.accepted[:] = map(add, counts.accepted, accepted)
             counts.tries[:] = map(add, counts.tries, tried)
             counts.lookup_accepted[:] = map(add, counts.lookup_accepted, lookup_accepted)
@@ -1058,7 +534,7 @@ class AdaptiveBlock:
         if rate <= to_beat:
             return None
         total = sum(lengths)
-        packed = _at(verify, total / b)
+        packed = cost_at(verify, total / b)
         self._lookup_estimate = packed + PAD_SHARE * (verify[max(lengths) - 1] - packed)
         return lengths
 
@@ -1208,7 +684,7 @@ class AdaptiveBlock:
         self._drafted = None  # set by `trim` (a step clipped to one token by its rows' limits drafts nothing)
         self._trial_conf = None
         # a plain step proposes nothing, so no acceptance count moves (most steps of a large batch)
-        before = _counts(batch.rows) if block > 1 else None
+        before = acceptance_counts(batch.rows) if block > 1 else None
         rows = list(batch.rows) if block > 1 else []  # `record`'s, as they were before the step
         backlog = getattr(batch, "draft_backlog", 0) if block > 1 else 0
         t0 = time.perf_counter()
@@ -1258,7 +734,7 @@ class AdaptiveBlock:
         """Runs and measures a step of lookup proposals alone (see `_lookup_option`)."""
         b = len(batch.rows)
         estimate = self._lookup_estimate
-        before = _counts(batch.rows)
+        before = acceptance_counts(batch.rows)
         t0 = time.perf_counter()
         used = batch.step_lookup(lengths)
         seconds = time.perf_counter() - t0
