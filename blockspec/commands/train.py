@@ -107,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
     from blockspec.text import encode_prompt
     from blockspec.train.data import heldout_prompts, read_examples
     from blockspec.train.features import FeatureStore
-    from blockspec.train.trainer import TrainConfig, Trainer, init_source
+    from blockspec.train.train_config import TrainConfig, init_source
+    from blockspec.train.trainer import Trainer
 
     source = init_source(args.init)  # before the target loads: a wrong path fails at once
     if args.threads:
@@ -144,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             import torch.distributed as dist
 
-            from blockspec.train.trainer import DistInfo
+            from blockspec.train.distributed import DistInfo
 
             DistInfo()
             dist.barrier()

@@ -11,169 +11,23 @@ FSDP2 (`fully_shard`) and gathers full tensors only to save and evaluate on rank
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
-import os
 import signal
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from blockspec.errors import CheckpointError, ConfigError
-from blockspec.dflash.drafter import (
-    DFLASH2,
-    DFLASH2_DEFAULTS,
-    DFlashDrafter,
-    load_drafter,
-    new_drafter_for_target,
-    read_drafter_config,
-    save_drafter,
-)
-from blockspec.train.anchors import block_attention_mask, block_labels, block_positions, sample_anchors
+from blockspec.dflash.drafter import DFLASH2, DFlashDrafter, load_drafter, new_drafter_for_target, save_drafter
 from blockspec.train.data import Example
-from blockspec.train.loss import fused_head_ce, position_weights
-from blockspec.train.selector_loss import selector_loss
-from blockspec.train.teacher import teacher_hidden, teacher_probs, teacher_target
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-ARCHS = {"dflash": "DFlashDraftModel", "dflash2": DFLASH2}
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Everything a training run needs besides the target and the data."""
-
-    out: str
-    num_layers: int = 1
-    block_size: int = 16
-    target_layer_ids: tuple[int, ...] | None = None
-    mask_token_id: int | None = None
-    # "target": copy target layers (init.py); "random"; or a drafter directory in the published
-    # format to continue from (fine-tuning a published drafter, or a longer run on more data)
-    init: str = "target"
-    anchors: int = 512  # max anchors per sequence
-    batch_seqs: int = 4  # sequences per optimizer step (all ranks together)
-    epochs: float = 1.0
-    max_steps: int | None = None
-    lr: float = 6e-4
-    warmup: float = 0.04  # fraction of steps
-    min_lr_ratio: float = 0.05
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    precision: str = "fp32"  # "fp32" or "bf16" (autocast of the drafter forward)
-    gamma: float | None = None
-    max_seq_len: int = 3072
-    seed: int = 0
-    log_every: int = 1
-    eval_every: int = 0  # steps; 0 = only at the end
-    eval_max_new_tokens: int = 128
-    save_every: int = 0  # steps; 0 = only at the end
-    save_dtype: str = "bfloat16"
-    head_chunk: int = 1024
-    # "full": the published loss over the whole vocabulary. "data": softmax restricted to the
-    # tokens that occur as labels in the training data (much cheaper head on CPU); the exact
-    # full-vocabulary loss is then still measured and logged at every eval ("loss_full").
-    loss_vocab: str = "full"
-    # weight of the target's own next-token distribution in each label (0: the published loss on
-    # its greedy tokens alone; 1: pure distillation); train/teacher.py
-    distill: float = 0.0
-    time_limit_s: float | None = None
-    # "ddp": every rank holds the whole drafter; "fsdp": parameters, gradients and optimizer state
-    # are sharded across ranks (for drafters too large to replicate). Same update either way.
-    parallel: str = "ddp"
-    # "dflash" or "dflash2" (block convolutions + candidate selector); None: the --init drafter's
-    # architecture, else "dflash". A DFlash drafter given to --init with "dflash2" is converted
-    # (train/init.py `to_dflash2`): backbone kept, new modules start as no-ops.
-    arch: str | None = None
-    # DFlash 2 shape (None: the --init drafter's, else the published DFLASH2_DEFAULTS)
-    conv_kernel_size: int | None = None
-    conv_group_size: int | None = None
-    selector_rank: int | None = None
-    selector_top_k: int | None = None
-    selector_loss_alpha: float = 1.0  # weight of the selector's K-way loss beside the unary loss
-    # "all": every drafter weight learns. "selector": a DFlash 2 drafter's selector alone (hidden
-    # projection, codebooks); the backbone, its convolutions and its draft vocabulary stay as
-    # --init has them, so the drafter's forward and the unary loss run without autograd.
-    train: str = "all"
-
-    def __post_init__(self) -> None:
-        init_source(self.init)
-        if self.arch not in (None, *ARCHS):
-            raise ConfigError(f"--arch must be one of {sorted(ARCHS)}, got {self.arch!r}")
-        for name in DFLASH2_DEFAULTS:
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
-        if self.arch == "dflash" and self.dflash2_settings():
-            raise ConfigError(f"{', '.join('--' + k.replace('_', '-') for k in self.dflash2_settings())} "
-                              "only apply to --arch dflash2")
-        if not self.selector_loss_alpha >= 0:
-            raise ConfigError(f"--selector-loss-alpha must be >= 0, got {self.selector_loss_alpha!r}")
-        self.architecture()  # settings that need another architecture fail here, before any loading
-        if self.train not in ("all", "selector"):
-            raise ConfigError(f"--train must be 'all' or 'selector', got {self.train!r}")
-        if self.train == "selector":
-            if self.architecture() != DFLASH2:
-                raise ConfigError("--train selector trains a DFlash 2 drafter's candidate selector: add --arch dflash2 "
-                                  "(with --init DIR to put one on a trained DFlash drafter)")
-            if init_source(self.init) is None:
-                raise ConfigError("--train selector keeps the backbone as it is: give --init DIR, a trained drafter "
-                                  f"(--init {self.init} would leave an untrained backbone frozen)")
-            if not self.selector_loss_alpha > 0:
-                raise ConfigError("--train selector learns from the selector loss alone: --selector-loss-alpha must be > 0")
-            if self.distill > 0:
-                raise ConfigError("--distill shapes the unary loss, which --train selector does not train; drop it")
-        if self.loss_vocab not in ("full", "data"):
-            raise ConfigError(f"--loss-vocab must be 'full' or 'data', got {self.loss_vocab!r}")
-        if not 0.0 <= self.distill <= 1.0:
-            raise ConfigError(f"--distill must be in [0, 1] (the target distribution's weight in each label), "
-                              f"got {self.distill!r}")
-        if self.precision not in ("fp32", "bf16"):
-            raise ConfigError(f"--precision must be fp32 or bf16, got {self.precision!r}")
-        if self.save_dtype not in DTYPES:
-            raise ConfigError(f"--save-dtype must be one of {sorted(DTYPES)}, got {self.save_dtype!r}")
-        if self.parallel not in ("ddp", "fsdp"):
-            raise ConfigError(f"--parallel must be 'ddp' (replicated drafter) or 'fsdp' (sharded), "
-                              f"got {self.parallel!r}")
-        for name in ("num_layers", "anchors", "batch_seqs", "max_seq_len", "head_chunk"):
-            if int(getattr(self, name)) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)!r}")
-        if self.block_size < 2:
-            raise ConfigError(f"--block-size must be >= 2, got {self.block_size}")
-        if not self.lr > 0 or self.epochs <= 0:
-            raise ConfigError("--lr and --epochs must be positive")
-        if not 0 <= self.warmup < 1 or not 0 <= self.min_lr_ratio <= 1:
-            raise ConfigError("--warmup must be in [0, 1) and --min-lr-ratio in [0, 1]")
-
-    def dflash2_settings(self) -> dict:
-        """The DFlash 2 keys this run sets explicitly."""
-        return {k: getattr(self, k) for k in DFLASH2_DEFAULTS if getattr(self, k) is not None}
-
-    def architecture(self) -> str:
-        """The drafter architecture this run trains (see `arch`)."""
-        source = init_source(self.init)
-        if self.arch is not None:
-            arch = ARCHS[self.arch]
-        else:
-            arch = read_drafter_config(source).architecture if source is not None else ARCHS["dflash"]
-        if arch != DFLASH2 and self.dflash2_settings():
-            raise ConfigError(f"{', '.join('--' + k.replace('_', '-') for k in self.dflash2_settings())} "
-                              "only apply to DFlash 2 drafters: add --arch dflash2")
-        return arch
-
-
-def init_source(init: str) -> Path | None:
-    """The drafter directory `--init` names, or None for "target" / "random"."""
-    if init in ("target", "random"):
-        return None
-    if not (Path(init) / "config.json").is_file():
-        raise ConfigError(f"--init must be 'target', 'random' or a drafter directory with a config.json, "
-                          f"got {init!r}")
-    return Path(init)
+from blockspec.train.distributed import DistInfo, shard_drafter
+from blockspec.train.loss import position_weights
+from blockspec.train.sequence import attention_windows, derived_seed, prepare_sequence, sequence_forward
+from blockspec.train.teacher import teacher_hidden, teacher_target
+from blockspec.train.train_config import DTYPES, TrainConfig, init_source
 
 
 def lr_factor(step: int, total: int, warmup: float, min_ratio: float) -> float:
@@ -185,79 +39,6 @@ def lr_factor(step: int, total: int, warmup: float, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t))
 
 
-def _seed(*parts: object) -> int:
-    return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:7], "little")
-
-
-GLOO_GRACE_S = 0.1  # see DistInfo.close
-
-
-class DistInfo:
-    """Rank/world from torchrun's environment; a no-op single process otherwise."""
-
-    def __init__(self) -> None:
-        self.world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.rank = int(os.environ.get("RANK", "0"))
-        self.active = self.world > 1
-        if self.active and not dist.is_initialized():
-            gpu = torch.cuda.is_available() and os.environ.get("BLOCKSPEC_BACKEND") != "gloo"
-            # CUDA tensors (gradients, FSDP shards) over nccl; the small CPU tensors (weight sums,
-            # stats, flags) need gloo beside it: a plain "nccl" group has no CPU backend
-            dist.init_process_group("cpu:gloo,cuda:nccl" if gpu else "gloo")
-
-    def sum_(self, t: torch.Tensor) -> torch.Tensor:
-        if self.active:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        return t
-
-    def max_(self, t: torch.Tensor) -> torch.Tensor:
-        if self.active:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t
-
-    def barrier(self) -> None:
-        if self.active:
-            dist.barrier()
-
-    def close(self) -> None:
-        """Tears the process group down; call once at the end of the program."""
-        if not (self.active and dist.is_initialized()):
-            return
-        dist.barrier()  # no rank leaves while another still talks to it
-        dist.destroy_process_group()
-        # A gloo worker thread frees a finished collective's tensors after its waiter moved on,
-        # and needs the GIL when Python created them; a finalizing interpreter refuses it and the
-        # process aborts ("terminate called without an active exception": 1 FSDP run in ~35 did).
-        # The group outlives this call (DTensor's caches hold FSDP's mesh, and so the group, till
-        # exit), so its threads get the GIL for a moment now, while the interpreter still runs.
-        time.sleep(GLOO_GRACE_S)
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-
-def shard_drafter(drafter: DFlashDrafter, device: torch.device | str) -> DFlashDrafter:
-    """Shards the drafter in place with FSDP2 over all ranks: one group per draft layer, then the
-    rest (fc, norms) at the root. Gradients are SUMMED across ranks, not averaged: the trainer
-    already normalises the loss by the global weight sum."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, fully_shard
-
-    mesh = init_device_mesh(torch.device(device).type, (dist.get_world_size(),))
-    for layer in drafter.layers:
-        # DFlashDrafter.forward calls a layer's parts, never the layer itself, and FSDP gathers on
-        # forward calls: so the layer's group is the list of its parts
-        fully_shard(list(layer.children()), mesh=mesh)
-    fully_shard(drafter, mesh=mesh)
-    for m in drafter.modules():
-        if isinstance(m, FSDPModule):
-            m.set_gradient_divide_factor(1.0)
-            # plain SUM collectives: gloo cannot run the PREMUL_SUM a custom factor would use
-            m.set_force_sum_reduction_for_comms(True)
-    return drafter
-
-
 def _optimizer_state_by_name(state: dict, names: list[str]) -> dict:
     """An `optimizer.state_dict()` (parameters as indices) keyed by parameter names instead, the
     layout `set_optimizer_state_dict` takes: lets an FSDP run resume a replicated run's checkpoint."""
@@ -265,146 +46,6 @@ def _optimizer_state_by_name(state: dict, names: list[str]) -> dict:
         "state": {names[i]: v for i, v in state["state"].items()},
         "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]],
     }
-
-
-@dataclass
-class SeqBatch:
-    """One sequence prepared for a step: anchors and labels fixed before any forward pass."""
-
-    ids: torch.Tensor  # [S]
-    loss_mask: torch.Tensor  # [S]
-    example_id: str
-    anchors: torch.Tensor  # [n]
-    labels: torch.Tensor  # [n, B-1]
-    weights: torch.Tensor  # [n, B-1], 0 where the label does not count
-
-    @property
-    def weight_sum(self) -> float:
-        return float(self.weights.sum())
-
-
-def prepare_sequence(
-    ex: Example, block_size: int, max_anchors: int, max_seq_len: int, pos_weights: torch.Tensor, seed: int
-) -> SeqBatch | None:
-    ids = torch.tensor(ex.input_ids[:max_seq_len], dtype=torch.long)
-    mask = torch.tensor(ex.loss_mask[:max_seq_len], dtype=torch.bool)
-    gen = torch.Generator().manual_seed(seed)
-    anchors = sample_anchors(mask, block_size, max_anchors, gen)
-    if anchors.numel() == 0:
-        return None
-    labels, valid = block_labels(ids, mask, anchors, block_size)
-    return SeqBatch(ids, mask, ex.id, anchors, labels, pos_weights[None, :] * valid.float())
-
-
-def attention_windows(drafter: DFlashDrafter) -> list[int | None]:
-    """The sliding windows the drafter's layers attend within (None: the whole context), one
-    training mask each. Causal layers (an explicit `is_causal: true`) are refused: a block is
-    trained, and drafts, bidirectionally."""
-    causal = [i for i, layer in enumerate(drafter.layers) if layer.self_attn.causal]
-    if causal:
-        raise ConfigError(f"training needs drafter layers that attend bidirectionally within a block; layers {causal} "
-                          "are causal: set is_causal to false (or remove it) in the drafter's config.json")
-    return sorted({layer.self_attn.sliding_window for layer in drafter.layers}, key=lambda w: (w is not None, w or 0))
-
-
-def sequence_forward(
-    drafter: DFlashDrafter,
-    target: object,
-    seq: SeqBatch,
-    features: torch.Tensor,
-    *,
-    head_chunk: int = 1024,
-    autocast: bool = False,
-    candidates: torch.Tensor | None = None,
-    candidate_head: torch.nn.Module | None = None,
-    teacher: torch.Tensor | None = None,
-    distill: float = 0.0,
-    selector_alpha: float = 1.0,
-    parts: dict | None = None,
-    frozen: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """sum(w * ce) over the sequence's blocks (graph attached) and unary top-1 correctness
-    [n, B-1] (bool).
-
-    With `candidates` (sorted token ids containing every label) and `candidate_head` (the head's
-    rows for them), the softmax runs over those tokens only. With `teacher` (what the target's
-    head reads at each position [S, H], train/teacher.py) and distill > 0, each label is
-    distill * the target's distribution + (1 - distill) * its greedy token.
-
-    DFlash 2 drafters add `selector_alpha` * the selector loss (train/selector_loss.py) to the
-    sum. `parts`, when given, receives the float sums "unary" and "selector" and, per block
-    position [n, B-1] (bool), "in_top_k" (label among the unary top K) and "selector_correct"
-    (the selector's pick given the true previous token).
-
-    `frozen`: only the selector learns (`--train selector`), so the drafter's forward and the
-    unary loss run without autograd and the returned sum's graph is the selector loss's alone.
-    """
-    device = drafter.fc.weight.device
-    B = drafter.block_size
-    n = seq.anchors.numel()
-    S = features.shape[0]
-    anchors = seq.anchors.to(device)
-    block_ids = torch.full((n, B), drafter.mask_token_id, dtype=torch.long, device=device)
-    block_ids[:, 0] = seq.ids.to(device)[anchors]
-    with torch.no_grad():
-        embeds = target.embed(block_ids.reshape(1, n * B)).float() * drafter.cfg.input_embedding_scale  # [1, nB, H]
-    masks = {w: block_attention_mask(anchors, B, S, w)[None, None]  # [1, 1, nB, S+nB] per window
-             for w in attention_windows(drafter)}
-    ctx_pos = torch.arange(S, device=device)[None]
-    blk_pos = block_positions(anchors, B)[None]
-    dtype = drafter.fc.weight.dtype
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast), torch.set_grad_enabled(
-            torch.is_grad_enabled() and not frozen):
-        hidden = drafter(features.to(device, dtype)[None], ctx_pos, embeds.to(dtype), blk_pos, attn_mask=masks,
-                         block_len=B)
-    hidden = hidden.reshape(n, B, -1)[:, 1:]  # [n, B-1, H]: position k predicts token[p + k]
-    w = seq.weights.to(device)
-    keep = w > 0  # [n, B-1]
-    head = target.head()
-    labels = seq.labels.to(device)[keep]
-    if candidates is not None:
-        head = candidate_head
-        labels = torch.searchsorted(candidates, labels)
-    h = hidden[keep]
-    if h.dtype != head.weight.dtype:
-        h = h.to(head.weight.dtype)
-    table, rows = None, None
-    if teacher is not None and distill > 0:
-        # the target's distribution of token[p + k] is read at position p + k - 1; a position is
-        # a label of up to B - 1 blocks, so each distribution is computed once
-        at = (anchors[:, None] + torch.arange(B - 1, device=device)[None])[keep]  # [m]
-        needed, rows = torch.unique(at, return_inverse=True)
-        table = teacher_probs(teacher.to(device)[needed], head, drafter.cfg.output_multiplier)  # [U, V]
-    selector = drafter.candidate_selector
-    top_k = min(drafter.cfg.selector_top_k, head.weight.shape[0]) if selector is not None else 0
-    with torch.set_grad_enabled(torch.is_grad_enabled() and not frozen):
-        out = fused_head_ce(
-            h, head, labels, w[keep],
-            output_multiplier=drafter.cfg.output_multiplier, chunk=head_chunk,
-            teacher=table, teacher_rows=rows, alpha=distill, top_k=top_k,
-        )
-    total, correct_rows = out[0], out[1]
-    correct = torch.zeros(n, B - 1, dtype=torch.bool, device=device)
-    correct[keep] = correct_rows
-    if parts is not None:
-        parts["unary"] = float(total.detach())
-    if selector is not None:
-        # block position k's predecessor is the true token[p + k - 1] (the anchor for k = 1)
-        prev = seq.ids.to(device)[anchors[:, None] + torch.arange(B - 1, device=device)[None]][keep]  # [m]
-        sel = selector_loss(
-            selector, hidden[keep], h, head.weight.detach(),
-            None if getattr(head, "bias", None) is None else head.bias.detach(),
-            out[2], labels, prev, w[keep],
-            token_ids=candidates, output_multiplier=drafter.cfg.output_multiplier,
-        )
-        total = total + selector_alpha * sel.total
-        if parts is not None:
-            parts["selector"] = float(sel.total.detach())
-            for name, rows_ in (("in_top_k", sel.in_top_k), ("selector_correct", sel.correct)):
-                full = torch.zeros(n, B - 1, dtype=torch.bool, device=device)
-                full[keep] = rows_
-                parts[name] = full
-    return total, correct
 
 
 class Trainer:
@@ -614,7 +255,7 @@ class Trainer:
         for j in range(self.cfg.batch_seqs):
             g = step * self.cfg.batch_seqs + j
             epoch, pos = divmod(g, n)
-            perm = torch.randperm(n, generator=torch.Generator().manual_seed(_seed(self.cfg.seed, "epoch", epoch)))
+            perm = torch.randperm(n, generator=torch.Generator().manual_seed(derived_seed(self.cfg.seed, "epoch", epoch)))
             out.append((epoch, int(perm[pos])))
         return out
 
@@ -636,7 +277,7 @@ class Trainer:
         for epoch, i in todo:
             ex = self.examples[i]
             s = prepare_sequence(ex, cfg.block_size, cfg.anchors, cfg.max_seq_len, self.pos_weights,
-                                 _seed(cfg.seed, "anchors", epoch, i))
+                                 derived_seed(cfg.seed, "anchors", epoch, i))
             if s is not None:
                 if cfg.train == "selector" and self.candidates is not None:
                     # a label the drafter cannot propose teaches its frozen selector nothing
@@ -811,7 +452,7 @@ class Trainer:
         tot, sel, wsum = 0.0, 0.0, 0.0
         for i, ex in enumerate(self.examples[:n]):
             s = prepare_sequence(ex, self.cfg.block_size, self.cfg.anchors, self.cfg.max_seq_len,
-                                 self.pos_weights, _seed(self.cfg.seed, "fixed", i))
+                                 self.pos_weights, derived_seed(self.cfg.seed, "fixed", i))
             if s is None:
                 continue
             parts: dict = {}

@@ -20,7 +20,9 @@ from blockspec.train.data import read_examples
 from blockspec.train.datagen import regenerate
 from blockspec.train.loss import position_weights
 from blockspec.train.selector_loss import selector_loss, training_candidates
-from blockspec.train.trainer import Trainer, TrainConfig, _seed, prepare_sequence, sequence_forward
+from blockspec.train.trainer import Trainer
+from blockspec.train.train_config import TrainConfig
+from blockspec.train.sequence import derived_seed, prepare_sequence, sequence_forward
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -107,7 +109,7 @@ def _fixed_batch_losses(tr: Trainer, target, examples) -> tuple[float, float]:
     unary, sel, wsum = 0.0, 0.0, 0.0
     with torch.no_grad():
         for i, ex in enumerate(examples):
-            s = prepare_sequence(ex, 4, 16, 512, w, seed=_seed(0, "anchors", 0, i))
+            s = prepare_sequence(ex, 4, 16, 512, w, seed=derived_seed(0, "anchors", 0, i))
             parts: dict = {}
             sequence_forward(tr.drafter, target, s, tr._features(ex, s.ids.numel()), parts=parts)
             unary, sel, wsum = unary + parts["unary"], sel + parts["selector"], wsum + s.weight_sum

@@ -29,7 +29,8 @@ SCRIPT = textwrap.dedent(
     from conftest import make_tiny_target
     from blockspec.targets.hf import HFTarget
     from blockspec.train.data import read_examples
-    from blockspec.train.trainer import TrainConfig, Trainer
+    from blockspec.train.train_config import TrainConfig
+    from blockspec.train.trainer import Trainer
 
     model = make_tiny_target("llama", seed=3, dtype=torch.float32, vocab_size=64, hidden_size=32,
                              intermediate_size=64, num_hidden_layers=4)

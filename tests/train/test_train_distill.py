@@ -17,7 +17,9 @@ from blockspec.train.data import read_examples
 from blockspec.train.datagen import regenerate
 from blockspec.train.features import target_features
 from blockspec.train.loss import fused_head_ce, position_weights, soft_block_ce
-from blockspec.train.trainer import Trainer, TrainConfig, _seed, prepare_sequence, sequence_forward
+from blockspec.train.trainer import Trainer
+from blockspec.train.train_config import TrainConfig
+from blockspec.train.sequence import derived_seed, prepare_sequence, sequence_forward
 
 
 def _case(m: int = 37, vocab: int = 50, rows: int = 9, seed: int = 0):
@@ -127,7 +129,7 @@ def test_a_distillation_step_lowers_its_loss(tmp_path) -> None:
         tot, wsum = 0.0, 0.0
         with torch.no_grad():
             for i, ex in enumerate(examples):
-                s = prepare_sequence(ex, 4, 16, 512, w, seed=_seed(cfg.seed, "anchors", 0, i))
+                s = prepare_sequence(ex, 4, 16, 512, w, seed=derived_seed(cfg.seed, "anchors", 0, i))
                 feats = tr._features(ex, s.ids.numel())
                 teacher = T.teacher_hidden(tr.teacher, s.ids, feats, (1, 2))
                 total, _ = sequence_forward(tr.drafter, target, s, feats, teacher=teacher, distill=distill)

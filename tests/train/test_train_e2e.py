@@ -13,7 +13,9 @@ from blockspec.train.data import Example, read_examples
 from blockspec.train.datagen import regenerate
 from blockspec.train.evaluate import quick_tau
 from blockspec.errors import ConfigError
-from blockspec.train.trainer import Trainer, TrainConfig, _seed, prepare_sequence, sequence_forward
+from blockspec.train.trainer import Trainer
+from blockspec.train.train_config import TrainConfig
+from blockspec.train.sequence import derived_seed, prepare_sequence, sequence_forward
 from blockspec.train.loss import position_weights
 
 from support import CharTokenizer, one_thread, predictable_target, prompts  # noqa: F401 (fixture)
@@ -35,7 +37,7 @@ def test_one_step_lowers_loss_on_fixed_batch(tmp_path):
         tot, wsum = 0.0, 0.0
         with torch.no_grad():
             for i, ex in enumerate(examples):
-                s = prepare_sequence(ex, 4, 16, 512, w, seed=_seed(cfg.seed, "anchors", 0, i))
+                s = prepare_sequence(ex, 4, 16, 512, w, seed=derived_seed(cfg.seed, "anchors", 0, i))
                 total, _ = sequence_forward(tr.drafter, target, s, tr._features(ex, s.ids.numel()))
                 tot, wsum = tot + float(total), wsum + s.weight_sum
         return tot / wsum

@@ -124,7 +124,8 @@ def test_training_starts_on_a_hybrid_moe_target(tmp_path):
 
     from blockspec.train.data import read_examples
     from blockspec.train.datagen import regenerate
-    from blockspec.train.trainer import TrainConfig, Trainer
+    from blockspec.train.train_config import TrainConfig
+    from blockspec.train.trainer import Trainer
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -51,7 +51,7 @@ def test_trainer_takes_each_layers_window_and_refuses_causal_layers():
 
     from blockspec.dflash.drafter import new_drafter_for_target
     from blockspec.errors import ConfigError
-    from blockspec.train.trainer import attention_windows
+    from blockspec.train.sequence import attention_windows
 
     drafter = new_drafter_for_target(make_tiny_target("llama").config, mask_token_id=47, num_layers=3)
     assert attention_windows(drafter) == [None]
@@ -75,7 +75,7 @@ def test_packed_training_pass_equals_inference_for_mixed_sliding_and_full_layers
     from conftest import make_tiny_target
 
     from blockspec.dflash.drafter import DrafterConfig, DFlashDrafter, init_drafter_weights, new_drafter_for_target
-    from blockspec.train.trainer import attention_windows
+    from blockspec.train.sequence import attention_windows
 
     base = new_drafter_for_target(make_tiny_target("qwen3").config, mask_token_id=47, num_layers=3, block_size=4,
                                   architecture=architecture,
