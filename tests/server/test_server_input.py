@@ -99,12 +99,12 @@ def test_template_switches_the_template_reads_are_accepted(server, pipe):
 
 
 def test_a_bug_is_a_500_without_internals_on_a_live_connection(server, monkeypatch):
-    import blockspec.server.app as app_module
+    import blockspec.server.request_input as request_input
 
     def broken(*_args, **_kwargs):
         raise TypeError("TextEncodeInput must be Union[...] (secret internals)")
 
-    monkeypatch.setattr(app_module, "encode_prompt", broken)
+    monkeypatch.setattr(request_input, "encode_prompt", broken)
     with httpx.Client(timeout=30) as http:
         first = post(server, CHAT, good(), http=http)
         err = assert_error(first, 500, code="internal_error")
@@ -135,17 +135,17 @@ def test_oversized_bodies_get_413_at_once(pipe):
 def test_health_answers_while_a_huge_prompt_is_tokenised(server, monkeypatch):
     """Template rendering and tokenising run off the event loop: while a 200 KB prompt is being
     tokenised (held up here to make the window wide), /health still answers."""
-    import blockspec.server.app as app_module
+    import blockspec.server.request_input as request_input
 
     started, release = threading.Event(), threading.Event()
-    real = app_module.encode_prompt
+    real = request_input.encode_prompt
 
     def slow(*args, **kwargs):
         started.set()
         release.wait(20)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(app_module, "encode_prompt", slow)
+    monkeypatch.setattr(request_input, "encode_prompt", slow)
     monkeypatch.setattr(server.state, "max_token_bytes", None)  # no early bound: it must be tokenised
     body = {"model": MODEL, "messages": [{"role": "user", "content": "ducks and eggs " * 15_000}], "max_tokens": 1}
     result: dict = {}
@@ -161,12 +161,12 @@ def test_health_answers_while_a_huge_prompt_is_tokenised(server, monkeypatch):
 
 
 def test_a_prompt_far_over_the_context_is_refused_before_tokenising(server, monkeypatch):
-    import blockspec.server.app as app_module
+    import blockspec.server.request_input as request_input
 
     def never(*_args, **_kwargs):
         raise AssertionError("tokenised a prompt that cannot fit")
 
-    monkeypatch.setattr(app_module, "encode_prompt", never)
+    monkeypatch.setattr(request_input, "encode_prompt", never)
     assert server.state.max_token_bytes is not None
     content = "ducks " * (server.state.context_length * server.state.max_token_bytes // 5)
     r = post(server, CHAT, {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 1})
