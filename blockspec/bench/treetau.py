@@ -259,14 +259,17 @@ def set_prompts(pipe: object, name: str, skip: int, limit: int, data_dir: str | 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m blockspec.bench.treetau", description=__doc__.split("\n\n")[0])
     model_arguments(parser)
-    parser.add_argument("--limit", type=int, default=8, help="prompts per data set (the first N)")
+    parser.add_argument("--skip", type=int, default=0, help="prompts skipped first (to measure off reported sets)")
+    parser.add_argument("--limit", type=int, default=8, help="prompts per data set after the skipped ones")
     parser.add_argument("--budgets", type=int, nargs="+", default=list(BUDGETS))
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     args = parser.parse_args(argv)
     try:
+        if args.skip < 0 or args.limit < 1:
+            raise ConfigError(f"--skip must be >= 0 and --limit >= 1, got {args.skip} and {args.limit}")
         cfg = TreeTauConfig(tuple(args.budgets), args.top_k, args.max_new_tokens)
-        results = run(args.target, args.drafter, args.datasets, args.limit, cfg, args.data_dir)
+        results = run(args.target, args.drafter, args.datasets, args.limit, cfg, args.data_dir, skip=args.skip)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -278,14 +281,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run(target: str, drafter: str | None, datasets: Sequence[str], limit: int, cfg: TreeTauConfig,
-        data_dir: str | None = None) -> dict[str, TreeTauResult]:
-    """Loads the target and drafter (as `blockspec.load` does) and measures the first `limit`
-    prompts of each data set, chat-templated."""
+        data_dir: str | None = None, skip: int = 0) -> dict[str, TreeTauResult]:
+    """Loads the target and drafter (as `blockspec.load` does) and measures prompts skip ..
+    skip + limit - 1 of each data set, chat-templated."""
     pipe = load_drafting(target, drafter)
     out: dict[str, TreeTauResult] = {}
     for name in datasets:
         total = TreeTauResult()
-        for prompt in set_prompts(pipe, name, 0, limit, data_dir):
+        for prompt in set_prompts(pipe, name, skip, limit, data_dir):
             total.add(measure_prompt(pipe.target, pipe.drafter, prompt, cfg))
         out[name] = total
     return out

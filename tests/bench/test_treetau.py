@@ -116,6 +116,26 @@ def test_command_line_on_a_tiny_model(tiny_model_dir, tiny_drafter_dir, tmp_path
     assert "budgets" in capsys.readouterr().err
 
 
+def test_skipped_prompts_are_the_ones_after_the_first(tiny_model_dir, tiny_drafter_dir, capsys,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """--skip measures the prompts after the skipped ones (as sampletau's does), and a negative
+    skip is refused."""
+    asked: list[tuple[str, int, int]] = []
+    real = treetau.set_prompts
+
+    def recorded(pipe: object, name: str, skip: int, limit: int, data_dir: str | None = None):
+        asked.append((name, skip, limit))
+        return real(pipe, name, skip, limit, data_dir)
+
+    monkeypatch.setattr(treetau, "set_prompts", recorded)
+    assert treetau.main(["--target", str(tiny_model_dir), "--drafter", str(tiny_drafter_dir), "--datasets", "gsm8k",
+                         "--skip", "3", "--limit", "1", "--max-new-tokens", "6", "--budgets", "3"]) == 0
+    assert asked == [("gsm8k", 3, 1)]
+    assert "gsm8k: 1/1 prompts" in capsys.readouterr().err  # one prompt measured, the fourth
+    assert treetau.main(["--target", str(tiny_model_dir), "--skip", "-1"]) == 2
+    assert "--skip" in capsys.readouterr().err
+
+
 def test_drafters_measured_together_score_as_alone() -> None:
     """measure_drafters: one continuation for drafters reading the same target layers, each
     drafter's tallies those it gets measured alone; a DFlash 2 drafter beside a DFlash one."""
