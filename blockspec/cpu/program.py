@@ -80,7 +80,7 @@ class LayerProgram:
         # read from every layer's views at each pass, they took ~0.07 ms of a 4-5 ms step
         self._pointers: dict[tuple, torch.Tensor] = {}
         # per thread (its ident), the kernel's scratch tensors of the last few shapes (`_scratch`):
-        # nine allocations at every pass before (docs/DESIGN.md, tuning log)
+        # allocating all nine at every pass cost measurable time (docs/DESIGN.md, tuning log)
         self._scratches: dict[int, dict[tuple, tuple[torch.Tensor, ...]]] = {}
 
     def _key(self) -> tuple[tuple[int, int], ...]:
