@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import inspect
 
 import pytest
@@ -73,6 +74,15 @@ def make_tiny_target(family: str = "llama", *, seed: int = 0, dtype: torch.dtype
 def _no_user_data_dir(monkeypatch):
     """Tests see the package's own data and what they build, never the user's $BLOCKSPEC_DATA."""
     monkeypatch.delenv("BLOCKSPEC_DATA", raising=False)
+
+
+@pytest.fixture(autouse=True)
+def _thaw_collector():
+    """Commands run in-process freeze what they loaded (commands/heap.py); each test starts and
+    ends with nothing frozen, so the suite's models stay collectable."""
+    yield
+    if gc.get_freeze_count():
+        gc.unfreeze()
 
 
 @pytest.fixture(scope="session")

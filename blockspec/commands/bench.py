@@ -23,6 +23,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from blockspec.commands.heap import freeze_loaded
 from blockspec.commands.model_args import MODEL, add_runtime_arguments, command_args, load_kwargs
 
 HELP = "benchmark DFlash against autoregressive decoding on standard prompt sets"
@@ -324,6 +325,7 @@ def run(args: argparse.Namespace) -> int:
     pipe = load(**load_kwargs(args), drafter_layers=args.drafter_layers, seed=seed, backend=args.backend)
     if args.context:
         datasets = _with_context(datasets, args.context, pipe.tokenizer, args.data_dir)
+    freeze_loaded()
     block_sizes = args.block_sizes or (pipe.drafter.block_size,)
     if 1 in block_sizes:
         raise ConfigError("--block-sizes lists DFlash block sizes (>= 2); plain decoding always runs as AR")

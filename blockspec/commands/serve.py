@@ -12,6 +12,7 @@ import os
 import sys
 
 from blockspec.config import SpecConfig
+from blockspec.commands.heap import freeze_loaded
 from blockspec.commands.model_args import add_runtime_arguments, load_kwargs
 
 HELP = "OpenAI-compatible HTTP server with continuous batching"
@@ -65,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
         app = create_app(pipeline, engine_config=config, served_model_name=args.served_model_name,
                          api_key=args.api_key, max_request_bytes=max_bytes)
         state = app.state.blockspec
+        freeze_loaded()
         drafter = pipeline.drafter_source or ("none" if pipeline.drafter is None else "fresh")
         print(f"serving {state.served_model_name!r} (drafter: {drafter}, block size "
               f"{'adaptive, up to ' if pipeline.adaptive_block else ''}{pipeline.block_size}, "

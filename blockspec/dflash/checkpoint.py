@@ -27,6 +27,8 @@ DRAFT_VOCAB_NAME = "draft_vocab.safetensors"
 # A DFlash 2 drafter with a draft vocabulary stores its selector codebooks with rows for those
 # tokens only ([Vd, r], in the file's order), not the published [V, r]; export writes [V, r].
 CODEBOOK_NAMES = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
+# The dtypes a drafter checkpoint may be written in (export's and training's --save-dtype).
+SAVE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def read_config_json(path: str | Path) -> dict:

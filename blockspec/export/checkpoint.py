@@ -15,6 +15,7 @@ import torch
 
 from blockspec.dflash.checkpoint import (
     CODEBOOK_NAMES,
+    SAVE_DTYPES,
     check_tensors,
     compact_codebooks,
     read_draft_vocab,
@@ -25,7 +26,7 @@ from blockspec.dflash.drafter_config import DrafterConfig
 from blockspec.dflash.selector import expand_rows
 from blockspec.errors import ConfigError
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = SAVE_DTYPES  # the name export's callers know
 
 
 @dataclass(frozen=True)

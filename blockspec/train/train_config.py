@@ -6,12 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from blockspec.errors import ConfigError
+from blockspec.dflash.checkpoint import SAVE_DTYPES
 from blockspec.dflash.drafter import DFLASH2, DFLASH2_DEFAULTS, read_drafter_config
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ARCHS = {"dflash": "DFlashDraftModel", "dflash2": DFLASH2}
 
 
@@ -106,8 +104,8 @@ class TrainConfig:
                               f"got {self.distill!r}")
         if self.precision not in ("fp32", "bf16"):
             raise ConfigError(f"--precision must be fp32 or bf16, got {self.precision!r}")
-        if self.save_dtype not in DTYPES:
-            raise ConfigError(f"--save-dtype must be one of {sorted(DTYPES)}, got {self.save_dtype!r}")
+        if self.save_dtype not in SAVE_DTYPES:
+            raise ConfigError(f"--save-dtype must be one of {sorted(SAVE_DTYPES)}, got {self.save_dtype!r}")
         if self.parallel not in ("ddp", "fsdp"):
             raise ConfigError(f"--parallel must be 'ddp' (replicated drafter) or 'fsdp' (sharded), "
                               f"got {self.parallel!r}")

@@ -21,13 +21,14 @@ from pathlib import Path
 import torch
 
 from blockspec.errors import CheckpointError, ConfigError
+from blockspec.dflash.checkpoint import SAVE_DTYPES
 from blockspec.dflash.drafter import DFLASH2, DFlashDrafter, load_drafter, new_drafter_for_target, save_drafter
 from blockspec.train.data import Example
 from blockspec.train.distributed import DistInfo, shard_drafter
 from blockspec.train.loss import position_weights
 from blockspec.train.sequence import attention_windows, derived_seed, prepare_sequence, sequence_forward
 from blockspec.train.teacher import teacher_hidden, teacher_target
-from blockspec.train.train_config import DTYPES, TrainConfig, init_source
+from blockspec.train.train_config import TrainConfig, init_source
 
 
 def lr_factor(step: int, total: int, warmup: float, min_ratio: float) -> float:
@@ -497,7 +498,7 @@ class Trainer:
 
             if not self.fsdp:  # under FSDP `model` is already a copy
                 model = copy.deepcopy(model)
-            save_drafter(model.to(DTYPES[self.cfg.save_dtype]), final)
+            save_drafter(model.to(SAVE_DTYPES[self.cfg.save_dtype]), final)
         return final
 
     def _log(self, record: dict) -> None:

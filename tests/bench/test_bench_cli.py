@@ -208,3 +208,12 @@ def test_bench_context_puts_other_problems_in_front(tmp_path, tiny_model_dir, ti
     rc = main(["bench", "--target", str(tiny_model_dir), "--drafter", str(tiny_drafter_dir), "--context", "400",
                "--endpoint", "http://127.0.0.1:9/v1", "--out", str(tmp_path / "e")])
     assert rc == 2 and "--context counts tokens" in capsys.readouterr().err
+
+
+def test_bench_freezes_what_it_loaded(tmp_path, tiny_model_dir, tiny_drafter_dir, capsys):
+    import gc
+
+    gc.unfreeze()
+    rc, _ = _bench(tmp_path, tiny_model_dir, tiny_drafter_dir, "--datasets", "gsm8k", "--adaptive-only")
+    assert rc == 0, capsys.readouterr().err
+    assert gc.get_freeze_count() > 10_000  # the imports and the models, out of the collector's passes
