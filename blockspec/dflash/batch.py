@@ -170,6 +170,25 @@ class DecodeBatch:
         self.tcache = self.dcache = None
         self._reset()
 
+    @torch.inference_mode()
+    def reserve(self, rows: int, tokens: int) -> None:
+        """Sizes the caches' storage, while no row runs, for `rows` rows of up to `tokens` tokens
+        each (prompt and output), with room for the widest step, so that no join or step within
+        that size grows it: a growth copies the whole store into fresh, zero-filled memory in the
+        middle of a step. Caches that grow by appending ignore it (the cache protocol's `reserve`)."""
+        if self.rows:
+            raise ConfigError("reserve() sizes the caches of an idle batch; call it before rows join")
+        if rows < 1 or tokens < 1:
+            raise ConfigError(f"reserve() needs rows >= 1 and tokens >= 1, got {rows} and {tokens}")
+        slots = tokens + max(self.max_block, self.tree_nodes + 1) + 1  # a step writes past the last commit
+        if self.tcache is None:
+            self.tcache = self.target.new_cache(0)
+        self.tcache.spawn(rows).reserve(slots)
+        if self.draft is not None:
+            if self.dcache is None:
+                self.dcache = self.draft.new_cache(0)
+            self.dcache.spawn(rows).reserve(slots)
+
     @property
     def skips_padding(self) -> bool:
         """Whether a ragged step costs what its rows verify in total (the target skips padding in

@@ -280,6 +280,15 @@ class Engine:
         self.batch.release()
         trim_heap()
 
+    def reserve(self, rows: int, tokens: int) -> None:
+        """Sizes the caches, before requests arrive, for `rows` requests of up to `tokens` tokens
+        each (prompt and output; `DecodeBatch.reserve`), so none of their steps grows them. Only
+        while nothing runs, on the thread that decodes (own_thread=False: the caller's). An idle
+        engine with its own thread gives the storage back after `release_idle_s`."""
+        if self.batch.rows:
+            raise ConfigError("reserve() sizes an idle engine's caches; call it before submitting")
+        self.batch.reserve(min(rows, self.config.max_batch), tokens)
+
     def _tick(self) -> bool:
         """Admits waiting requests and runs one step; False when there was nothing to run."""
         try:

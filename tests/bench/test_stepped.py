@@ -76,3 +76,22 @@ def test_rounds_mode_runs_each_runner_whole(pipe, monkeypatch) -> None:
         monkeypatch.setattr(r, "step", lambda started, name=r.name: calls.append(name))
     _suite(pipe, False, runners)
     assert calls == []  # whole runs (`run`), no stepping
+
+
+def test_a_started_round_has_its_caches_before_its_first_timed_step(pipe) -> None:
+    """`start` sizes the engine's stores for the round (rows x longest request), so no runner's
+    timed steps pay for growing them, whichever runner happens to grow first."""
+    from blockspec.bench.runner import Request
+    from blockspec.config import SamplingParams
+
+    runner = EngineRunner(pipe.target, pipe.drafter, 4)
+    requests = [Request(tuple(range(3, 3 + n)), SamplingParams(max_new_tokens=90, ignore_eos=True)) for n in (5, 40)]
+    started = runner.start(requests, 2)
+    engine = started[0]
+    stores = engine.batch.tcache.store, engine.batch.dcache.store
+    kv = [s.kv for s in stores]
+    assert all(s.rows >= 2 and s.capacity >= 40 + 90 for s in stores)
+    while runner.step(started)[0]:
+        pass
+    assert [len(o.token_ids) for o in runner.finish(started)] == [90, 90]
+    assert all(s.kv is t for s, t in zip(stores, kv))  # the same storage throughout

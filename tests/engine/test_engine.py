@@ -475,3 +475,47 @@ def test_plain_steps_queue_every_committed_tokens_features_for_the_next_draft(se
             batch.step(4)
             batch.retire()
         assert r.generated == truth
+
+
+@pytest.mark.parametrize("tree_nodes", [0, 7])
+def test_reserved_caches_never_grow_while_requests_decode(setup, tree_nodes) -> None:
+    """`Engine.reserve` sizes the target's and the drafter's stores up front: joins and steps
+    (chains or trees) within that size write into the same storage, and the output is unchanged.
+    Without it the same requests grow both stores mid-run."""
+    model, target, prompts, _ = setup
+    drafter = new_drafter_for_target(model.config, mask_token_id=47, num_layers=1, dtype=torch.float64)
+    new = 80  # past the stores' first 64 slots
+    truths = [reference_greedy(model, p, new) for p in prompts]
+
+    def run(reserve: bool) -> tuple[list[list[int]], list[bool]]:
+        engine = Engine(target, drafter, EngineConfig(SpecConfig(block_size=6, tree_nodes=tree_nodes), max_batch=3,
+                                                      release_idle_s=None))
+        try:
+            if reserve:
+                engine.reserve(3, max(len(p) for p in prompts) + new)
+            before = [None, None] if not reserve else [engine.batch.tcache.store.kv, engine.batch.dcache.store.kv]
+            outputs = run_with_joins(engine, prompts, SamplingParams(max_new_tokens=new))
+            after = [engine.batch.tcache.store.kv, engine.batch.dcache.store.kv]
+            assert engine.batch.tcache.store.capacity >= max(len(p) for p in prompts) + new
+        finally:
+            engine.stop()
+        return outputs, [a is b for a, b in zip(after, before)]
+
+    outputs, kept = run(reserve=True)
+    assert outputs == truths and kept == [True, True]
+    outputs, kept = run(reserve=False)
+    assert outputs == truths and kept == [False, False]
+
+
+def test_reserve_is_for_an_idle_engine(setup) -> None:
+    model, target, prompts, _ = setup
+    engine = Engine(target, None, EngineConfig(SpecConfig(block_size=1), max_batch=2, own_thread=False))
+    with pytest.raises(ConfigError, match="rows >= 1 and tokens >= 1"):
+        engine.reserve(2, 0)
+    engine.submit(prompts[0], SamplingParams(max_new_tokens=4))
+    engine.step_once()  # the request joined and decodes
+    with pytest.raises(ConfigError, match="idle engine"):
+        engine.reserve(2, 64)
+    engine.run_until_idle()
+    engine.reserve(2, 64)  # idle again
+    assert engine.batch.tcache.store.capacity >= 64 + 2 and engine.batch.tcache.store.rows >= 2
