@@ -129,3 +129,27 @@ def test_decoding_code_never_probes_a_cache() -> None:
                  for folder in ("dflash", "engine") for p in sorted((ROOT / folder).glob("*.py"))}
     assert not {k: v for k, v in offenders.items() if v}
     assert _probes(ast.parse("hasattr(self.tcache, 'reserve')"))  # the check sees a probe
+
+
+@pytest.mark.parametrize("kind", ["hf", "hf-hybrid", "native"])
+def test_reserving_an_idle_batch_changes_no_output(kind) -> None:
+    """`Engine.reserve` (`DecodeBatch.reserve`) goes through the cache protocol alone: every kind
+    of target cache, and the drafter's, take it, and the requests decode what they do without it."""
+    from blockspec.config import SamplingParams, SpecConfig
+    from blockspec.engine import Engine, EngineConfig
+
+    model = make_tiny_target("qwen3_next" if kind == "hf-hybrid" else "llama", dtype=torch.float32,
+                             num_hidden_layers=4)
+    target = load_native_target(model, dtype=torch.float32) if kind == "native" else HFTarget(model)
+    drafter = new_drafter_for_target(model.config, mask_token_id=47, num_layers=1, dtype=torch.float32)
+    prompts = [[1, 5, 9, 2], [3, 8, 8, 1, 4, 6]]
+
+    def decode(reserve: bool) -> list[list[int]]:
+        engine = Engine(target, drafter, EngineConfig(SpecConfig(block_size=4), max_batch=2, own_thread=False))
+        if reserve:
+            engine.reserve(2, 40)
+        handles = [engine.submit(p, SamplingParams(max_new_tokens=12, ignore_eos=True)) for p in prompts]
+        engine.run_until_idle()
+        return [h.result(timeout=0).token_ids for h in handles]
+
+    assert decode(True) == decode(False)
