@@ -29,6 +29,13 @@ DTYPES = (torch.float32, torch.bfloat16)
 DIMS = 19  # the int64 geometry values `run` passes (cpu/csrc/layers.c's D_COUNT; `build` checks)
 INT8_KIND = 16  # a product's kind in the table: 16 + bits for an integer product (cpu/csrc/layers.c)
 ENV = "BLOCKSPEC_LAYER_LOOP"  # "0": keep the Python loops (to compare, or to rule the C loop out)
+# A thread's scratch tensors are kept for its SCRATCH_SHAPES most recently used pass shapes: a
+# lone row's verify passes come in a dozen widths (chains and trees of 2-16 tokens) beside the
+# plain step's, and with four kept, 45% of them allocated their nine tensors afresh (GSM8K,
+# batch 1 and 8). Sets larger than SCRATCH_KEEP_BYTES (a long prompt's chunks) are not kept: their
+# pass dwarfs the allocation, and holding them would pin their memory.
+SCRATCH_SHAPES = 24
+SCRATCH_KEEP_BYTES = 4 << 20
 Watched = tuple[dict | None, str | None, torch.Tensor]  # (holder such as module._parameters, key, tensor)
 
 
@@ -79,7 +86,7 @@ class LayerProgram:
         # the layers' K/V pointers [2 layers] by (store tensor's address, shape and dtype, byte offset):
         # read from every layer's views at each pass, they took ~0.07 ms of a 4-5 ms step
         self._pointers: dict[tuple, torch.Tensor] = {}
-        # per thread (its ident), the kernel's scratch tensors of the last few shapes (`_scratch`):
+        # per thread (its ident), the kernel's scratch tensors of its recent shapes (`_scratch`):
         # allocating all nine at every pass cost measurable time (docs/DESIGN.md, tuning log)
         self._scratches: dict[int, dict[tuple, tuple[torch.Tensor, ...]]] = {}
 
@@ -160,15 +167,16 @@ class LayerProgram:
     def _scratch(self, dtype: torch.dtype, t: int, tokens: int, b: int, q: int, hidden: int, width: int, h: int,
                  kvh: int, d: int, inter: int) -> tuple[torch.Tensor, ...]:
         """The kernel's scratch tensors for a pass of these sizes (kin, acc, xb, qkv, qs, att, o_in,
-        gate_up, act), kept per calling thread for its last few shapes: a plain step's are the
-        same at every step. Nothing in them outlives a call (the kernel writes before it reads)."""
+        gate_up, act), kept per calling thread for its SCRATCH_SHAPES most recently used shapes: a
+        plain step's are the same at every step. Nothing in them outlives a call (the kernel writes
+        before it reads)."""
         key = (dtype, t, tokens, b, q, hidden, width, h, kvh, d, inter)
         mine = self._scratches.get(threading.get_ident())
         if mine is None:
             if len(self._scratches) >= 8:  # threads come and go (engines, tests): keep the recent ones
                 self._scratches.pop(next(iter(self._scratches)))
             mine = self._scratches[threading.get_ident()] = {}
-        bufs = mine.get(key)
+        bufs = mine.pop(key, None)  # re-inserted below: the dict's order is least recently used first
         if bufs is None:
             g = h // kvh
             acc = torch.empty(max((t + tokens) * width, tokens * 2 * inter, tokens * hidden) if dtype != torch.float32
@@ -177,9 +185,10 @@ class LayerProgram:
                     torch.empty(t + tokens, width, dtype=dtype), torch.empty(b, kvh, g * q, d, dtype=dtype),
                     torch.empty(b, kvh, g * q, d), torch.empty(tokens, h * d, dtype=dtype),
                     torch.empty(tokens, 2 * inter, dtype=dtype), torch.empty(tokens, inter, dtype=dtype))
-            if len(mine) >= 4:
-                mine.pop(next(iter(mine)))
+        if sum(t.nbytes for t in bufs) <= SCRATCH_KEEP_BYTES:
             mine[key] = bufs
+            if len(mine) > SCRATCH_SHAPES:
+                mine.pop(next(iter(mine)))
         return bufs
 
     def fits(self) -> bool:

@@ -119,6 +119,30 @@ def test_threads_sharing_a_program_keep_their_own_scratch() -> None:
     assert len(target.net.backend.program._scratches) >= 2
 
 
+def test_scratch_keeps_the_most_recently_used_shapes_and_not_large_ones() -> None:
+    # a lone row's verify passes come in many widths beside the plain step's: the plain step's
+    # scratch set, used between every two of them, must not be pushed out by them
+    import threading
+
+    from blockspec.cpu.program import SCRATCH_KEEP_BYTES, SCRATCH_SHAPES
+
+    target = load_native_target(_model("llama", seed=8, gguf=True), dtype="float32", eos_token_ids=())
+    _alternating_growing_passes(target)
+    program = target.net.backend.program
+    assert program is not None
+
+    def scratch(q: int) -> tuple:
+        return program._scratch(torch.float32, 0, q, 1, q, 64, 128, 4, 2, 16, 96)
+
+    plain = scratch(1)
+    for q in range(2, 2 + 2 * SCRATCH_SHAPES):
+        assert scratch(q) is scratch(q)  # kept while recent
+        assert scratch(1) is plain  # the plain step's set survives every other shape
+    assert len(program._scratches[threading.get_ident()]) == SCRATCH_SHAPES  # bounded
+    big = SCRATCH_KEEP_BYTES // (4 * 64) + 1  # rows whose first tensor alone passes the bound
+    assert scratch(big) is not scratch(big)  # allocated for its pass, not kept
+
+
 def test_environment_keeps_the_python_loops(monkeypatch: pytest.MonkeyPatch) -> None:
     model = _model("llama", seed=6)
     ids, pos = torch.tensor([[3, 1, 4, 1, 5]]), torch.arange(5)[None]
