@@ -35,6 +35,9 @@ ENV = "BLOCKSPEC_LAYER_LOOP"  # "0": keep the Python loops (to compare, or to ru
 # batch 1 and 8). Sets larger than SCRATCH_KEEP_BYTES (a long prompt's chunks) are not kept: their
 # pass dwarfs the allocation, and holding them would pin their memory.
 SCRATCH_SHAPES = 24
+# Layer pointer tables kept (`_layer_pointers`), the least recently used dropped first: one per store
+# and row window (a join prefills into rows past the running ones), for the few engines a process steps
+POINTER_SETS = 16
 SCRATCH_KEEP_BYTES = 4 << 20
 Watched = tuple[dict | None, str | None, torch.Tensor]  # (holder such as module._parameters, key, tensor)
 
@@ -154,14 +157,14 @@ class LayerProgram:
         """Each layer's key and value pointers [2 layers] int64 into `store`, `off` bytes on."""
         whole = getattr(store, "kv", None)  # KVStore: every layer's keys and values are views of it
         key = None if whole is None else (whole.data_ptr(), tuple(whole.shape), whole.dtype, off)
-        kv = self._pointers.get(key) if key is not None else None
+        kv = self._pointers.pop(key, None) if key is not None else None  # re-inserted: most recent last
         if kv is None:
             kv = torch.tensor([p + off for k, v in zip(store.keys, store.values) for p in (k.data_ptr(), v.data_ptr())],
                               dtype=torch.int64)
-            if key is not None:
-                if len(self._pointers) >= 8:  # stores come and go with batches: keep the recent ones
-                    self._pointers.pop(next(iter(self._pointers)))
-                self._pointers[key] = kv
+        if key is not None:
+            self._pointers[key] = kv
+            if len(self._pointers) > POINTER_SETS:  # stores come and go with batches: keep the recent ones
+                self._pointers.pop(next(iter(self._pointers)))
         return kv
 
     def _scratch(self, dtype: torch.dtype, t: int, tokens: int, b: int, q: int, hidden: int, width: int, h: int,
