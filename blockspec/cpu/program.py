@@ -35,10 +35,10 @@ ENV = "BLOCKSPEC_LAYER_LOOP"  # "0": keep the Python loops (to compare, or to ru
 # batch 1 and 8). Sets larger than SCRATCH_KEEP_BYTES (a long prompt's chunks) are not kept: their
 # pass dwarfs the allocation, and holding them would pin their memory.
 SCRATCH_SHAPES = 24
+SCRATCH_KEEP_BYTES = 4 << 20
 # Layer pointer tables kept (`_layer_pointers`), the least recently used dropped first: one per store
 # and row window (a join prefills into rows past the running ones), for the few engines a process steps
 POINTER_SETS = 16
-SCRATCH_KEEP_BYTES = 4 << 20
 Watched = tuple[dict | None, str | None, torch.Tensor]  # (holder such as module._parameters, key, tensor)
 
 
@@ -188,10 +188,11 @@ class LayerProgram:
                     torch.empty(t + tokens, width, dtype=dtype), torch.empty(b, kvh, g * q, d, dtype=dtype),
                     torch.empty(b, kvh, g * q, d), torch.empty(tokens, h * d, dtype=dtype),
                     torch.empty(tokens, 2 * inter, dtype=dtype), torch.empty(tokens, inter, dtype=dtype))
-        if sum(t.nbytes for t in bufs) <= SCRATCH_KEEP_BYTES:
-            mine[key] = bufs
-            if len(mine) > SCRATCH_SHAPES:
-                mine.pop(next(iter(mine)))
+            if sum(buf.nbytes for buf in bufs) > SCRATCH_KEEP_BYTES:
+                return bufs
+        mine[key] = bufs
+        if len(mine) > SCRATCH_SHAPES:
+            mine.pop(next(iter(mine)))
         return bufs
 
     def fits(self) -> bool:
