@@ -584,6 +584,8 @@ class DecodeBatch:
         q = max(lengths, default=1)
         if q == 1:
             return self.step(1)
+        self.tree_step = False  # what the policy books this step by: a chain, with no node trials
+        self.node_trials = []
         self.caught_up = False  # no draft pass
         offsets = self.offsets[:q]
         positions = self.cur[:, None] + offsets  # [b, q]

@@ -139,7 +139,7 @@ def test_a_batch_chooses_trees_by_their_mean_acceptance_and_cost() -> None:
 
 
 def test_tree_steps_are_timed_apart_from_chain_steps(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A tree step's time goes to the tree costs, a chain step's to the chain costs. Fake clock:
+    """A tree step's time corrects the tree costs, a chain step's the chain costs. Fake clock:
     chain steps 1 + 0.1 n seconds, tree steps 1 + 0.05 n."""
     from blockspec.dflash.policy import adaptive
 
@@ -168,8 +168,35 @@ def test_tree_steps_are_timed_apart_from_chain_steps(monkeypatch: pytest.MonkeyP
         policy.step(batch)
     trees = [n for n, t in seen if t]
     assert trees and policy.tree_steps == len(trees)
-    assert all(policy.tree_costs.measured[2][n] == pytest.approx(1.0 + 0.05 * n) for n in set(trees))
     assert set(policy.costs.measured[2]) == {n for n, t in seen if not t}  # the plain check's step
+    chain = policy.costs.table(2)
+    tree = policy.tree_table(2, chain)
+    # calibrated alike, the tree steps ran faster than their estimate: trees now read cheaper
+    assert all(tree[n - 1] < chain[n - 1] for n in set(trees)), (tree, chain)
+
+
+def test_tree_costs_follow_the_chains_and_a_slow_tree_step_moves_them_a_bounded_share() -> None:
+    """Tree costs are the chain steps' current costs times the calibrated tree / chain ratio of
+    each width, times a factor the tree steps correct: a chain measured faster makes trees read
+    faster (they run too rarely to follow longer contexts or outside load by their own steps),
+    and one tree step slowed tenfold by a burst of load moves the factor by a bounded share."""
+    from blockspec.dflash.policy import adaptive
+
+    policy = AdaptiveBlock(8, costs=_costs(0.1), tree_costs=_costs(0.12), plain_every=1000, challenge_every=1000)
+    chain = policy.costs.table(1)
+    tree = policy.tree_table(1, chain)
+    assert tree == pytest.approx(_costs(0.12).table(1))  # nothing measured: the calibration
+    policy.costs.observe(1, 4, 0.5 * chain[3])  # chains at width 4 measured at half their calibration
+    faster = policy.costs.table(1)
+    assert policy.tree_table(1, faster)[3] == pytest.approx(0.5 * tree[3])
+    policy._observe_tree(1, 4, 10 * policy.tree_table(1, faster)[3])
+    s, bound = policy.costs.smoothing, adaptive.TREE_FACTOR_BOUND
+    assert policy.tree_table(1, faster)[3] == pytest.approx((1 - s + s * bound) * 0.5 * tree[3])
+    # calibrated under other load (every size 20% dearer, the plain step too): trees cost what chains do
+    slow = CostModel(max_block=8)
+    slow.set(1, [1.2 * c for c in _costs(0.1).table(1)], [1.2 * c for c in _costs(0.1).draft_table(1)])
+    drifted = AdaptiveBlock(8, costs=_costs(0.1), tree_costs=slow)
+    assert drifted.tree_table(1, chain) == pytest.approx(chain)
 
 
 @pytest.mark.usefixtures("one_thread")

@@ -423,3 +423,27 @@ def test_chi_square_detects_a_lossy_tree_walk(monkeypatch: pytest.MonkeyPatch) -
 
     counts, joint, _ = _unseeded_counts(True, monkeypatch)
     assert chi2_pvalue(counts.sum(0), joint.sum(0)) < 1e-6
+
+
+def test_a_lookup_step_after_a_tree_step_reports_a_chain() -> None:
+    """`step_lookup` verifies a chain: what the policy books a step by (`tree_step`, `node_trials`)
+    must not be the tree step's before it."""
+    model = make_tiny_target("llama", seed=8)
+    base = [5, 9, 13, 7, 22, 31]
+    prompts = [base * 3]
+    truth = [reference_greedy(model, p, MAX_NEW) for p in prompts]
+    drafter = RankedDrafter(model, prompts, truth, seed=8, absent_share=6)
+    batch = DecodeBatch(HFTarget(model), drafter, max_block=8, tree_nodes=10, lookup=LookupConfig(min_ngram=2))
+    rows = [make_row(0, len(prompts[0]), SamplingParams(max_new_tokens=MAX_NEW), (), 8)]
+    batch.join(prompts, rows)
+    seen = 0
+    while batch.rows:
+        batch.step(8, tree=True)
+        tree = batch.tree_step
+        batch.retire()
+        if tree and batch.rows and batch.lookup_plan()[0]:
+            assert batch.step_lookup([8]) > 1
+            assert not batch.tree_step and batch.node_trials == []
+            seen += 1
+            batch.retire()
+    assert rows[0].generated == truth[0] and seen > 0

@@ -44,12 +44,13 @@ pass (a drafting step would overwrite its drafts with the continuation anyway), 
 every drafting size; with `ragged`, so can the rows of a batch, each its own share. None of this
 changes the output: which tokens get verified is decided from the drafts alone, and verification
 is exact for any length.
-Where the batch verifies token trees (DecodeBatch.trees), tree steps keep cost models of their
-own (`tree_costs`, calibrated and tracked like the chains', never read below the chain's cost
-of the same width: `at_least`), and each step whose chain drafts verifies a chain or a tree,
-whichever is expected to commit more tokens per second: a trimmed step from its drafts
-(each row's best-first nodes, `TreeOffer`), a batch's from mean rates. Both price proposals by
-the acceptance observed by depth and rank (dflash/node_acceptance.py), since a drafter's
+Where the batch verifies token trees (DecodeBatch.trees), a tree step is priced as the chain
+step of its width times the calibrated tree / chain ratio, times a factor its own steps correct
+(`tree_table`; never below the chain's cost: `at_least`), and each step whose chain drafts
+verifies a chain or a tree, whichever is expected to commit more tokens per second: a trimmed
+step from its drafts (each row's best-first nodes, `TreeOffer`; offered less often while its
+offers end as chains, OFFER_BACKOFF), a batch's from mean rates. Both price proposals by the
+acceptance observed by depth and rank (dflash/node_acceptance.py), since a drafter's
 probabilities of its lower-ranked choices promise far more than they are accepted.
 """
 
@@ -124,12 +125,30 @@ TRIM_MAX_ROWS = 1
 # paying; otherwise it is a chain step with none of that work.
 TREE_OFFER_MARGIN = 0.1
 TREE_OFFER_EVERY = 16
-GAINS_EVERY = 8  # steps between recomputations of a batch's tree gains (`_tree_gains`)
+# A trimmed step offered trees takes its tree where it promises more than its chain, and also
+# where it comes within TREE_OFFER_MARGIN of it after TREE_CHECK_EVERY offers without a tree: a
+# tree step is what corrects the tree costs (`tree_table`), so an estimate that came out too
+# high (a tree calibrated on a dummy draft, a slow tree step) would otherwise keep trees out.
+TREE_CHECK_EVERY = 32
+# Offering trees costs a trimmed step ~0.1 ms of host work (the drafter's top choices read back
+# and ranked, both shapes priced: 2-3% of a step at batch 1 on a CPU), whichever it verifies. So
+# each offer answered with a chain doubles the drafting steps until the next (up to this many),
+# and one whose tree wins brings them back to every step: where trees rarely pay, a runner that
+# may verify them costs what one of chains alone does.
+OFFER_BACKOFF = 32
+TREE_FACTOR_BOUND = 1.5  # a tree step's time moves its cost factor (`_observe_tree`) by at most this ratio
+GAINS_EVERY = 32  # steps between recomputations of the tree gains (`_tree_gains`: ~60 us each)
 # A ragged step's padding (the slots past a row's length, up to the longest row) skips the matmuls,
 # rope, the K/V writes and (the CPU kernel) attention; what is left of it (norms, unpacking) costs
 # little: a ragged step cost about what a uniform block of the same tokens does (measured:
 # docs/DESIGN.md section 12).
 PAD_SHARE = 0.05
+
+
+def _tokens_at(expected: list[list[float]], lengths: int | list[int]) -> float:
+    """The rows' expected tokens at their verify lengths (one for all, or one per row)."""
+    each = lengths if isinstance(lengths, list) else [lengths] * len(expected)
+    return sum(e[n - 1] for e, n in zip(expected, each))
 
 
 def draft_margin(rows: int) -> float:
@@ -156,16 +175,22 @@ class AdaptiveBlock:
         # are priced apart: a sampled step computes the target's whole logits, shapes and draws.
         self.costs = costs or CostModel(max_block)
         self.sampled_costs = sampled_costs or CostModel(max_block)
-        # Token-tree steps (DecodeBatch.trees) are timed apart from chain steps of the same
-        # width: a tree step also ranks the drafter's top choices, packs the trees and moves the
+        # Token-tree steps (DecodeBatch.trees) cost more than chain steps of the same width: a
+        # tree step also ranks the drafter's top choices, packs the trees and moves the
         # accepted path's keys and values, and what that costs changes with the code, so it is
-        # measured, calibrated like the chains' and tracked online, never assumed.
+        # calibrated and its steps correct it (`tree_table`), never assumed.
         self.tree_costs = tree_costs or CostModel(max_block)
         self.sampled_tree_costs = sampled_tree_costs or CostModel(max_block)
         self._model = self.costs  # the one the batch being stepped uses (`choose`)
         self._tree_model = self.tree_costs  # likewise, for its tree steps
+        # (id of a tree model, bucket) -> what its tree steps have really cost over `tree_table`'s
+        # estimate without it (`_observe_tree`)
+        self._tree_factor: dict[tuple[int, int], float] = {}
         self.tree_choice = False  # the step being chosen verifies trees, or a trimmed one is offered them (`choose`)
         self._unoffered = 0  # trimmed drafting steps since trees were last offered
+        self._untried = 0  # trimmed steps offered trees since one took its tree (TREE_CHECK_EVERY)
+        self._offer_every = 1  # a trimmed drafting step is offered trees once this many are due (OFFER_BACKOFF)
+        self._tree_won = False  # the last trim's tree promised more than its chain
         self._chosen = 0  # steps chosen so far
         self._gains: dict[tuple[str, int], tuple[int, list[float]]] = {}  # `_tree_gains`, with when computed
         self._offered = False  # the batch being stepped may verify trees (`choose`)
@@ -341,7 +366,9 @@ class AdaptiveBlock:
         row with a lookup continuation expects what its chain does (its branch is lookup's)."""
         chain = [self._row_expected(r, len(plan[i]) if plan else 0) for i, r in enumerate(rows)]
         budget = min(self.max_block - 1, tree_nodes)
-        gains = {rule: self._tree_gains(rule, budget) for rule in {r.params.rule for r in rows}}
+        # only the rows without a lookup continuation read a tree's gain
+        gains = {rule: self._tree_gains(rule, budget)
+                 for rule in {r.params.rule for i, r in enumerate(rows) if not (plan and plan[i])}}
         totals = [0.0] * self.max_block
         for i, r in enumerate(rows):
             rule = r.params.rule
@@ -371,8 +398,43 @@ class AdaptiveBlock:
         return self.costs if batch.argmax_only else self.sampled_costs
 
     def tree_costs_for(self, batch: DecodeBatch) -> CostModel:
-        """The tree step costs of `batch` (see `costs_for`)."""
+        """The tree step calibrations of `batch` (see `costs_for`, `tree_table`)."""
         return self.tree_costs if batch.argmax_only else self.sampled_tree_costs
+
+    def tree_table(self, batch_size: int, chain: list[float]) -> list[float]:
+        """Estimated seconds of a tree step of 1..max_block nodes for the batch being stepped,
+        from its chain steps' current estimates `chain` (the same widths): each times what the
+        calibration found a tree of that width to cost over a chain (divided by the same ratio
+        of their plain steps, which are the same work: what changed between the two
+        calibrations drops out), times one factor that the tree steps correct
+        (`_observe_tree`). Priced so, trees follow whatever moves the chains' costs (longer
+        contexts, outside load, the thread count) though they run in few steps, and one slow
+        tree step cannot price a width out for good. Tracked per width apart from the chains',
+        tree costs read 0.9-1.25 of the chain's at the same width from step noise alone, and
+        trees were taken, or left, for that noise rather than their tokens (BENCHMARKS.md,
+        "Trees against chains under the policy at batch 1")."""
+        b = bucket(batch_size)
+        trees, chains = self._tree_model.calibrated.get(b), self._model.calibrated.get(b)
+        if trees is None or chains is None:
+            return list(chain)
+        factor = self._tree_factor.get((id(self._tree_model), b), 1.0)
+        if trees[0] > 0 and chains[0] > 0:
+            factor *= chains[0] / trees[0]
+        return [c * (t / cc if cc > 0 else 1.0) * factor for c, t, cc in zip(chain, trees, chains)]
+
+    def _observe_tree(self, batch_size: int, size: int, seconds: float) -> None:
+        """Corrects the tree steps' factor (`tree_table`) by one tree step of `size` nodes that
+        took `seconds`: its ratio to the estimate without the factor, bounded against a burst
+        of outside load, averaged in."""
+        b = bucket(batch_size)
+        key = (id(self._tree_model), b)
+        factor = self._tree_factor.get(key, 1.0)
+        estimate = self.tree_table(batch_size, self._model.table(batch_size))[size - 1] / factor
+        if estimate <= 0 or seconds <= 0:
+            return
+        ratio = min(TREE_FACTOR_BOUND, max(1 / TREE_FACTOR_BOUND, seconds / estimate))
+        s = self._model.smoothing
+        self._tree_factor[key] = (1 - s) * factor + s * ratio
 
     @staticmethod
     def offers_trees(batch: DecodeBatch) -> bool:
@@ -433,12 +495,14 @@ class AdaptiveBlock:
         # A step verifies a tree only where its chain drafts (below), so while plain decoding
         # wins, as in most steps of a batch of several rows, no tree is priced: the tree
         # expectations of every row cost a plain step more than the rest of its choice.
-        if self._offered and best > 1:
+        trims = self._trims(batch, b)
+        # a trimmed step whose offers have been answered with chains waits its turn (`_offer_every`)
+        if self._offered and best > 1 and (not trims or self._unoffered + 1 >= self._offer_every):
             tree_model = self._tree_model = self.tree_costs_for(batch)
             if not tree_model.known(b):
                 tree_model.set(b, *calibrate(batch, bucket(b), self.max_block, confidence=self._trims(batch, bucket(b)),
                                              sampled=tree_model is self.sampled_tree_costs, tree=True))
-            tree_costs = at_least(tree_model.table(b), costs)
+            tree_costs = at_least(self.tree_table(b, costs), costs)
             tree_rates = [tokens / cost for tokens, cost in
                           zip(self.tree_expected(batch.rows, plan, batch.tree_nodes), tree_costs)]
             tree_best = tree_rates.index(max(tree_rates[1:]), 1) + 1  # the smallest drafting one of the best
@@ -446,7 +510,6 @@ class AdaptiveBlock:
             # drafts exist) promised more than they accepted where chains did not pay (a trimmed
             # step's trim then answered with a chain, a batch's 3-wide trees took second choices
             # rarely), and such steps paid a draft pass that plain decoding would not have.
-            trims = self._trims(batch, b)
             if tree_rates[tree_best - 1] > rates[best - 1] and best > 1:
                 # a trimmed step drafts no narrower than its chain would: its trim may answer with that chain
                 best = planned = max(best, tree_best) if trims else tree_best
@@ -491,7 +554,7 @@ class AdaptiveBlock:
             if best > 1:
                 best = self._challenge((bucket(b), tree), best)
         self.tree_choice = tree and best > 1 and lookup is None
-        if self._offered and best > 1 and lookup is None and self._trims(batch, b):
+        if self._offered and best > 1 and lookup is None and trims:
             self._unoffered = 0 if self.tree_choice else self._unoffered + 1
         self.lookup_step = lookup
         self.last_choice = best
@@ -607,13 +670,29 @@ class AdaptiveBlock:
             chain, chain_rate = lengths(expected, sunk, verify)
             if offers is None:
                 return chain
-            model = self._tree_model
-            tree_drafts = model.draft_table(b) or [0.0] * self.max_block
-            tree_verify = at_least([t - dr for t, dr in zip(model.table(b), tree_drafts)], verify)
+            # a tree step drafts as its chain does: the rest of its cost is its verify
+            tree_verify = at_least([t - dr for t, dr in zip(self.tree_table(b, table), drafts)], verify)
             trees = [tree_expected_by_width(offer, n, width, r.remaining, lr)
                      for r, offer, n, lr in zip(rows, offers, nodes, lookup_rates)]
             tree, tree_rate = lengths(trees, sunk, tree_verify)
-            return Shape(tree, True) if tree_rate > chain_rate else Shape(chain, False)
+            # Each shape's widths as priced in the drafter's units; which of the two runs, by every
+            # node's observed chance (`NodeAcceptance.rate`, first choices included): the two
+            # promise within a few per cent of each other where trees are taken, and the
+            # drafter's own word was off by as much (first choices of trimmed chain steps
+            # committed 5% more than it said, the tree steps' 2% less).
+            chain_cal = [expected_by_block(lr or [n.rate(k + 1, 0, c) for k, c in enumerate(conf)], width, r.remaining)
+                         for r, conf, lr, n in zip(rows, confidence, lookup_rates, nodes)]
+            tree_cal = [tree_expected_by_width(offer, n, width, r.remaining, lr, calibrated=True)
+                        for r, offer, n, lr in zip(rows, offers, nodes, lookup_rates)]
+            chain_rate *= _tokens_at(chain_cal, chain) / _tokens_at(expected, chain)
+            tree_rate *= _tokens_at(tree_cal, tree) / _tokens_at(trees, tree)
+            self._untried += 1
+            self._tree_won = tree_rate > chain_rate
+            if self._tree_won or (self._untried >= TREE_CHECK_EVERY
+                                  and tree_rate >= (1 - TREE_OFFER_MARGIN) * chain_rate):
+                self._untried = 0
+                return Shape(tree, True)
+            return Shape(chain, False)
 
         return trim
 
@@ -683,6 +762,8 @@ class AdaptiveBlock:
             block, trim = self.widen(b, block) if b <= TRIM_MAX_ROWS else block, self.trimmer(batch)
         self._drafted = None  # set by `trim` (a step clipped to one token by its rows' limits drafts nothing)
         self._trial_conf = None
+        self._tree_won = False
+        offered = trim is not None and self.tree_choice
         # a plain step proposes nothing, so no acceptance count moves (most steps of a large batch)
         before = acceptance_counts(batch.rows) if block > 1 else None
         rows = list(batch.rows) if block > 1 else []  # `record`'s, as they were before the step
@@ -691,8 +772,10 @@ class AdaptiveBlock:
         used = batch.step(block, trim, tree=self.tree_choice) if self._offered else batch.step(block, trim)
         seconds = time.perf_counter() - t0
         tree = getattr(batch, "tree_step", False) is True
-        model = self._tree_model if tree else self._model  # tree steps are timed apart
+        model = self._model
         self.tree_steps += tree
+        if offered:  # offers answered with chains come less often, until a tree wins again
+            self._offer_every = 1 if self._tree_won else min(2 * self._offer_every, OFFER_BACKOFF)
         # A ragged step costs what a uniform one of its mean length does (the matmuls cost by rows).
         size = used if trim is None else max(1, min(self.max_block, round(batch.verified / b)))
         if self._drafted not in (None, size) and (drafts := model.draft_table(b)) is not None:
@@ -704,7 +787,7 @@ class AdaptiveBlock:
             # more than its size does. Believed, it priced drafting out: a fresh engine at
             # concurrency 8 then ran many steps plain (docs/DESIGN.md section 12), and the probes,
             # each catching up on the whole run, kept confirming it.
-            model.observe(b, size, seconds)
+            self._observe_tree(b, size, seconds) if tree else model.observe(b, size, seconds)
         elif self._probing and not self._confirming and used > 1:
             self._confirm = block  # measured on the next step instead (`choose`)
         self._note_time(b, used, seconds)

@@ -97,16 +97,18 @@ def expected_by_block(rates: list[float], max_block: int, remaining: int) -> lis
 
 
 def tree_expected_by_width(offer: TreeOffer, nodes: NodeAcceptance, width: int, remaining: int,
-                           lookup: list[float]) -> list[float]:
+                           lookup: list[float], *, calibrated: bool = False) -> list[float]:
     """[E(1), ..., E(width)] for one row's tree step of 1..width nodes (the root included):
     1 plus each of its first w - 1 best-first nodes' chance of acceptance, the product of the
     rates along its path, calibrated in a chain's units (`NodeAcceptance.relative_rate`: a
     chain's trim reads its first choices' draft probabilities), capped by the row's remaining
     tokens. A row with a lookup continuation (`lookup`: its rates) spends the first nodes of its
-    budget on that branch (as `propose_tree` does) and the rest on the drafter's best nodes."""
+    budget on that branch (as `propose_tree` does) and the rest on the drafter's best nodes.
+    `calibrated`: every node at its observed chance (`NodeAcceptance.rate`) instead."""
+    rate = nodes.rate if calibrated else nodes.relative_rate
     reach: list[float] = []
     for depth, rank, parent, p in zip(offer.depths, offer.ranks, offer.parents, offer.probs):
-        reach.append((reach[parent] if parent >= 0 else 1.0) * nodes.relative_rate(depth, rank, p))
+        reach.append((reach[parent] if parent >= 0 else 1.0) * rate(depth, rank, p))
     branch = expected_by_block(lookup, 1 + len(lookup), remaining) if lookup else [1.0]
     summed = [0.0]  # summed[k]: the first k nodes' chances
     for x in reach:
