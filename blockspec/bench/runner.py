@@ -148,7 +148,8 @@ class EngineRunner:
         if requests and not engine.pending:
             # the caches this round needs, before its steps are timed: growing them mid-run touches
             # fresh memory (up to ~0.3 s at 16 rows on a VM), whichever runner happens to grow first
-            engine.reserve(concurrency, max(len(r.prompt_ids) + r.params.max_new_tokens for r in requests))
+            engine.reserve(min(concurrency, len(requests)),
+                           max(len(r.prompt_ids) + r.params.max_new_tokens for r in requests))
         rule = self.sampling_rule
         handles = [engine.submit(list(r.prompt_ids), r.params if rule is None else r.params.with_(sampling_rule=rule))
                    for r in requests]

@@ -95,3 +95,16 @@ def test_a_started_round_has_its_caches_before_its_first_timed_step(pipe) -> Non
         pass
     assert [len(o.token_ids) for o in runner.finish(started)] == [90, 90]
     assert all(s.kv is t for s, t in zip(stores, kv))  # the same storage throughout
+
+
+def test_a_round_smaller_than_its_concurrency_reserves_only_its_rows(pipe) -> None:
+    from blockspec.bench.runner import Request
+    from blockspec.config import SamplingParams
+
+    runner = EngineRunner(pipe.target, pipe.drafter, 4)
+    request = Request(tuple(range(3, 13)), SamplingParams(max_new_tokens=20, ignore_eos=True))
+    started = runner.start([request], 4)
+    assert started[0].batch.tcache.store.rows == 1
+    while runner.step(started)[0]:
+        pass
+    assert [len(o.token_ids) for o in runner.finish(started)] == [20]
