@@ -363,3 +363,54 @@ def test_a_tree_step_is_never_priced_below_the_chain_step_of_its_width() -> None
     policy._tree_model = policy.tree_costs
     rows = [SimpleNamespace(remaining=100, params=SamplingParams())]
     assert policy.trimmer(SimpleNamespace(rows=rows))([CHAIN_CONF], [0], [DOUBTFUL]).tree is False
+
+
+def test_offers_back_off_while_answered_with_chains_and_return_when_a_tree_wins(monkeypatch: pytest.MonkeyPatch
+                                                                                ) -> None:
+    """Each offer a lone row's trim answers with a chain doubles the drafting steps until the next
+    (OFFER_BACKOFF at most); one whose tree wins brings the next drafting step's offer back; and
+    after TREE_CHECK_EVERY trimmed drafting steps without a tree, one is offered whatever the
+    back-off."""
+    from blockspec.dflash.policy import adaptive
+
+    wins = {7}  # the offers (counted from 0) whose tree wins
+    offers = []
+
+    def trimmer(self: AdaptiveBlock, batch: object):
+        def trim(confidence: list, looked: list, offered: list | None = None) -> int | Shape:
+            if offered is None:
+                return 4
+            self._tree_won = len(offers) in wins
+            offers.append(drafting[0])
+            return Shape(4, self._tree_won)
+        return trim
+
+    monkeypatch.setattr(AdaptiveBlock, "trimmer", trimmer)
+    rows = [SimpleNamespace(remaining=10_000, params=SamplingParams(), constraint=None,
+                            acceptance_rates=lambda prior, lookup=False: [0.9] * 7,
+                            stats=SimpleNamespace(accepted_by_position=[0] * 7, lookup_accepted_by_position=[0] * 7),
+                            tries=[0] * 7, lookup_tries=[0] * 7)]
+    drafting = [0]
+
+    def step(block: int, trim: object = None, tree: bool = False) -> int:
+        if block > 1 and trim is not None:
+            chosen = trim([[0.9] * (block - 1)], [0], [DOUBTFUL] if tree else None)
+            batch.tree_step = isinstance(chosen, Shape) and chosen.tree
+            drafting[0] += 1
+        else:
+            batch.tree_step = False
+        batch.verified = block
+        return block
+
+    batch = _tree_batch(rows, step=step, verified=0, caught_up=True, skips_padding=False, tree_step=False,
+                        node_trials=[])
+    policy = AdaptiveBlock(8, costs=_costs(0.05), tree_costs=_costs(0.05), plain_every=10_000,
+                           challenge_every=10_000)
+    while drafting[0] < 200:
+        policy.step(batch)
+    gaps = [b - a for a, b in zip(offers, offers[1:])]
+    assert gaps[:4] == [2, 4, 8, 16], gaps  # doubling while the trees lose
+    # the 32nd drafting step without a tree is a check, offered once (its trim kept the chain)
+    assert offers[5] == adaptive.TREE_CHECK_EVERY - 1 and gaps[5] == adaptive.TREE_CHECK_EVERY, offers
+    assert offers[8] == offers[7] + 1 and gaps[8:12] == [2, 4, 8, 16], offers  # a tree won: back to every step
+    assert max(gaps) == adaptive.OFFER_BACKOFF == adaptive.TREE_CHECK_EVERY, gaps

@@ -126,11 +126,11 @@ TRIM_MAX_ROWS = 1
 TREE_OFFER_MARGIN = 0.1
 TREE_OFFER_EVERY = 16
 # A trimmed step offered trees takes its tree where it promises more than its chain; after
-# TREE_CHECK_EVERY trimmed drafting steps without a tree, the next is offered trees whatever
-# the back-off (OFFER_BACKOFF) and takes its tree where it comes within TREE_OFFER_MARGIN of its
-# chain: a tree step is what corrects the tree costs (`tree_table`), so an estimate that came
-# out too high (a tree calibrated on a dummy draft, a slow tree step) would otherwise keep trees
-# out. At most one step in this many gives up at most that margin.
+# TREE_CHECK_EVERY trimmed drafting steps without a tree or a check, the next is a check: offered
+# trees whatever the back-off (OFFER_BACKOFF), it takes its tree where it comes within
+# TREE_OFFER_MARGIN of its chain. A tree step is what corrects the tree costs (`tree_table`), so
+# an estimate that came out too high (a tree calibrated on a dummy draft, a slow tree step)
+# would otherwise keep trees out. At most one step in this many gives up at most that margin.
 TREE_CHECK_EVERY = 32
 # Offering trees costs a trimmed step ~0.1 ms of host work (the drafter's top choices read back
 # and ranked, both shapes priced: 2-3% of a step at batch 1 on a CPU), whichever it verifies. So
@@ -190,7 +190,7 @@ class AdaptiveBlock:
         self._tree_factor: dict[tuple[int, int], float] = {}
         self.tree_choice = False  # the step being chosen verifies trees, or a trimmed one is offered them (`choose`)
         self._unoffered = 0  # trimmed drafting steps since trees were last offered
-        self._untried = 0  # trimmed drafting steps since one verified a tree (TREE_CHECK_EVERY)
+        self._untried = 0  # trimmed drafting steps since a tree step or a check (TREE_CHECK_EVERY)
         self._offer_every = 1  # a trimmed drafting step is offered trees once this many are due (OFFER_BACKOFF)
         self._tree_won = False  # the last trim's tree promised more than its chain
         self._chosen = 0  # steps chosen so far
@@ -777,8 +777,9 @@ class AdaptiveBlock:
         self.tree_steps += tree
         if offered:  # offers answered with chains come less often, until a tree wins again
             self._offer_every = 1 if self._tree_won else min(2 * self._offer_every, OFFER_BACKOFF)
-        if trim is not None and self._offered:
-            self._untried = 0 if tree else self._untried + 1
+        if trim is not None and self._offered:  # a check offers once, whatever its trim answered
+            checked = offered and self._untried + 1 >= TREE_CHECK_EVERY
+            self._untried = 0 if tree or checked else self._untried + 1
         # A ragged step costs what a uniform one of its mean length does (the matmuls cost by rows).
         size = used if trim is None else max(1, min(self.max_block, round(batch.verified / b)))
         if self._drafted not in (None, size) and (drafts := model.draft_table(b)) is not None:
