@@ -19,7 +19,7 @@ from blockspec.dflash.drafter import new_drafter_for_target
 from blockspec.dflash.drafter_config import DFLASH2
 from blockspec.dflash.proposers import BestFirstProposer, Draft, LookupProposer, PositionDistributions
 from blockspec.dflash.token_tree import TokenTree
-from blockspec.dflash.tree_step import pack_trees, propose_tree
+from blockspec.dflash.tree_step import gather_path, pack_trees, propose_tree
 from blockspec.targets.hf import HFTarget
 from blockspec.targets.slots import EMPTY
 
@@ -218,3 +218,11 @@ def test_packed_ancestors_of_trees_wider_than_an_int64s_bits(nodes: int) -> None
     assert torch.equal(packed.ancestors[0], tree.ancestor_mask())
     assert torch.equal(packed.ancestors[1, :3, :3], TokenTree.chain(3, [4, 5]).ancestor_mask())
     assert not packed.ancestors[1, 3:].any() and not packed.ancestors[1, :, 3:].any()
+
+
+def test_gather_path_reads_each_rows_path_nodes() -> None:
+    values = torch.randn(3, 6, 5)  # [b, n, F]
+    path = torch.tensor([[0, 2, 5], [0, 1, 1], [0, 4, 0]])  # [b, m]; repeats stand for padding
+    out = gather_path(values, path)
+    assert out.shape == (3, 3, 5)
+    assert all(torch.equal(out[r, k], values[r, path[r, k]]) for r in range(3) for k in range(3))
