@@ -12,6 +12,7 @@ ragged passes, resumed passes, causal or windowed draft layers).
 
 from __future__ import annotations
 
+import operator
 import os
 import threading
 from collections.abc import Callable
@@ -26,6 +27,8 @@ from blockspec.cpu.int8 import Int8Weight
 from blockspec.cpu.qkv import QKVPlacement
 
 DTYPES = (torch.float32, torch.bfloat16)
+_DATA_PTR = torch.Tensor.data_ptr
+_VERSION = operator.attrgetter("_version")
 DIMS = 19  # the int64 geometry values `run` passes (cpu/csrc/layers.c's D_COUNT; `build` checks)
 INT8_KIND = 16  # a product's kind in the table: 16 + bits for an integer product (cpu/csrc/layers.c)
 ENV = "BLOCKSPEC_LAYER_LOOP"  # "0": keep the Python loops (to compare, or to rule the C loop out)
@@ -85,6 +88,11 @@ class LayerProgram:
         self.eps = eps  # rms, q-norm, k-norm
         self.watched = watched
         self.keep = keep  # what else the table points into: packed copies, fp32 biases of a bf16 model
+        # `fits` runs at every pass over every weight (180 for SmolLM2): read through `map`, it costs
+        # ~22 us a pass against ~29 for a loop over the triples
+        self._tensors = [t for _, _, t in watched]
+        self._held = [(owner, name, t) for owner, name, t in watched if owner is not None]
+        self._owners, self._names, self._owned = (list(x) for x in zip(*self._held)) if self._held else ([], [], [])
         self.key = self._key()
         # the layers' K/V pointers [2 layers] by (store tensor's address, shape and dtype, byte offset):
         # read from every layer's views at each pass, they took ~0.07 ms of a 4-5 ms step
@@ -93,9 +101,9 @@ class LayerProgram:
         # allocating all nine at every pass cost measurable time (docs/DESIGN.md, tuning log)
         self._scratches: dict[int, dict[tuple, tuple[torch.Tensor, ...]]] = {}
 
-    def _key(self) -> tuple[tuple[int, int], ...]:
+    def _key(self) -> tuple[list[int], list[int]]:
         # data_ptr too: `module.to()` and `param.data = ...` swap storage without a new version
-        return tuple((t.data_ptr(), t._version) for _, _, t in self.watched)
+        return list(map(_DATA_PTR, self._tensors)), list(map(_VERSION, self._tensors))
 
     @classmethod
     def build(cls, layers: list[LayerWeights], eps: tuple[float, float, float],
@@ -198,7 +206,8 @@ class LayerProgram:
     def fits(self) -> bool:
         """Whether the weights are still the ones the table was built from (none replaced,
         changed in place or given new storage since `build`)."""
-        return all(owner is None or owner[name] is t for owner, name, t in self.watched) and self._key() == self.key
+        return (all(map(operator.is_, map(operator.getitem, self._owners, self._names), self._owned))
+                and self._key() == self.key)
 
     def run(self, x: torch.Tensor, place: QKVPlacement, visible: torch.Tensor, horizon: int, cache: KVStoreRows,
             *, inter: int, scale: float, ctx: torch.Tensor | None = None, capture: list[int] | None = None,

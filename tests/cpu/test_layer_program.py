@@ -241,3 +241,19 @@ def test_silu_mul_kernel_is_pytorchs_activation_and_batch_invariant() -> None:
         assert (got.float() - want.float()).abs().le(want.float().abs() * 2**-7).all()  # at most a bf16 ulp apart
         assert (got == want).float().mean() > 0.98
     assert kernels.silu_mul(torch.randn(2, 8, dtype=torch.float64)) is None  # the caller's operators
+
+
+def test_a_program_stops_fitting_when_a_weight_is_replaced_or_given_new_storage() -> None:
+    """`fits`: a parameter object replaced in its module, or its storage swapped (`.data = ...`,
+    as `module.to()` does), means the table's pointers are stale; putting it back fits again."""
+    target = load_native_target(_model("llama", seed=6), dtype="float32", eos_token_ids=())
+    target.forward(torch.tensor([[3, 1, 4]]), torch.arange(3)[None], target.new_cache(1, 16))
+    program = target.net.backend.program
+    assert program is not None and program.fits()
+    owner, name, weight = next(w for w in program.watched if w[0] is not None)
+    owner[name] = torch.nn.Parameter(weight.detach().clone(), requires_grad=False)
+    assert not program.fits()
+    owner[name] = weight
+    assert program.fits()
+    weight.data = weight.data.clone()
+    assert not program.fits()
