@@ -91,8 +91,8 @@ class LayerProgram:
         # `fits` runs at every pass over every weight (180 for SmolLM2): read through `map`, it costs
         # ~22 us a pass against ~29 for a loop over the triples
         self._tensors = [t for _, _, t in watched]
-        self._held = [(owner, name, t) for owner, name, t in watched if owner is not None]
-        self._owners, self._names, self._owned = (list(x) for x in zip(*self._held)) if self._held else ([], [], [])
+        held = [(owner, name, t) for owner, name, t in watched if owner is not None]
+        self._owners, self._names, self._owned = (list(x) for x in zip(*held)) if held else ([], [], [])
         self.key = self._key()
         # the layers' K/V pointers [2 layers] by (store tensor's address, shape and dtype, byte offset):
         # read from every layer's views at each pass, they took ~0.07 ms of a 4-5 ms step

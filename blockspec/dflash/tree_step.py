@@ -133,7 +133,7 @@ def gather_path(values: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
     rather than `gather`ed over an expanded index: 2-4x faster for a batch's features or a row's
     logits (8 rows of features: 23 against 43 us; a row's 8 logit rows: 51 against 201 us)."""
     rows = torch.arange(values.shape[0], device=values.device)[:, None]  # [b, 1]
-    return values[rows, path.to(values.device)]
+    return values[rows, path]
 
 
 @dataclass(frozen=True)

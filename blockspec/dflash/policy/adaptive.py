@@ -416,27 +416,34 @@ class AdaptiveBlock:
         trees were taken, or left, for that noise rather than their tokens (BENCHMARKS.md,
         "Trees against chains under the policy at batch 1")."""
         b = bucket(batch_size)
-        trees, chains = self._tree_model.calibrated.get(b), self._model.calibrated.get(b)
-        if trees is None or chains is None:
+        ratios = self._tree_ratios(b)
+        if ratios is None:
             return list(chain)
         factor = self._tree_factor.get((id(self._tree_model), b), 1.0)
-        if trees[0] > 0 and chains[0] > 0:
-            factor *= chains[0] / trees[0]
-        return [c * (t / cc if cc > 0 else 1.0) * factor for c, t, cc in zip(chain, trees, chains)]
+        return [c * r * factor for c, r in zip(chain, ratios)]
+
+    def _tree_ratios(self, b: int) -> list[float] | None:
+        """Per width, bucket b's calibrated tree / chain cost over the same ratio of their plain
+        steps (`tree_table`); None where either is not calibrated."""
+        trees, chains = self._tree_model.calibrated.get(b), self._model.calibrated.get(b)
+        if trees is None or chains is None:
+            return None
+        plain = chains[0] / trees[0] if trees[0] > 0 and chains[0] > 0 else 1.0
+        return [(t / cc if cc > 0 else 1.0) * plain for t, cc in zip(trees, chains)]
 
     def _observe_tree(self, batch_size: int, size: int, seconds: float) -> None:
         """Corrects the tree steps' factor (`tree_table`) by one tree step of `size` nodes that
         took `seconds`: its ratio to the estimate without the factor, bounded against a burst
         of outside load, averaged in."""
         b = bucket(batch_size)
-        key = (id(self._tree_model), b)
-        factor = self._tree_factor.get(key, 1.0)
-        estimate = self.tree_table(batch_size, self._model.table(batch_size))[size - 1] / factor
+        ratios = self._tree_ratios(b)
+        estimate = self._model.cost(batch_size, size) * (1.0 if ratios is None else ratios[size - 1])
         if estimate <= 0 or seconds <= 0:
             return
+        key = (id(self._tree_model), b)
         ratio = min(TREE_FACTOR_BOUND, max(1 / TREE_FACTOR_BOUND, seconds / estimate))
         s = self._model.smoothing
-        self._tree_factor[key] = (1 - s) * factor + s * ratio
+        self._tree_factor[key] = (1 - s) * self._tree_factor.get(key, 1.0) + s * ratio
 
     @staticmethod
     def offers_trees(batch: DecodeBatch) -> bool:
