@@ -63,6 +63,12 @@ int bs_int8_path(void) { return INT8_PATH; }
 
 typedef int8_t q16 __attribute__((vector_size(16)));
 
+/* A group's weights are read this many bytes ahead of the block being summed (and its scales an
+ * eighth as far, their share of a 4-bit group's bytes): a group's blocks and the next group's
+ * follow each other in memory, but the hardware prefetcher alone left a verify pass of several
+ * rows waiting on them (BENCHMARKS.md, "Kernel measurements"). */
+#define INT8_AHEAD 6144
+
 /* one row, per block b (block b's values at q + 32 stride b, its scalars at [stride b]): q [32],
  * d (the scale), s (d * sum q), c (-128 * sum q: VNNI's offset for 8-bit weights, see block_sums).
  * 16 lanes at a time, each lane's operations the scalar definition's: IEEE division, and rint as
@@ -256,6 +262,11 @@ static inline __attribute__((always_inline)) void tile_int8(qrows x, int64_t t, 
     for (int r = 0; r < MR; r++) acc[r] = (v16){0};
     for (int64_t b = 0; b < nb; b++) {
         i16 sum[MR_MAX];
+        if (t == 0) { /* the first tile streams the weights from memory; later ones find them in L2 */
+            for (int64_t off = 0; off < wstride; off += 64) __builtin_prefetch(gq + wstride * b + INT8_AHEAD + off, 0, 3);
+            __builtin_prefetch(gd + GROUP * b + INT8_AHEAD / 8, 0, 3);
+            if (bits == 4) __builtin_prefetch(gm + GROUP * b + INT8_AHEAD / 8, 0, 3);
+        }
         block_sums(sum, gq + wstride * b, xq + b * MR_MAX * 32, xc + b * MR_MAX, MR, bits);
         const v16 dw = load16h(gd + GROUP * b);
 #pragma GCC unroll 8
