@@ -63,10 +63,11 @@ int bs_int8_path(void) { return INT8_PATH; }
 
 typedef int8_t q16 __attribute__((vector_size(16)));
 
-/* A group's weights are read this many bytes ahead of the block being summed (and its scales an
- * eighth as far, their share of a 4-bit group's bytes): a group's blocks and the next group's
- * follow each other in memory, but the hardware prefetcher alone left a verify pass of several
- * rows waiting on them (BENCHMARKS.md, "Kernel measurements"). */
+/* A tile of several rows reads its group's weights this many bytes ahead of the block being summed
+ * (and the scales an eighth as far, their share of a 4-bit group's bytes): a group's blocks and the
+ * next group's follow each other in memory, but the hardware prefetcher alone left a verify pass of
+ * several rows waiting on them. A lone row, which streams at the memory's pace, ran slower with the
+ * prefetches (BENCHMARKS.md, "Kernel measurements"). */
 #define INT8_AHEAD 6144
 
 /* one row, per block b (block b's values at q + 32 stride b, its scalars at [stride b]): q [32],
@@ -262,7 +263,7 @@ static inline __attribute__((always_inline)) void tile_int8(qrows x, int64_t t, 
     for (int r = 0; r < MR; r++) acc[r] = (v16){0};
     for (int64_t b = 0; b < nb; b++) {
         i16 sum[MR_MAX];
-        if (t == 0) { /* the first tile streams the weights from memory; later ones find them in L2 */
+        if (MR > 1 && t == 0) { /* the first tile streams the weights from memory; later ones find them in L2 */
             for (int64_t off = 0; off < wstride; off += 64) __builtin_prefetch(gq + wstride * b + INT8_AHEAD + off, 0, 3);
             __builtin_prefetch(gd + GROUP * b + INT8_AHEAD / 8, 0, 3);
             if (bits == 4) __builtin_prefetch(gm + GROUP * b + INT8_AHEAD / 8, 0, 3);
