@@ -102,6 +102,54 @@ static inline __attribute__((always_inline)) void scores_any(v4 *sr, const float
     for (int r = 0; r < R; r++) sr[r] = reduce16x4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
 }
 
+/* The unscaled scores of R (<= CH) query rows qf [R, D] against the keys [j, end) of k (four at a
+ * time, scores4x4's arithmetic), into scores + r * KEY_CHUNK + key, with the keys of a later
+ * group and this group's values prefetched: each item streams its own strip of the cache, too
+ * short for the hardware prefetcher to ramp up (BENCHMARKS.md, "Kernel measurements"). A function
+ * of its own per (R, D, bf), so that its loop keeps its few values in registers. */
+static inline __attribute__((always_inline)) void shared_scores(const float *qf, const void *k, const void *v,
+                                                                int64_t j, int64_t end, float *scores, const int R,
+                                                                const int D, const int bf) {
+    const int row_bytes = D * (bf ? 2 : 4);
+    for (; j < end; j += 4) {
+        const int C = end - j < 4 ? (int)(end - j) : 4;
+#pragma GCC unroll 16
+        for (int off = 0; off < 4 * row_bytes; off += 64) {
+            __builtin_prefetch((const char *)at(k, (j + PREFETCH_KEYS) * D, bf) + off, 0, 3);
+            __builtin_prefetch((const char *)at(v, j * D, bf) + off, 0, 3);
+        }
+        const void *kj = at(k, j * D, bf);
+        const v16 s = C == 4 ? scores4x4(qf, kj, R, 4, D, bf) : scores4x4(qf, kj, R, C, D, bf);
+        const v4 s0 = __builtin_shufflevector(s, s, 0, 1, 2, 3), s1 = __builtin_shufflevector(s, s, 4, 5, 6, 7),
+                 s2 = __builtin_shufflevector(s, s, 8, 9, 10, 11), s3 = __builtin_shufflevector(s, s, 12, 13, 14, 15);
+        if (C == 4) {
+            memcpy(scores + j, &s0, sizeof s0);
+            if (R > 1) memcpy(scores + KEY_CHUNK + j, &s1, sizeof s1);
+            if (R > 2) memcpy(scores + 2 * KEY_CHUNK + j, &s2, sizeof s2);
+            if (R > 3) memcpy(scores + 3 * KEY_CHUNK + j, &s3, sizeof s3);
+        } else {
+            memcpy(scores + j, &s0, (size_t)C * sizeof(float));
+            if (R > 1) memcpy(scores + KEY_CHUNK + j, &s1, (size_t)C * sizeof(float));
+            if (R > 2) memcpy(scores + 2 * KEY_CHUNK + j, &s2, (size_t)C * sizeof(float));
+            if (R > 3) memcpy(scores + 3 * KEY_CHUNK + j, &s3, (size_t)C * sizeof(float));
+        }
+    }
+}
+#define SHARED_SCORES(R, D, BF)                                                                                  \
+    static __attribute__((noinline)) void shared_scores_##R##_##D##_##BF(const float *qf, const void *k,         \
+                                                                         const void *v, int64_t j, int64_t end, \
+                                                                         float *scores) {                       \
+        shared_scores(qf, k, v, j, end, scores, R, D, BF);                                                       \
+    }
+#define SHARED_SCORES_D(R) SHARED_SCORES(R, 64, 0) SHARED_SCORES(R, 64, 1) SHARED_SCORES(R, 128, 0) SHARED_SCORES(R, 128, 1)
+SHARED_SCORES_D(1)
+SHARED_SCORES_D(2)
+SHARED_SCORES_D(3)
+SHARED_SCORES_D(4)
+typedef void (*shared_scores_fn)(const float *, const void *, const void *, int64_t, int64_t, float *);
+#define SHARED_ROW(R) {shared_scores_##R##_64_0, shared_scores_##R##_64_1, shared_scores_##R##_128_0, shared_scores_##R##_128_1}
+static const shared_scores_fn SHARED_SCORES_FNS[CH][4] = {SHARED_ROW(1), SHARED_ROW(2), SHARED_ROW(3), SHARED_ROW(4)};
+
 /* R (<= CH) query rows of one KV head, rows idx[r] of q and out (stride d), over the logical keys
  * [j0, j0 + KEY_CHUNK) of k, v (row stride d) that each sees (keys lo[r] .. seen[r] - 1 in all,
  * some of them in this chunk; logical key j is slot key_slot(j, base[r], ext[r])). The keys below
@@ -148,47 +196,28 @@ static inline __attribute__((always_inline)) void chunk_rows(const void *q, cons
     k = at(k, j0 * d, bf);
     v = at(v, j0 * d, bf);
     const int64_t row_bytes = d * (bf ? 2 : 4);
-    /* scores, four keys at a time: each is reduced by reduce16's tree (reduce16x4) */
-    for (int64_t j = least & ~(int64_t)3; j < shared; j += 4) {
-        const int C = shared - j < 4 ? (int)(shared - j) : 4;
-        /* the keys of a later group, and this group's values for the pass after this one: each
-         * item streams its own strip of the cache, too short for the hardware prefetcher to
-         * ramp up (BENCHMARKS.md, "Kernel measurements") */
-        for (int64_t off = 0; off < 4 * row_bytes; off += 64) {
-            __builtin_prefetch((const char *)at(k, (j + PREFETCH_KEYS) * d, bf) + off, 0, 3);
-            __builtin_prefetch((const char *)at(v, j * d, bf) + off, 0, 3);
-        }
-        v4 sr[CH];
-        if (d == 64 || d == 128) { /* the head dimensions of the models served: addresses from constants */
-            const void *kj = at(k, j * d, bf);
-            const v16 s16 = C == 4 ? (d == 64 ? scores4x4(qf, kj, R, 4, 64, bf) : scores4x4(qf, kj, R, 4, 128, bf))
-                                   : (d == 64 ? scores4x4(qf, kj, R, C, 64, bf) : scores4x4(qf, kj, R, C, 128, bf));
-            memcpy(sr, &s16, (size_t)R * sizeof(v4));
-        } else
+    /* unscaled scores, four keys at a time: each is reduced by reduce16's tree (reduce16x4); a row's
+     * scores outside its window [beg, len) are written too and never read */
+    if (d == 64 || d == 128) /* the head dimensions of the models served */
+        SHARED_SCORES_FNS[R - 1][(d == 128) * 2 + bf](qf, at(k, 0, bf), at(v, 0, bf), least & ~(int64_t)3, shared, scores);
+    else
+        for (int64_t j = least & ~(int64_t)3; j < shared; j += 4) {
+            const int C = shared - j < 4 ? (int)(shared - j) : 4;
+            for (int64_t off = 0; off < 4 * row_bytes; off += 64) {
+                __builtin_prefetch((const char *)at(k, (j + PREFETCH_KEYS) * d, bf) + off, 0, 3);
+                __builtin_prefetch((const char *)at(v, j * d, bf) + off, 0, 3);
+            }
+            v4 sr[CH];
             scores_any(sr, qf, k, j, C, R, d, dv, bf);
 #pragma GCC unroll 4
-        for (int r = 0; r < R; r++) {
-            v4 s4 = sr[r];
-            const int live = len[r] - j < C ? (int)(len[r] - j) : C;
-            if (live <= 0) continue;
-            if (dv < d) /* a head dimension that is not a multiple of 16: its tail, scalar */
-                for (int c = 0; c < live; c++)
-                    for (int64_t i = dv; i < d; i++) s4[c] += qf[r * d + i] * scalar(k, (j + c) * d + i, bf);
-            s4 *= scale;
-            if (live == 4 && j >= beg[r]) {
-                memcpy(scores + r * stride + j, &s4, sizeof s4);
-                const float m01 = s4[0] > s4[1] ? s4[0] : s4[1], m23 = s4[2] > s4[3] ? s4[2] : s4[3];
-                const float m = m01 > m23 ? m01 : m23;
-                top[r] = m > top[r] ? m : top[r];
-            } else {
-                for (int c = 0; c < live; c++) {
-                    if (j + c < beg[r]) continue; /* before the row's window */
-                    scores[r * stride + j + c] = s4[c];
-                    top[r] = s4[c] > top[r] ? s4[c] : top[r];
-                }
+            for (int r = 0; r < R; r++) {
+                v4 s4 = sr[r];
+                if (dv < d) /* a head dimension that is not a multiple of 16: its tail, scalar */
+                    for (int c = 0; c < C; c++)
+                        for (int64_t i = dv; i < d; i++) s4[c] += qf[r * d + i] * scalar(k, (j + c) * d + i, bf);
+                memcpy(scores + r * stride + j, &s4, (size_t)C * sizeof(float));
             }
         }
-    }
     /* each row's own keys from `shared` on: the same products, reduction and tail per key (loops
      * over rows unrolled, as every loop here, so the per-row arrays stay in registers) */
 #pragma GCC unroll 4
@@ -199,10 +228,27 @@ static inline __attribute__((always_inline)) void chunk_rows(const void *q, cons
             for (int64_t i = 0; i < dv; i += 16) acc = fma16(acc, load(qf, r * d + i, 0), load(kr, i, bf));
             float s = reduce16(acc);
             for (int64_t i = dv; i < d; i++) s += qf[r * d + i] * scalar(kr, i, bf);
-            s *= scale;
             scores[r * stride + j] = s;
-            top[r] = s > top[r] ? s : top[r];
         }
+    }
+    /* each row's window of scores scaled (one rounding each) and its maximum (exact in any order) */
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        float *sc = scores + r * stride;
+        v16 m16 = (v16){0} - INFINITY;
+        int64_t j = beg[r];
+        for (; j + 16 <= len[r]; j += 16) {
+            const v16 x = load16(sc + j) * scale;
+            memcpy(sc + j, &x, sizeof x);
+            m16 = select16(x > m16, x, m16);
+        }
+        float m = -INFINITY;
+        for (; j < len[r]; j++) {
+            sc[j] *= scale;
+            m = sc[j] > m ? sc[j] : m;
+        }
+        for (int l = 0; l < 16; l++) m = m16[l] > m ? m16[l] : m;
+        top[r] = m;
     }
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) {
