@@ -447,3 +447,32 @@ def test_a_lookup_step_after_a_tree_step_reports_a_chain() -> None:
             seen += 1
             batch.retire()
     assert rows[0].generated == truth[0] and seen > 0
+
+
+def test_a_greedy_step_whose_trees_are_chains_verifies_them_as_chains(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Trees of one proposed node are chains: such a step takes the chain's verify (no packed
+    tree, no node trials, booked as a chain) and decodes what plain decoding does; wider trees
+    of the same batch still go through the tree pass."""
+    model, prompts, truth = _setup("llama", 3, 5)
+    drafter = RankedDrafter(model, prompts, truth, seed=5)
+    packed = []
+    real_pack = batch_module.pack_trees
+    monkeypatch.setattr(batch_module, "pack_trees", lambda *a, **k: packed.append(1) or real_pack(*a, **k))
+    batch = DecodeBatch(HFTarget(model), drafter, max_block=8, tree_nodes=10)
+    rows = [make_row(i, len(p), SamplingParams(max_new_tokens=MAX_NEW), (), 8) for i, p in enumerate(prompts)]
+    batch.join(prompts, rows)
+    narrow = wide = 0
+    while batch.rows:
+        batch.retire()
+        if not batch.rows:
+            break
+        block = 2 if (narrow + wide) % 2 == 0 else 6
+        before = len(packed)
+        batch.step(block, tree=True)
+        if block == 2:
+            assert len(packed) == before and not batch.tree_step and batch.node_trials == []
+            narrow += 1
+        else:
+            wide += batch.tree_step and len(packed) == before + 1
+    assert narrow > 2 and wide > 2
+    assert [r.generated for r in rows] == truth
