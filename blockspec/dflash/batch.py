@@ -445,7 +445,7 @@ class DecodeBatch:
         # a live row's last generated token is `last`: read from the host, not the device
         trees = [propose_tree(r.generated[-1], dist, branch, budget)
                  for r, dist, branch, budget in zip(rows, dists, branches, budgets)]
-        if self.argmax_only and not any(branches) and all(t.is_chain() for t in trees):
+        if not any(branches) and all(t.is_chain() for t in trees):
             return self._verify_chains(trees, top)
         packed = pack_trees(trees, self.cur_host, d)
         n = packed.ids.shape[1]
@@ -502,10 +502,11 @@ class DecodeBatch:
         return n
 
     def _verify_chains(self, trees: list[TokenTree], top: int) -> int:
-        """A greedy tree step whose every tree came out a chain (best-first over confident drafts
-        often grows one: 36% of the trees of 3 nodes on GSM8K), verified as the chain it is: the
-        same tokens and acceptance, without a tree's packing, slots and path moves (about 7% of a
-        4-token step on a CPU). The policy books it as the chain step it is."""
+        """A tree step whose every tree came out a chain (best-first over confident drafts often
+        grows one: 36% of the trees of 3 nodes on GSM8K), verified as the chain it is: the same
+        tokens and acceptance (the argmax, or every sampled row's keyed draws: a tree step leaves
+        no draft q, so no row takes the standard rule), without a tree's packing, slots and path
+        moves (about 7% of a 4-token step on a CPU). The policy books it as the chain step it is."""
         self.tree_step = False
         lengths = [len(t) for t in trees]
         q = max(lengths)
