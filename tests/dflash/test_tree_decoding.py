@@ -476,3 +476,23 @@ def test_a_greedy_step_whose_trees_are_chains_verifies_them_as_chains(monkeypatc
             wide += batch.tree_step and len(packed) == before + 1
     assert narrow > 2 and wide > 2
     assert [r.generated for r in rows] == truth
+
+
+def test_seeded_sampled_trees_that_are_chains_equal_seeded_plain_decoding(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sampled step whose trees are chains verifies them as chains with each row's keyed draws,
+    as the walk would: a seed still fixes the text, and no row takes the standard rule."""
+    model, prompts, truth = _setup("qwen3", 3, seed=6)
+    drafter = RankedDrafter(model, prompts, truth, seed=6)
+    params = [SamplingParams(max_new_tokens=MAX_NEW, temperature=t, top_p=p, seed=s, logprobs=1)
+              for t, p, s in ((0.7, 1.0, 21), (1.0, 0.9, 22), (0.9, 1.0, 23))]
+    packed = []
+    real_pack = batch_module.pack_trees
+    monkeypatch.setattr(batch_module, "pack_trees", lambda *a, **k: packed.append(1) or real_pack(*a, **k))
+    target = HFTarget(model)
+    narrow = _decode(target, drafter, prompts, params, block=2, tree_nodes=10)
+    plain = _decode(target, drafter, prompts, params, block=1, tree_nodes=10)
+    assert packed == [] and all(r.stats.tree_steps == 0 for r in narrow)
+    for n, p in zip(narrow, plain):
+        assert n.generated == p.generated
+        assert [a.logprob for a in n.logprobs] == pytest.approx([b.logprob for b in p.logprobs], abs=1e-6)
+    assert sum(sum(r.stats.accepted_by_position) for r in narrow) > 0  # some proposals were kept
