@@ -102,22 +102,29 @@ static inline __attribute__((always_inline)) void scores_any(v4 *sr, const float
     for (int r = 0; r < R; r++) sr[r] = reduce16x4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
 }
 
+/* Before the scores of keys j .. j + 3: the keys of a later group, and this group's values for
+ * the pass after the scores. Each item streams its own strip of the cache, too short for the
+ * hardware prefetcher to ramp up (BENCHMARKS.md, "Kernel measurements"). */
+static inline __attribute__((always_inline)) void prefetch_group(const void *k, const void *v, int64_t j,
+                                                                 const int64_t d, const int bf) {
+    const int64_t row_bytes = d * (bf ? 2 : 4);
+#pragma GCC unroll 16
+    for (int64_t off = 0; off < 4 * row_bytes; off += 64) {
+        __builtin_prefetch((const char *)at(k, (j + PREFETCH_KEYS) * d, bf) + off, 0, 3);
+        __builtin_prefetch((const char *)at(v, j * d, bf) + off, 0, 3);
+    }
+}
+
 /* The unscaled scores of R (<= CH) query rows qf [R, D] against the keys [j, end) of k (four at a
- * time, scores4x4's arithmetic), into scores + r * KEY_CHUNK + key, with the keys of a later
- * group and this group's values prefetched: each item streams its own strip of the cache, too
- * short for the hardware prefetcher to ramp up (BENCHMARKS.md, "Kernel measurements"). A function
- * of its own per (R, D, bf), so that its loop keeps its few values in registers. */
+ * time, scores4x4's arithmetic), into scores + r * KEY_CHUNK + key, each group prefetched
+ * (`prefetch_group`). A function of its own per (R, D, bf), so that its loop keeps its few
+ * values in registers. */
 static inline __attribute__((always_inline)) void shared_scores(const float *qf, const void *k, const void *v,
                                                                 int64_t j, int64_t end, float *scores, const int R,
                                                                 const int D, const int bf) {
-    const int row_bytes = D * (bf ? 2 : 4);
     for (; j < end; j += 4) {
         const int C = end - j < 4 ? (int)(end - j) : 4;
-#pragma GCC unroll 16
-        for (int off = 0; off < 4 * row_bytes; off += 64) {
-            __builtin_prefetch((const char *)at(k, (j + PREFETCH_KEYS) * D, bf) + off, 0, 3);
-            __builtin_prefetch((const char *)at(v, j * D, bf) + off, 0, 3);
-        }
+        prefetch_group(k, v, j, D, bf);
         const void *kj = at(k, j * D, bf);
         const v16 s = C == 4 ? scores4x4(qf, kj, R, 4, D, bf) : scores4x4(qf, kj, R, C, D, bf);
         const v4 s0 = __builtin_shufflevector(s, s, 0, 1, 2, 3), s1 = __builtin_shufflevector(s, s, 4, 5, 6, 7),
@@ -195,18 +202,14 @@ static inline __attribute__((always_inline)) void chunk_rows(const void *q, cons
     }
     k = at(k, j0 * d, bf);
     v = at(v, j0 * d, bf);
-    const int64_t row_bytes = d * (bf ? 2 : 4);
     /* unscaled scores, four keys at a time: each is reduced by reduce16's tree (reduce16x4); a row's
      * scores outside its window [beg, len) are written too and never read */
     if (d == 64 || d == 128) /* the head dimensions of the models served */
-        SHARED_SCORES_FNS[R - 1][(d == 128) * 2 + bf](qf, at(k, 0, bf), at(v, 0, bf), least & ~(int64_t)3, shared, scores);
+        SHARED_SCORES_FNS[R - 1][(d == 128) * 2 + bf](qf, k, v, least & ~(int64_t)3, shared, scores);
     else
         for (int64_t j = least & ~(int64_t)3; j < shared; j += 4) {
             const int C = shared - j < 4 ? (int)(shared - j) : 4;
-            for (int64_t off = 0; off < 4 * row_bytes; off += 64) {
-                __builtin_prefetch((const char *)at(k, (j + PREFETCH_KEYS) * d, bf) + off, 0, 3);
-                __builtin_prefetch((const char *)at(v, j * d, bf) + off, 0, 3);
-            }
+            prefetch_group(k, v, j, d, bf);
             v4 sr[CH];
             scores_any(sr, qf, k, j, C, R, d, dv, bf);
 #pragma GCC unroll 4

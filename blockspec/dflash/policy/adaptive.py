@@ -798,7 +798,10 @@ class AdaptiveBlock:
             # more than its size does. Believed, it priced drafting out: a fresh engine at
             # concurrency 8 then ran many steps plain (docs/DESIGN.md section 12), and the probes,
             # each catching up on the whole run, kept confirming it.
-            self._observe_tree(b, size, seconds) if tree else model.observe(b, size, seconds)
+            if tree:
+                self._observe_tree(b, size, seconds)
+            else:
+                model.observe(b, size, seconds)
         elif self._probing and not self._confirming and used > 1:
             self._confirm = block  # measured on the next step instead (`choose`)
         self._note_time(b, used, seconds)
