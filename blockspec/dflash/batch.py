@@ -471,12 +471,10 @@ class DecodeBatch:
             flags[len(t):] = [True] * (n - len(t))
         self.tcache.reject(torch.tensor(keep, device=d))
         committed = [a.committed(t)[:k] for a, t, k in zip(walks, trees, n_host)]
-        n_new = torch.tensor(n_host, device=d)
         if self.drafter is not None:  # the path's features, in order: what the drafter reads next
             path_feats = gather_path(feats, path)  # [b, m, F]
-            offsets = self.offsets[:m]
-            self.queue.append(path_feats, torch.where(offsets[None] < n_new[:, None], self.cur[:, None] + offsets,
-                                                      torch.full_like(path, EMPTY)))
+            at = [[c + j if j < k else EMPTY for j in range(m)] for c, k in zip(self.cur_host, n_host)]
+            self.queue.append(path_feats, torch.tensor(at, device=d))  # [b, m]
             self.draft_top = max(self.draft_top, top)
         token_lp = None
         wanted = [r.params.logprobs for r in rows]
@@ -489,9 +487,9 @@ class DecodeBatch:
             host_feats = feats.float().cpu()
             for i, (r, a, k) in enumerate(zip(rows, walks, n_host)):
                 r.captured.append(host_feats[i, list(a.path[:k])])
-        self.last = torch.tensor([c[-1] for c in committed], device=d)
-        self.cur = self.cur + n_new
         self.cur_host = [c + k for c, k in zip(self.cur_host, n_host)]
+        both = torch.tensor([c[-1] for c in committed] + self.cur_host, device=d)  # [2 b]: one tensor for the two
+        self.last, self.cur = both[:len(rows)], both[len(rows):]
         self._plan = None
         for i, (r, tree, a, k, branch) in enumerate(zip(rows, trees, walks, n_host, branches)):
             self._record_tree(r, tree, a, k, committed[i], branch)

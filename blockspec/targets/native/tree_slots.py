@@ -22,6 +22,7 @@ nothing for the part of the path along the spine, which is there already.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
 import torch
 
@@ -187,82 +188,103 @@ def _host_tree_slots(positions: torch.Tensor, ancestors: torch.Tensor, scratch: 
     """`tree_slots` for CPU tensors, on host integers: each node's visible nodes as a bit mask.
     A tree pass is a few dozen nodes, where the tensor formulation's ~60 small operations cost
     more than the arithmetic; this one makes the same geometry (tested equal) plus the key table
-    and the end, with five tensors out."""
+    and the end, with five tensors out. A row's geometry relative to its base depends on its mask
+    and padding alone (`_row_shape`), and a policy's trees take a few shapes over and over, so
+    each shape is worked out once."""
     b, n = positions.shape
     pos = positions.tolist()
     if b * n * n > 256 and n <= 62:  # each row of the mask as one int64 (a few list items are cheaper read)
         masks = (ancestors.to(torch.int64) << torch.arange(n)).sum(dim=-1).tolist()  # [b][n]
     else:
         masks = [[sum(1 << j for j, v in enumerate(row) if v) for row in rows] for rows in ancestors.tolist()]
-    slots, bases, reals, sees_rows, visible, counts = [], [], [], [], [], []
-    tree_shaped = True
-    for r in range(b):
-        real = [p != EMPTY for p in pos[r]]
-        base = min((p for p, ok in zip(pos[r], real) if ok), default=0)
-        live = sum(1 << i for i in range(n) if real[i])
-        sees = [(masks[r][i] | 1 << i) & live if real[i] else 0 for i in range(n)]
-        count = [s.bit_count() for s in sees]  # a tree node's depth + 1
-        level = [0] * (n + 1)  # per count: the nodes with that many visible nodes
-        for i in range(n):
-            level[count[i]] |= 1 << i
-        # a node's parents: the nodes it sees one level up (one in a tree); a child is first when
-        # no earlier node shares a parent with it, and the spine is what sees first children only
-        seen_parents, later = 0, 0
-        for i in range(n):
-            parents = sees[i] & level[count[i] - 1] if count[i] else 0
-            if parents & seen_parents:
-                later |= 1 << i
-            seen_parents |= parents
-        spine = [real[i] and not sees[i] & later for i in range(n)]
-        on_spine = sum(spine)
-        row, rest = [], 0
-        for i in range(n):
-            if spine[i]:
-                row.append(base + count[i] - 1)  # the slot of its position
-            else:
-                rest += real[i]
-                row.append(base + on_spine + rest - 1)
-        if len({x for x, ok in zip(row, real) if ok}) != sum(real):
-            tree_shaped = False  # no tree's mask (a node sees a non-ancestor): every row in node order
+    shapes = [_row_shape(tuple(row_masks), tuple(p != EMPTY for p in row_pos)) for row_masks, row_pos in zip(masks, pos)]
+    bases = [min((p for p in row_pos if p != EMPTY), default=0) for row_pos in pos]
+    tree_shaped = all(shape.shaped for shape in shapes)  # else (no tree's mask) every row in node order
+    width = max(1, max((shape.width for shape in shapes), default=0))
+    slots, visible, table, ends = [], [], [], []
+    for shape, base in zip(shapes, bases):
+        rel = shape.spine_slots if tree_shaped else shape.order_slots
+        row = [scratch if x < 0 else base + x for x in rel]
         slots.append(row)
-        bases.append(base)
-        reals.append(real)
-        sees_rows.append(sees)
-        counts.append(count)
-    width = max(1, max((c for count in counts for c in count), default=0))
-    table, ends = [], []
-    for r in range(b):
-        if not tree_shaped:
-            taken = 0
-            for i in range(n):
-                taken += reals[r][i]
-                slots[r][i] = bases[r] + taken - 1
-        slots[r] = [x if ok else scratch for x, ok in zip(slots[r], reals[r])]
-        visible.append([bases[r] + c if ok else 0 for c, ok in zip(counts[r], reals[r])])
-        ends.append(bases[r] + sum(reals[r]))
-        row = slots[r]
-        for i in range(n):  # per node: its base, then the slots of the nodes it sees in node order, then 0
-            keys, m = [bases[r]], sees_rows[r][i]
-            while m:
-                low = m & -m
-                keys.append(row[low.bit_length() - 1])
-                m ^= low
-            table.append(keys + [0] * (width + 1 - len(keys)))
-    real_t = torch.tensor(reals, dtype=torch.bool).reshape(b, n)
-    if ancestors.dtype == torch.bool and all(s == m for sees, row in zip(sees_rows, masks) for s, m in zip(sees, row)):
+        visible.extend(base + c if c else 0 for c in shape.counts)
+        ends.append(base + shape.real_count)
+        for seen in shape.seen:  # per node: its base, then the slots of the nodes it sees in node order, then 0
+            table.append(base)
+            table.extend(row[j] for j in seen)
+            table.extend([0] * (width - len(seen)))
+    real_t = torch.tensor([shape.real for shape in shapes], dtype=torch.bool).reshape(b, n)
+    if ancestors.dtype == torch.bool and all(shape.packed for shape in shapes):
         sees_t = ancestors  # every node real and marked as seeing itself (a packed tree's mask): as it is
     else:
         own = torch.eye(n, dtype=torch.bool)[None]
         sees_t = (ancestors.to(torch.bool) | own) & real_t[:, None, :] & real_t[:, :, None]
-    host = HostGeometry(tuple(map(tuple, slots)), tuple(bases), tuple(map(tuple, reals)),
-                        tuple(tuple(_deepest_other(row, i) for i in range(n)) for row in masks), scratch)
+    host = HostGeometry(tuple(map(tuple, slots)), tuple(bases), tuple(shape.real for shape in shapes),
+                        tuple(shape.parents for shape in shapes), scratch)
     # every integer output as one tensor (each creation costs more than the numbers): slots, bases,
     # visible, the key table, as views of it
-    flat = torch.tensor([x for row in slots for x in row] + bases + [x for row in visible for x in row]
-                        + [x for row in table for x in row], dtype=torch.int64)
+    flat = torch.tensor([x for row in slots for x in row] + bases + visible + table, dtype=torch.int64)
     m = b * n
     return TreeSlots(flat[:m].view(b, n), flat[m : m + b], real_t, sees_t, flat[m + b : 2 * m + b].view(b, n),
                      table=flat[2 * m + b :].view(b, n, 1 + width), known_end=max(ends, default=0), host=host)
+
+
+@dataclass(frozen=True)
+class _RowShape:
+    """One row's tree geometry relative to its base (`_row_shape`): slots as offsets from the
+    base (-1: padding, the scratch slot), in the spine layout and in node order."""
+
+    real: tuple[bool, ...]
+    real_count: int
+    counts: tuple[int, ...]  # visible tree nodes per node (a tree node's depth + 1), 0 for padding
+    spine_slots: tuple[int, ...]
+    order_slots: tuple[int, ...]
+    shaped: bool  # the spine layout gives each real node its own slot (the mask is a tree's)
+    seen: tuple[tuple[int, ...], ...]  # per node, the nodes it sees in node order
+    width: int  # the most nodes a node sees
+    parents: tuple[int, ...]  # `_deepest_other` of each node on the raw mask
+    packed: bool  # the raw mask is the live one: padding sees nothing, a real node itself
+
+
+@lru_cache(maxsize=4096)
+def _row_shape(masks: tuple[int, ...], real: tuple[bool, ...]) -> _RowShape:
+    """The geometry of a row whose node i's mask bits are masks[i] (bit j: it sees node j) and
+    whose real nodes are `real`, relative to its base (see the module docstring)."""
+    n = len(real)
+    live = sum(1 << i for i in range(n) if real[i])
+    sees = [(masks[i] | 1 << i) & live if real[i] else 0 for i in range(n)]
+    counts = tuple(s.bit_count() for s in sees)
+    level = [0] * (n + 1)  # per count: the nodes with that many visible nodes
+    for i in range(n):
+        level[counts[i]] |= 1 << i
+    # a node's parents: the nodes it sees one level up (one in a tree); a child is first when no
+    # earlier node shares a parent with it, and the spine is what sees first children only
+    seen_parents, later = 0, 0
+    for i in range(n):
+        parents = sees[i] & level[counts[i] - 1] if counts[i] else 0
+        if parents & seen_parents:
+            later |= 1 << i
+        seen_parents |= parents
+    spine = [real[i] and not sees[i] & later for i in range(n)]
+    on_spine = sum(spine)
+    spine_slots, order_slots, rest, taken = [], [], 0, 0
+    for i in range(n):
+        taken += real[i]
+        if not real[i]:
+            spine_slots.append(-1)
+            order_slots.append(-1)
+            continue
+        if spine[i]:
+            spine_slots.append(counts[i] - 1)  # the slot of its position
+        else:
+            rest += 1
+            spine_slots.append(on_spine + rest - 1)
+        order_slots.append(taken - 1)
+    real_slots = [x for x in spine_slots if x >= 0]
+    seen = tuple(tuple(j for j in range(n) if s >> j & 1) for s in sees)
+    return _RowShape(real, sum(real), counts, tuple(spine_slots), tuple(order_slots),
+                     len(set(real_slots)) == len(real_slots), seen, max(counts, default=0),
+                     tuple(_deepest_other(list(masks), i) for i in range(n)),
+                     all(s == m for s, m in zip(sees, masks)))
 
 
 def _deepest_other(masks: list[int], i: int) -> int:
