@@ -291,6 +291,33 @@ def test_trees_are_priced_in_the_chains_units() -> None:
         assert chosen == Shape(alone, False)
 
 
+def test_a_sampled_rows_chain_takes_the_length_it_takes_without_trees() -> None:
+    """A sampled row prices its chain by the acceptance observed at its drafts' peaks, not by
+    the peaks themselves (`_chain_rates`): where its trim is offered trees and answers with the
+    chain, the chain is as long as without the offer. Observed here above the peaks, so pricing
+    by the peaks would verify a shorter chain."""
+    nodes = NodeAcceptance()
+    for i in range(400):  # first choices accepted far more often than their peaks say
+        nodes.observe(1, 0, 0.45, i % 20 < 19)
+        for depth in range(2, 6):
+            nodes.observe(depth, 0, 0.9, i % 100 < 99)
+        nodes.observe(1, 1, 0.45, i % 50 == 0)  # second choices rarely right: trees do not pay
+    row = SimpleNamespace(remaining=100, params=SamplingParams(temperature=0.7, top_p=0.9), constraint=None,
+                          acceptance_rates=lambda prior, lookup=False: [0.5] * 7)
+    assert row.params.rule == "standard"
+    for tree_cost in (0.06, 0.6):
+        policy = AdaptiveBlock(8, costs=_costs(0.4), tree_costs=_costs(tree_cost))
+        policy.nodes["standard"] = nodes
+        policy._tree_model = policy.tree_costs
+        chosen = policy.trimmer(SimpleNamespace(rows=[row]))([CHAIN_CONF], [0], [DOUBTFUL])
+        alone = AdaptiveBlock(8, costs=_costs(0.4))
+        alone.nodes["standard"] = nodes
+        want = alone.trimmer(SimpleNamespace(rows=[row]))([CHAIN_CONF], [0])
+        assert chosen == Shape(want, False), (tree_cost, chosen, want)
+        peaks = AdaptiveBlock(8, costs=_costs(0.4)).trimmer(SimpleNamespace(rows=[_row()]))([CHAIN_CONF], [0])
+        assert want > peaks  # priced by the peaks it would stop sooner
+
+
 def test_a_step_drafts_where_its_chain_would_and_a_trimmed_one_as_wide() -> None:
     """Trees priced before the drafts exist never make a step draft where the chain would decode
     plainly (a lone row or a batch), and a lone row's trim may answer with a chain, so its draft

@@ -673,8 +673,10 @@ class AdaptiveBlock:
             if offers is not None:
                 nodes = [self.node_acceptance(r.params.rule) for r in rows]
             lookup_rates = [r.acceptance_rates(lookup_priors, lookup=True)[:m] if m else [] for r, m in zip(rows, looked)]
-            # where trees are offered, chains and trees are both priced in the drafter's own units
-            chains = confidence if offers is not None else [self._chain_rates(r, c) for r, c in zip(rows, confidence)]
+            # the chain's length as without trees: a greedy row's drafts by their probabilities,
+            # a sampled row's by the acceptance observed at their peaks (priced by the peaks, a
+            # sampled runner offered trees verified shorter chains than one without them)
+            chains = [self._chain_rates(r, c) for r, c in zip(rows, confidence)]
             expected = [expected_by_block(lr or conf, width, r.remaining)
                         for r, conf, lr in zip(rows, chains, lookup_rates)]
             chain, chain_rate = lengths(expected, sunk, verify)
@@ -685,8 +687,8 @@ class AdaptiveBlock:
             trees = [tree_expected_by_width(offer, n, width, r.remaining, lr)
                      for r, offer, n, lr in zip(rows, offers, nodes, lookup_rates)]
             tree, tree_rate = lengths(trees, sunk, tree_verify)
-            # Each shape's widths as priced in the drafter's units; which of the two runs, by every
-            # node's observed chance (`NodeAcceptance.rate`, first choices included): the two
+            # The chain's width as priced above, the tree's in the drafter's units; which of the
+            # two runs, by every node's observed chance (`NodeAcceptance.rate`, first choices included): the two
             # promise within a few per cent of each other where trees are taken, and the
             # drafter's own word was off by as much (first choices of trimmed chain steps
             # committed 5% more than it said, the tree steps' 2% less).
