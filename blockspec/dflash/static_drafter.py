@@ -27,6 +27,7 @@ under inference mode.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -78,6 +79,12 @@ class StaticWeights:
         self._program: tuple[list, Int8Forms | None, LayerProgram | None] | None = None
         self._int8: tuple[list, tuple, Int8Forms | None] | None = None  # (fused weights, identities, forms)
         self._slot_cache: tuple | None = None  # (layers, their count, fused slots, other slots): `_slots`
+        # `read`: every parameter (layers, their count, dicts, names, tensors), the state they were
+        # last read in and what that read gave, and the state the program was last known good at
+        self._every: tuple | None = None
+        self._read_key: tuple | None = None
+        self._read: tuple[list[Fused], Int8Forms | None] | None = None
+        self._program_key: tuple | None = None
 
     def _slots(self) -> tuple[list[tuple[nn.Module, str]], list[tuple[nn.Module, str]]]:
         """(module, parameter name) of each weight the fused weights read, and of the others the
@@ -101,6 +108,31 @@ class StaticWeights:
         """Each weight's storage and version: what changes when a weight is replaced or updated."""
         return tuple((p.data_ptr(), p._version) for p in (mod._parameters[name] for mod, name in slots)
                      if p is not None)
+
+    def read(self) -> tuple[list[Fused], Int8Forms | None]:
+        """`fused()` and `integer(fused)`, what a pass reads, from one check over every parameter of
+        the drafter (its storage and version) instead of one check per table: where none changed
+        since the last read, what that read gave; and while that holds, the program built from
+        them needs no check of its own (`program`)."""
+        key = self._every_key()
+        if self._read is None or key != self._read_key:
+            fused = self.fused()
+            self._read, self._read_key = (fused, self.integer(fused)), key
+        return self._read
+
+    def _every_key(self) -> tuple:
+        """The storage and version of every parameter of the drafter, listed again when the layers
+        are replaced (as `_slots`) or a parameter is."""
+        layers = self.module._modules["layers"]
+        every = self._every
+        if (every is None or every[0] is not layers or every[1] != len(layers)
+                or not all(map(operator.is_, map(operator.getitem, every[2], every[3]), every[4]))):
+            held = [(m._parameters, name, p) for m in self.module.modules() for name, p in m._parameters.items()
+                    if p is not None]
+            every = self._every = (layers, len(layers), [d for d, _, _ in held], [n for _, n, _ in held],
+                                   [t for _, _, t in held])
+        tensors = every[4]
+        return tuple(map(torch.Tensor.data_ptr, tensors)), tuple(map(operator.attrgetter("_version"), tensors))
 
     def fused(self) -> list[Fused]:
         """Per layer (w_qkv, b_qkv, w_gate_up), current with the module's weights."""
@@ -139,7 +171,10 @@ class StaticWeights:
         layer loop then runs: the same bits)."""
         if self._program is not None and self._program[0] is fused and self._program[1] is integer:
             program = self._program[2]
-            if program is None or program.fits():
+            # nothing changed since it was last known good (`read`), or its own check says so
+            known = self._read_key is not None and self._program_key == self._read_key
+            if program is None or known or program.fits():
+                self._program_key = self._read_key
                 return program
         program = None
         layers = self.module.layers
@@ -162,6 +197,7 @@ class StaticWeights:
                                                        layer.self_attn.o_proj, layer.mlp.down_proj)]
             program = LayerProgram.build(weights, (rms, q_eps, k_eps), parameters_of(modules))
         self._program = (fused, integer, program)
+        self._program_key = self._read_key
         return program
 
 
@@ -209,8 +245,8 @@ class StaticPass:
         dtype = m.fc.weight.dtype
         if not cache.fresh:
             cache.reserve(int(block_positions.max()) + 1)
-        self.cache, self.weights, self.fused = cache, w, w.fused()
-        self.integer = w.integer(self.fused)  # the int8 mode's weights, or None (exact)
+        self.cache, self.weights = cache, w
+        self.fused, self.integer = w.read()  # integer: the int8 mode's weights, or None (exact)
         self.b, self.q, self.heads, self.kv_heads, self.head_dim = b, q, h, kvh, d
         self.horizon = cache.horizon
         # The context runs flat over its T real tokens: rows that joined with long prompts leave

@@ -127,6 +127,37 @@ def test_int8_forms_follow_a_changed_weight() -> None:
     assert len(static.weights.fused()) == 1 and len(static.weights.integer(static.weights.fused()).layers) == 1
 
 
+
+def test_a_pass_reads_its_weights_again_only_when_one_changed() -> None:
+    """`StaticWeights.read` checks every parameter once and keeps what it read while none
+    changes; a weight changed in place (a norm the program reads directly, a fused one) or
+    replaced makes the next read, and the program built from it, follow it."""
+    drafter = _drafter("bidirectional")
+    drafter.use_compute("int8")
+    w = StaticDrafter(drafter).weights
+    first = w.read()
+    program = w.program(*first)
+    assert w.read() is first and w.program(*first) is program  # kept while nothing changes
+    norm = drafter.layers[0].post_attention_layernorm
+    with torch.no_grad():
+        norm.weight.mul_(2.0)  # read by the program alone, not by the fused or 8-bit tables
+    again = w.read()
+    assert again[0] is first[0] and again[1] is first[1]  # the tables did not change...
+    if program is not None:  # ...but the program, which watches the norm, is checked and built again
+        rebuilt = w.program(*first)
+        assert rebuilt is not program and rebuilt.fits()
+        program = rebuilt
+    with torch.no_grad():
+        drafter.layers[1].self_attn.k_proj.weight.add_(1.0)
+    second = w.read()
+    assert second[0] is not first[0] and not torch.equal(second[1].layers[1][0].qs, first[1].layers[1][0].qs)
+    up = drafter.layers[0].mlp.up_proj
+    up.weight = torch.nn.Parameter(up.weight.detach() * 3.0)  # replaced, not changed in place
+    third = w.read()
+    assert third[0] is not second[0] and torch.equal(third[0][0][2][-up.weight.shape[0]:], up.weight)
+    if program is not None:
+        assert w.program(*third) is not program
+
 @needs_kernel
 def test_int8_drafting_keeps_greedy_output_lossless_on_an_fp32_target() -> None:
     """An fp32 drafter beside an int8 target drafts in int8 (DecodeBatch sets it); the output is
