@@ -39,7 +39,7 @@ from blockspec.cpu.linear import linear, project
 from blockspec.cpu.program import LayerProgram, LayerWeights, parameters_of
 from blockspec.cpu.qkv import QKVPlacement, block_places
 from blockspec.dflash.drafter import DFlashDrafter, DraftAttention, DraftMLP, RMSNorm
-from blockspec.targets.native.attention import cached_attention, visible_keys
+from blockspec.targets.native.attention import cached_attention, visible_keys, visible_keys_fit
 from blockspec.targets.native.cache import KVStore, StaticCache, attention_mask
 from blockspec.targets.slots import EMPTY
 from blockspec.targets.native.llama import padding_index, rms_norm, rope_bqhd, silu_mul
@@ -255,10 +255,13 @@ class StaticPass:
         # write, in no defined order: they go to the scratch slot (the block wins).
         # self.real [T]: flat indices into b * c (None: all real); all_pos, all_rows, slots [T + b q]:
         # the context's and the block's tokens, flat, through each layer's K/V projection together.
+        seen = None  # [b, q]: the keys each block query sees, where worked out on the host
         if device.type == "cpu" and b * (c + q) <= HOST_GEOMETRY:
-            self.real, all_pos, self.all_rows, self.slots = self._host_geometry(cache, ctx_positions, block_positions)
+            self.real, all_pos, self.all_rows, self.slots, q_cols, seen = self._host_geometry(
+                cache, ctx_positions, block_positions)
         else:
             self.real, all_pos, self.all_rows, self.slots = self._geometry(cache, ctx_positions, block_positions)
+            q_cols = block_places(b, q)[1]
         t = self.t = all_pos.shape[0] - b * q
         cos, sin = (x[0, :, None] for x in m.rotary.below(all_pos[None], dtype, self.horizon))  # [T + b q, 1, d]
         self.cos, self.sin = cos, sin
@@ -266,12 +269,12 @@ class StaticPass:
         # the block's queries in the attention's layout, every token's K/V in its slot: one call per layer
         self.place = QKVPlacement.build(dtype, device, heads=h, kv_heads=kvh, head_dim=d, cos=cos.reshape(-1, d),
                                         sin=sin.reshape(-1, d), kv_rows=self.all_rows, kv_slots=self.slots, q_from=t,
-                                        q_rows=self.all_rows[t:], q_cols=block_places(b, q)[1], batch=b, q_len=q)
+                                        q_rows=self.all_rows[t:], q_cols=q_cols, batch=b, q_len=q)
         self.block_positions = block_positions
         self.masks: dict[tuple[bool, int | None], torch.Tensor | None] = {}
         self.plain = self._plain_for(self.horizon, q)
         windowed = not self.plain and w.window is not None and q <= w.window  # the kernel takes first keys
-        self.visible = self._visible(block_positions, dtype, self.plain or windowed)  # [b, q] or None: PyTorch's
+        self.visible = self._visible(block_positions, dtype, self.plain or windowed, seen)  # [b, q] or None: PyTorch's
         self.start = (block_positions - (w.window - 1)).clamp_min(0).to(torch.int64).contiguous() if (
             windowed and self.visible is not None) else None  # [b, q]: each query's first key under the window
         self.scale = d ** -0.5
@@ -298,31 +301,38 @@ class StaticPass:
 
     @staticmethod
     def _host_geometry(cache: StaticDraftCache, ctx_positions: torch.Tensor, block_positions: torch.Tensor
-                       ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`_geometry`'s tensors from host lists: for the few tokens of a lone row's pass, a dozen
-        tensor operations cost more than the arithmetic (~0.2 ms of a ~9 ms drafting step)."""
+                       ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                  torch.Tensor]:
+        """`_geometry`'s tensors from host lists, and the block's query columns [b q] (as
+        `block_places`) and the keys each of its queries sees [b, q] (as `_visible` reads them:
+        every slot below the block's end): for the few tokens of a lone row's pass, a dozen tensor
+        operations cost more than the arithmetic (~0.2 ms of a ~9 ms drafting step). Every integer
+        is in one tensor, the six as views of it."""
         b, q = block_positions.shape
         c = ctx_positions.shape[1]
-        positions, slots, blocks = ctx_positions.tolist(), cache.write_index(ctx_positions).tolist(), \
-            block_positions.tolist()
+        positions, blocks = ctx_positions.tolist(), block_positions.tolist()
         skip_padding = b * c > 1  # as padding_index: a lone position is never dropped
         real, pos, rows, kv_slots = [], [], [], []
         scratch = cache.scratch
-        for i, (row_pos, row_slots, block) in enumerate(zip(positions, slots, blocks)):
+        for i, (row_pos, block) in enumerate(zip(positions, blocks)):
             start = block[0]
-            for j, (p, slot) in enumerate(zip(row_pos, row_slots)):
+            for j, p in enumerate(row_pos):
                 if p == EMPTY and skip_padding:
                     continue
+                slot = scratch if p == EMPTY else p  # `write_index`
                 real.append(i * c + j)
                 pos.append(p)
                 rows.append(i)
                 kv_slots.append(scratch if start <= slot < start + q else slot)
         flat_block = [p for block in blocks for p in block]
-        long = torch.long
-        return (torch.tensor(real, dtype=long) if len(real) < b * c else None,
-                torch.tensor(pos + flat_block, dtype=long),
-                torch.tensor(rows + [i for i in range(b) for _ in range(q)], dtype=long),
-                torch.tensor(kv_slots + flat_block, dtype=long))
+        t, m = len(pos), b * q
+        flat = torch.tensor(pos + flat_block + rows + [i for i in range(b) for _ in range(q)] + kv_slots + flat_block
+                            + list(range(q)) * b + [block[0] + q for block in blocks for _ in range(q)]
+                            + (real if t < b * c else []), dtype=torch.long)
+        n = t + m
+        return (flat[3 * n + 2 * m :] if t < b * c else None, flat[:n], flat[n : 2 * n], flat[2 * n : 3 * n],
+                flat[3 * n : 3 * n + m],
+                flat[3 * n + m : 3 * n + 2 * m].view(b, q))
 
     def _plain_for(self, horizon: int, q: int) -> bool:
         """Whether this pass's layers all see every slot below the block's end: no causal layer,
@@ -333,7 +343,8 @@ class StaticPass:
         w = self.weights
         return w.plain or (w.reach is not None and horizon <= w.reach and q <= w.reach)
 
-    def _visible(self, block_positions: torch.Tensor, dtype: torch.dtype, kernel: bool) -> torch.Tensor | None:
+    def _visible(self, block_positions: torch.Tensor, dtype: torch.dtype, kernel: bool,
+                 seen: torch.Tensor | None = None) -> torch.Tensor | None:
         """Keys each block query sees [b, q] for the CPU attention kernel (`cached_attention`):
         all of its row's slots below the block's end, the committed context and the whole block
         (from each query's first key on, under a window). None where PyTorch's attention runs
@@ -343,6 +354,8 @@ class StaticPass:
         if not kernel:
             return None
         b, q = block_positions.shape
+        if seen is not None:  # `_host_geometry`'s: the same numbers
+            return seen if visible_keys_fit(dtype, block_positions.device, q) else None
         # the keys of a query at the block's last position are exactly those slots
         return visible_keys((block_positions[:, :1] + q - 1).expand(b, q), dtype)
 

@@ -15,8 +15,10 @@ from conftest import make_tiny_target
 
 from blockspec.cpu import kernels
 from blockspec.cpu.program import LayerProgram
+from blockspec.cpu.qkv import block_places
 from blockspec.dflash.drafter import DFLASH2, DFlashDrafter, init_drafter_weights, new_drafter_for_target
 from blockspec.dflash.static_drafter import StaticDrafter, StaticPass, StaticWeights
+from blockspec.targets.native.attention import visible_keys, visible_keys_fit
 from blockspec.targets.slots import EMPTY
 
 KINDS = ["bidirectional", "causal", "window-cuts", "window-wide", "sliding-and-full", "dflash2"]
@@ -151,6 +153,11 @@ def test_a_pass_geometry_from_host_lists_is_the_tensor_ones() -> None:
         got = StaticPass._host_geometry(cache, ctx, block)
         assert (got[0] is None) == (want[0] is None)
         assert want[0] is None or torch.equal(got[0], want[0])
-        assert all(torch.equal(a, w) and a.dtype == w.dtype for a, w in zip(got[1:], want[1:]))
+        assert all(torch.equal(a, w) and a.dtype == w.dtype for a, w in zip(got[1:4], want[1:]))
+        b, q = block.shape  # the block's query columns and the keys its queries see, as worked out apart
+        assert torch.equal(got[4], block_places(b, q)[1])
+        assert torch.equal(got[5], (block[:, :1] + q).expand(b, q))
+        if visible_keys_fit(torch.float32, block.device, q):
+            assert torch.equal(got[5], visible_keys((block[:, :1] + q - 1).expand(b, q), torch.float32))
         overlaps += int((want[3] == cache.scratch).sum())
     assert overlaps > 0  # some context slots went to the scratch slot

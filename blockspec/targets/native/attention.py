@@ -28,11 +28,16 @@ def visible_keys(positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | 
     None where the kernel does not take this pass (decided once per forward, not per layer).
     Slot j is visible to position p when j <= p; padding (EMPTY) sees nothing, so the kernel
     skips it (its output is zeros; a forward that skips padding never reads it)."""
-    k = kernels.kernel()
-    if k is None or dtype not in k.attention or positions.device.type != "cpu" \
-            or positions.shape[1] > MAX_TOKENS:
+    if not visible_keys_fit(dtype, positions.device, positions.shape[1]):
         return None
     return (positions + 1).clamp_min(0).to(torch.int64).contiguous()
+
+
+def visible_keys_fit(dtype: torch.dtype, device: torch.device, tokens: int) -> bool:
+    """Whether the kernel takes a pass of `tokens` query tokens per row in `dtype` on `device`
+    (`visible_keys` gives its table then, else None)."""
+    k = kernels.kernel()
+    return k is not None and dtype in k.attention and device.type == "cpu" and tokens <= MAX_TOKENS
 
 
 def cached_attention(qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, visible: torch.Tensor,
