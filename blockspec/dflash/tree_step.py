@@ -100,44 +100,35 @@ class PackedTrees:
 def pack_trees(trees: Sequence[TokenTree], cur: Sequence[int], device: torch.device | str) -> PackedTrees:
     """The verify inputs of row r's tree rooted at position cur[r] (see PackedTrees). Built from
     host lists in a handful of tensor operations, since a step packs its trees on its critical
-    path: ids, positions and each node's ancestors (the bits of one integer) as one tensor."""
+    path: ids and positions as one tensor, the ancestors from each tree shape's rows of flags
+    (`ancestor_flags`) as another."""
     b, n = len(trees), max(len(t) for t in trees)
     ids: list[int] = []
     positions: list[int] = []
-    masks: list[list[int]] = []  # per row, per node: bit j set where it sees node j (its ancestors, itself)
+    flags: list[bool] = []
     for tree, c in zip(trees, cur):
         pad = n - len(tree)
         ids.extend(tree.tokens)
         ids.extend([0] * pad)
         positions.extend(c + d for d in tree.depths)
         positions.extend([EMPTY] * pad)
-        masks.append(list(node_masks(tree.parents)) + [0] * pad)
-    if n <= 62:  # the masks fit an int64 each: ids, positions and masks in one tensor
-        every = torch.tensor(ids + positions + [m for row in masks for m in row]).view(3, b, n)
-        ancestors = every[2, :, :, None].bitwise_right_shift(torch.arange(n)).bitwise_and_(1).bool()  # [b, n, n]
-    else:
-        every, ancestors = torch.tensor(ids + positions).view(2, b, n), mask_bits(masks, n)
-    pos = every[1]
-    return PackedTrees(every[0].to(device), pos.to(device), ancestors.to(device), (pos == EMPTY).to(device))
+        flags.extend(ancestor_flags(tree.parents, n))
+    both = torch.tensor(ids + positions).view(2, b, n)
+    ancestors = torch.tensor(flags, dtype=torch.bool).view(b, n, n)
+    pos = both[1]
+    return PackedTrees(both[0].to(device), pos.to(device), ancestors.to(device), (pos == EMPTY).to(device))
 
 
 @lru_cache(maxsize=4096)
-def node_masks(parents: tuple[int, ...]) -> tuple[int, ...]:
-    """Per node of a tree with these parents, bit j set where it sees node j (its ancestors,
-    itself); worked out once per shape, since a policy's trees take a few shapes over and over."""
-    row: list[int] = []
+def ancestor_flags(parents: tuple[int, ...], n: int) -> tuple[bool, ...]:
+    """[n * n], row-major: entry (i, j) is whether node i of a tree with these parents sees node j
+    (an ancestor or itself), padded with nodes that see nothing to n; worked out once per shape
+    and width, since a policy's trees take a few shapes over and over."""
+    seen: list[int] = []  # per node, bit j set where it sees node j
     for i, p in enumerate(parents):  # a parent precedes its children
-        row.append((row[p] if p >= 0 else 0) | 1 << i)
-    return tuple(row)
-
-
-def mask_bits(masks: Sequence[Sequence[int]], n: int) -> torch.Tensor:
-    """[b, n, n] bool from masks [b][n] (integers): entry [r, i, j] is bit j of masks[r][i]."""
-    if n <= 62:  # the bits of an int64: shifted out in two tensor operations
-        bits = torch.tensor(masks, dtype=torch.int64).view(len(masks), n, 1)
-        return bits.bitwise_right_shift(torch.arange(n)).bitwise_and_(1).bool()
-    return torch.tensor([m >> j & 1 == 1 for row in masks for m in row for j in range(n)],
-                        dtype=torch.bool).view(len(masks), n, n)
+        seen.append((seen[p] if p >= 0 else 0) | 1 << i)
+    seen += [0] * (n - len(parents))
+    return tuple(m >> j & 1 == 1 for m in seen for j in range(n))
 
 
 def gather_path(values: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
