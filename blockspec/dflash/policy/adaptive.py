@@ -688,10 +688,10 @@ class AdaptiveBlock:
                      for r, offer, n, lr in zip(rows, offers, nodes, lookup_rates)]
             tree, tree_rate = lengths(trees, sunk, tree_verify)
             # The chain's width as priced above, the tree's in the drafter's units; which of the
-            # two runs, by every node's observed chance (`NodeAcceptance.rate`, first choices included): the two
-            # promise within a few per cent of each other where trees are taken, and the
-            # drafter's own word was off by as much (first choices of trimmed chain steps
-            # committed 5% more than it said, the tree steps' 2% less).
+            # two runs, by every node's observed chance (`NodeAcceptance.rate`, first choices
+            # included): the two promise within a few per cent of each other where trees are
+            # taken, and the drafter's own word was off by as much (first choices of trimmed chain
+            # steps committed 5% more than it said, the tree steps' 2% less).
             chain_cal = [expected_by_block(lr or [n.rate(k + 1, 0, c) for k, c in enumerate(conf)], width, r.remaining)
                          for r, conf, lr, n in zip(rows, confidence, lookup_rates, nodes)]
             tree_cal = [tree_expected_by_width(offer, n, width, r.remaining, lr, calibrated=True)

@@ -197,7 +197,8 @@ def _host_tree_slots(positions: torch.Tensor, ancestors: torch.Tensor, scratch: 
         masks = (ancestors.to(torch.int64) << torch.arange(n)).sum(dim=-1).tolist()  # [b][n]
     else:
         masks = [[sum(1 << j for j, v in enumerate(row) if v) for row in rows] for rows in ancestors.tolist()]
-    shapes = [_row_shape(tuple(row_masks), tuple(p != EMPTY for p in row_pos)) for row_masks, row_pos in zip(masks, pos)]
+    shapes = [_row_shape(tuple(row_masks), tuple(p != EMPTY for p in row_pos))
+              for row_masks, row_pos in zip(masks, pos)]
     bases = [min((p for p in row_pos if p != EMPTY), default=0) for row_pos in pos]
     tree_shaped = all(shape.shaped for shape in shapes)  # else (no tree's mask) every row in node order
     width = max(1, max((shape.width for shape in shapes), default=0))
