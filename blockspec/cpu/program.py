@@ -27,8 +27,6 @@ from blockspec.cpu.int8 import Int8Weight
 from blockspec.cpu.qkv import QKVPlacement
 
 DTYPES = (torch.float32, torch.bfloat16)
-_DATA_PTR = torch.Tensor.data_ptr
-_VERSION = operator.attrgetter("_version")
 DIMS = 19  # the int64 geometry values `run` passes (cpu/csrc/layers.c's D_COUNT; `build` checks)
 INT8_KIND = 16  # a product's kind in the table: 16 + bits for an integer product (cpu/csrc/layers.c)
 ENV = "BLOCKSPEC_LAYER_LOOP"  # "0": keep the Python loops (to compare, or to rule the C loop out)
@@ -101,9 +99,9 @@ class LayerProgram:
         # allocating all nine at every pass cost measurable time (docs/DESIGN.md, tuning log)
         self._scratches: dict[int, dict[tuple, tuple[torch.Tensor, ...]]] = {}
 
-    def _key(self) -> tuple[list[int], list[int]]:
+    def _key(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         # data_ptr too: `module.to()` and `param.data = ...` swap storage without a new version
-        return list(map(_DATA_PTR, self._tensors)), list(map(_VERSION, self._tensors))
+        return tensor_state(self._tensors)
 
     @classmethod
     def build(cls, layers: list[LayerWeights], eps: tuple[float, float, float],
@@ -206,8 +204,7 @@ class LayerProgram:
     def fits(self) -> bool:
         """Whether the weights are still the ones the table was built from (none replaced,
         changed in place or given new storage since `build`)."""
-        return (all(map(operator.is_, map(operator.getitem, self._owners, self._names), self._owned))
-                and self._key() == self.key)
+        return still_held(self._owners, self._names, self._owned) and self._key() == self.key
 
     def run(self, x: torch.Tensor, place: QKVPlacement, visible: torch.Tensor, horizon: int, cache: KVStoreRows,
             *, inter: int, scale: float, ctx: torch.Tensor | None = None, capture: list[int] | None = None,
@@ -254,6 +251,18 @@ class LayerProgram:
             o_in.data_ptr(), gate_up.data_ptr(), act.data_ptr(), acc.data_ptr(), cap.data_ptr(),
             0 if features is None else features.data_ptr(), torch.get_num_threads())
         return x if rc == 0 else None
+
+
+def tensor_state(tensors: list[torch.Tensor]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Each tensor's storage address and version: what changes when one is changed in place or
+    given new storage (`module.to()` and `param.data = ...` swap storage without a new version).
+    Read through `map`: a pass checks every weight of a model with it."""
+    return tuple(map(torch.Tensor.data_ptr, tensors)), tuple(map(operator.attrgetter("_version"), tensors))
+
+
+def still_held(owners: list[dict], names: list[str], tensors: list[torch.Tensor]) -> bool:
+    """Whether owners[i][names[i]] is still tensors[i] for every i (no parameter replaced)."""
+    return all(map(operator.is_, map(operator.getitem, owners, names), tensors))
 
 
 def parameters_of(modules: list[nn.Module]) -> list[Watched]:

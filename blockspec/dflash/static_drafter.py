@@ -27,7 +27,6 @@ under inference mode.
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +35,7 @@ from torch import nn
 from blockspec.cpu import kernels
 from blockspec.cpu.int8 import Int8Weight, int8_linear, quantize_weight
 from blockspec.cpu.linear import linear, project
-from blockspec.cpu.program import LayerProgram, LayerWeights, parameters_of
+from blockspec.cpu.program import LayerProgram, LayerWeights, parameters_of, still_held, tensor_state
 from blockspec.cpu.qkv import QKVPlacement, block_places
 from blockspec.dflash.drafter import DFlashDrafter, DraftAttention, DraftMLP, RMSNorm
 from blockspec.targets.native.attention import cached_attention, visible_keys, visible_keys_fit
@@ -106,8 +105,7 @@ class StaticWeights:
     @staticmethod
     def _versions(slots: list[tuple[nn.Module, str]]) -> tuple:
         """Each weight's storage and version: what changes when a weight is replaced or updated."""
-        return tuple((p.data_ptr(), p._version) for p in (mod._parameters[name] for mod, name in slots)
-                     if p is not None)
+        return tensor_state([p for p in (mod._parameters[name] for mod, name in slots) if p is not None])
 
     def read(self) -> tuple[list[Fused], Int8Forms | None]:
         """`fused()` and `integer(fused)`, what a pass reads, from one check over every parameter of
@@ -126,13 +124,12 @@ class StaticWeights:
         layers = self.module._modules["layers"]
         every = self._every
         if (every is None or every[0] is not layers or every[1] != len(layers)
-                or not all(map(operator.is_, map(operator.getitem, every[2], every[3]), every[4]))):
+                or not still_held(*every[2:])):
             held = [(m._parameters, name, p) for m in self.module.modules() for name, p in m._parameters.items()
                     if p is not None]
             every = self._every = (layers, len(layers), [d for d, _, _ in held], [n for _, n, _ in held],
                                    [t for _, _, t in held])
-        tensors = every[4]
-        return tuple(map(torch.Tensor.data_ptr, tensors)), tuple(map(operator.attrgetter("_version"), tensors))
+        return tensor_state(every[4])
 
     def fused(self) -> list[Fused]:
         """Per layer (w_qkv, b_qkv, w_gate_up), current with the module's weights."""

@@ -127,7 +127,6 @@ def test_int8_forms_follow_a_changed_weight() -> None:
     assert len(static.weights.fused()) == 1 and len(static.weights.integer(static.weights.fused()).layers) == 1
 
 
-
 def test_a_pass_reads_its_weights_again_only_when_one_changed() -> None:
     """`StaticWeights.read` checks every parameter once and keeps what it read while none
     changes; a weight changed in place (a norm the program reads directly, a fused one) or
@@ -157,6 +156,7 @@ def test_a_pass_reads_its_weights_again_only_when_one_changed() -> None:
     assert third[0] is not second[0] and torch.equal(third[0][0][2][-up.weight.shape[0]:], up.weight)
     if program is not None:
         assert w.program(*third) is not program
+
 
 @needs_kernel
 def test_int8_drafting_keeps_greedy_output_lossless_on_an_fp32_target() -> None:

@@ -673,9 +673,9 @@ class AdaptiveBlock:
             if offers is not None:
                 nodes = [self.node_acceptance(r.params.rule) for r in rows]
             lookup_rates = [r.acceptance_rates(lookup_priors, lookup=True)[:m] if m else [] for r, m in zip(rows, looked)]
-            # the chain's length as without trees: a greedy row's drafts by their probabilities,
-            # a sampled row's by the acceptance observed at their peaks (priced by the peaks, a
-            # sampled runner offered trees verified shorter chains than one without them)
+            # the chain priced as without trees, so its step chooses what it would alone: a greedy
+            # row's drafts by their probabilities, a sampled row's by the acceptance observed at
+            # their peaks (the peaks alone promise less than such rows accept)
             chains = [self._chain_rates(r, c) for r, c in zip(rows, confidence)]
             expected = [expected_by_block(lr or conf, width, r.remaining)
                         for r, conf, lr in zip(rows, chains, lookup_rates)]

@@ -282,9 +282,10 @@ def _row_shape(masks: tuple[int, ...], real: tuple[bool, ...]) -> _RowShape:
         order_slots.append(taken - 1)
     real_slots = [x for x in spine_slots if x >= 0]
     seen = tuple(tuple(j for j in range(n) if s >> j & 1) for s in sees)
+    raw = list(masks)
     return _RowShape(real, sum(real), counts, tuple(spine_slots), tuple(order_slots),
                      len(set(real_slots)) == len(real_slots), seen, max(counts, default=0),
-                     tuple(_deepest_other(list(masks), i) for i in range(n)),
+                     tuple(_deepest_other(raw, i) for i in range(n)),
                      all(s == m for s, m in zip(sees, masks)))
 
 
