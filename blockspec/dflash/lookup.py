@@ -16,16 +16,28 @@ from blockspec.config import LookupConfig
 
 @dataclass
 class TokenIndex:
-    """A sequence's tokens and, per token id, the positions where it occurs (appended in order)."""
+    """A sequence's tokens and, per token id, the positions where it occurs (appended in order).
+
+    `extend` only appends: the positions of new tokens are indexed when a continuation is next
+    asked for. A batch of several rows asks now and then (a plain step's policy choice may be held,
+    and a batch that never drafts never asks), while every committed token is appended."""
 
     tokens: list[int] = field(default_factory=list)
     where: dict[int, list[int]] = field(default_factory=dict)
+    indexed: int = 0  # tokens[:indexed] are in `where`
 
     def extend(self, ids: list[int]) -> None:
-        start = len(self.tokens)
         self.tokens.extend(ids)
-        for i, t in enumerate(ids, start):
-            self.where.setdefault(t, []).append(i)
+
+    def _catch_up(self) -> None:
+        toks, where = self.tokens, self.where
+        for i in range(self.indexed, len(toks)):
+            at = where.get(toks[i])
+            if at is None:
+                where[toks[i]] = [i]
+            else:
+                at.append(i)
+        self.indexed = len(toks)
 
     def continuation(self, cfg: LookupConfig, max_tokens: int) -> tuple[int, list[int]]:
         """(match length, up to max_tokens ids that followed the longest earlier occurrence of
@@ -34,6 +46,8 @@ class TokenIndex:
         n = len(toks)
         if n < 2 or max_tokens < 1:
             return 0, []
+        if self.indexed < n:
+            self._catch_up()
         best_len, best_at = 0, -1
         for j in reversed(self.where.get(toks[-1], ())):
             if j >= n - 1:

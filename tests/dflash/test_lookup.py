@@ -53,6 +53,24 @@ def test_no_proposal_below_min_ngram_or_without_an_earlier_occurrence() -> None:
     assert index_of([3, 3, 3, 3]).continuation(LookupConfig(), 0) == (0, [])
 
 
+def test_an_index_asked_between_appends_answers_as_one_built_at_once() -> None:
+    """Appended tokens are indexed when a continuation is next asked for: asking after every
+    append, after some, or only at the end gives the answers of an index of the whole sequence."""
+    g = torch.Generator().manual_seed(3)
+    toks = torch.randint(0, 6, (200,), generator=g).tolist()
+    cfg = LookupConfig(min_ngram=1, max_ngram=3)
+    for ask_every in (1, 3, 7):
+        ix = TokenIndex()
+        for i in range(0, len(toks), 5):
+            ix.extend(toks[i:i + 5])
+            if (i // 5) % ask_every == 0:
+                fresh = TokenIndex()
+                fresh.extend(toks[:i + 5])
+                assert ix.continuation(cfg, 4) == fresh.continuation(cfg, 4)
+        ix.continuation(cfg, 4)
+        assert ix.where == {t: [i for i, u in enumerate(toks) if u == t] for t in set(toks)}
+
+
 def test_a_shift_by_one_would_be_caught() -> None:
     """The continuation starts right after the matched occurrence, not at it."""
     toks = [4, 5, 6, 10, 11, 12, 4, 5, 6]

@@ -214,32 +214,37 @@ def test_a_batch_drafts_only_where_drafting_beats_plain_decoding_by_the_margin()
 
 def test_a_batch_priced_far_from_drafting_holds_plain_steps_without_working_the_choice_out() -> None:
     """Where a batch of several rows neither drafts nor may probe, its next PLAIN_HOLD - 1 choices
-    are plain without the rows' expectations being worked out again; a change of rows ends the
-    hold, and a lone row never holds."""
+    are plain without the rows' expectations being worked out again, and each hold after the last
+    is twice as long (up to MAX_PLAIN_HOLD); rows replaced at the same size keep the hold, a change
+    of size ends it and starts again from PLAIN_HOLD, and a lone row never holds."""
     from blockspec.dflash.policy import adaptive
 
-    def run(rows: int, steps: int, change_at: int | None = None) -> tuple[list[int], int]:
+    def run(rows: int, steps: int, change_at: int | None = None, new_rows: int | None = None
+            ) -> tuple[list[int], list[int]]:
         costs = CostModel(max_block=8)
-        costs.set(rows, [1.0, 2.0] + [10.0] * 6)
-        costs.observe(rows, 2, 2.0)  # drafting measured: the probe gate applies
+        for n in {rows, new_rows or rows}:
+            costs.set(n, [1.0, 2.0] + [10.0] * 6)
+            costs.observe(n, 2, 2.0)  # drafting measured: the probe gate applies
         row = SimpleNamespace(remaining=100, acceptance_rates=lambda prior, lookup=False: [0.3] * 7)
-        batch = SimpleNamespace(drafter=object(), argmax_only=True, rows=[row] * rows, lookup_plan=lambda: [[]] * rows)
+        batch = SimpleNamespace(drafter=object(), argmax_only=True, rows=[row] * rows,
+                                lookup_plan=lambda: [[]] * len(batch.rows))
         policy = AdaptiveBlock(8, costs=costs, probe_every=4)
-        worked = []
+        worked: list[int] = []
         expected = policy.expected
-        policy.expected = lambda *a: worked.append(1) or expected(*a)
+        policy.expected = lambda *a: worked.append(i) or expected(*a)
         out = []
         for i in range(steps):
-            if i == change_at:
-                batch.rows = [SimpleNamespace(**vars(row)) for _ in range(rows)]  # rows left and joined
+            if i == change_at:  # rows left and joined
+                batch.rows = [SimpleNamespace(**vars(row)) for _ in range(new_rows or rows)]
             out.append(policy.choose(batch))
-        return out, len(worked)
+        return out, worked
 
-    assert adaptive.PLAIN_HOLD == 8
-    assert run(8, 20) == ([1] * 20, 3)  # worked out at steps 0, 8 and 16
-    assert run(8, 20, change_at=2) == ([1] * 20, 4)  # 0, 2 (new rows), 10, 18
+    assert adaptive.PLAIN_HOLD == 8 and adaptive.MAX_PLAIN_HOLD == 64
+    assert run(8, 200) == ([1] * 200, [0, 8, 24, 56, 120, 184])  # holds of 8, 16, 32, 64, 64
+    assert run(8, 30, change_at=2) == ([1] * 30, [0, 8, 24])  # the same number of rows, new ones
+    assert run(8, 30, change_at=2, new_rows=6) == ([1] * 30, [0, 2, 10, 26])  # fewer: held afresh
     choices, worked = run(1, 20)
-    assert worked == 20 and choices.count(1) < 20  # a lone row works every step out, and probes
+    assert len(worked) == 20 and choices.count(1) < 20  # a lone row works every step out, and probes
 
 
 def test_adaptive_probes_cost_at_most_their_share_of_plain_decoding(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -109,11 +109,14 @@ BATCH_DRAFT_MARGIN = 0.1
 MARGIN_ROWS = 3
 # Where a batch of several rows found even drafting's least costs short of what it has to beat
 # (so it neither drafts nor probes), its next PLAIN_HOLD - 1 steps are plain without the choice
-# being worked out again, while its rows stay the same. Nothing a plain step does moves the
-# acceptance rates, and the costs and the drafter's backlog move a step's worth; the full
-# choice (expected tokens and lookup plans of every row, the cost tables) costs about 0.2 ms at
-# 8 rows, 1.3% of a plain step there.
+# being worked out again, while it keeps its number of rows; each hold that follows the last
+# doubles, up to MAX_PLAIN_HOLD steps. Nothing a plain step does moves the acceptance rates, and
+# the costs and the drafter's backlog move a step's worth; the full choice (expected tokens and
+# lookup plans of every row, the cost tables) costs about 0.2 ms at 8 rows, 3% of a plain step
+# there, and a batch of 8 rows at concurrency 8 replaces a row every 16 steps or so, each new
+# row one of several whose mean decides.
 PLAIN_HOLD = 8
+MAX_PLAIN_HOLD = 64
 # Widening and trimming run for batches of at most this many rows (trimming also for larger ones
 # with AdaptiveBlock(ragged=True): a length per row). Where a batch verifies one length for all its
 # rows, their confidences average out, and a wider draft costs more per step: with them batches
@@ -220,7 +223,8 @@ class AdaptiveBlock:
         self._confirming = False  # the step being chosen repeats a probe
         self._thread_count = thread_count
         self.last_choice = 1
-        self._hold: tuple[int, tuple] | None = None  # (plain steps left, the rows) of a PLAIN_HOLD
+        self._hold: tuple[int, int] | None = None  # (plain steps left, rows) of a PLAIN_HOLD
+        self._next_hold = (PLAIN_HOLD, 0)  # (steps, rows) of the next hold at that many rows
         self.base_plain_every = plain_every
         self.plain_checks: dict[int, tuple[int, int]] = {}  # bucket -> (drafting steps since, interval)
         self.base_challenge_every = challenge_every
@@ -477,12 +481,13 @@ class AdaptiveBlock:
         if self._hold is not None:
             left, rows = self._hold
             self._hold = None
-            if left > 0 and len(rows) == b and all(x is y for x, y in zip(rows, batch.rows)):
+            if left > 0 and rows == b:
                 self._hold = (left - 1, rows)
                 self.plain_streak += 1
                 self._probing = self._confirming = False
                 self.last_choice, self.forced = 1, False
                 return 1
+        next_hold, self._next_hold = self._next_hold, (PLAIN_HOLD, 0)  # kept only by a hold again
         threads = self._thread_count()
         if any([m.use_threads(threads) for m in (self.costs, self.sampled_costs, self.tree_costs,
                                                  self.sampled_tree_costs)]):
@@ -546,7 +551,9 @@ class AdaptiveBlock:
             gate = (b <= 1 or (b < MARGIN_ROWS and not model.drafting_measured(b))
                     or self.probe_may_pay(b, [e / c for e, c in zip(expected, model.least_table(b))]))
             if not gate and lookup is None:
-                self._hold = (PLAIN_HOLD - 1, tuple(batch.rows))
+                steps = next_hold[0] if next_hold[1] == b else PLAIN_HOLD
+                self._hold = (steps - 1, b)
+                self._next_hold = (min(2 * steps, MAX_PLAIN_HOLD), b)
             if (self.plain_streak >= self.probe_every and self.plain_spent * PROBE_SHARE >= self.probe_extra
                     and gate):
                 self.plain_streak = 0
