@@ -11,7 +11,9 @@ only those.
 Writes report.md (the model-card table: Task | Concurrency | AR | DFlash (speedup) | tau),
 results.json (every request's raw statistics) and plot.png into --out. Greedy DFlash output is
 checked token for token against plain decoding; a difference is reported loudly and the command
-exits with status 1.
+exits with status 1. `--repeat N` runs the whole benchmark N times, each with fresh engines, keeps
+each run's report in --out/runK, and writes the spread of each speedup over the runs at the top
+(bench/repeats.py).
 """
 
 from __future__ import annotations
@@ -151,6 +153,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "turn, each step timed to its own runner, so a machine whose speed drifts slows all "
                              "alike; 'rounds' runs each one's share of a round of prompts whole, one after the "
                              "other (baselines always run so)")
+    parser.add_argument("--repeat", type=int, default=1, metavar="N",
+                        help="run the whole benchmark N times, each with fresh engines (so each calibrates its "
+                             "adaptive policy anew): every run's report in --out/runK, and a summary of each "
+                             "DFlash runner's speedup over AR in every run, with the median and range (default 1)")
     parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                         help="one uncounted warm-up generation per runner first (default on)")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
@@ -278,6 +284,8 @@ def command_line(args: argparse.Namespace) -> str:
         parts += ["--threads", str(args.threads)]
     parts += ["--clock", args.clock, "--interleave", args.interleave, "--backend", args.backend,
               "--warmup" if args.warmup else "--no-warmup"]
+    if args.repeat != 1:
+        parts += ["--repeat", str(args.repeat)]
     if args.out:
         parts += ["--out", str(args.out)]
     return shlex.join(parts)
@@ -295,6 +303,10 @@ def run(args: argparse.Namespace) -> int:
                           "drafter directory or --drafter fresh")
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.repeat < 1:
+        raise ConfigError(f"--repeat must be >= 1 (the number of runs), got {args.repeat}")
+    if args.repeat > 1 and args.endpoint:
+        raise ConfigError("--repeat reruns the in-process runners; measure an --endpoint once per command")
     if args.adaptive_only and not args.adaptive:
         raise ConfigError("--adaptive-only runs the adaptive runner, which --no-adaptive turns off: drop one of them")
     if args.ragged_verify != "off" and not args.adaptive:
@@ -364,8 +376,15 @@ def run(args: argparse.Namespace) -> int:
 
     load_at_start = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
     log = (lambda line: print(line, file=sys.stderr)) if not args.progress else None
+    every_run = []
     try:
-        runs = run_suite(runners, datasets, pipe.tokenizer, plan, progress=args.progress, log=log)
+        for k in range(args.repeat):
+            if args.repeat > 1:
+                print(f"blockspec bench: run {k + 1} of {args.repeat}", file=sys.stderr)
+            every_run.append(run_suite(runners, datasets, pipe.tokenizer, plan, progress=args.progress, log=log))
+            for r in runners:  # the next run builds its engines, and calibrates them, afresh
+                if isinstance(r, EngineRunner):
+                    r.close()
     finally:
         for r in runners:
             if isinstance(r, EngineRunner):
@@ -401,10 +420,18 @@ def run(args: argparse.Namespace) -> int:
         "notes": notes,
         "load_average_at_start": load_at_start,
     }
-    report = write_report(runs, out, meta)
-    print(report.markdown)
-    print(f"wrote {report.paths['markdown']}, {report.paths['json']}, {report.paths['plot']}", file=sys.stderr)
-    if not report.lossless_ok:
+    if args.repeat == 1:
+        reports = [write_report(every_run[0], out, meta)]
+        print(reports[0].markdown)
+        paths = reports[0].paths
+    else:
+        from blockspec.bench.repeats import write_repeats
+
+        reports = [write_report(runs, out / f"run{k + 1}", meta) for k, runs in enumerate(every_run)]
+        paths = write_repeats(reports, out, meta)
+        print(paths["markdown"].read_text())
+    print(f"wrote {paths['markdown']}, {paths['json']}, {paths['plot']}", file=sys.stderr)
+    if not all(r.lossless_ok for r in reports):
         print("blockspec bench: LOSSLESS CHECK FAILED: greedy DFlash output differs from AR (see report.md)",
               file=sys.stderr)
         return 1
