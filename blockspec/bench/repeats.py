@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from blockspec.bench.report import Report, environment, lossless_lines
+from blockspec.bench.report import Report, Summary, environment, lossless_lines
 from blockspec.bench.runner import Setting
 
 
@@ -48,23 +48,24 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def _where(s: Summary) -> tuple[str, str, int]:
+    """A run's setting label, task and concurrency: what a DFlash run shares with its AR run."""
+    return Setting(s.run.temperature, s.run.thinking).label, s.run.task, s.run.concurrency
+
+
 def repeat_cells(reports: Sequence[Report]) -> list[Cell]:
     """Per DFlash runner and (setting, task, concurrency), its ratios to AR in each report, in the
     order the runners first appear."""
     keys: list[tuple[str, str, int, str]] = []
     per_run: list[dict[tuple[str, str, int, str], tuple[float | None, float | None, float | None]]] = []
     for report in reports:
-        runs = {(Setting(s.run.temperature, s.run.thinking).label, s.run.task, s.run.concurrency, s.run.runner): s
-                for s in report.summaries}
+        ars = {_where(s): s for s in report.summaries if s.run.method == "ar"}
         found = {}
-        for (setting, task, c, runner), s in runs.items():
-            if s.run.method != "dflash":
+        for s in report.summaries:
+            ar = ars.get(_where(s))
+            if s.run.method != "dflash" or ar is None:
                 continue
-            ar = next((v for (st, t, cc, _), v in runs.items()
-                       if (st, t, cc) == (setting, task, c) and v.run.method == "ar"), None)
-            if ar is None:
-                continue
-            key = (setting, task, c, runner)
+            key = (*_where(s), s.run.runner)
             if key not in keys:
                 keys.append(key)
             found[key] = (_ratio(s.tokens_per_s, ar.tokens_per_s),
@@ -82,7 +83,7 @@ def _spread(values: Sequence[float | None]) -> str:
     known = [v for v in values if v is not None]
     if not known:
         return "–"
-    return f"**{statistics.median(known):.2f}x** ({min(known):.2f}-{max(known):.2f})"
+    return f"**{_median(known):.2f}x** ({min(known):.2f}-{max(known):.2f})"
 
 
 def repeats_markdown(cells: Sequence[Cell], reports: Sequence[Report], meta: dict) -> str:

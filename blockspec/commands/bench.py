@@ -377,18 +377,15 @@ def run(args: argparse.Namespace) -> int:
     load_at_start = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
     log = (lambda line: print(line, file=sys.stderr)) if not args.progress else None
     every_run = []
-    try:
-        for k in range(args.repeat):
-            if args.repeat > 1:
-                print(f"blockspec bench: run {k + 1} of {args.repeat}", file=sys.stderr)
+    for k in range(args.repeat):
+        if args.repeat > 1:
+            print(f"blockspec bench: run {k + 1} of {args.repeat}", file=sys.stderr)
+        try:
             every_run.append(run_suite(runners, datasets, pipe.tokenizer, plan, progress=args.progress, log=log))
-            for r in runners:  # the next run builds its engines, and calibrates them, afresh
+        finally:  # the next run builds its engines, and calibrates them, afresh
+            for r in runners:
                 if isinstance(r, EngineRunner):
                     r.close()
-    finally:
-        for r in runners:
-            if isinstance(r, EngineRunner):
-                r.close()
 
     out = Path(args.out or f"runs/bench-{_dt.datetime.now():%Y%m%d-%H%M%S}")
     meta = {

@@ -223,8 +223,9 @@ class AdaptiveBlock:
         self._confirming = False  # the step being chosen repeats a probe
         self._thread_count = thread_count
         self.last_choice = 1
-        self._hold: tuple[int, int] | None = None  # (plain steps left, rows) of a PLAIN_HOLD
-        self._next_hold = (PLAIN_HOLD, 0)  # (steps, rows) of the next hold at that many rows
+        # (plain steps left, rows, its length) of the running PLAIN_HOLD, kept through the next
+        # full choice (which doubles it if it holds again at as many rows)
+        self._hold: tuple[int, int, int] | None = None
         self.base_plain_every = plain_every
         self.plain_checks: dict[int, tuple[int, int]] = {}  # bucket -> (drafting steps since, interval)
         self.base_challenge_every = challenge_every
@@ -478,16 +479,13 @@ class AdaptiveBlock:
         if self.max_block <= 1 or batch.drafter is None:
             return 1
         b = len(batch.rows)
-        if self._hold is not None:
-            left, rows = self._hold
-            self._hold = None
-            if left > 0 and rows == b:
-                self._hold = (left - 1, rows)
-                self.plain_streak += 1
-                self._probing = self._confirming = False
-                self.last_choice, self.forced = 1, False
-                return 1
-        next_hold, self._next_hold = self._next_hold, (PLAIN_HOLD, 0)  # kept only by a hold again
+        hold, self._hold = self._hold, None
+        if hold is not None and hold[0] > 0 and hold[1] == b:
+            self._hold = (hold[0] - 1, b, hold[2])
+            self.plain_streak += 1
+            self._probing = self._confirming = False
+            self.last_choice, self.forced = 1, False
+            return 1
         threads = self._thread_count()
         if any([m.use_threads(threads) for m in (self.costs, self.sampled_costs, self.tree_costs,
                                                  self.sampled_tree_costs)]):
@@ -551,9 +549,8 @@ class AdaptiveBlock:
             gate = (b <= 1 or (b < MARGIN_ROWS and not model.drafting_measured(b))
                     or self.probe_may_pay(b, [e / c for e, c in zip(expected, model.least_table(b))]))
             if not gate and lookup is None:
-                steps = next_hold[0] if next_hold[1] == b else PLAIN_HOLD
-                self._hold = (steps - 1, b)
-                self._next_hold = (min(2 * steps, MAX_PLAIN_HOLD), b)
+                steps = min(2 * hold[2], MAX_PLAIN_HOLD) if hold is not None and hold[1] == b else PLAIN_HOLD
+                self._hold = (steps - 1, b, steps)
             if (self.plain_streak >= self.probe_every and self.plain_spent * PROBE_SHARE >= self.probe_extra
                     and gate):
                 self.plain_streak = 0
