@@ -85,9 +85,9 @@ class LayerProgram:
         self.table = table  # [layers * fields] int64
         self.eps = eps  # rms, q-norm, k-norm
         self.watched = watched
-        self.keep = keep  # what else the table points into: packed copies, fp32 biases of a bf16 model
-        # `fits` runs at every pass over every weight (180 for SmolLM2): read through `map`, it costs
-        # ~22 us a pass against ~29 for a loop over the triples
+        self.keep = keep  # what the table points into (packed copies, views of the weights), kept alive
+        # `fits` reads every weight (180 for SmolLM2) through `map`: ~22 us hot against ~29 for a
+        # loop over the triples, 150-180 us cold after a pass streamed the weights
         self._tensors = [t for _, _, t in watched]
         held = [(owner, name, t) for owner, name, t in watched if owner is not None]
         self._owners, self._names, self._owned = (list(x) for x in zip(*held)) if held else ([], [], [])
@@ -128,11 +128,15 @@ class LayerProgram:
             if not all(plain(n) for n in norms):
                 return None
             rows += [0 if n is None else n.data_ptr() for n in norms]
+            # views of what the table points into: bytes that stay alive when a parameter is given
+            # new storage between the checks (`fits`, at a cache's first pass)
+            keep += [n.detach() for n in norms if n is not None]
             for packed, weight, bias in layer.products:
                 if not plain(weight) or (bias is not None and (bias.dim() != 1 or not plain(bias))):
                     return None
-                if bias is not None and dtype != torch.float32:
-                    bias = bias.float().contiguous()  # the kernel adds an fp32 bias, as kernels._product
+                if bias is not None:
+                    # the kernel adds an fp32 bias, as kernels._product
+                    bias = bias.detach() if dtype == torch.float32 else bias.float().contiguous()
                     keep.append(bias)
                 if isinstance(packed, Int8Weight):
                     if dtype != torch.float32 or not packed.matches(weight):
@@ -142,8 +146,7 @@ class LayerProgram:
                              0 if bias is None else bias.data_ptr(), 0 if packed.m is None else packed.m.data_ptr()]
                     continue
                 use = packed is not None and packed.dtype == dtype and packed.matches(weight)
-                if use:
-                    keep.append(packed)  # its bytes stay alive for the table even if the module's copy is replaced
+                keep += [packed, weight.detach()] if use else [weight.detach()]
                 rows += [packed.bits if use else 0, packed.qs.data_ptr() if use else 0,
                          packed.sc.data_ptr() if use else 0, 0 if bias is None else bias.data_ptr(),
                          weight.data_ptr()]
@@ -203,7 +206,9 @@ class LayerProgram:
 
     def fits(self) -> bool:
         """Whether the weights are still the ones the table was built from (none replaced,
-        changed in place or given new storage since `build`)."""
+        changed in place or given new storage since `build`). The native target asks at a
+        cache's first pass, not at every decoding step; the table's bytes stay alive either way
+        (`keep`)."""
         return still_held(self._owners, self._names, self._owned) and self._key() == self.key
 
     def run(self, x: torch.Tensor, place: QKVPlacement, visible: torch.Tensor, horizon: int, cache: KVStoreRows,

@@ -107,11 +107,15 @@ class StaticWeights:
         """Each weight's storage and version: what changes when a weight is replaced or updated."""
         return tensor_state([p for p in (mod._parameters[name] for mod, name in slots) if p is not None])
 
-    def read(self) -> tuple[list[Fused], Int8Forms | None]:
+    def read(self, check: bool = True) -> tuple[list[Fused], Int8Forms | None]:
         """`fused()` and `integer(fused)`, what a pass reads, from one check over every parameter of
         the drafter (its storage and version) instead of one check per table: where none changed
         since the last read, what that read gave; and while that holds, the program built from
-        them needs no check of its own (`program`)."""
+        them needs no check of its own (`program`). Without `check`, the last read's (a pass
+        continuing rows whose first pass checked: ~50 us a drafting step, read cold after the
+        target's pass streamed its weights)."""
+        if not check and self._read is not None:
+            return self._read
         key = self._every_key()
         if self._read is None or key != self._read_key:
             fused = self.fused()
@@ -204,11 +208,18 @@ class StaticDraftCache(StaticCache):
     def __init__(self, store: KVStore, row0: int, batch: int, weights: StaticWeights) -> None:
         super().__init__(store, row0, batch)
         self.weights = weights
+        # every row's first pass read the drafter's weights through their check (`StaticWeights.read`):
+        # later passes continue the rows' generations, on the weights those began with
+        self.checked = False
 
     def spawn(self, batch: int) -> StaticDraftCache:
         """A cache for `batch` new rows right after this one's, in the same store."""
         self.store.ensure(self.row0 + self.batch + batch, self.store.capacity)
         return StaticDraftCache(self.store, self.row0 + self.batch, batch, self.weights)
+
+    def merge(self, other: StaticCache) -> None:
+        super().merge(other)
+        self.checked = self.checked and isinstance(other, StaticDraftCache) and other.checked
 
     def open_pass(self, drafter: DFlashDrafter, ctx_positions: torch.Tensor, block_positions: torch.Tensor,
                   attn_mask: torch.Tensor | dict[int | None, torch.Tensor] | None = None) -> StaticPass:
@@ -243,7 +254,8 @@ class StaticPass:
         if not cache.fresh:
             cache.reserve(int(block_positions.max()) + 1)
         self.cache, self.weights = cache, w
-        self.fused, self.integer = w.read()  # integer: the int8 mode's weights, or None (exact)
+        self.fused, self.integer = w.read(check=not cache.checked)  # integer: the int8 mode's, or None (exact)
+        cache.checked = True
         self.b, self.q, self.heads, self.kv_heads, self.head_dim = b, q, h, kvh, d
         self.horizon = cache.horizon
         # The context runs flat over its T real tokens: rows that joined with long prompts leave

@@ -257,3 +257,62 @@ def test_a_program_stops_fitting_when_a_weight_is_replaced_or_given_new_storage(
     assert program.fits()
     weight.data = weight.data.clone()
     assert not program.fits()
+
+
+def test_a_generation_runs_on_the_weights_it_began_with(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The program checks the weights at a cache's first pass only (a prompt's prefill). A weight
+    given new storage during a generation is read at the next prompt's; until then the table reads
+    the storage it was built on, which stays alive though its parameter let it go."""
+    import gc
+
+    target = load_native_target(_model("llama", seed=6), dtype="float32", eos_token_ids=())
+    twin = load_native_target(_model("llama", seed=6), dtype="float32", eos_token_ids=())
+    ids, pos = torch.tensor([[3, 1, 4, 1, 5]]), torch.arange(5)[None]
+    cache, twin_cache = target.new_cache(1, 16), twin.new_cache(1, 16)
+    target.forward(ids, pos, cache)
+    twin.forward(ids, pos, twin_cache)
+    first = target.net.backend.program
+    assert first is not None
+    weight = target.net.layers[1].down.weight
+    with torch.no_grad():
+        weight.data = weight.data.clone() * -2.0  # new storage; the old one's last owner is the table's view
+    gc.collect()
+    step, step_pos = torch.tensor([[9, 2]]), torch.arange(5, 7)[None]
+    mid, _ = target.forward(step, step_pos, cache)
+    want, _ = twin.forward(step, step_pos, twin_cache)
+    assert target.net.backend.program is first and torch.equal(mid, want)  # the weights it began with
+
+    after, _ = target.forward(ids, pos, target.new_cache(1, 16))  # the next prompt reads the new weight
+    assert target.net.backend.program is not first
+    unchanged, _ = twin.forward(ids, pos, twin.new_cache(1, 16))
+    assert not torch.equal(after, unchanged)
+    _python_loop(monkeypatch)
+    loop, _ = target.forward(ids, pos, target.new_cache(1, 16))
+    assert torch.equal(after, loop)
+
+
+def test_a_drafters_weights_are_checked_at_its_rows_first_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A draft pass reads the drafter's weights through their check (`StaticWeights.read`) at a
+    cache's first pass and after rows joined it; passes that continue its rows take the last
+    read. A weight changed between generations is read by the next one."""
+    model = make_tiny_target("llama", seed=9, dtype=torch.float32)
+    drafter = new_drafter_for_target(model.config, mask_token_id=47, num_layers=2, dtype=torch.float32)
+    init_drafter_weights(drafter, std=0.3, seed=1)
+    static = StaticDrafter(drafter)
+    checks = []
+    real = StaticWeights._every_key
+    monkeypatch.setattr(StaticWeights, "_every_key", lambda self: checks.append(1) or real(self))
+    with torch.inference_mode():
+        before, cache = draft_passes(static, torch.float32)  # two passes over one cache
+    assert len(checks) == 1 and cache.checked
+    cache.merge(cache.spawn(1))  # a row joins: the next pass checks again
+    assert not cache.checked
+    with torch.no_grad():
+        drafter.fc.weight.mul_(-1.0)
+    with torch.inference_mode():
+        after, _ = draft_passes(static, torch.float32)
+        fresh, _ = draft_passes(StaticDrafter(drafter), torch.float32)
+    assert len(checks) == 3
+    assert not torch.equal(before[0], after[0])
+    for a, b in zip(after, fresh):
+        assert torch.equal(a, b)

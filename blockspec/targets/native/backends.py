@@ -343,7 +343,11 @@ class KernelBackend(TorchBackend):
                 or len(set(layer_ids)) != len(layer_ids) or torch.is_grad_enabled() and x.requires_grad):
             return None
         program = self.program
-        if program is None or not program.fits():
+        # The weights are checked at a cache's first pass (a prompt's prefill), not at each
+        # decoding step: a generation runs on the weights it began with, as its keys and values
+        # did. Each check reads every weight's storage and version, cold after a pass streamed the
+        # weights: 3% of a plain step (BENCHMARKS.md, "Kernel measurements").
+        if program is None or (not p.cache.written and not program.fits()):
             if program is None and self._program_tried:
                 return None
             self._program_tried = True

@@ -94,6 +94,9 @@ class StaticCache:
         self.batch = batch
         self.horizon = 0  # slots [0, horizon) may hold data of some row
         self.fresh = False  # reserve() was called for the coming forward
+        # a forward has written into it: later passes continue a generation (the one-call layer
+        # program checks the model's weights only at a cache's first pass: targets/native/backends.py)
+        self.written = False
         self.length = torch.zeros(batch, dtype=torch.long, device=store.device)  # committed per row
         self.tree: TreeSlots | None = None  # the last forward's tree slots, until `reject`
 
@@ -122,6 +125,7 @@ class StaticCache:
         """Called by the forward: rows now hold data up to their largest position."""
         self.length = torch.maximum(self.length, positions.max(dim=1).values + 1)
         self.fresh = False
+        self.written = True
         self.tree = None
 
     def note_tree(self, tree: TreeSlots) -> None:
@@ -136,6 +140,7 @@ class StaticCache:
             has = tree.real.any(dim=1)
             self.length = torch.where(has, tree.base + tree.real.sum(dim=1), self.length)
         self.fresh = False
+        self.written = True
         self.tree = tree
 
     # ---- the TargetCache protocol -----------------------------------------------------------------
@@ -249,6 +254,7 @@ class StaticCache:
             self.tree = self.tree.extended(other.batch, self.scratch)
         self.length = torch.cat([self.length, other.length.to(self.length.device)])
         self.fresh = False
+        self.written = self.written or other.written
 
 
 def attention_mask(
