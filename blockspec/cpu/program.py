@@ -261,7 +261,7 @@ class LayerProgram:
 def tensor_state(tensors: list[torch.Tensor]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Each tensor's storage address and version: what changes when one is changed in place or
     given new storage (`module.to()` and `param.data = ...` swap storage without a new version).
-    Read through `map`: a pass checks every weight of a model with it."""
+    Read through `map`: a check reads every weight of a model with it."""
     return tuple(map(torch.Tensor.data_ptr, tensors)), tuple(map(operator.attrgetter("_version"), tensors))
 
 
