@@ -316,3 +316,29 @@ def test_a_drafters_weights_are_checked_at_its_rows_first_pass(monkeypatch: pyte
     assert not torch.equal(before[0], after[0])
     for a, b in zip(after, fresh):
         assert torch.equal(a, b)
+
+
+def test_a_prefill_the_program_does_not_take_still_checks_the_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache's first pass checks the weights whichever path it runs: after a weight changed, a
+    padded prefill (the Python loop's) is followed by decoding steps through the program on the
+    new weight, not by the program built on the old one."""
+    target = load_native_target(_model("llama", seed=6), dtype="float32", eos_token_ids=())
+    ids, pos = torch.tensor([[3, 1, 4, 1, 5]]), torch.arange(5)[None]
+    target.forward(ids, pos, target.new_cache(1, 16))
+    first = target.net.backend.program
+    assert first is not None
+    with torch.no_grad():
+        target.net.layers[2].gate_up.weight.mul_(-1.5)
+    padded_ids = torch.tensor([[0, 0, 7, 2, 9], [3, 1, 4, 1, 5]])
+    padded_pos = torch.tensor([[-1, -1, 0, 1, 2], list(range(5))])
+    step_ids, step_pos = torch.tensor([[8], [6]]), torch.tensor([[3], [5]])
+
+    def run() -> torch.Tensor:
+        cache = target.new_cache(2, 16)
+        target.forward(padded_ids, padded_pos, cache)
+        return target.forward(step_ids, step_pos, cache)[0]
+
+    got = run()
+    assert target.net.backend.program is not None and target.net.backend.program is not first
+    _python_loop(monkeypatch)
+    assert torch.equal(got, run())

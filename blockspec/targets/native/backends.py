@@ -294,6 +294,8 @@ class KernelBackend(TorchBackend):
     def layers(self, x: torch.Tensor, p: Pass, start: int, layer_ids: tuple[int, ...]
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         self._place(x, p)
+        if not p.cache.written:
+            self._check_program()
         ran = self.run_program(x, p, layer_ids) if start == 0 else None
         return ran if ran is not None else super().layers(x, p, start, layer_ids)
 
@@ -343,12 +345,8 @@ class KernelBackend(TorchBackend):
                 or len(set(layer_ids)) != len(layer_ids) or torch.is_grad_enabled() and x.requires_grad):
             return None
         program = self.program
-        # The weights are checked at a cache's first pass (a prompt's prefill), not at each
-        # decoding step: a generation runs on the weights it began with, as its keys and values
-        # did. Each check reads every weight's storage and version, cold after a pass streamed the
-        # weights: 3% of a plain step (BENCHMARKS.md, "Kernel measurements").
-        if program is None or (not p.cache.written and not program.fits()):
-            if program is None and self._program_tried:
+        if program is None:
+            if self._program_tried:
                 return None
             self._program_tried = True
             program = self.program = self.build_program()
@@ -367,6 +365,16 @@ class KernelBackend(TorchBackend):
                           scale=net.scale, capture=capture, features=features, packed_max=BF16_MAX_ROWS,
                           tree=p.tree_keys)  # x.clone(): x stays for a rerun
         return None if out is None else (out, features)
+
+    def _check_program(self) -> None:
+        """Drops the layer program where the weights changed since it was built (`fits`), so the
+        next pass it takes builds it again. Asked at a cache's first pass (a prompt's prefill),
+        whichever path that pass runs, not at each decoding step: a generation runs on the
+        weights it began with, as its keys and values did. Each check reads every weight's
+        storage and version, cold after a pass streamed the weights: 3% of a plain step
+        (BENCHMARKS.md, "Kernel measurements")."""
+        if self.program is not None and not self.program.fits():
+            self.program, self._program_tried = None, False
 
     def build_program(self) -> LayerProgram | None:
         return target_program(self.net)
