@@ -78,7 +78,17 @@ class FeatureQueue:
 
     def take(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Everything queued (`assemble`), emptying the queue: what a draft pass reads."""
-        out = self.assemble()
+        runs = self._runs()
+        first = runs[0][0] if runs else None
+        if (len(runs) == 1 and first.rows == list(range(self.batch)) and first.feats.shape[0] == self.batch
+                and first.end - first.pos.shape[1] == self.start):
+            # one run of every row from the first column (a lone row's steps since its last draft
+            # pass): its pieces are the result, without the padded copy
+            run = runs[0]
+            out = ((run[0].feats, run[0].pos) if len(run) == 1 else
+                   (torch.cat([p.feats for p in run], dim=1), torch.cat([p.pos for p in run], dim=1)))
+        else:
+            out = self.assemble()
         self.pieces = []
         self.start = self.end
         return out
