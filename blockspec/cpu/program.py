@@ -146,7 +146,9 @@ class LayerProgram:
                              0 if bias is None else bias.data_ptr(), 0 if packed.m is None else packed.m.data_ptr()]
                     continue
                 use = packed is not None and packed.dtype == dtype and packed.matches(weight)
-                keep += [packed, weight.detach()] if use else [weight.detach()]
+                keep.append(weight.detach())
+                if use:
+                    keep.append(packed)
                 rows += [packed.bits if use else 0, packed.qs.data_ptr() if use else 0,
                          packed.sc.data_ptr() if use else 0, 0 if bias is None else bias.data_ptr(),
                          weight.data_ptr()]

@@ -78,17 +78,7 @@ class FeatureQueue:
 
     def take(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Everything queued (`assemble`), emptying the queue: what a draft pass reads."""
-        runs = self._runs()
-        first = runs[0][0] if runs else None
-        if (len(runs) == 1 and first.rows == list(range(self.batch)) and first.feats.shape[0] == self.batch
-                and first.end - first.pos.shape[1] == self.start):
-            # one run of every row from the first column (a lone row's steps since its last draft
-            # pass): its pieces are the result, without the padded copy
-            run = runs[0]
-            out = ((run[0].feats, run[0].pos) if len(run) == 1 else
-                   (torch.cat([p.feats for p in run], dim=1), torch.cat([p.pos for p in run], dim=1)))
-        else:
-            out = self.assemble()
+        out = self._build(share=True)
         self.pieces = []
         self.start = self.end
         return out
@@ -96,18 +86,30 @@ class FeatureQueue:
     def assemble(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Everything queued, as features [b, W, F] and positions [b, W] (layout: module
         docstring); the queue keeps it. Needs at least one queued piece."""
+        return self._build(share=False)
+
+    def _build(self, share: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """`assemble`'s tensors. With `share`, one run that every row reads from the first column
+        (a lone row's steps since its last draft pass) is returned as its pieces joined, without
+        the padded copy (`take`: the queue lets go of them)."""
         if not self.pieces:
             raise ValueError("no queued features to take")
         first = self.pieces[0].feats
         width = self.end - self.start
-        feats = first.new_zeros(self.batch, width, first.shape[-1])
-        pos = torch.full((self.batch, width), EMPTY, dtype=torch.long, device=first.device)
-        for run in self._runs():
+        runs = self._runs()
+        feats = pos = None
+        for run in runs:
             f = torch.cat([p.feats for p in run], dim=1) if len(run) > 1 else run[0].feats
             p = torch.cat([p.pos for p in run], dim=1) if len(run) > 1 else run[0].pos
             lo, hi = run[0].end - run[0].pos.shape[1] - self.start, run[-1].end - self.start
             rows = run[0].rows
-            if rows == list(range(self.batch)) and f.shape[0] == self.batch:
+            every = rows == list(range(self.batch)) and f.shape[0] == self.batch
+            if share and every and len(runs) == 1 and lo == 0 and hi == width:
+                return f, p
+            if feats is None:
+                feats = first.new_zeros(self.batch, width, first.shape[-1])
+                pos = torch.full((self.batch, width), EMPTY, dtype=torch.long, device=first.device)
+            if every:
                 feats[:, lo:hi], pos[:, lo:hi] = f, p
                 continue
             dst = [i for i, r in enumerate(rows) if r >= 0]
