@@ -865,9 +865,12 @@ def _ragged(lengths: list[int], offsets: torch.Tensor, positions: torch.Tensor
 def _one_hot_where(q: torch.Tensor | SparseProbs | None, proposals: torch.Tensor, looked: list[int],
                    vocab: int | None = None) -> torch.Tensor | SparseProbs:
     """q [b, n, V] (or its pairs) with each row's first looked[r] positions replaced by one-hots
-    on its proposals [b, n] (deterministic proposals: drawn from a point mass); q None: zero
-    elsewhere."""
+    on its proposals [b, n] (deterministic proposals: drawn from a point mass); q None: those
+    point masses alone, as pairs [b, n, 1] over `vocab` tokens (zero elsewhere)."""
     b, n = proposals.shape
+    if q is None:  # a lookup step's: one pair a position, not a vocabulary-wide row
+        mask = torch.arange(n, device=proposals.device)[None] < torch.tensor(looked, device=proposals.device)[:, None]
+        return SparseProbs(torch.where(mask, proposals, 0)[..., None], mask.to(torch.float32)[..., None], vocab)
     if isinstance(q, SparseProbs):
         mask = (torch.arange(n, device=proposals.device)[None]
                 < torch.tensor(looked, device=proposals.device)[:, None])[..., None]  # [b, n, 1]
@@ -875,11 +878,7 @@ def _one_hot_where(q: torch.Tensor | SparseProbs | None, proposals: torch.Tensor
         ids = torch.where(mask, torch.where(first, proposals[..., None], 0), q.ids)
         probs = torch.where(mask, first.to(q.probs.dtype).expand_as(q.probs), q.probs)
         return SparseProbs(ids, probs, q.vocab)
-    v = q.shape[-1] if q is not None else vocab
-    onehot = torch.zeros(b, n, v, dtype=torch.float32 if q is None else q.dtype, device=proposals.device)
-    onehot.scatter_(-1, proposals[..., None], 1.0)
-    if q is None:
-        return onehot
+    onehot = torch.zeros_like(q).scatter_(-1, proposals[..., None], 1.0)
     mask = torch.arange(n, device=proposals.device)[None] < torch.tensor(looked, device=proposals.device)[:, None]
     return torch.where(mask[..., None], onehot, q)
 

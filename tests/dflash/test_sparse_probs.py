@@ -11,7 +11,8 @@ import torch
 
 from blockspec.cpu import kernels
 from blockspec.dflash.sampling import RowRandom, probabilities, sample_from
-from blockspec.dflash.sparse_probs import draw, nucleus_pairs, race_on_host, sample_from_pairs, shaped
+from blockspec.dflash.sparse_probs import (SparseProbs, draw, nucleus_pairs, race_on_host, sample_from_pairs,
+                                          shaped)
 from blockspec.dflash.tree_verify import keyed_draws
 from blockspec.dflash.verify import _inverse_cdf, verify_standard
 
@@ -238,3 +239,9 @@ def test_lookup_proposals_replace_a_pairs_q_by_their_point_masses() -> None:
     got = _one_hot_where(pairs, proposals, looked)
     assert torch.equal(got.dense(), _one_hot_where(q, proposals, looked))
     assert not torch.equal(got.dense(), q)
+    # a lookup step's (no draft): the point masses alone, zero past each row's looked-up positions
+    alone = _one_hot_where(None, proposals, looked, v)
+    kept = (torch.arange(n)[None] < torch.tensor(looked)[:, None])[..., None]
+    want = torch.zeros(b, n, v).scatter_(-1, proposals[..., None], 1.0) * kept
+    assert isinstance(alone, SparseProbs) and alone.ids.shape == (b, n, 1)
+    assert torch.equal(alone.dense(), want)
