@@ -177,7 +177,7 @@ def _load() -> object | None:
         f.restype = ctypes.c_int
     fn.layers, fn.layers_bf16, fn.layers_layout = lib.bs_layers, lib.bs_layers_bf16, lib.bs_layers_layout
     for f in (fn.layers, fn.layers_bf16):
-        f.argtypes = [ctypes.c_void_p] * 26 + [ctypes.c_int]
+        f.argtypes = [ctypes.c_void_p] * 25 + [ctypes.c_int]
         f.restype = ctypes.c_int
     fn.layers_layout.argtypes = [ctypes.c_void_p]
     fn.layers_layout.restype = ctypes.c_int

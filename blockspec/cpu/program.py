@@ -28,7 +28,6 @@ from blockspec.cpu.qkv import QKVPlacement
 
 DTYPES = (torch.float32, torch.bfloat16)
 DIMS = 19  # the int64 geometry values `run` passes (cpu/csrc/layers.c's D_COUNT; `build` checks)
-ENDS = 10  # the int64 of a drafter's whole pass (`PassEnds`; cpu/csrc/layers.c's ENDS_FIELDS)
 INT8_KIND = 16  # a product's kind in the table: 16 + bits for an integer product (cpu/csrc/layers.c)
 ENV = "BLOCKSPEC_LAYER_LOOP"  # "0": keep the Python loops (to compare, or to rule the C loop out)
 # A thread's scratch tensors are kept for its SCRATCH_SHAPES most recently used pass shapes: a
@@ -68,24 +67,13 @@ class LayerWeights:
     products: tuple[tuple[object | None, torch.Tensor, torch.Tensor | None], ...]
 
 
-@dataclass(frozen=True)
-class PassEnds:
-    """What a drafter's pass does before and after its layers, for `run` to do in the same call:
-    the context's raw target features through fc's 8-bit form (no bias) and the hidden norm, and
-    the final norm of the block's output (each RMSNorm with the program's rms eps)."""
-
-    fc: Int8Weight
-    hidden_norm: torch.Tensor
-    final_norm: torch.Tensor
-
-
-def _layout() -> tuple[int, int, int, int] | None:
+def _layout() -> tuple[int, int, int] | None:
     fn = kernels.kernel()
     if fn is None or not hasattr(fn, "layers_layout"):
         return None
-    out = torch.zeros(4, dtype=torch.int64)
+    out = torch.zeros(3, dtype=torch.int64)
     fn.layers_layout(out.data_ptr())
-    return int(out[0]), int(out[1]), int(out[2]), int(out[3])
+    return int(out[0]), int(out[1]), int(out[2])
 
 
 class LayerProgram:
@@ -125,7 +113,7 @@ class LayerProgram:
         layout = _layout()
         if layout is None or not layers or os.environ.get(ENV, "1") == "0":
             return None
-        dims, fields, product_fields, ends = layout
+        dims, fields, product_fields = layout
         dtype = layers[0].input_norm.dtype
         if dtype not in DTYPES or len({layer.q_norm is None for layer in layers}) > 1:
             return None
@@ -164,7 +152,7 @@ class LayerProgram:
                 rows += [packed.bits if use else 0, packed.qs.data_ptr() if use else 0,
                          packed.sc.data_ptr() if use else 0, 0 if bias is None else bias.data_ptr(),
                          weight.data_ptr()]
-        if len(rows) != fields * len(layers) or fields != 4 + 4 * product_fields or dims != DIMS or ends != ENDS:
+        if len(rows) != fields * len(layers) or fields != 4 + 4 * product_fields or dims != DIMS:
             return None
         return cls(dtype, torch.tensor(rows, dtype=torch.int64), eps, watched, keep)
 
@@ -172,7 +160,7 @@ class LayerProgram:
         """Per layer, what each product (q/k/v, o, gate/up, down) reads: 0 the weight, 4 or 8 its
         packed copy of that many bits (bf16: for products of few rows), 20 or 24 its integer form
         of 4 or 8 bits (the int8 mode)."""
-        _, fields, pf, _ = _layout()
+        _, fields, pf = _layout()
         rows = self.table.view(-1, fields)
         return [tuple(int(row[4 + i * pf]) for i in range(4)) for row in rows]
 
@@ -228,14 +216,11 @@ class LayerProgram:
     def run(self, x: torch.Tensor, place: QKVPlacement, visible: torch.Tensor, horizon: int, cache: KVStoreRows,
             *, inter: int, scale: float, ctx: torch.Tensor | None = None, capture: list[int] | None = None,
             features: torch.Tensor | None = None, packed_max: int = 0,
-            start: torch.Tensor | None = None, tree: torch.Tensor | None = None,
-            ends: PassEnds | None = None) -> torch.Tensor | None:
+            start: torch.Tensor | None = None, tree: torch.Tensor | None = None) -> torch.Tensor | None:
         """x [b, q, H] (consumed) -> the last layer's output [b, q, H], before the final norm; K/V
         written into `cache` as the Python loop writes them. ctx [t, H]: rows that go through each
         layer's q/k/v projection before the block's and have no queries (the drafter's context;
-        `place` then starts its queries at t). With `ends` (fp32 only) ctx is the context's raw
-        features [t, F] instead, and the output is the final norm's (`PassEnds`): a drafter's
-        whole pass in one call. capture [layers]: the column of `features`
+        `place` then starts its queries at t). capture [layers]: the column of `features`
         [b, q, F] that takes each layer's output, or -1. packed_max: the most rows a bf16 product
         reads its packed copy for. start [b, q]: each query's first key (cached_attention), or
         None. tree [b, q, 1 + w]: a token tree's keys (cached_attention), or None. None where
@@ -261,15 +246,7 @@ class LayerProgram:
         dims_t = torch.tensor(dims, dtype=torch.int64)  # named: a temporary would be freed before the call
         kin, acc, xb, qkv, qs, att, o_in, gate_up, act = self._scratch(dtype, t, tokens, b, q, hidden, width, h, kvh,
                                                                        d, inter)
-        out, ends_t = x, None
-        if ends is not None:
-            out = torch.empty_like(x)
-            fc = ends.fc
-            ends_t = torch.tensor([ctx.data_ptr(), ctx.shape[1], INT8_KIND + fc.bits, fc.qs.data_ptr(),
-                                   fc.d.data_ptr(), 0, 0 if fc.m is None else fc.m.data_ptr(),
-                                   ends.hidden_norm.data_ptr(), ends.final_norm.data_ptr(), out.data_ptr()],
-                                  dtype=torch.int64)
-        elif ctx is not None:
+        if ctx is not None:
             kin[:t] = ctx
         cap = torch.tensor(capture if capture is not None else [-1] * layers, dtype=torch.int64)
         scal = torch.tensor([*self.eps, scale], dtype=torch.float32)
@@ -279,9 +256,8 @@ class LayerProgram:
             place.q_cols.data_ptr(), place.kv_rows.data_ptr(), place.kv_slots.data_ptr(), visible.data_ptr(),
             0 if start is None else start.data_ptr(), 0 if tree is None else tree.data_ptr(), kin.data_ptr(), qkv.data_ptr(), qs.data_ptr(), att.data_ptr(),
             o_in.data_ptr(), gate_up.data_ptr(), act.data_ptr(), acc.data_ptr(), cap.data_ptr(),
-            0 if features is None else features.data_ptr(), 0 if ends_t is None else ends_t.data_ptr(),
-            torch.get_num_threads())
-        return out if rc == 0 else None
+            0 if features is None else features.data_ptr(), torch.get_num_threads())
+        return x if rc == 0 else None
 
 
 def tensor_state(tensors: list[torch.Tensor]) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -58,12 +58,6 @@ class DraftPass(Protocol):
         or None: the caller runs the layer loop (the same numbers)."""
         ...
 
-    def whole(self, features: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
-        """The whole pass in one call: the new context's features [b, c, F] through fc and the
-        hidden norm, the layer stack on the block x [b, q, H], the final norm; or None: the
-        caller runs `context`, `linear`, `norm` and `layers` (the same numbers)."""
-        ...
-
     def close(self) -> None:
         """The pass is over (its K/V are the cache's now)."""
         ...
@@ -194,9 +188,6 @@ class ConcatPass:
         return mlp(y)
 
     def layers(self, x: torch.Tensor, ctx: torch.Tensor) -> None:
-        return None
-
-    def whole(self, features: torch.Tensor, x: torch.Tensor) -> None:
         return None
 
     def close(self) -> None:

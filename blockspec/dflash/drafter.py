@@ -245,10 +245,6 @@ class DFlashDrafter(nn.Module):
         ctx_features, block_embeds = self.own_dtype(ctx_features), self.own_dtype(block_embeds)
         cache = self.new_cache(b) if cache is None else cache  # then it holds this pass's K/V only
         run = cache.open_pass(self, ctx_positions, block_positions, attn_mask)
-        whole = run.whole(ctx_features, block_embeds)
-        if whole is not None:
-            run.close()
-            return whole
         ctx = run.norm(self.hidden_norm, run.linear(self.fc, run.context(ctx_features)))
         h = run.layers(block_embeds, ctx)
         if h is None:

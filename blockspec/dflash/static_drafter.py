@@ -15,9 +15,7 @@ engine runs, proven equal to `DraftCache`'s module pass by parity tests:
   attention kernel (`cached_attention`), fused norms; PyTorch's operators where a kernel does
   not take a tensor (the same bits, tested).
 - Whole pass: the C layer program (cpu/program.py) runs a DFlash drafter's layer stack in one
-  call where it can (`StaticPass.layers`), and in the int8 mode the context's fc product, the
-  hidden norm and the final norm in that call too (`StaticPass.whole`); DFlash 2's block
-  convolutions keep the layer loop.
+  call where it can (`StaticPass.layers`); DFlash 2's block convolutions keep the layer loop.
 - The int8 mode (`DFlashDrafter.use_compute`, an fp32 drafter beside an int8 target): fc and
   every layer product multiply 8-bit activations by 8-bit weights (cpu/int8.py), in the program
   and in the loop alike (the same bits: the products are row-wise). Proposals change, the output
@@ -37,7 +35,7 @@ from torch import nn
 from blockspec.cpu import kernels
 from blockspec.cpu.int8 import Int8Weight, int8_linear, quantize_weight
 from blockspec.cpu.linear import linear, project
-from blockspec.cpu.program import LayerProgram, LayerWeights, PassEnds, parameters_of, still_held, tensor_state
+from blockspec.cpu.program import LayerProgram, LayerWeights, parameters_of, still_held, tensor_state
 from blockspec.cpu.qkv import QKVPlacement, block_places
 from blockspec.dflash.drafter import DFlashDrafter, DraftAttention, DraftMLP, RMSNorm
 from blockspec.targets.native.attention import cached_attention, visible_keys, visible_keys_fit
@@ -451,41 +449,17 @@ class StaticPass:
             return self._product(i, 3, act, mlp.down_proj.weight, mlp.down_proj.bias)
         return project(mlp.down_proj, act, exact=False)
 
-    def _program(self, dtype: torch.dtype) -> LayerProgram | None:
-        """The layer program where it takes this pass's block of `dtype`, else None."""
+    def layers(self, x: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor | None:
         if self.place is None or self.visible is None or torch.is_grad_enabled():
             return None
         program = self.weights.program(self.fused, self.integer)
+        dtype = x.dtype
         if program is None or program.dtype != dtype or (
                 self.t + self.b * self.q > kernels.kernel().fast_rows.get(dtype, 0)):  # as `linear(exact=False)`
-            return None
-        return program
-
-    def layers(self, x: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor | None:
-        program = self._program(x.dtype)
-        if program is None:
             return None
         return program.run(x.contiguous().clone(), self.place, self.visible, self.horizon, self.cache,
                            inter=self.weights.module.cfg.intermediate_size, scale=self.scale, ctx=ctx,
                            start=self.start)
-
-    def whole(self, features: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
-        """The int8 mode's pass in one program call (`PassEnds`): fc's product and the hidden norm
-        of the context's features [b, c, F], the layers over the block x [b, q, H], the final
-        norm. The Python calls around `layers` cost ~0.1 ms of a lone row's ~0.75 ms pass in the
-        decode (each runs cold after the target's pass)."""
-        m = self.weights.module
-        norms = (m.hidden_norm.weight, m.norm.weight)
-        if self.integer is None or x.dtype != torch.float32 or m.fc.bias is not None or not all(
-                w.dtype == torch.float32 and w.is_contiguous() for w in norms):
-            return None
-        program = self._program(x.dtype)
-        if program is None or not m.hidden_norm.eps == m.norm.eps == program.eps[0]:
-            return None
-        feats = self.context(features)
-        return program.run(x.contiguous().clone(), self.place, self.visible, self.horizon, self.cache,
-                           inter=m.cfg.intermediate_size, scale=self.scale, ctx=feats.float().contiguous(),
-                           start=self.start, ends=PassEnds(self.integer.fc, *norms))
 
     def close(self) -> None:
         self.cache.fresh = False

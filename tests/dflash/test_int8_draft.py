@@ -16,8 +16,7 @@ from blockspec.cpu import kernels
 from blockspec.cpu.int8 import quantize_weight, reference_product
 from blockspec.dflash import drafter as drafter_module
 from blockspec.dflash.drafter import new_drafter_for_target
-from blockspec.cpu.program import LayerProgram
-from blockspec.dflash.static_drafter import StaticDrafter, StaticPass, StaticWeights
+from blockspec.dflash.static_drafter import StaticDrafter, StaticWeights
 from blockspec.errors import ConfigError
 
 needs_kernel = pytest.mark.skipif(kernels.kernel() is None, reason="the native CPU kernel did not build here")
@@ -67,41 +66,6 @@ def test_int8_pass_equals_the_pytorch_reference_and_the_program_has_the_loops_bi
         assert not torch.equal(got_loop, plain)  # the int8 mode really ran
         with torch.inference_mode():
             assert torch.equal(drafter.greedy_tokens(got_loop[:, 1:], head), drafter.greedy_tokens(ref[:, 1:], head))
-
-
-@needs_kernel
-@pytest.mark.parametrize("batch", [2, 1], ids=["ragged", "one-row"])
-def test_int8_pass_runs_whole_in_one_call_with_the_bits_of_its_steps(batch: int,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """fc's product, the hidden norm, the layers and the final norm in one program call
-    (`StaticPass.whole`) give the bits of the pass's own calls around the layer program, and the
-    context K/V it leaves are the same."""
-    drafter = _drafter("bidirectional")
-    assert drafter.use_compute("int8") == "int8"
-    rows = slice(2 - batch, 2)
-    real = LayerProgram.run
-    took = []
-    monkeypatch.setattr(LayerProgram, "run", lambda self, *a, **k: took.append(k.get("ends") is not None)
-                        or real(self, *a, **k))
-    runs = {}
-    for whole in (True, False):
-        with monkeypatch.context() as patch:
-            if not whole:
-                patch.setattr(StaticPass, "whole", lambda *args: None)
-            static = StaticDrafter(drafter)
-            cache = static.new_cache(batch)
-            runs[whole] = (_passes(drafter, static, cache, rows), [t.clone() for i in range(2) for t in cache.layer(i)])
-        assert took == ([whole] * 2 if kernels.max_rows(torch.float32, exact=False) >= 24 else []), took
-        took.clear()
-    for a, b in zip(runs[True][0], runs[False][0]):
-        assert torch.equal(a, b)
-    for a, b in zip(runs[True][1], runs[False][1]):
-        assert torch.equal(a[:, :, :20], b[:, :, :20])  # the slots written (the scratch slot aside)
-    with torch.no_grad():  # the final norm's weight reaches the output: a norm left out would show
-        drafter.norm.weight.mul_(2.0)
-    static = StaticDrafter(drafter)
-    doubled = _passes(drafter, static, static.new_cache(batch), rows)
-    assert not torch.equal(doubled[0], runs[True][0][0])
 
 
 def test_int8_head_is_the_reference_product_of_the_draft_vocabulary_rows() -> None:

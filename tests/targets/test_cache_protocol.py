@@ -29,7 +29,7 @@ def test_protocols_list_the_methods_callers_use() -> None:
     assert _members(TargetCache) == {"lengths", "reserve", "reject", "compact", "select_rows", "spawn", "merge"}
     assert _members(DraftContextCache) == {"lengths", "reserve", "compact", "select_rows", "spawn", "merge",
                                            "open_pass"}
-    assert _members(DraftPass) == {"context", "linear", "norm", "attention", "mlp", "layers", "whole", "close"}
+    assert _members(DraftPass) == {"context", "linear", "norm", "attention", "mlp", "layers", "close"}
 
 
 @pytest.mark.parametrize("cls, protocol", [(StaticCache, TargetCache), (HFCache, TargetCache),

@@ -137,13 +137,8 @@ enum { D_CTX, D_TOKENS, D_HIDDEN, D_LAYERS, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_I
  * groups * q_len, d], att (fp32) like q, o_in [tokens, heads d], gate_up [tokens, 2 inter], act
  * [tokens, inter], acc (fp32, bf16 only) as large as the largest product's output.
  * capture [layers]: a column offset into features [tokens, feat_width] for that layer's output,
- * or -1. ends: null, or ENDS_FIELDS int64 (E_*): a drafter's whole pass, where the first ctx rows
- * of kin are computed here from its raw context features [ctx, width] (fc's product, as
- * `product`, then the hidden norm: the Python pass's two calls) and the final norm of the last
- * layer's output x goes to out [tokens, hidden] (every norm with the rms eps). Returns 0; otherwise the
- * failing kernel's code plus 10 * (which step failed) (the caller then runs its own loop: every
- * step here can be repeated, the K/V writes included). */
-enum { E_FEATURES, E_WIDTH, E_FC, E_HIDDEN_NORM = E_FC + PRODUCT_FIELDS, E_FINAL_NORM, E_OUT, ENDS_FIELDS };
+ * or -1. Returns 0; otherwise the failing kernel's code plus 10 * (which step failed) (the
+ * caller then runs its own loop: every step here can be repeated, the K/V writes included). */
 static inline int layers_loop(void *x, void *xb, const int64_t *dims, const float *scal, const int64_t *lw,
                               const int64_t *kv, const void *cos, const void *sin, const int64_t *q_rows,
                               const int64_t *q_cols, const int64_t *kv_rows, const int64_t *kv_slots,
@@ -151,7 +146,7 @@ static inline int layers_loop(void *x, void *xb, const int64_t *dims, const floa
                               void *qkv, void *q, float *att,
                               void *o_in,
                               void *gate_up, void *act, float *acc, const int64_t *capture, void *features,
-                              const int64_t *ends, int threads, const int bf) {
+                              int threads, const int bf) {
     const int64_t ctx = dims[D_CTX], tokens = dims[D_TOKENS], hidden = dims[D_HIDDEN], heads = dims[D_HEADS];
     const int64_t kv_heads = dims[D_KV_HEADS], d = dims[D_HEAD_DIM], inter = dims[D_INTER], batch = dims[D_BATCH];
     const int64_t q_len = dims[D_Q_LEN], packed_max = dims[D_PACKED_MAX], fw = dims[D_FEAT_WIDTH];
@@ -159,14 +154,6 @@ static inline int layers_loop(void *x, void *xb, const int64_t *dims, const floa
     const size_t es = bf ? sizeof(uint16_t) : sizeof(float);
     const float eps = scal[0], q_eps = scal[1], k_eps = scal[2], scale = scal[3];
     char *y = (char *)kin + ctx * hidden * es; /* the block's rows of kin */
-    if (ends && ctx) { /* the context's rows: fc's product into qkv's scratch, then the hidden norm into kin */
-        const int rc = product(ends + E_FC, (const void *)(intptr_t)ends[E_FEATURES], 0, qkv, acc, ctx, ends[E_WIDTH],
-                               hidden, packed_max, threads, bf);
-        if (rc) return 70 + rc;
-        const void *hw = (const void *)(intptr_t)ends[E_HIDDEN_NORM];
-        if (bf) bs_rms_norm_bf16(qkv, hw, kin, ctx, hidden, eps, threads);
-        else bs_rms_norm(qkv, hw, kin, ctx, hidden, eps, threads);
-    }
     for (int64_t i = 0; i < dims[D_LAYERS]; i++) {
         const int64_t *l = lw + i * LAYER_FIELDS;
         const void *in_norm = (const void *)(intptr_t)l[0], *post_norm = (const void *)(intptr_t)l[1];
@@ -222,12 +209,6 @@ static inline int layers_loop(void *x, void *xb, const int64_t *dims, const floa
                 memcpy((char *)features + (t * fw + capture[i]) * es, (char *)x + t * hidden * es,
                        (size_t)hidden * es);
     }
-    if (ends) {
-        const void *fw_ = (const void *)(intptr_t)ends[E_FINAL_NORM];
-        void *out = (void *)(intptr_t)ends[E_OUT];
-        if (bf) bs_rms_norm_bf16(x, fw_, out, tokens, hidden, eps, threads);
-        else bs_rms_norm(x, fw_, out, tokens, hidden, eps, threads);
-    }
     return 0;
 }
 
@@ -237,19 +218,18 @@ static inline int layers_loop(void *x, void *xb, const int64_t *dims, const floa
         const int64_t *kv_slots, const int64_t *visible, const int64_t *start, const int64_t *tree, T_ *kin,   \
         T_ *qkv, T_ *q,                                                                                   \
         float *att, T_ *o_in, T_ *gate_up, T_ *act, float *acc, const int64_t *capture, T_ *features,        \
-        const int64_t *ends, int threads
+        int threads
 #define LAYERS_CALL(BF)                                                                                   \
     if (dims[D_HEADS] % dims[D_KV_HEADS]) return 1;                                                       \
     return layers_loop(x, xb, dims, scal, lw, kv, cos, sin, q_rows, q_cols, kv_rows, kv_slots, visible, start, tree, \
-                       kin, qkv, q, att, o_in, gate_up, act, acc, capture, features, ends, threads, BF);
+                       kin, qkv, q, att, o_in, gate_up, act, acc, capture, features, threads, BF);
 
 int bs_layers(LAYERS_ARGS(float)) { LAYERS_CALL(0) }
 
 int bs_layers_bf16(LAYERS_ARGS(uint16_t)) { LAYERS_CALL(1) }
 
-/* the number of dims, of int64 per layer and per product, and of `ends` the caller fills (cpu/program.py
- * checks) */
+/* the number of dims and of int64 per layer the caller fills (cpu/program.py checks) */
 int bs_layers_layout(int64_t *out) {
-    out[0] = D_COUNT, out[1] = LAYER_FIELDS, out[2] = PRODUCT_FIELDS, out[3] = ENDS_FIELDS;
+    out[0] = D_COUNT, out[1] = LAYER_FIELDS, out[2] = PRODUCT_FIELDS;
     return 0;
 }
