@@ -867,20 +867,18 @@ def _one_hot_where(q: torch.Tensor | SparseProbs | None, proposals: torch.Tensor
     """q [b, n, V] (or its pairs) with each row's first looked[r] positions replaced by one-hots
     on its proposals [b, n] (deterministic proposals: drawn from a point mass); q None: those
     point masses alone, as pairs [b, n, 1] over `vocab` tokens (zero elsewhere)."""
-    b, n = proposals.shape
+    n = proposals.shape[1]
+    d = proposals.device
+    mask = (torch.arange(n, device=d)[None] < torch.tensor(looked, device=d)[:, None])[..., None]  # [b, n, 1]
     if q is None:  # a lookup step's: one pair a position, not a vocabulary-wide row
-        mask = torch.arange(n, device=proposals.device)[None] < torch.tensor(looked, device=proposals.device)[:, None]
-        return SparseProbs(torch.where(mask, proposals, 0)[..., None], mask.to(torch.float32)[..., None], vocab)
+        return SparseProbs(torch.where(mask, proposals[..., None], 0), mask.to(torch.float32), vocab)
     if isinstance(q, SparseProbs):
-        mask = (torch.arange(n, device=proposals.device)[None]
-                < torch.tensor(looked, device=proposals.device)[:, None])[..., None]  # [b, n, 1]
-        first = torch.arange(q.ids.shape[-1], device=proposals.device) == 0  # [k]: the one pair kept
+        first = torch.arange(q.ids.shape[-1], device=d) == 0  # [k]: the one pair kept
         ids = torch.where(mask, torch.where(first, proposals[..., None], 0), q.ids)
         probs = torch.where(mask, first.to(q.probs.dtype).expand_as(q.probs), q.probs)
         return SparseProbs(ids, probs, q.vocab)
     onehot = torch.zeros_like(q).scatter_(-1, proposals[..., None], 1.0)
-    mask = torch.arange(n, device=proposals.device)[None] < torch.tensor(looked, device=proposals.device)[:, None]
-    return torch.where(mask[..., None], onehot, q)
+    return torch.where(mask, onehot, q)
 
 
 def captured_features(r: Row) -> torch.Tensor | None:
