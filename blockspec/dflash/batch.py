@@ -46,14 +46,14 @@ from blockspec.dflash.results import TokenLogprob
 from blockspec.dflash.row import Row
 from blockspec.dflash.trim import Shape, Trim
 
-# A batch that keeps decoding plainly queues a column of features per step (`FeatureQueue`), and a
-# busy one never empties to drop them (rows leave and join one at a time): the queue's memory, and
-# the catch-up its next draft pass would read (which the adaptive policy prices into drafting:
-# `draft_backlog`), grew without bound (BENCHMARKS.md, "Concurrency 8 and 16"). Past this many
-# columns `retire` folds the queue into the draft cache (`fold_queue`): the work the next draft
-# pass would have done, done early, once per this many steps, so memory and the backlog's price
-# stay bounded and a batch that drafts within that many steps does no drafter work before it.
-FOLD_COLUMNS = 512
+# A batch that keeps decoding plainly queues a column of features per row and step
+# (`FeatureQueue`), and a busy one never empties to drop them: the queue lets go of what rows that
+# left held, but rows that live long keep theirs. Past this many bytes queued `retire` folds the
+# queue into the draft cache (`fold_queue`): the work the next draft pass would have done, done
+# early, so memory stays bounded. Folding is work lost when the rows leave without drafting again,
+# as most rows of a large batch on a CPU do, so the bound is memory's, not the backlog's
+# (BENCHMARKS.md, "Concurrency 8 and 16"); the policy prices the backlog into drafting instead.
+FOLD_BYTES = 128 << 20
 
 
 @dataclass(frozen=True)
@@ -204,12 +204,12 @@ class DecodeBatch:
 
     @property
     def draft_backlog(self) -> int:
-        """Context tokens, over all rows, that the next draft pass would catch up on (the queued
-        columns where rows joined or more than one plain step ran since the last pass: what makes
+        """Context tokens, over all rows, that the next draft pass would catch up on (what is
+        queued where rows joined or more than one plain step ran since the last pass: what makes
         its step `caught_up`); 0 when it reads only what a drafting step leaves behind."""
         if self.drafter is None or not (self._joined_since_draft or self._plain_since_draft > 1):
             return 0
-        return len(self.rows) * self.queue.width
+        return self.queue.backlog
 
     @property
     def all_greedy(self) -> bool:
@@ -778,13 +778,14 @@ class DecodeBatch:
                 self.dcache.select_rows(index)
             self.cur, self.last = self.cur[index], self.last[index]
             self.cur_host = [self.cur_host[i] for i in order]
-            self.queue.select_rows(order)  # moves no queued features
+            if self.drafter is not None:
+                self.queue.select_rows(order)  # moves no queued features
             self.temperature, self.top_k, self.top_p = self.temperature[index], self.top_k[index], self.top_p[index]
         if self.rows:
             self.tcache.compact(self.compact_ratio)
             if self.dcache is not None:
                 self.dcache.compact(self.compact_ratio)
-            if self.queue.width > FOLD_COLUMNS:
+            if self.queue.nbytes > FOLD_BYTES:
                 self.fold_queue()
         return gone
 

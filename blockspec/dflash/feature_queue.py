@@ -7,12 +7,15 @@ draft passes (a run of plain steps: most steps of a large batch under the adapti
 of that may copy what is queued: the queue grows by a column per step, and copying it at each
 retirement and join cost a large batch more than the rest of its plain steps' bookkeeping
 together (BENCHMARKS.md, "What a plain step carries"). So the queue keeps its pieces as they
-came, with a row map each, and `take` builds the tensor once, for the draft pass.
+came, each with the ids of the rows it holds, and `take` builds the tensor once, for the draft
+pass. Rows keep their id while they stay, so a retirement reorders the batch's ids alone.
 
 Layout of `take`'s result, [b, W, F] and positions [b, W]: each piece's columns end at the
 column the queue had reached when it came (a joining row's prompt ends with the batch's latest
 column), so every row's newest feature is in the last column and shorter rows are padded on the
-left with zeros at EMPTY positions; rows that left take their columns with them, the width stays.
+left with zeros at EMPTY positions. The width is what the longest-queued row still in the batch
+needs: the columns before it held only rows that left (a busy batch replaces a row every few
+dozen steps), so the pieces that end before it are let go of.
 """
 
 from __future__ import annotations
@@ -26,13 +29,14 @@ from blockspec.targets.slots import EMPTY
 
 @dataclass
 class _Piece:
-    """Features [r, c, F] and positions [r, c] ending at queue column `end`; `rows[i]` is the row
-    of this piece that batch row i reads (-1: none)."""
+    """Features [r, c, F] and positions [r, c] ending at queue column `end`; `ids[j]` is the id
+    of the row that its row j belongs to. Pieces appended while the batch kept its rows share one
+    `ids` list, which is never mutated."""
 
     feats: torch.Tensor
     pos: torch.Tensor
     end: int
-    rows: list[int]
+    ids: list[int]
 
 
 class FeatureQueue:
@@ -40,17 +44,31 @@ class FeatureQueue:
 
     def __init__(self) -> None:
         self.pieces: list[_Piece] = []
-        self.batch = 0  # rows of the batch
         self.end = 0  # columns appended so far
-        self.start = 0  # the column the queued features begin at
+        self.start = 0  # the column the queued features begin at: min(since)
+        self.live: list[int] = []  # the id of each row of the batch; replaced, never mutated
+        self.since: list[int] = []  # per row, the column its queued features begin at
+        self.nbytes = 0  # the queued pieces' features
+        self._next_id = 0
 
     def __bool__(self) -> bool:
         return bool(self.pieces)
 
     @property
+    def batch(self) -> int:
+        """Rows of the batch."""
+        return len(self.live)
+
+    @property
     def width(self) -> int:
         """Columns `take` would return."""
         return self.end - self.start if self.pieces else 0
+
+    @property
+    def backlog(self) -> int:
+        """Context tokens queued over all rows (a verify step's unkept slots counted): what the
+        next draft pass reads, padding aside."""
+        return sum(self.end - s for s in self.since) if self.pieces else 0
 
     def append(self, feats: torch.Tensor, pos: torch.Tensor) -> None:
         """Every row's latest features [b, c, F] at positions [b, c] (EMPTY: not kept), after
@@ -59,28 +77,46 @@ class FeatureQueue:
             raise ValueError(f"appending features of {feats.shape[0]} rows to a queue of {self.batch}")
         if not self.pieces:
             self.start = self.end
+            self.since = [self.end] * self.batch
         self.end += feats.shape[1]
-        self.pieces.append(_Piece(feats, pos, self.end, list(range(self.batch))))
+        self.pieces.append(_Piece(feats, pos, self.end, self.live))
+        self.nbytes += feats.nbytes
 
     def join(self, feats: torch.Tensor, pos: torch.Tensor) -> None:
         """New rows' features [k, c, F] at positions [k, c] (EMPTY: left padding), ending with
         the queue's latest column; they become rows batch..batch+k-1."""
-        k, c = pos.shape
-        self.start = min(self.start, self.end - c) if self.pieces else self.end - c
-        self.pieces.append(_Piece(feats, pos, self.end, [-1] * self.batch + list(range(k))))
-        self.batch += k
+        k = pos.shape[0]
+        if not self.pieces:
+            self.since = [self.end] * self.batch
+        ids = list(range(self._next_id, self._next_id + k))
+        self._next_id += k
+        real = (pos != EMPTY).sum(1).tolist()  # [k]: left padding before each prompt
+        self.since = self.since + [self.end - n for n in real]
+        self.pieces.append(_Piece(feats, pos, self.end, ids))
+        self.nbytes += feats.nbytes
+        self.live = self.live + ids
+        self.start = min(self.since)
 
     def select_rows(self, order: list[int]) -> None:
         """Keeps these rows (new row i = old row order[i]); moves no features."""
-        for piece in self.pieces:
-            piece.rows = [piece.rows[r] if r < len(piece.rows) else -1 for r in order]
-        self.batch = len(order)
+        self.live = [self.live[r] for r in order]
+        if not self.pieces:
+            return
+        self.since = [self.since[r] for r in order]
+        self.start = min(self.since, default=self.end)
+        gone = 0  # pieces are in column order: those ending at or before the start go
+        while gone < len(self.pieces) and self.pieces[gone].end <= self.start:
+            self.nbytes -= self.pieces[gone].feats.nbytes
+            gone += 1
+        if gone:
+            del self.pieces[:gone]
 
     def take(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Everything queued (`assemble`), emptying the queue: what a draft pass reads."""
         out = self._build(share=True)
         self.pieces = []
         self.start = self.end
+        self.nbytes = 0
         return out
 
     def assemble(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,11 +135,18 @@ class FeatureQueue:
         runs = self._runs()
         feats = pos = None
         for run in runs:
+            ids = run[0].ids
+            every = ids is self.live or ids == self.live
+            if not every:
+                where = {rid: j for j, rid in enumerate(ids)}
+                dst = [i for i, rid in enumerate(self.live) if rid in where]
+                if not dst:  # only rows that left
+                    continue
             f = torch.cat([p.feats for p in run], dim=1) if len(run) > 1 else run[0].feats
             p = torch.cat([p.pos for p in run], dim=1) if len(run) > 1 else run[0].pos
             lo, hi = run[0].end - run[0].pos.shape[1] - self.start, run[-1].end - self.start
-            rows = run[0].rows
-            every = rows == list(range(self.batch)) and f.shape[0] == self.batch
+            if lo < 0:  # the run began before the oldest row still queued: those columns are gone
+                f, p, lo = f[:, -lo:], p[:, -lo:], 0
             if share and every and len(runs) == 1 and lo == 0 and hi == width:
                 return f, p
             if feats is None:
@@ -112,20 +155,21 @@ class FeatureQueue:
             if every:
                 feats[:, lo:hi], pos[:, lo:hi] = f, p
                 continue
-            dst = [i for i, r in enumerate(rows) if r >= 0]
-            if dst:
-                src = torch.tensor([rows[i] for i in dst], device=first.device)
-                at = torch.tensor(dst, device=first.device)
-                feats[at, lo:hi], pos[at, lo:hi] = f[src], p[src]
+            src = torch.tensor([where[self.live[i]] for i in dst], device=first.device)
+            at = torch.tensor(dst, device=first.device)
+            feats[at, lo:hi], pos[at, lo:hi] = f[src], p[src]
+        if feats is None:  # every queued piece held rows that left: the live rows' columns are empty
+            feats = first.new_zeros(self.batch, width, first.shape[-1])
+            pos = torch.full((self.batch, width), EMPTY, dtype=torch.long, device=first.device)
         return feats, pos
 
     def _runs(self) -> list[list[_Piece]]:
-        """The pieces grouped into runs of adjacent columns read by the same rows: each run is
+        """The pieces grouped into runs of adjacent columns held by the same rows: each run is
         joined once, so a run of plain steps costs one copy."""
         runs: list[list[_Piece]] = []
         for piece in self.pieces:
             last = runs[-1][-1] if runs else None
-            if (last is not None and last.rows == piece.rows and last.end == piece.end - piece.pos.shape[1]
+            if (last is not None and last.ids is piece.ids and last.end == piece.end - piece.pos.shape[1]
                     and last.feats.shape[0] == piece.feats.shape[0]):
                 runs[-1].append(piece)
             else:

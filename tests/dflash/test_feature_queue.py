@@ -54,7 +54,10 @@ class EagerQueue:
             self.feats, self.pos = self.feats[order], self.pos[order]
 
     def take(self) -> tuple[torch.Tensor, torch.Tensor]:
-        out = (self.feats, self.pos)
+        """Everything queued from the first column that any row holds a feature in."""
+        held = (self.pos != EMPTY).any(0).nonzero()
+        first = int(held[0]) if len(held) else self.pos.shape[1]
+        out = (self.feats[:, first:], self.pos[:, first:])
         self.feats = self.pos = None
         return out
 
@@ -62,7 +65,8 @@ class EagerQueue:
 @pytest.mark.parametrize("seed", range(6))
 def test_queue_builds_what_the_eager_queue_builds(seed: int) -> None:
     """Random runs of appends (some with unkept EMPTY slots), joins of prompts shorter and longer
-    than the queue, retirements in any order and draft passes: the same features and positions."""
+    than the queue, retirements in any order and draft passes: the same features and positions,
+    and the queue lets go of what only rows that left held, and counts its backlog."""
     rng = random.Random(seed)
     lazy, eager = FeatureQueue(), EagerQueue()
     rows, width, stamp = 0, 3, [0]
@@ -95,6 +99,11 @@ def test_queue_builds_what_the_eager_queue_builds(seed: int) -> None:
             lazy.select_rows(order)
             eager.select_rows(order)
             rows = len(order)
+            assert all(p.end > lazy.start for p in lazy.pieces)  # nothing kept before the oldest row's queue
+            assert lazy.nbytes == sum(p.feats.nbytes for p in lazy.pieces)
+        if eager.feats is not None:
+            real = (eager.pos != EMPTY).int()  # each row's queue: from its first real column on
+            assert lazy.backlog == int((real.shape[1] - real.argmax(1)).sum())
         elif op == "take" and eager.feats is not None:  # a draft pass; its verify appends next
             (lf, lp), (ef, ep) = lazy.take(), eager.take()
             assert torch.equal(lp, ep) and torch.equal(lf, ef)
@@ -105,6 +114,27 @@ def test_queue_builds_what_the_eager_queue_builds(seed: int) -> None:
     if eager.feats is not None:
         (lf, lp), (ef, ep) = lazy.take(), eager.take()
         assert torch.equal(lp, ep) and torch.equal(lf, ef)
+
+
+def test_a_busy_queue_holds_what_its_rows_still_read() -> None:
+    """A batch that never drafts replaces a row every few steps: the queue keeps only the columns
+    of the rows still in it (each row's prompt and its steps since), however long the run."""
+    queue, f = FeatureQueue(), 5
+    lifetime, prompt = 24, 3  # 4 rows, the oldest replaced every 6 steps
+    queue.join(torch.ones(4, prompt, f), torch.arange(prompt).repeat(4, 1))
+    for step in range(1, 600):
+        queue.append(torch.ones(4, 1, f), torch.full((4, 1), step))
+        if step % 6 == 0:
+            queue.select_rows([1, 2, 3])
+            queue.join(torch.ones(1, prompt, f), torch.arange(prompt)[None])
+        assert queue.width <= lifetime + prompt
+        assert queue.backlog <= 4 * (lifetime + prompt)
+        assert queue.nbytes <= (lifetime + prompt) * 4 * f * 4 + (lifetime // 6 + 1) * prompt * f * 4
+    feats, pos = queue.take()
+    assert feats.shape[0] == 4 and feats.shape[1] <= lifetime + prompt
+    # the newest row joined at step 594: its prompt, then the 5 steps since, right-aligned
+    assert (pos[3, -prompt - 5:] != EMPTY).all() and (pos[3, : -prompt - 5] == EMPTY).all()
+    assert pos[3, -5:].tolist() == [595, 596, 597, 598, 599]
 
 
 def test_queue_refuses_what_does_not_fit() -> None:

@@ -139,17 +139,18 @@ def test_a_batch_whose_policy_never_drafts_runs_no_draft_pass(model, monkeypatch
 @pytest.mark.parametrize("architecture", [DFLASH, DFLASH2])
 def test_a_long_plain_run_folds_its_queue_into_the_draft_cache(model, architecture: str,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """Past FOLD_COLUMNS queued columns `retire` folds the queue into the draft cache, so a batch
-    that keeps decoding plainly keeps a bounded queue (and backlog), and its next drafting step
-    drafts what it would have after reading the whole backlog at once: the same draft hidden
+    """Past FOLD_BYTES of queued features `retire` folds the queue into the draft cache, so a
+    batch that keeps decoding plainly keeps a bounded queue (and backlog), and its next drafting
+    step drafts what it would have after reading the whole backlog at once: the same draft hidden
     states, the same acceptance, the same tokens (DFlash 2's convolutions see a one-token block)."""
     import blockspec.dflash.batch as batch_module
 
     blocks = [1] * 12 + [3] + [1] * 5 + [4] + [1] * 3 + [2]
 
     def run(fold_columns: int) -> tuple[DecodeBatch, list[torch.Tensor], list[int]]:
-        monkeypatch.setattr(batch_module, "FOLD_COLUMNS", fold_columns)
         batch = _batch(model, [[5, 6, 7, 8, 9], [9, 8], [11, 12, 13]], max_new=40, architecture=architecture)
+        column = batch.queue.pieces[0].feats[:, :1].nbytes  # one column of every row
+        monkeypatch.setattr(batch_module, "FOLD_BYTES", fold_columns * column)
         passes: list[torch.Tensor] = []
         draft = batch.draft
         monkeypatch.setattr(batch, "draft", lambda *a, **k: (h := draft(*a, **k), passes.append(h))[0])
@@ -157,7 +158,7 @@ def test_a_long_plain_run_folds_its_queue_into_the_draft_cache(model, architectu
         for block in blocks:
             batch.step(block)
             batch.retire()
-            widths.append(batch.queue.width)
+            widths.append(batch.queue.nbytes // column)
         return batch, passes, widths
 
     eager, eager_passes, eager_widths = run(10_000)
