@@ -69,7 +69,7 @@ def test_queue_builds_what_the_eager_queue_builds(seed: int) -> None:
     and the queue lets go of what only rows that left held, and counts its backlog."""
     rng = random.Random(seed)
     lazy, eager = FeatureQueue(), EagerQueue()
-    rows, width, stamp = 0, 3, [0]
+    rows, width, stamp, takes = 0, 3, [0], 0
 
     def features(k: int, c: int, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         stamp[0] += 1
@@ -101,16 +101,18 @@ def test_queue_builds_what_the_eager_queue_builds(seed: int) -> None:
             rows = len(order)
             assert all(p.end > lazy.start for p in lazy.pieces)  # nothing kept before the oldest row's queue
             assert lazy.nbytes == sum(p.feats.nbytes for p in lazy.pieces)
-        if eager.feats is not None:
-            real = (eager.pos != EMPTY).int()  # each row's queue: from its first real column on
-            assert lazy.backlog == int((real.shape[1] - real.argmax(1)).sum())
         elif op == "take" and eager.feats is not None:  # a draft pass; its verify appends next
             (lf, lp), (ef, ep) = lazy.take(), eager.take()
             assert torch.equal(lp, ep) and torch.equal(lf, ef)
             assert not lazy and lazy.width == 0
+            takes += 1
             f, p = features(rows, 1)
             lazy.append(f, p)
             eager.append(f, p)
+        if eager.feats is not None:
+            real = (eager.pos != EMPTY).int()  # each row's queue: from its first real column on
+            assert lazy.backlog == int((real.shape[1] - real.argmax(1)).sum())
+    assert takes > 0  # draft passes ran mid-run, not only at the end
     if eager.feats is not None:
         (lf, lp), (ef, ep) = lazy.take(), eager.take()
         assert torch.equal(lp, ep) and torch.equal(lf, ef)
