@@ -45,7 +45,6 @@ class FeatureQueue:
     def __init__(self) -> None:
         self.pieces: list[_Piece] = []
         self.end = 0  # columns appended so far
-        self.start = 0  # the column the queued features begin at: min(since)
         self.live: list[int] = []  # the id of each row of the batch; replaced, never mutated
         self.since: list[int] = []  # per row, the column its queued features begin at
         self.nbytes = 0  # the queued pieces' features
@@ -58,6 +57,11 @@ class FeatureQueue:
     def batch(self) -> int:
         """Rows of the batch."""
         return len(self.live)
+
+    @property
+    def start(self) -> int:
+        """The column the queued features begin at: the oldest row's queue."""
+        return min(self.since, default=self.end) if self.pieces else self.end
 
     @property
     def width(self) -> int:
@@ -76,7 +80,6 @@ class FeatureQueue:
         if feats.shape[0] != self.batch:
             raise ValueError(f"appending features of {feats.shape[0]} rows to a queue of {self.batch}")
         if not self.pieces:
-            self.start = self.end
             self.since = [self.end] * self.batch
         self.end += feats.shape[1]
         self.pieces.append(_Piece(feats, pos, self.end, self.live))
@@ -95,7 +98,6 @@ class FeatureQueue:
         self.pieces.append(_Piece(feats, pos, self.end, ids))
         self.nbytes += feats.nbytes
         self.live = self.live + ids
-        self.start = min(self.since)
 
     def select_rows(self, order: list[int]) -> None:
         """Keeps these rows (new row i = old row order[i]); moves no features."""
@@ -103,9 +105,9 @@ class FeatureQueue:
         if not self.pieces:
             return
         self.since = [self.since[r] for r in order]
-        self.start = min(self.since, default=self.end)
+        start = self.start
         gone = 0  # pieces are in column order: those ending at or before the start go
-        while gone < len(self.pieces) and self.pieces[gone].end <= self.start:
+        while gone < len(self.pieces) and self.pieces[gone].end <= start:
             self.nbytes -= self.pieces[gone].feats.nbytes
             gone += 1
         if gone:
@@ -115,7 +117,6 @@ class FeatureQueue:
         """Everything queued (`assemble`), emptying the queue: what a draft pass reads."""
         out = self._build(share=True)
         self.pieces = []
-        self.start = self.end
         self.nbytes = 0
         return out
 
@@ -131,8 +132,14 @@ class FeatureQueue:
         if not self.pieces:
             raise ValueError("no queued features to take")
         first = self.pieces[0].feats
-        width = self.end - self.start
+        start = self.start
+        width = self.end - start
         runs = self._runs()
+
+        def blank() -> tuple[torch.Tensor, torch.Tensor]:
+            return (first.new_zeros(self.batch, width, first.shape[-1]),
+                    torch.full((self.batch, width), EMPTY, dtype=torch.long, device=first.device))
+
         feats = pos = None
         for run in runs:
             ids = run[0].ids
@@ -144,24 +151,21 @@ class FeatureQueue:
                     continue
             f = torch.cat([p.feats for p in run], dim=1) if len(run) > 1 else run[0].feats
             p = torch.cat([p.pos for p in run], dim=1) if len(run) > 1 else run[0].pos
-            lo, hi = run[0].end - run[0].pos.shape[1] - self.start, run[-1].end - self.start
+            lo, hi = run[0].end - run[0].pos.shape[1] - start, run[-1].end - start
             if lo < 0:  # the run began before the oldest row still queued: those columns are gone
                 f, p, lo = f[:, -lo:], p[:, -lo:], 0
             if share and every and len(runs) == 1 and lo == 0 and hi == width:
                 return f, p
             if feats is None:
-                feats = first.new_zeros(self.batch, width, first.shape[-1])
-                pos = torch.full((self.batch, width), EMPTY, dtype=torch.long, device=first.device)
+                feats, pos = blank()
             if every:
                 feats[:, lo:hi], pos[:, lo:hi] = f, p
                 continue
             src = torch.tensor([where[self.live[i]] for i in dst], device=first.device)
             at = torch.tensor(dst, device=first.device)
             feats[at, lo:hi], pos[at, lo:hi] = f[src], p[src]
-        if feats is None:  # every queued piece held rows that left: the live rows' columns are empty
-            feats = first.new_zeros(self.batch, width, first.shape[-1])
-            pos = torch.full((self.batch, width), EMPTY, dtype=torch.long, device=first.device)
-        return feats, pos
+        # every queued piece held rows that left: the live rows' columns are empty
+        return (feats, pos) if feats is not None else blank()
 
     def _runs(self) -> list[list[_Piece]]:
         """The pieces grouped into runs of adjacent columns held by the same rows: each run is
