@@ -2,9 +2,9 @@
 
     python -m blockspec.bench.tickparts --dataset gsm8k --limit 16 --max-new-tokens 128 --threads 2
 
-Decodes the first prompts of a set one request at a time with plain decoding (AR) and the default
-DFlash runner (adaptive blocks, n-gram lookup, token trees) stepping in turn, tick by tick, so the
-machine's drift hits both alike, and books every decoding tick (ticks that prefill a joining
+Decodes the first prompts of a set one request at a time (or `--concurrency N` in flight) with
+plain decoding (AR) and the default DFlash runner (adaptive blocks, n-gram lookup, token trees)
+stepping in turn, tick by tick, so the machine's drift hits both alike, and books every decoding tick (ticks that prefill a joining
 request are left out) to its parts: the policy's choice, the draft pass, the proposals, the
 target's pass, verification and commit, the engine's report. Each part's wall time splits into
 the time spent inside the C library's entry points (cpu/csrc/: the layer programs, the integer
@@ -134,17 +134,19 @@ def instrumented(book: Book) -> Iterator[None]:
             setattr(owner, method, original)
 
 
-def measure(runners: dict[str, object], requests: list[object]) -> dict[str, dict]:
-    """Steps `runners` (bench EngineRunners, prepared) in turn over `requests`, one at a time,
-    each request's ticks alternating between them, and books their decoding ticks. Per runner:
-    the tokens its decoding ticks committed, their seconds and count, and per part the calls, wall
-    and kernel seconds; and its outputs."""
+def measure(runners: dict[str, object], requests: list[object], concurrency: int = 1) -> dict[str, dict]:
+    """Steps `runners` (bench EngineRunners, prepared) in turn over `requests`, their ticks
+    alternating, and books their decoding ticks. At concurrency 1 the requests go one at a time,
+    the runners' order alternating with them; at more, each runner serves them all with that many
+    in flight. Per runner: the tokens its decoding ticks committed, their seconds and count, and
+    per part the calls, wall and kernel seconds; and its outputs, in the requests' order."""
     book = Book()
     tokens, outputs = Counter(), {name: [] for name in runners}
+    rounds = [[r] for r in requests] if concurrency == 1 else [list(requests)]
     with instrumented(book):
-        for i, request in enumerate(requests):
+        for i, batch in enumerate(rounds):
             order = list(runners) if i % 2 == 0 else list(runners)[::-1]
-            started = {name: runners[name].start([request], 1) for name in order}
+            started = {name: runners[name].start(batch, concurrency) for name in order}
             busy = list(order)
             while busy:
                 for name in list(busy):
@@ -160,7 +162,7 @@ def measure(runners: dict[str, object], requests: list[object]) -> dict[str, dic
                     if not left:
                         busy.remove(name)
             for name in runners:
-                outputs[name].append(runners[name].finish(started[name])[0].token_ids)
+                outputs[name].extend(out.token_ids for out in runners[name].finish(started[name]))
     results = {}
     for name in runners:
         parts = {part: {what: book.kept[name, part, what] for what in ("calls", "wall", "kernel")}
@@ -206,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=None, help="every sampled request's seed (default: none)")
     ap.add_argument("--tree-nodes", type=int, default=DEFAULT_TREE_NODES)
+    ap.add_argument("--concurrency", type=int, default=1, help="requests in flight (default 1)")
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args(argv)
     if args.threads:
@@ -222,8 +225,8 @@ def main(argv: list[str] | None = None) -> int:
                "dflash": EngineRunner(pipe.target, pipe.drafter, 16, adaptive=True, lookup=LookupConfig(),
                                       tree_nodes=args.tree_nodes)}
     for runner in runners.values():
-        runner.prepare(1)  # calibration, outside the timed ticks
-    results = measure(runners, requests)
+        runner.prepare(args.concurrency)  # calibration, outside the timed ticks
+    results = measure(runners, requests, args.concurrency)
     for name, result in results.items():
         print(table(name, result) + "\n")
     print(json.dumps({"threads": torch.get_num_threads(),

@@ -19,11 +19,11 @@ def pipe(tiny_model_dir, tiny_drafter_dir):
     return load(str(tiny_model_dir), str(tiny_drafter_dir))
 
 
-def _runners(pipe) -> dict[str, EngineRunner]:
+def _runners(pipe, concurrency: int = 1) -> dict[str, EngineRunner]:
     runners = {"ar": EngineRunner(pipe.target, None, 1),
                "dflash": EngineRunner(pipe.target, pipe.drafter, 4, adaptive=True, lookup=LookupConfig(), tree_nodes=3)}
     for runner in runners.values():
-        runner.prepare(1)
+        runner.prepare(concurrency)
     return runners
 
 
@@ -61,6 +61,17 @@ def test_a_tick_that_prefills_a_join_is_not_a_decoding_tick(pipe) -> None:
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     results = tickparts.measure({"ar": _runners(pipe)["ar"]}, [Request((4, 5, 6), params)])
     assert results["ar"]["ticks"] == results["ar"]["tokens"] == 4
+
+
+def test_requests_in_flight_together_decode_what_they_decode_one_at_a_time(pipe) -> None:
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    requests = [Request((5, 6, 7), params), Request((1, 2, 3, 4), params), Request((9, 8), params)]
+    together = tickparts.measure(_runners(pipe, 3), requests, concurrency=3)
+    alone = tickparts.measure(_runners(pipe), requests)
+    assert together["ar"]["outputs"] == together["dflash"]["outputs"] == alone["ar"]["outputs"]
+    # three rows a tick: fewer ticks than one request at a time, each committing more
+    assert together["ar"]["ticks"] < alone["ar"]["ticks"]
+    assert together["ar"]["tokens"] / together["ar"]["ticks"] > 2
 
 
 def test_the_library_proxy_times_every_entry_point() -> None:
