@@ -247,6 +247,40 @@ def test_a_batch_priced_far_from_drafting_holds_plain_steps_without_working_the_
     assert len(worked) == 20 and choices.count(1) < 20  # a lone row works every step out, and probes
 
 
+
+def test_a_held_plain_step_is_stepped_without_a_choice_or_a_measurement(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hold's plain steps but its last run without the choice and without the cost model's
+    update; the last one is chosen (held) and measured as every other step; every step's time
+    still counts towards the probes' budget. Fake clock: a plain step costs 1 s."""
+    from blockspec.dflash.policy import adaptive
+
+    clock = SimpleNamespace(t=0.0)
+    monkeypatch.setattr(adaptive, "time", SimpleNamespace(perf_counter=lambda: clock.t))
+    row = SimpleNamespace(remaining=100, acceptance_rates=lambda prior, lookup=False: [0.3] * 7)
+    stepped = []
+
+    def step(block: int, trim: object = None) -> int:
+        clock.t += 1.0
+        stepped.append(block)
+        batch.verified = 8 * block
+        return block
+
+    batch = SimpleNamespace(drafter=object(), argmax_only=True, rows=[row] * 8, skips_padding=False, verified=0,
+                            caught_up=False, lookup_plan=lambda: [[]] * 8, step=step)
+    costs = CostModel(max_block=8)
+    costs.set(8, [1.0, 2.0] + [10.0] * 6)
+    costs.observe(8, 2, 2.0)  # drafting measured: the probe gate applies
+    policy = AdaptiveBlock(8, costs=costs, probe_every=4)
+    chosen, measured = [], []
+    choose, observe = policy.choose, costs.observe
+    policy.choose = lambda b: chosen.append(len(stepped)) or choose(b)
+    costs.observe = lambda *a: measured.append(len(stepped) - 1) or observe(*a)
+    assert [policy.step(batch) for _ in range(60)] == [1] * 60 and stepped == [1] * 60
+    # holds of 8, 16 and 32 steps: the choice works out steps 0, 8, 24 and 56, and holds the last of each
+    assert adaptive.PLAIN_HOLD == 8 and chosen == [0, 7, 8, 23, 24, 55, 56]
+    assert measured == chosen  # the steps that were chosen are the steps that were measured
+    assert policy.used[1] == 60 and policy.plain_spent == 60.0
+
 def test_adaptive_probes_cost_at_most_their_share_of_plain_decoding(monkeypatch: pytest.MonkeyPatch) -> None:
     """A probe that costs much more than a plain step (the drafter catching up on a large batch's
     context) waits until the plain steps since the last probe took 1 / PROBE_SHARE times its extra

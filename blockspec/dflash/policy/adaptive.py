@@ -473,19 +473,15 @@ class AdaptiveBlock:
         """The block size for the next step of `batch` (calibrating its batch size if new); 1
         also where a step of lookup proposals alone is chosen (`lookup_step` says so), and of a
         step that verifies token trees (`tree_choice`; a lone row's trim decides for itself)."""
+        b = len(batch.rows)
+        if self.max_block > 1 and batch.drafter is not None and self._take_hold(b):
+            return 1
         self.lookup_step = None
         self._offered = self.tree_choice = False
         self._chosen += 1
         if self.max_block <= 1 or batch.drafter is None:
             return 1
-        b = len(batch.rows)
         hold, self._hold = self._hold, None
-        if hold is not None and hold[0] > 0 and hold[1] == b:
-            self._hold = (hold[0] - 1, b, hold[2])
-            self.plain_streak += 1
-            self._probing = self._confirming = False
-            self.last_choice, self.forced = 1, False
-            return 1
         threads = self._thread_count()
         if any([m.use_threads(threads) for m in (self.costs, self.sampled_costs, self.tree_costs,
                                                  self.sampled_tree_costs)]):
@@ -574,6 +570,22 @@ class AdaptiveBlock:
         self.last_choice = best
         self.forced = best != planned
         return best
+
+    def _take_hold(self, rows: int, spare: int = 0) -> bool:
+        """Takes one plain step of a hold (PLAIN_HOLD) for a batch of `rows` rows, where more than
+        `spare` of its steps are left; what a held choice sets. False (the hold as it was) where
+        there is none, or it was for another number of rows, or too few steps are left."""
+        hold = self._hold
+        if hold is None or hold[1] != rows or hold[0] <= spare:
+            return False
+        self._hold = (hold[0] - 1, rows, hold[2])
+        self.plain_streak += 1
+        self._probing = self._confirming = False
+        self.last_choice, self.forced = 1, False
+        self.lookup_step = None
+        self._offered = self.tree_choice = False
+        self._chosen += 1
+        return True
 
     @staticmethod
     def probe_may_pay(rows: int, rates: list[float]) -> bool:
@@ -765,7 +777,19 @@ class AdaptiveBlock:
     def step(self, batch: DecodeBatch) -> int:
         """Chooses, runs and measures one step; returns the block size used (tokens verified).
         The policy's own choices for a lone row draft wider (`widen`) and verify what their
-        drafts make worth it (`trimmer`); its checks run the size they check, whole."""
+        drafts make worth it (`trimmer`); its checks run the size they check, whole.
+
+        A held plain step (PLAIN_HOLD), all but a hold's last, is stepped and timed for the probes'
+        budget alone: nothing reads the cost model before the hold ends, and the last held step
+        measures plain decoding as every other step does. At concurrency 8 that bookkeeping had
+        made the DFlash runner's plain ticks ~15 us dearer than plain decoding's (BENCHMARKS.md,
+        "What a plain step carries")."""
+        if self.max_block > 1 and batch.drafter is not None and self._take_hold(len(batch.rows), spare=1):
+            t0 = time.perf_counter()
+            used = batch.step(1)
+            self._note_time(len(batch.rows), used, time.perf_counter() - t0)
+            self.used[used] += 1
+            return used
         block = self.choose(batch)
         b = len(batch.rows)
         if self.lookup_step is not None:
