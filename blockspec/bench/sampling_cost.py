@@ -65,8 +65,9 @@ class Clocks:
 
 
 @contextmanager
-def timing(functions: tuple[tuple[str, str], ...], clocks: Clocks) -> Iterator[None]:
-    """Times every call of `functions` into `clocks` while inside; restores them after."""
+def patched(functions: tuple[tuple[str, str], ...], wrap: Callable[[Callable, str], Callable]) -> Iterator[None]:
+    """Replaces every one of `functions` ((module path, attribute)) by wrap(it, attribute) while
+    inside; restores them after."""
     import importlib
 
     saved = []
@@ -76,12 +77,28 @@ def timing(functions: tuple[tuple[str, str], ...], clocks: Clocks) -> Iterator[N
         for part in path:
             owner = getattr(owner, part)
         saved.append((owner, name, getattr(owner, name)))
-        setattr(owner, name, clocks.wrap(getattr(owner, name)))
+        setattr(owner, name, wrap(getattr(owner, name), attr))
     try:
         yield
     finally:
         for owner, name, fn in reversed(saved):
             setattr(owner, name, fn)
+
+
+@contextmanager
+def timing(functions: tuple[tuple[str, str], ...], clocks: Clocks) -> Iterator[None]:
+    """Times every call of `functions` into `clocks` while inside; restores them after."""
+    with patched(functions, lambda fn, _: clocks.wrap(fn)):
+        yield
+
+
+def dataset_prompts(tokenizer: object, dataset: str, limit: int) -> list[list[int]]:
+    """The token ids of the first user turn of a shipped set's first `limit` samples, through the
+    chat template."""
+    from blockspec.datasets import load_dataset
+    from blockspec.text import encode_prompt
+
+    return [encode_prompt(tokenizer, s.prompt, chat=True) for s in load_dataset(dataset, limit=limit)]
 
 
 def measure(decoder: object, prompts: list[list[int]], params: object, rules: tuple[str, ...]) -> dict[str, dict]:
@@ -115,9 +132,7 @@ def table(results: dict[str, dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from blockspec.api import load
-    from blockspec.datasets import load_dataset
     from blockspec.config import SamplingParams
-    from blockspec.text import encode_prompt
     from blockspec.zoo.registry import DEFAULT_TARGET
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -137,8 +152,7 @@ def main(argv: list[str] | None = None) -> int:
 
         pin(args.threads)
     pipe = load(args.target, args.drafter)
-    samples = load_dataset(args.dataset, limit=args.limit)
-    prompts = [encode_prompt(pipe.tokenizer, [{"role": "user", "content": s.turns[0]}], chat=True) for s in samples]
+    prompts = dataset_prompts(pipe.tokenizer, args.dataset, args.limit)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
     pipe.decoder.generate([prompts[0]], params.with_(max_new_tokens=8))  # warm-up (and calibration)

@@ -21,7 +21,6 @@ could still gain (BENCHMARKS.md, "Where the int8 mode's time goes").
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import time
 from collections import Counter
@@ -30,6 +29,7 @@ from contextlib import contextmanager
 
 import torch
 
+from blockspec.bench.sampling_cost import dataset_prompts, patched
 from blockspec.cpu import kernels
 
 # (module, attribute, part): the timed parts of a tick; class methods as "Class.method"
@@ -113,25 +113,16 @@ class TimedLibrary:
 def instrumented(book: Book) -> Iterator[None]:
     """Times the tick's parts and the C library's entry points into `book` while inside; puts
     everything back after."""
-    saved = []
+    names = {attr: name for _, attr, name in PARTS}
     lib = kernels.kernel()
-    for module_name, attr, name in PARTS:
-        owner = importlib.import_module(module_name)
-        *path, method = attr.split(".")
-        for step in path:
-            owner = getattr(owner, step)
-        original = owner.__dict__[method]
-        saved.append((owner, method, original))
-        setattr(owner, method, book.part(original, name))
-    if lib is not None:
-        kernels._kernel = TimedLibrary(lib, book)
-    try:
-        yield
-    finally:
+    with patched(tuple((module, attr) for module, attr, _ in PARTS), lambda fn, attr: book.part(fn, names[attr])):
         if lib is not None:
-            kernels._kernel = lib
-        for owner, method, original in reversed(saved):
-            setattr(owner, method, original)
+            kernels._kernel = TimedLibrary(lib, book)
+        try:
+            yield
+        finally:
+            if lib is not None:
+                kernels._kernel = lib
 
 
 def measure(runners: dict[str, object], requests: list[object], concurrency: int = 1) -> dict[str, dict]:
@@ -194,8 +185,6 @@ def main(argv: list[str] | None = None) -> int:
     from blockspec.api import load
     from blockspec.bench.runner import EngineRunner, Request
     from blockspec.config import DEFAULT_TREE_NODES, LookupConfig, SamplingParams
-    from blockspec.datasets import load_dataset
-    from blockspec.text import encode_prompt
     from blockspec.zoo.registry import DEFAULT_TARGET
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -216,11 +205,9 @@ def main(argv: list[str] | None = None) -> int:
 
         pin(args.threads)
     pipe = load(args.target, args.drafter)
-    samples = load_dataset(args.dataset, limit=args.limit)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             seed=args.seed)
-    requests = [Request(tuple(encode_prompt(pipe.tokenizer, [{"role": "user", "content": s.turns[0]}], chat=True)),
-                        params) for s in samples]
+    requests = [Request(tuple(ids), params) for ids in dataset_prompts(pipe.tokenizer, args.dataset, args.limit)]
     runners = {"ar": EngineRunner(pipe.target, None, 1),
                "dflash": EngineRunner(pipe.target, pipe.drafter, 16, adaptive=True, lookup=LookupConfig(),
                                       tree_nodes=args.tree_nodes)}

@@ -474,7 +474,7 @@ class AdaptiveBlock:
         also where a step of lookup proposals alone is chosen (`lookup_step` says so), and of a
         step that verifies token trees (`tree_choice`; a lone row's trim decides for itself)."""
         b = len(batch.rows)
-        if self.max_block > 1 and batch.drafter is not None and self._take_hold(b):
+        if self._take_hold(batch):
             return 1
         self.lookup_step = None
         self._offered = self.tree_choice = False
@@ -571,12 +571,12 @@ class AdaptiveBlock:
         self.forced = best != planned
         return best
 
-    def _take_hold(self, rows: int, spare: int = 0) -> bool:
-        """Takes one plain step of a hold (PLAIN_HOLD) for a batch of `rows` rows, where more than
-        `spare` of its steps are left; what a held choice sets. False (the hold as it was) where
-        there is none, or it was for another number of rows, or too few steps are left."""
-        hold = self._hold
-        if hold is None or hold[1] != rows or hold[0] <= spare:
+    def _take_hold(self, batch: DecodeBatch, spare: int = 0) -> bool:
+        """Takes one plain step of a hold (PLAIN_HOLD) for `batch`, where more than `spare` of its
+        steps are left; what a held choice sets. False (the hold as it was) where there is none, or
+        it was for another number of rows, or too few steps are left."""
+        hold, rows = self._hold, len(batch.rows)
+        if hold is None or hold[1] != rows or hold[0] <= spare or self.max_block <= 1 or batch.drafter is None:
             return False
         self._hold = (hold[0] - 1, rows, hold[2])
         self.plain_streak += 1
@@ -784,7 +784,7 @@ class AdaptiveBlock:
         measures plain decoding as every other step does. At concurrency 8 that bookkeeping had
         made the DFlash runner's plain ticks ~15 us dearer than plain decoding's (BENCHMARKS.md,
         "What a plain step carries")."""
-        if self.max_block > 1 and batch.drafter is not None and self._take_hold(len(batch.rows), spare=1):
+        if self._take_hold(batch, spare=1):
             t0 = time.perf_counter()
             used = batch.step(1)
             self._note_time(len(batch.rows), used, time.perf_counter() - t0)
