@@ -6,9 +6,10 @@ Decodes the first prompts of a set (batch 1, the settings every verb uses: adapt
 n-gram lookup) with sampled requests verified by the keyed rule, then the standard rule
 (alternating per prompt), and times, inside every step, what sampling adds to the model work:
 temperature / top-k / top-p shaping of the target's and the drafter's logits
-(`probabilities`, `shaped`), the standard rule's sharper draft distribution (`sharpened`), the
-keyed draws (`RowRandom.sample`, `sample_pairs`, `race`, `uniforms`), the one-hot drafts of lookup
-proposals and the standard rule itself (`verify_standard`: acceptance tests and the
+(`probabilities`, `shaped`), the standard rule's sharper draft distribution (`sharpened`), a
+draft step's nucleus and draws (`nucleus_draws`), the keyed draws and their keys
+(`RowRandom.sample`, `sample_pairs`, `race`, `uniforms`, `keys`), the one-hot drafts of lookup
+proposals and the standard rule itself (`verify_standard_keyed`: acceptance tests and the
 residual draw). Prints a Markdown table: per rule, steps, milliseconds per step, of which
 sampling, and its share. `--seed N` gives every request that seed, so two builds decode the
 same text and their shares compare run to run (unseeded requests, as chat clients send them,
@@ -31,12 +32,14 @@ SAMPLING = (
     ("blockspec.dflash.batch", "shaped"),
     ("blockspec.dflash.proposers.batched", "probabilities"),
     ("blockspec.dflash.proposers.dflash_block", "sharpened"),
-    ("blockspec.dflash.batch", "verify_standard"),
+    ("blockspec.dflash.proposers.dflash_block", "nucleus_draws"),
+    ("blockspec.dflash.batch", "verify_standard_keyed"),
     ("blockspec.dflash.batch", "_one_hot_where"),
     ("blockspec.dflash.sampling", "RowRandom.sample"),
     ("blockspec.dflash.sparse_probs", "sample_pairs"),
     ("blockspec.dflash.sampling", "RowRandom.race"),
     ("blockspec.dflash.sampling", "RowRandom.uniforms"),
+    ("blockspec.dflash.sampling", "RowRandom.keys"),
 )
 STEPS = (("blockspec.dflash.batch", "DecodeBatch.step"), ("blockspec.dflash.batch", "DecodeBatch.step_lookup"))
 

@@ -44,14 +44,15 @@ from blockspec.cache_dir import cache_root
 
 SOURCES = tuple(Path(__file__).parent / "csrc" / name
                 for name in ("rows.c", "attention.c", "norm.c", "peak.c", "topk.c", "rope.c", "layers.c", "conv.c", "int8.c",
-                                              "nucleus.c", "uniforms.c"))  # one library
-HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("vec.h", "kernels.h"))
+                                              "nucleus.c", "uniforms.c", "standard_rule.c"))  # one library
+HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("vec.h", "kernels.h", "keyed.h"))
 DISABLE_ENV = "BLOCKSPEC_CPU_KERNELS"
 # Extra compiler flags after -march=native, e.g. "-mno-avx512vnni" to build (and test) the int8
 # kernels' AVX2 path on a CPU that has VNNI.
 CFLAGS_ENV = "BLOCKSPEC_CPU_CFLAGS"
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 INT8_PATHS = {2: "vnni", 1: "avx2", 0: "c"}  # cpu/csrc/int8.c's bs_int8_path()
+MASK64 = 2**64 - 1  # a request's seed reaches the keyed kernels as its 64-bit residue
 
 
 def _flags() -> tuple[str, ...]:
@@ -144,6 +145,17 @@ def _load() -> object | None:
     fn.nucleus_pairs.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int64] \
         + [ctypes.c_void_p] * 3 + [ctypes.c_int]
     fn.nucleus_pairs.restype = ctypes.c_int
+    fn.nucleus_draws = lib.bs_nucleus_draws
+    fn.nucleus_draws.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 4 \
+        + [ctypes.c_int64] + [ctypes.c_void_p] * 5 + [ctypes.c_int]
+    fn.nucleus_draws.restype = ctypes.c_int
+    fn.position_keys = lib.bs_position_keys
+    fn.position_keys.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p]
+    fn.position_keys.restype = ctypes.c_int
+    fn.standard_rule = lib.bs_standard_rule
+    fn.standard_rule.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int64] \
+        + [ctypes.c_void_p] * 2 + [ctypes.c_int64] + [ctypes.c_void_p] * 4
+    fn.standard_rule.restype = ctypes.c_int
     fn.nucleus_ids = lib.bs_nucleus_ids
     fn.nucleus_ids.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 4 + [ctypes.c_int]
     fn.nucleus_ids.restype = ctypes.c_int
@@ -462,12 +474,90 @@ def nucleus_pairs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.
     width = min(NUCLEUS_PAIRS, v)
     ids = torch.empty(b * n * width, dtype=torch.int64)
     probs = torch.empty(b * n * width, dtype=torch.float32)
-    out = (ctypes.c_int64 * 2)()  # the widest row, every row done
+    out = (ctypes.c_int64 * 3)()  # the widest row, every row done (and drawn)
     if fn.nucleus_pairs(x.data_ptr(), b, n, v, t.data_ptr(), p.data_ptr(), width, ids.data_ptr(), probs.data_ptr(),
                         out, torch.get_num_threads()) or not out[1]:
         return None
     k = int(out[0])
     return ids[: b * n * k].view(b, n, k), probs[: b * n * k].view(b, n, k)
+
+
+def nucleus_draws(logits: torch.Tensor, support: torch.Tensor | None, temperature: torch.Tensor, top_p: torch.Tensor,
+                  seeds: list[int], starts: list[int]
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
+    """`nucleus_pairs` of fp32 logits [b, n, m] of the tokens `support` [m] (ascending; None: the
+    columns are the ids), the pairs' ids read through it, with each position's keyed race winner
+    (row r's position j keyed by seeds[r] at output position starts[r] + j, as
+    `RowRandom.keys`) and its largest probability: (ids [b, n, k], probs [b, n, k], drawn [b, n]
+    or None where some nucleus is wider than the race's head, peaks [b, n]). None as
+    `nucleus_pairs`."""
+    fn = kernel()
+    if fn is None or logits.dtype != torch.float32 or logits.dim() != 3 or not logits.is_cpu or logits.shape[-1] == 0:
+        return None
+    b, n, v = logits.shape
+    x = logits.detach().contiguous()
+    ids_of = None
+    if support is not None:
+        if support.shape != (v,) or not support.is_cpu:
+            return None
+        ids_of = support.detach().to(torch.int64).contiguous()
+    t = temperature.detach().to(torch.float32).contiguous()
+    p = top_p.detach().to(torch.float32).contiguous()
+    # seeds as their 64-bit residues' bit patterns, which the kernel reads unsigned
+    keys_in = torch.tensor([s & MASK64 for s in seeds], dtype=torch.uint64)
+    at = torch.tensor(starts, dtype=torch.int64)
+    width = min(NUCLEUS_PAIRS, v)
+    ids = torch.empty(b * n * width, dtype=torch.int64)
+    probs = torch.empty(b * n * width, dtype=torch.float32)
+    drawn = torch.empty(b, n, dtype=torch.int64)
+    peaks = torch.empty(b, n, dtype=torch.float32)
+    out = (ctypes.c_int64 * 3)()  # the widest row, every row done, every row drawn
+    if fn.nucleus_draws(x.data_ptr(), 0 if ids_of is None else ids_of.data_ptr(), b, n, v, t.data_ptr(), p.data_ptr(),
+                        keys_in.data_ptr(), at.data_ptr(), width, ids.data_ptr(), probs.data_ptr(), drawn.data_ptr(),
+                        peaks.data_ptr(), out, torch.get_num_threads()) or not out[1]:
+        return None
+    k = int(out[0])
+    return ids[: b * n * k].view(b, n, k), probs[: b * n * k].view(b, n, k), drawn if out[2] else None, peaks
+
+
+def standard_rule(proposals: torch.Tensor, p_ids: torch.Tensor, p_probs: torch.Tensor, q_ids: torch.Tensor,
+                  q_probs: torch.Tensor, keys: torch.Tensor, limit: torch.Tensor | None
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """dflash/verify.py's standard rule over pairs through `cpu/csrc/standard_rule.c` (the same
+    outcome): proposals [b, m] (m >= 1), the target's pairs p_ids, p_probs [b, m+1, k], the
+    draft's q_ids, q_probs [b, m, kq], each position's key [b, m+1], limit [b] or None ->
+    (accepted [b], bonus [b]); None where the kernel does not take them."""
+    fn = kernel()
+    b, m = proposals.shape
+    if (fn is None or m < 1 or p_probs.dtype != torch.float32 or q_probs.dtype != torch.float32
+            or not all(t.is_cpu for t in (proposals, p_ids, q_ids, keys))):
+        return None
+    args = [t.to(dtype).contiguous() for t, dtype in ((proposals, torch.int64), (p_ids, torch.int64), (p_probs, torch.float32),
+                                                      (q_ids, torch.int64), (q_probs, torch.float32), (keys, torch.int64))]
+    lim = None if limit is None else limit.to(torch.int64).contiguous()
+    accepted, bonus = torch.empty(b, dtype=torch.int64), torch.empty(b, dtype=torch.int64)
+    x, pi, pp, qi, qp, ks = args
+    if fn.standard_rule(x.data_ptr(), b, m, pi.data_ptr(), pp.data_ptr(), pi.shape[-1], qi.data_ptr(), qp.data_ptr(),
+                        qi.shape[-1], ks.data_ptr(), 0 if lim is None else lim.data_ptr(), accepted.data_ptr(),
+                        bonus.data_ptr()):
+        return None
+    return accepted, bonus
+
+
+def position_keys(seeds: list[int], starts: list[int], n: int) -> torch.Tensor | None:
+    """dflash/sampling.py's `RowRandom.keys` through `cpu/csrc/uniforms.c` (the same bits): [b, n]
+    int64 keys of row r's output positions starts[r] .. starts[r] + n - 1 under seeds[r]; None
+    where the kernel does not run."""
+    fn = kernel()
+    if fn is None:
+        return None
+    out = torch.empty(len(seeds), n, dtype=torch.int64)
+    if len(seeds) and n:
+        # named: a temporary's memory would be freed (and reused) before the call reads it
+        keys_in = torch.tensor([s & MASK64 for s in seeds], dtype=torch.uint64)
+        at = torch.tensor(starts, dtype=torch.int64)
+        fn.position_keys(keys_in.data_ptr(), at.data_ptr(), len(seeds), n, out.data_ptr())
+    return out
 
 
 def top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -30,9 +30,9 @@ from blockspec.targets.slots import EMPTY
 from blockspec.targets.base import Target, TargetCache, greedy_forward, greedy_forward_tree
 from blockspec.dflash.logit_bias import apply_logit_bias
 from blockspec.dflash.lookup import LookupConfig, TokenIndex
-from blockspec.dflash.sampling import ACCEPT_SLOT, BONUS_SLOT, RowRandom, probabilities
+from blockspec.dflash.sampling import RowRandom, probabilities
 from blockspec.dflash.sparse_probs import SparseProbs, draw, shaped
-from blockspec.dflash.verify import accept_greedy, verify_standard
+from blockspec.dflash.verify import accept_greedy, verify_standard_keyed
 from blockspec.dflash.proposers import (BatchDraft, BatchProposal, BatchProposer, DFlash2WalkProposer,
                                         DFlashBlockProposer, Distributions, LookupOverride)
 from blockspec.dflash.proposers.lookup_override import splice
@@ -712,9 +712,8 @@ class DecodeBatch:
             if rule == "keyed":
                 a, bo = accept_greedy(pick(proposals), draw(random, pick(probs), row_starts), pick(limit))
             else:
-                u = random.uniforms(row_starts, m + 1, (ACCEPT_SLOT, BONUS_SLOT)).to(proposals.device)  # [n, q, 2]
-                a, bo = verify_standard(pick(proposals), pick(probs), pick(self._draft_q), u[:, :m, 0], u[..., 1],
-                                        pick(limit))
+                a, bo = verify_standard_keyed(pick(proposals), pick(probs), pick(self._draft_q),
+                                              random.keys(row_starts, m + 1), pick(limit))
             if whole:
                 return a, bo
             accepted[index], bonus[index] = a, bo

@@ -225,6 +225,9 @@ class RowRandom:
 
     def keys(self, starts: list[int], n: int) -> torch.Tensor:
         """[b, n] int64 keys of row r's output positions starts[r] .. starts[r] + n - 1."""
+        fast = kernels.position_keys(self.seeds, starts, n)  # the same bits (cpu/csrc/uniforms.c)
+        if fast is not None:
+            return fast
         return torch.tensor([[_signed(keyed(s, p + j)) for j in range(n)] for s, p in zip(self.seeds, starts)],
                             dtype=torch.int64).reshape(len(self.seeds), n)
 

@@ -80,6 +80,25 @@ def nucleus_pairs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     return None if out is None else SparseProbs(*out, v)
 
 
+def nucleus_draws(logits: torch.Tensor, support: torch.Tensor | None, vocab: int, temperature: torch.Tensor,
+                  top_p: torch.Tensor, random: RowRandom, starts: Sequence[int]
+                  ) -> tuple[SparseProbs, torch.Tensor, torch.Tensor] | None:
+    """A sampled draft step's proposals in one kernel call: the pairs of logits [b, n, m] of the
+    tokens `support` [m] (ascending; None: the columns are the ids) over `vocab` tokens
+    as `nucleus_pairs` gives them, each position's token drawn from them as `sample_pairs` draws
+    it, ids [b, n], and each position's largest probability [b, n]. None where `nucleus_pairs`
+    is (every row must ask for temperature and top-p alone)."""
+    if not all(t > 0 and p < 1 for t, p in zip(temperature.tolist(), top_p.tolist())):
+        return None
+    out = kernels.nucleus_draws(logits.float(), support, temperature, top_p, random.seeds, list(starts))
+    if out is None:
+        return None
+    ids, probs, drawn, peaks = out
+    pairs = SparseProbs(ids, probs, vocab)
+    # a nucleus wider than the race's head: its tail's draw (few such positions)
+    return pairs, drawn if drawn is not None else sample_pairs(random, pairs, starts), peaks
+
+
 def draw(random: RowRandom, probs: torch.Tensor | SparseProbs, starts: list[int]) -> torch.Tensor:
     """`RowRandom.sample` of probs [b, n, V] (a tensor or its pairs): ids [b, n]."""
     return random.sample(probs, starts) if isinstance(probs, torch.Tensor) else sample_pairs(random, probs, starts)

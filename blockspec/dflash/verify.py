@@ -22,8 +22,9 @@ import struct
 
 import torch
 
+from blockspec.cpu import kernels
 from blockspec.cpu.argmax import greedy_ids
-from blockspec.dflash.sampling import sample_from
+from blockspec.dflash.sampling import ACCEPT_SLOT, BONUS_SLOT, sample_from, slot_uniforms
 from blockspec.dflash.sparse_probs import SparseProbs
 
 
@@ -96,6 +97,31 @@ def verify_standard(
     # p == q at a rejection is impossible but for rounding: p itself is then the residual's limit
     from_p = (accepted >= last) | (residual.sum(dim=-1) <= 0)
     return accepted, sample_from(torch.where(from_p[:, None], p_at, residual), bonus_u[rows, accepted])
+
+
+def verify_standard_keyed(
+    proposals: torch.Tensor, target_probs: torch.Tensor | SparseProbs, draft_probs: torch.Tensor | SparseProbs,
+    keys: torch.Tensor, limit: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`verify_standard` with each position's uniforms read from its key, keys [b, m+1] (int64,
+    `RowRandom.keys`): the accept uniform of position i is its key's ACCEPT_SLOT and the bonus's
+    its BONUS_SLOT (`RowRandom.uniforms`). Where both distributions are pairs, one kernel call
+    (cpu/csrc/standard_rule.c) decides with the same arithmetic."""
+    if isinstance(target_probs, SparseProbs) and isinstance(draft_probs, SparseProbs):
+        fast = kernels.standard_rule(proposals, target_probs.ids, target_probs.probs, draft_probs.ids,
+                                     draft_probs.probs, keys, limit)
+        if fast is not None:
+            return fast[0].to(proposals.device), fast[1].to(proposals.device)
+    accept_u, bonus_u = standard_uniforms(keys)
+    return verify_standard(proposals, target_probs, draft_probs, accept_u.to(proposals.device),
+                           bonus_u.to(proposals.device), limit)
+
+
+def standard_uniforms(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The standard rule's uniforms of positions' keys [b, m+1] (float64): accept [b, m] (each
+    proposal's ACCEPT_SLOT) and bonus [b, m+1] (each position's BONUS_SLOT)."""
+    u = slot_uniforms(keys, torch.tensor([ACCEPT_SLOT, BONUS_SLOT], dtype=torch.int64))  # [b, m+1, 2]
+    return u[:, :-1, 0], u[..., 1]
 
 
 def _verify_pairs(

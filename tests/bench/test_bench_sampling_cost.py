@@ -18,9 +18,9 @@ def test_sampling_time_is_a_part_of_step_time_for_both_rules() -> None:
     drafter = new_drafter_for_target(model.config, mask_token_id=47, num_layers=1, dtype=torch.float64)
     dec = SpecDecoder(load_native_target(model, dtype=None, eos_token_ids=()), drafter, SpecConfig(block_size=4))
     params = SamplingParams(max_new_tokens=10, temperature=0.7, top_p=0.9, ignore_eos=True)
-    original = decode.verify_standard
+    original = decode.verify_standard_keyed
     results = measure(dec, [[5, 6, 7], [1, 2]], params, ("keyed", "standard"))
-    assert decode.verify_standard is original  # the timers are gone
+    assert decode.verify_standard_keyed is original  # the timers are gone
     for rule, r in results.items():
         assert r["tokens"] == 20 and r["steps"] >= 2
         assert 0 < r["sampling_s"] < r["step_s"], (rule, r)

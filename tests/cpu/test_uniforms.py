@@ -1,6 +1,7 @@
 """The keyed uniforms' kernel (cpu/csrc/uniforms.c via cpu/kernels.py, used by
-dflash/sampling.slot_uniforms): the bits of the PyTorch arithmetic it replaces, for slots shared
-by every key and slots of each key, extreme keys and slots included."""
+dflash/sampling.slot_uniforms and `RowRandom.keys`): the bits of the PyTorch arithmetic and the
+Python keys it replaces, for slots shared by every key and slots of each key, extreme keys, slots
+and seeds included."""
 
 from __future__ import annotations
 
@@ -56,3 +57,19 @@ def test_keyed_draws_are_unchanged_by_the_kernel(monkeypatch: pytest.MonkeyPatch
         assert torch.equal(random.sample(probs, starts), ids)
         assert torch.equal(random.uniforms(starts, 4, (ACCEPT_SLOT, BONUS_SLOT)), u)
     assert sampling.RACE_HEAD < 500  # the tail's clocks (shared slots) took part too
+
+
+@needs_kernel
+def test_position_keys_are_the_python_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`RowRandom.keys` through the kernel: `keyed`'s bits for any seed a request can carry
+    (negative, past 64 bits, the random ones) at any position."""
+    seeds = [0, 5, 2**62 - 1, -5, 2**70 + 1, -2**63, None]
+    random = RowRandom(seeds)
+    starts = [0, 7, 100, 3, 2**31, 9, 0]
+    got = random.keys(starts, 6)
+    want = torch.tensor([[sampling._signed(keyed(s, p + j)) for j in range(6)] for s, p in zip(random.seeds, starts)])
+    assert torch.equal(got, want)
+    with monkeypatch.context() as patch:
+        patch.setattr(kernels, "position_keys", lambda *a: None)
+        assert torch.equal(random.keys(starts, 6), want)
+    assert random.keys([1, 2, 3, 4, 5, 6, 7], 0).shape == (7, 0)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import make_tiny_target
 from support import VOCAB, chi2_pvalue, exact_joint
-from test_standard_rule import UNSEEDED, _chain_drafter, assert_follows, sample_unseeded
+from test_standard_rule import UNSEEDED, _chain_drafter, as_keyed, assert_follows, sample_unseeded
 
 import blockspec.dflash.batch as decode
 import blockspec.dflash.sampling as sampling
@@ -49,7 +49,7 @@ def _first_q(monkeypatch: pytest.MonkeyPatch, factor: float) -> torch.Tensor:
         return verify_standard(proposals, target_probs, draft_probs, *args, **kwargs)
 
     monkeypatch.setattr(sampling, "STANDARD_DRAFT_FACTOR", factor)
-    monkeypatch.setattr(decode, "verify_standard", spy)
+    monkeypatch.setattr(decode, "verify_standard_keyed", as_keyed(spy))
     torch.manual_seed(0)  # the same drafter, and the same random seed for the unseeded row
     model = make_tiny_target("llama", vocab_size=VOCAB, seed=1)
     drafter = _chain_drafter(model, "random", None)
@@ -79,7 +79,7 @@ def test_sharpened_chains_follow_the_target(lossy: bool, monkeypatch: pytest.Mon
     joint = exact_joint(model, sp)
     dec = SpecDecoder(HFTarget(model), _chain_drafter(model, "random", joint), SpecConfig(block_size=4))
     if lossy:
-        monkeypatch.setattr(decode, "verify_standard", unsharpened_q)
+        monkeypatch.setattr(decode, "verify_standard_keyed", as_keyed(unsharpened_q))
         (counts,) = sample_unseeded(dec, [sp] * 400, n=2000)
         assert chi2_pvalue(counts.sum(0), joint.sum(0)) < 1e-6
         return

@@ -11,10 +11,10 @@ import torch
 
 from blockspec.cpu import kernels
 from blockspec.dflash.sampling import RowRandom, probabilities, sample_from
-from blockspec.dflash.sparse_probs import (SparseProbs, draw, nucleus_pairs, race_on_host, sample_from_pairs,
-                                          shaped)
+from blockspec.dflash.sparse_probs import (SparseProbs, draw, nucleus_draws, nucleus_pairs, race_on_host,
+                                          sample_from_pairs, sample_pairs, shaped)
 from blockspec.dflash.tree_verify import keyed_draws
-from blockspec.dflash.verify import _inverse_cdf, verify_standard
+from blockspec.dflash.verify import _inverse_cdf, verify_standard, verify_standard_keyed
 
 pytestmark = pytest.mark.skipif(kernels.kernel() is None, reason="needs the C kernels (a compiler)")
 
@@ -100,6 +100,49 @@ def test_the_keyed_race_draws_the_same_tokens(kind: str) -> None:
     if kind == "wide":
         assert pairs.ids.shape[-1] > 32
         assert seen_tail > 0  # the tail's draw was compared, not only the head's
+
+
+@pytest.mark.parametrize("kind", ["peaked", "usual", "wide"])
+@pytest.mark.parametrize("draft_vocabulary", [True, False])
+def test_a_draft_steps_draws_in_one_call_are_the_pairs_draws(kind: str, draft_vocabulary: bool,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """`nucleus_draws` (cpu/csrc/nucleus.c's bs_nucleus_draws): the pairs of a draft vocabulary's
+    logits over the target's ids, each position's keyed draw and its peak, as `nucleus_pairs`,
+    the ids read through the vocabulary, `sample_pairs` and the pairs' largest probability give
+    them; the kernel's own race where every nucleus fits the race's head, the tail's draw else."""
+    b, n, m, v = 3, 4, 900, 5000
+    temperature, top_p = {"peaked": (0.3, 0.5), "usual": (0.7, 0.9), "wide": (1.0, 0.97)}[kind]
+    raced = tails = 0
+    real = kernels.nucleus_draws
+    results = []
+    monkeypatch.setattr(kernels, "nucleus_draws", lambda *a: results.append(real(*a)) or results[-1])
+    for trial in range(25):
+        x = (_wide if kind == "wide" else _logits)(b, n, m, seed=200 + trial)
+        if kind == "peaked" and trial % 2:
+            x = x.scatter_add(-1, x.argmax(dim=-1, keepdim=True), torch.full((b, n, 1), 20.0))
+        g = torch.Generator().manual_seed(trial)
+        support = torch.randperm(v, generator=g)[:m].sort().values if draft_vocabulary else None
+        t, _, p = _settings(b, temperature, top_p)
+        t[1] = temperature * 1.5  # rows differ in their settings
+        random = RowRandom([trial, 2**62 + trial, -trial - 1])
+        starts = [trial, 3 * trial + 1, 2**20]
+        want = nucleus_pairs(x, t, torch.zeros(b, dtype=torch.long), p)
+        assert want is not None
+        if support is not None:
+            want = SparseProbs(torch.where(want.probs > 0, support[want.ids], torch.zeros_like(want.ids)), want.probs, v)
+        out = nucleus_draws(x, support, v if draft_vocabulary else m, t, p, random, starts)
+        assert out is not None
+        pairs, drawn, peaks = out
+        assert torch.equal(pairs.ids, want.ids) and torch.equal(pairs.probs, want.probs)
+        assert pairs.vocab == want.vocab
+        assert torch.equal(peaks, want.probs.amax(dim=-1))
+        assert torch.equal(drawn, sample_pairs(random, want, starts))
+        raced += results[-1][2] is not None
+        tails += results[-1][2] is None
+    assert raced > 0  # the kernel's race was compared
+    if kind == "wide":
+        assert tails > 0  # and the tail's fallback
+    assert nucleus_draws(x, support, v, torch.tensor([0.7, 0.0, 0.7]), p, random, starts) is None  # a greedy row
 
 
 def test_the_host_race_picks_the_tensors_argmin() -> None:
@@ -222,6 +265,43 @@ def test_the_standard_rule_decides_the_same_with_the_drafts_q_as_pairs(ragged: b
             got = verify_standard(proposals, target, q_pairs, accept_u, bonus_u, limit)
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
         outcomes.update(want[0].tolist())
+    assert len(outcomes) >= 3  # rejections at several positions, and acceptances, were compared
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_the_standard_rules_kernel_decides_as_the_host(ragged: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`verify_standard_keyed` over pairs (cpu/csrc/standard_rule.c): the accepted and bonus of
+    the host's rule over the same pairs and of the vocabulary-wide rows, with the uniforms of each
+    position's key, for drafts from q and for lookup's point masses."""
+    from blockspec.dflash.batch import _one_hot_where
+
+    b, m, v = 5, 4, 600
+    calls, real = [], kernels.standard_rule
+    monkeypatch.setattr(kernels, "standard_rule", lambda *a: calls.append(1) or real(*a))
+    outcomes = set()
+    for trial in range(80):
+        g = torch.Generator().manual_seed(trial)
+        x = _logits(b, m + 1, v, seed=4000 + trial, strong=3, spread=3.0)
+        settings = _settings(b, 0.8, 0.95)
+        p_pairs, p = nucleus_pairs(x, *settings), probabilities(x, *settings)
+        y = 0.6 * x[:, :m] + 0.4 * _logits(b, m, v, seed=5000 + trial, strong=3, spread=3.0)
+        q_pairs, q = nucleus_pairs(y, *settings), probabilities(y, *settings)
+        proposals, _, _, limit = _rule_draws(q, g, ragged)
+        if trial % 3 == 0:  # lookup proposed some rows' first positions: point masses there
+            looked = torch.randint(0, m + 1, (b,), generator=g).tolist()
+            proposals = torch.where(torch.arange(m)[None] < torch.tensor(looked)[:, None],
+                                    torch.randint(0, v, (b, m), generator=g), proposals)
+            q_pairs, q = _one_hot_where(q_pairs, proposals, looked), _one_hot_where(q, proposals, looked)
+        keys = RowRandom([trial, -trial, 2**62 + trial, 7, trial * 31]).keys([0, 5, trial, 2**30, 9], m + 1)
+        got = verify_standard_keyed(proposals, p_pairs, q_pairs, keys, limit)
+        with monkeypatch.context() as patch:
+            patch.setattr(kernels, "standard_rule", lambda *a: None)
+            host = verify_standard_keyed(proposals, p_pairs, q_pairs, keys, limit)
+            rows = verify_standard_keyed(proposals, p, q, keys, limit)
+        for want in (host, rows):
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        outcomes.update(got[0].tolist())
+    assert len(calls) == 80  # the kernel decided every step
     assert len(outcomes) >= 3  # rejections at several positions, and acceptances, were compared
 
 

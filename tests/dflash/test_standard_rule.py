@@ -22,7 +22,7 @@ from blockspec.dflash.drafter import new_drafter_for_target
 from blockspec.dflash.lookup import LookupConfig
 from blockspec.dflash.sampling import sample_from
 from blockspec.dflash.sparse_probs import SparseProbs, sample_from_pairs
-from blockspec.dflash.verify import verify_standard
+from blockspec.dflash.verify import standard_uniforms, verify_standard
 from blockspec.engine.decoder import SpecDecoder
 from blockspec.errors import ConfigError
 from blockspec.targets.hf import HFTarget
@@ -49,6 +49,15 @@ def assert_follows(counts: torch.Tensor, joint: torch.Tensor) -> None:
     assert chi2_pvalue(counts.sum((1, 2)), joint.sum((1, 2))) > 1e-3  # x1 comes from the prefill
     assert chi2_pvalue(counts.sum(0), joint.sum(0)) > 1e-3  # (x2, x3): proposed and verified
     assert chi2_pvalue(counts, joint) > 1e-3
+
+
+def as_keyed(rule):
+    """A rule over uniforms as `DecodeBatch` calls the standard rule (`verify_standard_keyed`):
+    the uniforms read from each position's key."""
+    def keyed(proposals, target_probs, draft_probs, keys, limit=None):
+        accept_u, bonus_u = standard_uniforms(keys)
+        return rule(proposals, target_probs, draft_probs, accept_u, bonus_u, limit)
+    return keyed
 
 
 # ---- lossy variants the tests must catch ----------------------------------------------------
@@ -149,7 +158,7 @@ def test_chi_square_catches_a_residual_drawn_from_p(monkeypatch: pytest.MonkeyPa
     model = make_tiny_target("llama", vocab_size=VOCAB, seed=1)
     joint = exact_joint(model, UNSEEDED)
     dec = SpecDecoder(HFTarget(model), _chain_drafter(model, "scripted", joint), SpecConfig(block_size=4))
-    monkeypatch.setattr(decode, "verify_standard", residual_from_p)
+    monkeypatch.setattr(decode, "verify_standard_keyed", as_keyed(residual_from_p))
     (counts,) = sample_unseeded(dec, [UNSEEDED] * 400, n=2000)
     assert chi2_pvalue(counts.sum(0), joint.sum(0)) < 1e-6
 
@@ -170,7 +179,7 @@ def test_chi_square_catches_a_residual_drawn_from_p_over_the_nucleus_pairs(monke
         at = target_probs[torch.arange(proposals.shape[0]), accepted]  # [b, k] pairs
         return accepted, sample_from_pairs(at.ids, at.probs, bonus_u[torch.arange(proposals.shape[0]), accepted])
 
-    monkeypatch.setattr(decode, "verify_standard", pairs_residual_from_p)
+    monkeypatch.setattr(decode, "verify_standard_keyed", as_keyed(pairs_residual_from_p))
     (counts,) = sample_unseeded(dec, [sp] * 400, n=4000)
     assert seen and all(seen)  # every verify read pairs
     assert chi2_pvalue(counts.sum(0), joint.sum(0)) < 1e-6
@@ -239,7 +248,7 @@ def test_unseeded_walks_follow_the_target(shape: dict, mode: str, monkeypatch: p
         monkeypatch.setattr(decode.DecodeBatch, "step", lambda self, block, _=None: step(
             self, block, lambda conf, looked: [1 + int(c[0] * 997) % 3 for c in conf]))
     if mode == "flat_q":
-        monkeypatch.setattr(decode, "verify_standard", flat_q)
+        monkeypatch.setattr(decode, "verify_standard_keyed", as_keyed(flat_q))
     dec = SpecDecoder(HFTarget(model), _walker(model), SpecConfig(block_size=4, lookup=LOOKUP if mode == "lookup" else None))
     (counts,) = sample_unseeded(dec, [sp] * 400, n=4000)
     if mode == "flat_q":
@@ -262,7 +271,7 @@ def test_ragged_batches_mixing_rules_follow_the_target(lossy: bool, monkeypatch:
     monkeypatch.setattr(decode.DecodeBatch, "step", lambda self, block, _=None: step(
         self, block, lambda conf, looked: [(2, 3, 2, 1)[next(turn) % 4] for _ in conf]))
     if lossy:
-        monkeypatch.setattr(decode, "verify_standard", residual_from_p)
+        monkeypatch.setattr(decode, "verify_standard_keyed", as_keyed(residual_from_p))
     model = make_tiny_target("llama", vocab_size=VOCAB, seed=1)
     sp = UNSEEDED.with_(temperature=0.8)
     joint = exact_joint(model, sp)

@@ -19,16 +19,23 @@
  * row: a verified position's nucleus is a handful of tokens, and what reads it (the keyed race, the
  * standard rule's test and residual draw) then works over those alone.
  *
+ * bs_nucleus_draws is a sampled draft step's proposals whole: the pairs of its draft vocabulary's
+ * logits over the target's ids, each position's keyed draw among them and its peak, one call where
+ * the pairs, the id mapping, the keys and the race were a dozen small operations on the host.
+ *
  * bs_nucleus_ids takes a row's logits of some tokens alone (a drafter's draft vocabulary; every
  * other logit -inf) and spreads them over the vocabulary in a scratch row of its own: the same
  * bits as bs_nucleus of the spread row, without the caller's vocabulary-wide tensors.
  */
+#include <math.h>
 #include <stdlib.h>
 
+#include "keyed.h"
 #include "vec.h"
 
 #define NUCLEUS_CAP 1024
 #define NUCLEUS_SPAN 9.0f
+#define RACE_HEAD 32 /* dflash/sampling.py's RACE_HEAD: tokens with clocks of their own */
 
 typedef struct {
     float w; /* e^((x - max) inv_t) */
@@ -168,21 +175,33 @@ static int lower_id_first(const void *a, const void *b) {
     return (x->i > y->i) - (x->i < y->i);
 }
 
-/* bs_nucleus's rows as (id, probability) pairs, the ids ascending. x: rows x n logits, rows =
- * groups x per (a batch row's positions share its temperature[g] > 0 and top_p[g]: inverse
- * temperature 1.0f / temperature[g], as the caller's bs_nucleus rows get it). ids, probs: rows x
- * width scratch; on return they hold rows x k pairs, k = out[0] the most any row keeps (each row's
- * pairs, then id 0 with probability 0), with bs_nucleus's bits; out[1] = 1 where every row was
- * done, 0 where some nucleus is the caller's (wider than the candidates or than width). Returns 0,
- * 1 where scratch memory ran out. */
-int bs_nucleus_pairs(const float *x, int64_t groups, int64_t per, int64_t n, const float *temperature,
-                     const float *top_p, int64_t width, int64_t *ids, float *probs, int64_t *out, int threads) {
+/* The keyed race's winner among a nucleus buf[0..kept) (heaviest first, probability w * inv; token
+ * ids support[i], or i without one) under a position's key: dflash/sparse_probs.py's
+ * `race_on_host`, the first least arrival -log(u) / p in float64, u the token's uniform. */
+static int64_t race(const cand *buf, int64_t kept, float inv, const int64_t *support, uint64_t key) {
+    double best = INFINITY;
+    int64_t pick = support ? support[buf[0].i] : buf[0].i;
+    for (int64_t j = 0; j < kept; j++) {
+        const float p = buf[j].w * inv;
+        if (!(p > 0.0f)) continue;
+        const int64_t id = support ? support[buf[j].i] : buf[j].i;
+        const double arrival = -log(keyed_uniform(key, id)) / (double)p;
+        if (arrival < best) best = arrival, pick = id;
+    }
+    return pick;
+}
+
+/* bs_nucleus_pairs, and with seeds each row's keyed draw and peak (bs_nucleus_draws). */
+static int pairs_rows(const float *x, const int64_t *support, int64_t groups, int64_t per, int64_t n,
+                      const float *temperature, const float *top_p, const uint64_t *seeds, const int64_t *starts,
+                      int64_t width, int64_t *ids, float *probs, int64_t *drawn, float *peaks, int64_t *out,
+                      int threads) {
     const int64_t rows = groups * per;
     int64_t *kept_of = malloc(sizeof(int64_t) * (size_t)(rows > 0 ? rows : 1));
     if (!kept_of) return 1;
-    int failed = 0, all_done = 1;
+    int failed = 0, all_done = 1, all_raced = 1;
     int64_t widest = 1;
-#pragma omp parallel num_threads(threads) if (rows >= 2) reduction(max : widest) reduction(& : all_done)
+#pragma omp parallel num_threads(threads) if (rows >= 2) reduction(max : widest) reduction(& : all_done, all_raced)
     {
         cand *buf = malloc(sizeof(cand) * NUCLEUS_CAP);
 #pragma omp for schedule(static)
@@ -191,9 +210,16 @@ int bs_nucleus_pairs(const float *x, int64_t groups, int64_t per, int64_t n, con
             const int64_t g = r / per;
             int64_t kept = buf ? nucleus_row(x + r * n, n, 1.0f / temperature[g], top_p[g], buf, &inv) : 0;
             if (kept > width) kept = 0;
+            if (seeds && kept > 0) {
+                peaks[r] = buf[0].w * inv;
+                if (kept <= RACE_HEAD)
+                    drawn[r] = race(buf, kept, inv, support, keyed_position(seeds[g], starts[g] + r % per));
+                else
+                    all_raced = 0;
+            }
             if (kept > 1) qsort(buf, (size_t)kept, sizeof(cand), lower_id_first);
             for (int64_t j = 0; j < kept; j++) {
-                ids[r * width + j] = buf[j].i;
+                ids[r * width + j] = support ? support[buf[j].i] : buf[j].i;
                 probs[r * width + j] = buf[j].w * inv;
             }
             all_done &= kept > 0;
@@ -219,5 +245,33 @@ int bs_nucleus_pairs(const float *x, int64_t groups, int64_t per, int64_t n, con
     free(kept_of);
     out[0] = widest;
     out[1] = all_done;
+    out[2] = all_done && all_raced;
     return 0;
+}
+
+/* bs_nucleus's rows as (id, probability) pairs, the ids ascending. x: rows x n logits, rows =
+ * groups x per (a batch row's positions share its temperature[g] > 0 and top_p[g]: inverse
+ * temperature 1.0f / temperature[g], as the caller's bs_nucleus rows get it). ids, probs: rows x
+ * width scratch; on return they hold rows x k pairs, k = out[0] the most any row keeps (each row's
+ * pairs, then id 0 with probability 0), with bs_nucleus's bits; out[1] = 1 where every row was
+ * done, 0 where some nucleus is the caller's (wider than the candidates or than width). out holds
+ * 3. Returns 0, 1 where scratch memory ran out. */
+int bs_nucleus_pairs(const float *x, int64_t groups, int64_t per, int64_t n, const float *temperature,
+                     const float *top_p, int64_t width, int64_t *ids, float *probs, int64_t *out, int threads) {
+    return pairs_rows(x, NULL, groups, per, n, temperature, top_p, NULL, NULL, width, ids, probs, NULL, NULL, out,
+                      threads);
+}
+
+/* A sampled draft step's proposals in one call: bs_nucleus_pairs of the logits of the tokens
+ * support[0..n) (ascending ids, the pairs' ids read through it; NULL: the columns are the ids),
+ * with each row's keyed draw drawn[r] (group g's position j = r % per keyed by seeds[g] and output
+ * position starts[g] + j, as `RowRandom.keys`) and its peak peaks[r], the largest probability.
+ * out[2] = 1 where every row was drawn, 0 where some nucleus is wider than the race's head (the
+ * caller's race then draws its tail). */
+int bs_nucleus_draws(const float *x, const int64_t *support, int64_t groups, int64_t per, int64_t n,
+                     const float *temperature, const float *top_p, const uint64_t *seeds, const int64_t *starts,
+                     int64_t width, int64_t *ids, float *probs, int64_t *drawn, float *peaks, int64_t *out,
+                     int threads) {
+    return pairs_rows(x, support, groups, per, n, temperature, top_p, seeds, starts, width, ids, probs, drawn, peaks,
+                      out, threads);
 }

@@ -24,7 +24,7 @@ from blockspec.dflash.drafter import DFlashDrafter
 from blockspec.dflash.proposers.base import PositionDistributions
 from blockspec.dflash.proposers.batched import BatchDraft, BatchProposal
 from blockspec.dflash.sampling import RowRandom, sharpened
-from blockspec.dflash.sparse_probs import SparseProbs, nucleus_pairs, sample_pairs
+from blockspec.dflash.sparse_probs import SparseProbs, nucleus_draws
 
 
 @dataclass(frozen=True, eq=False)
@@ -84,7 +84,7 @@ class DFlashBlockProposer:
         logits, support = self.drafter.draft_logits(draft.hidden, draft.head)
         pairs = _draft_pairs(draft, logits, support)
         if pairs is not None:
-            return _sampled_pairs(draft, pairs)
+            return _sampled_pairs(draft, *pairs)
         probs = draft.probs(logits, support)  # [b, D, V]: each row's shaped draft distribution
         dists = None
         if draft.tree_top_k:
@@ -134,33 +134,28 @@ def _tree_top(draft: BatchDraft, logits: torch.Tensor, support: torch.Tensor | N
     return torch.where(sampled, ids.gather(-1, order), ids), torch.where(sampled, shaped, top)
 
 
-def _draft_pairs(draft: BatchDraft, logits: torch.Tensor, support: torch.Tensor | None) -> SparseProbs | None:
+def _draft_pairs(draft: BatchDraft, logits: torch.Tensor, support: torch.Tensor | None
+                 ) -> tuple[SparseProbs, torch.Tensor, torch.Tensor] | None:
     """Each row's shaped draft distribution as its nucleus's pairs (dflash/sparse_probs.py) over
-    the target's vocabulary, from logits [b, D, Vd] of the tokens `support` (or [b, D, V]), where
-    the batch is the chat clients' usual one (every row temperature and top-p, no grammar, drafts
-    from the request's own q); else None, and the vocabulary-wide rows serve. The pairs have the
-    bits of `BatchDraft.probs`'s entries, so the draws, peaks and trees read off them are the
-    same."""
-    vocab = draft.vocab
-    if any(c is not None for c in draft.constraints) or not all(k <= 0 or k >= vocab for k in draft.top_k.tolist()):
+    the target's vocabulary, from logits [b, D, Vd] of the tokens `support` (or [b, D, V]), with
+    each position's keyed draw [b, D] and peak [b, D] (`sparse_probs.nucleus_draws`), where the
+    batch is the chat clients' usual one (every row temperature and top-p, no grammar, drafts from
+    the request's own q); else None, and the vocabulary-wide rows serve. The pairs have the bits
+    of `BatchDraft.probs`'s entries, so the draws, peaks and trees read off them are the same."""
+    if any(c is not None for c in draft.constraints) or not all(k <= 0 or k >= draft.vocab for k in draft.top_k.tolist()):
         return None
     if "standard" in draft.rules and sampling.STANDARD_DRAFT_FACTOR != 1.0:
         return None
     # top-k is off for every row (checked against the whole vocabulary above, as `BatchDraft.probs`
-    # reads it; the kernel's own check would read the draft vocabulary's width); ids index the
-    # logits' columns
-    pairs = nucleus_pairs(logits, draft.temperature, torch.zeros_like(draft.top_k), draft.top_p)
-    if pairs is None or support is None:
-        return None if pairs is None else SparseProbs(pairs.ids, pairs.probs, vocab)
-    # support ascends, so the nucleus's ids still do; padding keeps id 0
-    ids = torch.where(pairs.probs > 0, support[pairs.ids], torch.zeros_like(pairs.ids))
-    return SparseProbs(ids, pairs.probs, vocab)
+    # reads it)
+    return nucleus_draws(logits, support, draft.vocab, draft.temperature, draft.top_p, draft.random, draft.starts)
 
 
-def _sampled_pairs(draft: BatchDraft, pairs: SparseProbs) -> BatchProposal:
-    """`DFlashBlockProposer._sampled` over each row's nucleus pairs [b, D, k]: the same keyed
-    draws, peaks and tree rankings as over the vocabulary-wide rows, and the standard rule's q as
-    the pairs (dflash/verify.py reads them alone)."""
+def _sampled_pairs(draft: BatchDraft, pairs: SparseProbs, drawn: torch.Tensor, peaks: torch.Tensor) -> BatchProposal:
+    """`DFlashBlockProposer._sampled` over each row's nucleus pairs [b, D, k], their keyed draws
+    drawn [b, D] and peaks [b, D]: the same keyed draws, peaks and tree rankings as over the
+    vocabulary-wide rows, and the standard rule's q as the pairs (dflash/verify.py reads them
+    alone)."""
     dists = None
     if draft.tree_top_k:
         # the nucleus's ids ascend, so a stable sort ranks equal probabilities by the lower id
@@ -169,9 +164,8 @@ def _sampled_pairs(draft: BatchDraft, pairs: SparseProbs) -> BatchProposal:
         dists = PositionDistributions.batch(pairs.ids.gather(-1, order[..., :k]), probs[..., :k].log())
     if not draft.chain:
         return BatchProposal(None, None, None, dists)
-    ids = sample_pairs(draft.random, pairs, list(draft.starts))  # [b, D]
-    conf = pairs.probs.amax(dim=-1) if draft.confidence else None  # [b, D]: the peaks, as `draft_confidence`
-    return BatchProposal(ids, conf, pairs if draft.keep_q else None, dists)
+    conf = peaks if draft.confidence else None  # the peaks, as `draft_confidence`
+    return BatchProposal(drawn, conf, pairs if draft.keep_q else None, dists)
 
 
 def draft_confidence(draft_probs: torch.Tensor) -> torch.Tensor:
