@@ -44,7 +44,7 @@ from blockspec.cache_dir import cache_root
 
 SOURCES = tuple(Path(__file__).parent / "csrc" / name
                 for name in ("rows.c", "attention.c", "norm.c", "peak.c", "topk.c", "rope.c", "layers.c", "conv.c", "int8.c",
-                                              "nucleus.c", "uniforms.c", "standard_rule.c"))  # one library
+                                              "nucleus.c", "uniforms.c", "standard_rule.c", "race.c"))  # one library
 HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("vec.h", "kernels.h", "keyed.h"))
 DISABLE_ENV = "BLOCKSPEC_CPU_KERNELS"
 # Extra compiler flags after -march=native, e.g. "-mno-avx512vnni" to build (and test) the int8
@@ -152,6 +152,9 @@ def _load() -> object | None:
     fn.position_keys = lib.bs_position_keys
     fn.position_keys.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p]
     fn.position_keys.restype = ctypes.c_int
+    fn.pairs_race = lib.bs_pairs_race
+    fn.pairs_race.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3
+    fn.pairs_race.restype = ctypes.c_int
     fn.standard_rule = lib.bs_standard_rule
     fn.standard_rule.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int64] \
         + [ctypes.c_void_p] * 2 + [ctypes.c_int64] + [ctypes.c_void_p] * 4
@@ -518,6 +521,26 @@ def nucleus_draws(logits: torch.Tensor, support: torch.Tensor | None, temperatur
         return None
     k = int(out[0])
     return ids[: b * n * k].view(b, n, k), probs[: b * n * k].view(b, n, k), drawn if out[2] else None, peaks
+
+
+def pairs_race(ids: torch.Tensor, probs: torch.Tensor, seeds: list[int], starts: list[int]) -> torch.Tensor | None:
+    """dflash/sparse_probs.py's `sample_pairs` through `cpu/csrc/race.c` (the same tokens): each
+    position's keyed race among its pairs ids [b, n, k] int64 / probs [b, n, k] float32, row r's
+    position j keyed by seeds[r] at output position starts[r] + j -> ids [b, n]; None where some
+    position has more tokens than the race's head (its tail draws on the host) or the kernel
+    does not run."""
+    fn = kernel()
+    if fn is None or ids.dim() != 3 or probs.dtype != torch.float32 or not ids.is_cpu or not probs.is_cpu:
+        return None
+    b, n, k = ids.shape
+    pairs_ids, pairs_p = ids.to(torch.int64).contiguous(), probs.contiguous()
+    keys_in = torch.tensor([s & MASK64 for s in seeds], dtype=torch.uint64)  # named: alive through the call
+    at = torch.tensor(starts, dtype=torch.int64)
+    drawn = torch.empty(b, n, dtype=torch.int64)
+    if fn.pairs_race(pairs_ids.data_ptr(), pairs_p.data_ptr(), b, n, k, keys_in.data_ptr(), at.data_ptr(),
+                     drawn.data_ptr()):
+        return None
+    return drawn
 
 
 def standard_rule(proposals: torch.Tensor, p_ids: torch.Tensor, p_probs: torch.Tensor, q_ids: torch.Tensor,

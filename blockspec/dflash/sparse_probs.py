@@ -112,6 +112,9 @@ def sample_pairs(random: RowRandom, probs: SparseProbs, starts: Sequence[int]) -
     b, n, k = ids.shape
     if k == 1:  # every nucleus one token: it wins its race whatever the clocks
         return ids[..., 0]
+    fast = kernels.pairs_race(ids, p, random.seeds, list(starts))  # the same race (cpu/csrc/race.c)
+    if fast is not None:
+        return fast.to(ids.device)
     keys = random.keys(list(starts), n).to(ids.device)  # [b, n]
     h = min(RACE_HEAD, probs.vocab, k)
     if k == h:  # the head holds every pair: the race on the host, a few numbers a position

@@ -145,6 +145,22 @@ def test_a_draft_steps_draws_in_one_call_are_the_pairs_draws(kind: str, draft_vo
     assert nucleus_draws(x, support, v, torch.tensor([0.7, 0.0, 0.7]), p, random, starts) is None  # a greedy row
 
 
+def test_the_race_kernel_draws_as_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`sample_pairs` through cpu/csrc/race.c: the tokens of the host's race over the same pairs,
+    and the host's race (with its tail) where a nucleus is wider than the race's head."""
+    real, used = kernels.pairs_race, []
+    monkeypatch.setattr(kernels, "pairs_race", lambda *a: used.append(real(*a) is not None) or real(*a))
+    for trial in range(60):
+        x = (_wide if trial % 3 == 0 else _logits)(3, 4, 1500, seed=700 + trial)
+        pairs = nucleus_pairs(x, *_settings(3, 0.8, 0.95))
+        random, starts = RowRandom([trial, -trial, 2**63 + trial]), [trial, 0, 2**25]
+        got = sample_pairs(random, pairs, starts)
+        with monkeypatch.context() as patch:
+            patch.setattr(kernels, "pairs_race", lambda *a: None)
+            assert torch.equal(got, sample_pairs(random, pairs, starts))
+    assert any(used) and not all(used)  # the kernel drew, and left the wide nuclei to the host
+
+
 def test_the_host_race_picks_the_tensors_argmin() -> None:
     """race_on_host against the race in tensor operations: arrival -log(u) / p in float64, the
     first least in the head's order (the higher probability first, the lower id on ties)."""

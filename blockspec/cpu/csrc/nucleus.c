@@ -177,17 +177,12 @@ static int lower_id_first(const void *a, const void *b) {
 
 /* The keyed race's winner among a nucleus buf[0..kept) (heaviest first, probability w * inv; token
  * ids support[i], or i without one) under a position's key: dflash/sparse_probs.py's
- * `race_on_host`, the first least arrival -log(u) / p in float64, u the token's uniform. */
+ * `race_on_host`. */
 static int64_t race(const cand *buf, int64_t kept, float inv, const int64_t *support, uint64_t key) {
     double best = INFINITY;
     int64_t pick = support ? support[buf[0].i] : buf[0].i;
-    for (int64_t j = 0; j < kept; j++) {
-        const float p = buf[j].w * inv;
-        if (!(p > 0.0f)) continue;
-        const int64_t id = support ? support[buf[j].i] : buf[j].i;
-        const double arrival = -log(keyed_uniform(key, id)) / (double)p;
-        if (arrival < best) best = arrival, pick = id;
-    }
+    for (int64_t j = 0; j < kept; j++)
+        keyed_race(&best, &pick, key, support ? support[buf[j].i] : buf[j].i, buf[j].w * inv);
     return pick;
 }
 
