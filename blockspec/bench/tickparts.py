@@ -6,7 +6,7 @@ Decodes the first prompts of a set one request at a time (or `--concurrency N` i
 plain decoding (AR) and the default DFlash runner (adaptive blocks, n-gram lookup, token trees)
 stepping in turn, tick by tick, so the machine's drift hits both alike, and books every decoding tick (ticks that prefill a joining
 request are left out) to its parts: the policy's choice, the draft pass, the proposals, the
-target's pass, verification and commit, the engine's report. Each part's wall time splits into
+target's pass, a sampled step's acceptance, verification and commit, the engine's report. Each part's wall time splits into
 the time spent inside the C library's entry points (cpu/csrc/: the layer programs, the integer
 products, norms, heads and sampling kernels) and the rest, the host work: Python, PyTorch's
 dispatch and its small tensor operations. Parts nest (the target's pass lies inside
@@ -42,6 +42,7 @@ PARTS = (
     ("blockspec.dflash.batch", "DecodeBatch._verify_and_commit", "verify and commit (chain)"),
     ("blockspec.dflash.batch", "DecodeBatch._verify_tree", "verify and commit (tree)"),
     ("blockspec.targets.native.llama", "NativeLlama.forward", "target pass"),
+    ("blockspec.dflash.batch", "DecodeBatch._accept_sampled", "sampled acceptance (draws, rules)"),
     ("blockspec.engine.engine", "Engine._report", "engine: report and retire"),
 )
 
