@@ -133,28 +133,45 @@ def table(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    from blockspec.api import load
-    from blockspec.config import SamplingParams
+def run_arguments(description: str, *, limit: int, max_new_tokens: int, temperature: float,
+                  top_p: float) -> argparse.ArgumentParser:
+    """The arguments of the tools that decode a prompt set's first prompts (this one and
+    bench/tickparts.py): the model pair, the set and its size, the sampling settings, the seed and
+    the threads, with each tool's defaults."""
     from blockspec.zoo.registry import DEFAULT_TARGET
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--target", default=DEFAULT_TARGET)
     ap.add_argument("--drafter", default=None, help="default: the drafter shipped for a zoo target")
     ap.add_argument("--dataset", default="gsm8k")
-    ap.add_argument("--limit", type=int, default=4, help="prompts (default 4)")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--temperature", type=float, default=0.7)
-    ap.add_argument("--top-p", type=float, default=0.9)
-    ap.add_argument("--top-k", type=int, default=0)
-    ap.add_argument("--seed", type=int, default=None, help="every request's seed (default: none, as chat clients)")
+    ap.add_argument("--limit", type=int, default=limit, help=f"prompts (default {limit})")
+    ap.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    ap.add_argument("--temperature", type=float, default=temperature)
+    ap.add_argument("--top-p", type=float, default=top_p)
+    ap.add_argument("--seed", type=int, default=None,
+                    help="every sampled request's seed (default: none, as chat clients send them)")
     ap.add_argument("--threads", type=int, default=None)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def load_pinned(args: argparse.Namespace) -> object:
+    """The `run_arguments` model pair, loaded after pinning `--threads` (where given)."""
+    from blockspec.api import load
+
     if args.threads:
         from blockspec.cpu.threads import pin
 
         pin(args.threads)
-    pipe = load(args.target, args.drafter)
+    return load(args.target, args.drafter)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from blockspec.config import SamplingParams
+
+    ap = run_arguments(__doc__.splitlines()[0], limit=4, max_new_tokens=64, temperature=0.7, top_p=0.9)
+    ap.add_argument("--top-k", type=int, default=0)
+    args = ap.parse_args(argv)
+    pipe = load_pinned(args)
     prompts = dataset_prompts(pipe.tokenizer, args.dataset, args.limit)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)

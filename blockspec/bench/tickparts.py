@@ -20,7 +20,6 @@ could still gain (BENCHMARKS.md, "Where the int8 mode's time goes").
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from collections import Counter
@@ -29,7 +28,7 @@ from contextlib import contextmanager
 
 import torch
 
-from blockspec.bench.sampling_cost import dataset_prompts, patched
+from blockspec.bench.sampling_cost import dataset_prompts, load_pinned, patched, run_arguments
 from blockspec.cpu import kernels
 
 # (module, attribute, part): the timed parts of a tick; class methods as "Class.method"
@@ -183,29 +182,14 @@ def table(name: str, result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from blockspec.api import load
     from blockspec.bench.runner import EngineRunner, Request
     from blockspec.config import DEFAULT_TREE_NODES, LookupConfig, SamplingParams
-    from blockspec.zoo.registry import DEFAULT_TARGET
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", default=DEFAULT_TARGET)
-    ap.add_argument("--drafter", default=None, help="default: the drafter shipped for a zoo target")
-    ap.add_argument("--dataset", default="gsm8k")
-    ap.add_argument("--limit", type=int, default=16, help="prompts (default 16)")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=None, help="every sampled request's seed (default: none)")
+    ap = run_arguments(__doc__.splitlines()[0], limit=16, max_new_tokens=128, temperature=0.0, top_p=1.0)
     ap.add_argument("--tree-nodes", type=int, default=DEFAULT_TREE_NODES)
     ap.add_argument("--concurrency", type=int, default=1, help="requests in flight (default 1)")
-    ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args(argv)
-    if args.threads:
-        from blockspec.cpu.threads import pin
-
-        pin(args.threads)
-    pipe = load(args.target, args.drafter)
+    pipe = load_pinned(args)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             seed=args.seed)
     requests = [Request(tuple(ids), params) for ids in dataset_prompts(pipe.tokenizer, args.dataset, args.limit)]

@@ -485,6 +485,13 @@ def nucleus_pairs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.
     return ids[: b * n * k].view(b, n, k), probs[: b * n * k].view(b, n, k)
 
 
+def _keyed_args(seeds: list[int], starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows' seeds and first output positions as the keyed kernels read them (keyed.h): each seed
+    as its 64-bit residue's bit pattern, read unsigned; the caller keeps both alive through the
+    call (a temporary's memory would be freed, and reused, before the call reads it)."""
+    return torch.tensor([s & MASK64 for s in seeds], dtype=torch.uint64), torch.tensor(starts, dtype=torch.int64)
+
+
 def nucleus_draws(logits: torch.Tensor, support: torch.Tensor | None, temperature: torch.Tensor, top_p: torch.Tensor,
                   seeds: list[int], starts: list[int]
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
@@ -506,9 +513,7 @@ def nucleus_draws(logits: torch.Tensor, support: torch.Tensor | None, temperatur
         ids_of = support.detach().to(torch.int64).contiguous()
     t = temperature.detach().to(torch.float32).contiguous()
     p = top_p.detach().to(torch.float32).contiguous()
-    # seeds as their 64-bit residues' bit patterns, which the kernel reads unsigned
-    keys_in = torch.tensor([s & MASK64 for s in seeds], dtype=torch.uint64)
-    at = torch.tensor(starts, dtype=torch.int64)
+    keys_in, at = _keyed_args(seeds, starts)
     width = min(NUCLEUS_PAIRS, v)
     ids = torch.empty(b * n * width, dtype=torch.int64)
     probs = torch.empty(b * n * width, dtype=torch.float32)
@@ -534,8 +539,7 @@ def pairs_race(ids: torch.Tensor, probs: torch.Tensor, seeds: list[int], starts:
         return None
     b, n, k = ids.shape
     pairs_ids, pairs_p = ids.to(torch.int64).contiguous(), probs.contiguous()
-    keys_in = torch.tensor([s & MASK64 for s in seeds], dtype=torch.uint64)  # named: alive through the call
-    at = torch.tensor(starts, dtype=torch.int64)
+    keys_in, at = _keyed_args(seeds, starts)
     drawn = torch.empty(b, n, dtype=torch.int64)
     if fn.pairs_race(pairs_ids.data_ptr(), pairs_p.data_ptr(), b, n, k, keys_in.data_ptr(), at.data_ptr(),
                      drawn.data_ptr()):
@@ -576,9 +580,7 @@ def position_keys(seeds: list[int], starts: list[int], n: int) -> torch.Tensor |
         return None
     out = torch.empty(len(seeds), n, dtype=torch.int64)
     if len(seeds) and n:
-        # named: a temporary's memory would be freed (and reused) before the call reads it
-        keys_in = torch.tensor([s & MASK64 for s in seeds], dtype=torch.uint64)
-        at = torch.tensor(starts, dtype=torch.int64)
+        keys_in, at = _keyed_args(seeds, starts)
         fn.position_keys(keys_in.data_ptr(), at.data_ptr(), len(seeds), n, out.data_ptr())
     return out
 

@@ -258,6 +258,16 @@ def test_the_standard_rule_decides_the_same(ragged: bool) -> None:
     assert torch.equal(got[1], want[1]) and not bool(got[0].any())
 
 
+def _target_and_draft(b: int, m: int, v: int, seed: int
+                      ) -> tuple[SparseProbs, torch.Tensor, SparseProbs, torch.Tensor]:
+    """The target's p at m + 1 positions and a draft's q at m, each as pairs and as rows (T 0.8,
+    top-p 0.95): the draft's logits are the target's moved, so its nucleus overlaps p's but is
+    not p's."""
+    x = _logits(b, m + 1, v, seed=seed, strong=3, spread=3.0)
+    settings = _settings(b, 0.8, 0.95)
+    y = 0.6 * x[:, :m] + 0.4 * _logits(b, m, v, seed=seed + 1000, strong=3, spread=3.0)
+    return nucleus_pairs(x, *settings), probabilities(x, *settings), nucleus_pairs(y, *settings), probabilities(y, *settings)
+
 
 @pytest.mark.parametrize("ragged", [False, True])
 def test_the_standard_rule_decides_the_same_with_the_drafts_q_as_pairs(ragged: bool) -> None:
@@ -268,12 +278,7 @@ def test_the_standard_rule_decides_the_same_with_the_drafts_q_as_pairs(ragged: b
     outcomes = set()
     for trial in range(60):
         g = torch.Generator().manual_seed(trial)
-        x = _logits(b, m + 1, v, seed=2000 + trial, strong=3, spread=3.0)
-        settings = _settings(b, 0.8, 0.95)
-        p_pairs, p = nucleus_pairs(x, *settings), probabilities(x, *settings)
-        # the draft's logits: the target's, moved, so its nucleus overlaps p's but is not p's
-        y = 0.6 * x[:, :m] + 0.4 * _logits(b, m, v, seed=3000 + trial, strong=3, spread=3.0)
-        q_pairs, q = nucleus_pairs(y, *settings), probabilities(y, *settings)
+        p_pairs, p, q_pairs, q = _target_and_draft(b, m, v, 2000 + trial)
         assert q_pairs is not None and torch.equal(q_pairs.dense(), q)
         proposals, accept_u, bonus_u, limit = _rule_draws(q, g, ragged)
         want = verify_standard(proposals, p, q, accept_u, bonus_u, limit)
@@ -297,11 +302,7 @@ def test_the_standard_rules_kernel_decides_as_the_host(ragged: bool, monkeypatch
     outcomes = set()
     for trial in range(80):
         g = torch.Generator().manual_seed(trial)
-        x = _logits(b, m + 1, v, seed=4000 + trial, strong=3, spread=3.0)
-        settings = _settings(b, 0.8, 0.95)
-        p_pairs, p = nucleus_pairs(x, *settings), probabilities(x, *settings)
-        y = 0.6 * x[:, :m] + 0.4 * _logits(b, m, v, seed=5000 + trial, strong=3, spread=3.0)
-        q_pairs, q = nucleus_pairs(y, *settings), probabilities(y, *settings)
+        p_pairs, p, q_pairs, q = _target_and_draft(b, m, v, 4000 + trial)
         proposals, _, _, limit = _rule_draws(q, g, ragged)
         if trial % 3 == 0:  # lookup proposed some rows' first positions: point masses there
             looked = torch.randint(0, m + 1, (b,), generator=g).tolist()

@@ -35,7 +35,6 @@
 
 #define NUCLEUS_CAP 1024
 #define NUCLEUS_SPAN 9.0f
-#define RACE_HEAD 32 /* dflash/sampling.py's RACE_HEAD: tokens with clocks of their own */
 
 typedef struct {
     float w; /* e^((x - max) inv_t) */

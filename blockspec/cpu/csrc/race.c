@@ -10,7 +10,6 @@
 
 #include "keyed.h"
 
-#define RACE_HEAD 32 /* dflash/sampling.py's RACE_HEAD: tokens with clocks of their own */
 
 /* ids, probs: rows x k pairs (rows = groups x per; probability 0: padding), group g's position
  * j = r % per keyed by seeds[g] (its 64-bit residue) at output position starts[g] + j. Writes
