@@ -271,8 +271,8 @@ def resolve_drafter_dtype(drafter_dtype: str, target_dtype: str, device: str, co
                           ) -> torch.dtype:
     """The drafter's torch dtype: explicit, or "auto" (the target's; bfloat16 beside a float32
     target on a CPU whose oneDNN runs bf16 products: drafting streams half the bytes; float32
-    beside a target computing in int8, whose mode the drafter then takes: 8-bit weights stream
-    half of bf16's bytes, `DFlashDrafter.use_compute`)."""
+    beside a target computing in int8, whose mode the drafter then takes: 4-bit integer weights
+    stream a quarter of bf16's bytes, `DFlashDrafter.use_compute`)."""
     if drafter_dtype == "auto":
         cpu = torch.device(device).type == "cpu"
         if compute == "int8":

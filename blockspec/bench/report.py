@@ -445,7 +445,8 @@ def markdown(summaries: Sequence[Summary], agreements: Sequence[Agreement], meta
     lines += lossless_lines(agreements) + [""]
     facts = [
         ("target", meta.get("target")), ("drafter", meta.get("drafter")), ("backend", meta.get("backend")),
-        ("dtype", meta.get("dtype")), ("compute", meta.get("compute")), ("packed weights", meta.get("packed_weights")),
+        ("dtype", meta.get("dtype")), ("compute", meta.get("compute")), ("drafter's compute", meta.get("drafter_compute")),
+        ("packed weights", meta.get("packed_weights")),
         ("device", meta.get("device")), ("hardware", env.get("hardware")), ("date", env.get("date")),
         ("torch / transformers", f"{env.get('torch')} / {env.get('transformers')}" if env else None),
         ("torch threads", env.get("torch_threads")),

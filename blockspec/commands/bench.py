@@ -399,6 +399,7 @@ def run(args: argparse.Namespace) -> int:
         "compute": getattr(pipe.target, "compute_detail", pipe.compute),
         "dtype": args.dtype,
         "drafter_dtype": str(next(pipe.drafter.parameters()).dtype).removeprefix("torch."),
+        "drafter_compute": _drafter_compute(pipe.drafter),
         "device": args.device,
         "clock": args.clock,
         "max_new_tokens": args.max_new_tokens,
@@ -433,6 +434,16 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     return 0
+
+
+def _drafter_compute(drafter: object) -> str:
+    """How the drafter computed its proposals (set from the target's mode by the engine), for the
+    report: "exact", or the int8 mode with its weights' bits."""
+    from blockspec.dflash.drafter import INT8_BITS_ENV
+
+    if getattr(drafter, "compute", "exact") != "int8":
+        return "exact"
+    return f"int8, {drafter.int8_bits}-bit weights ({INT8_BITS_ENV}=4 or 8 picks them)"
 
 
 def _packed(target: object) -> str | None:

@@ -118,19 +118,32 @@ def from_packed(packed: PackedWeight) -> Int8Weight | None:
                       packed.source)
 
 
-def quantize_weight(weight: torch.Tensor) -> Int8Weight | None:
+def quantize_weight(weight: torch.Tensor, bits: int = 8) -> Int8Weight | None:
     """An fp32 [out, in] CPU matrix in Q8_0's form (per block of 32: d = max |w| / 127 rounded to
-    fp16, as Q8_0 stores it, q = w / d rounded and clamped to [-127, 127]), for a model without GGUF
-    values asked to run in int8; None where `in` is not a multiple of 32, the weight is not fp32 on
-    the CPU, or a scale is past fp16's range."""
+    fp16, as Q8_0 stores it, q = w / d rounded and clamped to [-127, 127]), or with bits 4 in
+    Q4_1's (per block: m = min w and d = (max w - m) / 15, each rounded to fp16, q = (w - m) / d
+    rounded and clamped to [0, 15]: half the bytes, for weights whose products may be lossier,
+    a drafter's), for a model without GGUF values asked to run in int8; None where `in` is not
+    a multiple of 32, the weight is not fp32 on the CPU, or a scale is past fp16's range."""
+    if bits not in (4, 8):
+        raise ValueError(f"a quantised weight has 4 or 8 bits, got {bits}")
     if weight.dtype != torch.float32 or weight.dim() != 2 or weight.device.type != "cpu" or weight.shape[1] % BLOCK:
         return None
     out, n_in = weight.shape
     wb = weight.detach().reshape(out, n_in // BLOCK, BLOCK)
-    d = (wb.abs().amax(-1) / 127).half().float()  # [out, nb]
-    if not bool(torch.isfinite(d).all()):
+    if bits == 8:
+        d = (wb.abs().amax(-1) / 127).half().float()  # [out, nb]
+        if not bool(torch.isfinite(d).all()):
+            return None
+        return interleave(8, _levels(wb, d).reshape(out, n_in).to(torch.int8), d, None, identity(weight), exact=False)
+    m = wb.amin(-1).half().float()  # [out, nb]
+    d = ((wb.amax(-1) - m) / 15).half().float()
+    if not bool(torch.isfinite(d).all() and torch.isfinite(m).all()):
         return None
-    return interleave(8, _levels(wb, d).reshape(out, n_in).to(torch.int8), d, None, identity(weight), exact=False)
+    q = torch.where(d[..., None] > 0, ((wb - m[..., None]) / d[..., None]).round().clamp(0, 15), torch.zeros(()))
+    q = q.to(torch.uint8)  # [out, nb, 32]
+    packed = (q[..., :16] | (q[..., 16:] << 4)).reshape(out, n_in // 2)  # Q4's byte order (`interleave`)
+    return interleave(4, packed, d, m, identity(weight), exact=False)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -17,6 +17,7 @@ which parity tests hold equal.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -157,6 +158,23 @@ class DraftLayer(nn.Module):
             self.mlp_conv = BlockConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
 
 
+INT8_WEIGHT_BITS = (4, 8)  # a drafter's weight forms in the int8 mode; the first is the default
+INT8_BITS_ENV = "BLOCKSPEC_DRAFTER_BITS"
+
+
+def int8_weight_bits() -> int:
+    """The int8 mode's drafter weight bits a new drafter takes: $BLOCKSPEC_DRAFTER_BITS (4 or 8),
+    else 4. Why 4 by default: a drafting step reads the drafter's layers and draft head (~23 MB
+    in 8 bits) cold after every target pass, and half the bytes cost fewer accepted proposals
+    than the time they save (BENCHMARKS.md, "The drafter's weights in 4 bits")."""
+    value = os.environ.get(INT8_BITS_ENV, "").strip()
+    if not value:
+        return INT8_WEIGHT_BITS[0]
+    if value not in ("4", "8"):
+        raise ConfigError(f"{INT8_BITS_ENV} must be 4 or 8 (the drafter's weight bits in the int8 mode), got {value!r}")
+    return int(value)
+
+
 class DFlashDrafter(nn.Module):
     """Stateless DFlash draft network. Use `load_drafter` / `new_drafter` to build one."""
 
@@ -177,14 +195,21 @@ class DFlashDrafter(nn.Module):
         self.register_buffer("draft_vocab", None, persistent=False)  # [Vd] sorted token ids, or None
         self._head_rows: tuple | None = None  # (key, weight [Vd, H], bias [Vd] | None, Int8Weight | None)
         self.compute = "exact"  # how the static pass and the restricted draft head compute (`use_compute`)
+        self.int8_bits = int8_weight_bits()  # the int8 mode's weight forms: 4 or 8 bits (`use_compute`)
 
-    def use_compute(self, compute: str) -> str:
+    def use_compute(self, compute: str, bits: int | None = None) -> str:
         """Computes the static pass's products (dflash/static_drafter.py) and the restricted draft
-        head as `compute` says: "int8" (8-bit activations times 8-bit weights, cpu/int8.py: the
+        head as `compute` says: "int8" (8-bit activations times integer weights, cpu/int8.py: the
         target's int8 mode; an fp32 drafter on the CPU only, else it stays exact) or "exact".
+        `bits`: the int8 mode's weight forms, 4 (Q4_1's, the default: half the bytes of a pass
+        that reads its weights cold after every target pass) or 8 (Q8_0's); None keeps them.
         Proposals change with it, never the output (the target verifies). Returns the mode taken."""
         if compute not in ("exact", "int8"):
             raise ConfigError(f"a drafter computes 'exact' or 'int8', got {compute!r}")
+        if bits is not None:
+            if bits not in INT8_WEIGHT_BITS:
+                raise ConfigError(f"a drafter's int8 weight forms have 4 or 8 bits, got {bits!r}")
+            self.int8_bits = bits
         w = self.fc.weight
         fits = w.dtype == torch.float32 and w.device.type == "cpu" and w.shape[1] % 32 == 0
         self.compute = "int8" if compute == "int8" and fits else "exact"
@@ -387,14 +412,14 @@ class DFlashDrafter(nn.Module):
 
     def _restricted_head(self, head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, Int8Weight | None]:
         """The head's draft-vocabulary rows [Vd, H] and bias [Vd] in the drafter's dtype, and in
-        the int8 mode their 8-bit form (else None)."""
+        the int8 mode their integer form (else None)."""
         w = head.weight
         dtype = self.fc.weight.dtype  # the rows are a copy anyway: keep them in the drafter's dtype
-        key = (w.data_ptr(), w.dtype, w.device, self.draft_vocab.data_ptr(), dtype, self.compute)
+        key = (w.data_ptr(), w.dtype, w.device, self.draft_vocab.data_ptr(), dtype, self.compute, self.int8_bits)
         if self._head_rows is None or self._head_rows[0] != key:  # the target head is frozen
             bias = getattr(head, "bias", None)
             rows = w.detach()[self.draft_vocab].to(dtype).contiguous()
-            integer = quantize_weight(rows) if self.compute == "int8" else None
+            integer = quantize_weight(rows, self.int8_bits) if self.compute == "int8" else None
             self._head_rows = (key, rows, None if bias is None else bias.detach()[self.draft_vocab].to(dtype),
                                integer)
         return self._head_rows[1:]

@@ -17,9 +17,10 @@ engine runs, proven equal to `DraftCache`'s module pass by parity tests:
 - Whole pass: the C layer program (cpu/program.py) runs a DFlash drafter's layer stack in one
   call where it can (`StaticPass.layers`); DFlash 2's block convolutions keep the layer loop.
 - The int8 mode (`DFlashDrafter.use_compute`, an fp32 drafter beside an int8 target): fc and
-  every layer product multiply 8-bit activations by 8-bit weights (cpu/int8.py), in the program
-  and in the loop alike (the same bits: the products are row-wise). Proposals change, the output
-  never does (the target verifies); the pass streams about a quarter of fp32's weight bytes.
+  every layer product multiply 8-bit activations by integer weights (cpu/int8.py; Q4_1's 4-bit
+  forms by default, Q8_0's with `bits=8`), in the program and in the loop alike (the same bits:
+  the products are row-wise). Proposals change, the output never does (the target verifies);
+  the pass streams about an eighth (4 bits) or a quarter (8 bits) of fp32's weight bytes.
 
 `StaticDrafter` prepares the weights and makes the caches; calling it is the module's forward
 under inference mode.
@@ -52,7 +53,8 @@ Int8Layer = tuple[Int8Weight, Int8Weight, Int8Weight, Int8Weight]  # q/k/v, o, g
 @dataclass(frozen=True)
 class Int8Forms:
     """The int8 mode's weights of a drafter (`StaticWeights.integer`): fc's and, per layer, the
-    four products' 8-bit forms (cpu/int8.py's `quantize_weight`), read by the pass and the program."""
+    four products' integer forms (cpu/int8.py's `quantize_weight`, in the drafter's `int8_bits`),
+    read by the pass and the program."""
 
     fc: Int8Weight
     layers: list[Int8Layer]
@@ -116,7 +118,8 @@ class StaticWeights:
         target's pass streamed its weights)."""
         if not check and self._read is not None:
             return self._read
-        key = self._every_key()
+        m = self.module
+        key = (self._every_key(), m.compute, m.int8_bits)  # the forms follow the mode and its bits too
         if self._read is None or key != self._read_key:
             fused = self.fused()
             self._read, self._read_key = (fused, self.integer(fused)), key
@@ -152,13 +155,13 @@ class StaticWeights:
 
     def integer(self, fused: list[Fused]) -> Int8Forms | None:
         """The int8 mode's weights, current with these fused weights and the module's; None in
-        the exact mode (`DFlashDrafter.use_compute`) or where a matrix has no 8-bit form."""
+        the exact mode (`DFlashDrafter.use_compute`) or where a matrix has no integer form."""
         m = self.module
         if m.compute != "int8":
             return None
-        key = self._versions(self._slots()[1])
+        key = (self._versions(self._slots()[1]), m.int8_bits)
         if self._int8 is None or self._int8[0] is not fused or self._int8[1] != key:
-            forms = [quantize_weight(w.detach()) for w in [m.fc.weight] + [
+            forms = [quantize_weight(w.detach(), m.int8_bits) for w in [m.fc.weight] + [
                 w for layer, (w_qkv, _, w_gate_up) in zip(m.layers, fused)
                 for w in (w_qkv, layer.self_attn.o_proj.weight, w_gate_up, layer.mlp.down_proj.weight)]]
             made = None if any(f is None for f in forms) else Int8Forms(
@@ -168,7 +171,7 @@ class StaticWeights:
 
     def program(self, fused: list[Fused], integer: Int8Forms | None = None) -> LayerProgram | None:
         """The layer loop as one kernel call (cpu/program.py), built from these fused weights
-        (and with `integer` their 8-bit forms: the int8 mode); None where it cannot run (the
+        (and with `integer` their integer forms: the int8 mode); None where it cannot run (the
         layer loop then runs: the same bits)."""
         if self._program is not None and self._program[0] is fused and self._program[1] is integer:
             program = self._program[2]
@@ -407,7 +410,7 @@ class StaticPass:
     def _product(self, i: int, k: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                  ) -> torch.Tensor:
         """Layer i's product k (0 q/k/v, 1 o, 2 gate/up, 3 down): x [.., in] -> [.., out], from
-        its 8-bit form in the int8 mode."""
+        its integer form in the int8 mode."""
         if self.integer is not None:
             return int8_linear(x, self.integer.layers[i][k], bias)
         return linear(x, weight, bias, exact=False)

@@ -81,6 +81,32 @@ def test_scales_are_held_as_fp16_numbers_without_changing_a_weight() -> None:
 
 
 @needs_kernel
+def test_a_4_bit_form_is_q4_1s_rounding_with_fp16_scales() -> None:
+    """quantize_weight(w, 4): per block of 32, m = min and d = (max - m) / 15 as fp16 numbers, q
+    the nearest of 16 levels; its products are the kernel's, as every integer form's."""
+    x = torch.randn(8, 96, generator=torch.Generator().manual_seed(11)) * torch.logspace(-4, 2, 8)[:, None]
+    x[3, :32] = 0.25  # a constant block: d 0, every level 0
+    q4 = int8.quantize_weight(x, 4)
+    assert q4.bits == 4 and not q4.exact and q4.d.dtype == q4.m.dtype == torch.float16
+    levels = q4.levels().float()
+    assert levels.min() >= 0 and levels.max() == 15
+    d, m = q4.scales()
+    rebuilt = (m[:, :, None] + d[:, :, None] * levels.view(8, 3, 32)).reshape(8, 96)
+    blocks = x.view(8, 3, 32)
+    assert torch.equal(m, blocks.amin(-1).half().float())
+    assert torch.equal(d, ((blocks.amax(-1) - m) / 15).half().float())
+    # within half a step, and a little more at the ends, where m and d were rounded to fp16
+    slack = 0.51 * d[:, :, None] + 2e-3 * blocks.abs().amax(-1, keepdim=True)
+    assert ((rebuilt.view(8, 3, 32) - blocks).abs() <= slack).all()
+    assert torch.equal(rebuilt[3, :32], torch.full((32,), 0.25))
+    assert (rebuilt - x).abs().max() > 0  # 16 levels cannot hold random weights
+    assert int8.quantize_weight(torch.randn(4, 40), 4) is None
+    with pytest.raises(ValueError, match="4 or 8 bits"):
+        int8.quantize_weight(x, 3)
+    acts = torch.randn(5, 96, generator=torch.Generator().manual_seed(12))
+    assert torch.equal(int8.int8_linear(acts, q4), int8.reference_product(acts, q4))
+
+
 def test_subnormal_fp16_scales_widen_exactly() -> None:
     # weights of ~1e-5: their blocks' d are fp16 subnormals, which each path widens to fp32 exactly
     for kind in ("Q4_1", "Q8_0"):

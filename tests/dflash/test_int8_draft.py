@@ -1,7 +1,8 @@
 """The drafter in the int8 compute mode (`DFlashDrafter.use_compute`): the static pass's products
-(fc, q/k/v, o, gate/up, down) and the restricted draft head multiply 8-bit activations by 8-bit
-weights (cpu/int8.py). Held against a PyTorch reference of the same arithmetic: the module's own
-pass with every product replaced by `reference_product` of the weight's `quantize_weight` form.
+(fc, q/k/v, o, gate/up, down) and the restricted draft head multiply 8-bit activations by integer
+weights of 4 bits (the default) or 8 (cpu/int8.py). Held against a PyTorch reference of the same
+arithmetic: the module's own pass with every product replaced by `reference_product` of the
+weight's `quantize_weight` form of those bits.
 The C layer program has the Python loop's bits; the exact mode is untouched (its parity tests:
 test_forward_parity.py); greedy DFlash in int8 equals int8 plain decoding (test_compute_modes.py
 and below)."""
@@ -15,15 +16,15 @@ from test_forward_parity import _drafter, _passes
 from blockspec.cpu import kernels
 from blockspec.cpu.int8 import quantize_weight, reference_product
 from blockspec.dflash import drafter as drafter_module
-from blockspec.dflash.drafter import new_drafter_for_target
+from blockspec.dflash.drafter import INT8_BITS_ENV, int8_weight_bits, new_drafter_for_target
 from blockspec.dflash.static_drafter import StaticDrafter, StaticWeights
 from blockspec.errors import ConfigError
 
 needs_kernel = pytest.mark.skipif(kernels.kernel() is None, reason="the native CPU kernel did not build here")
 
 
-def _int8_reference(module: torch.nn.Linear, x: torch.Tensor, **_: object) -> torch.Tensor:
-    return reference_product(x, quantize_weight(module.weight.detach()), module.bias)
+def _int8_reference(module: torch.nn.Linear, x: torch.Tensor, bits: int = 8, **_: object) -> torch.Tensor:
+    return reference_product(x, quantize_weight(module.weight.detach(), bits), module.bias)
 
 
 def _head(drafter, seed: int = 4) -> torch.nn.Linear:
@@ -35,15 +36,16 @@ def _head(drafter, seed: int = 4) -> torch.nn.Linear:
     return head
 
 
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("batch", [2, 1], ids=["ragged", "one-row"])
 def test_int8_pass_equals_the_pytorch_reference_and_the_program_has_the_loops_bits(
-        batch: int, monkeypatch: pytest.MonkeyPatch) -> None:
+        batch: int, bits: int, monkeypatch: pytest.MonkeyPatch) -> None:
     drafter = _drafter("bidirectional")
-    assert drafter.use_compute("int8") == "int8"
+    assert drafter.use_compute("int8", bits) == "int8" and drafter.int8_bits == bits
     rows = slice(2 - batch, 2)
     with monkeypatch.context() as patch:  # the module's pass, its products the int8 arithmetic in PyTorch
-        patch.setattr(torch.nn.Linear, "forward", lambda self, x: _int8_reference(self, x))
-        patch.setattr(drafter_module, "project", _int8_reference)
+        patch.setattr(torch.nn.Linear, "forward", lambda self, x: _int8_reference(self, x, bits))
+        patch.setattr(drafter_module, "project", lambda module, x, **_: _int8_reference(module, x, bits))
         with torch.inference_mode():
             want = _passes(drafter, drafter, drafter.new_cache(batch), rows)
     runs, kinds = {}, []
@@ -56,7 +58,8 @@ def test_int8_pass_equals_the_pytorch_reference_and_the_program_has_the_loops_bi
             made = static.weights._program
             kinds.append(None if made is None or made[2] is None else made[2].kinds())
     if kernels.kernel() is not None and kernels.max_rows(torch.float32, exact=False) >= 24:
-        assert kinds[1] == [(24, 24, 24, 24)] * len(drafter.layers)  # the program's products are 8-bit ones
+        kind = 16 + bits  # the program's products read integer forms of these bits (LayerProgram.kinds)
+        assert kinds[1] == [(kind,) * 4] * len(drafter.layers)
     head = _head(drafter)
     exact = StaticDrafter(_drafter("bidirectional"))  # the same weights in the exact mode
     got_exact = _passes(drafter, exact, exact.new_cache(batch), rows)
@@ -68,7 +71,8 @@ def test_int8_pass_equals_the_pytorch_reference_and_the_program_has_the_loops_bi
             assert torch.equal(drafter.greedy_tokens(got_loop[:, 1:], head), drafter.greedy_tokens(ref[:, 1:], head))
 
 
-def test_int8_head_is_the_reference_product_of_the_draft_vocabulary_rows() -> None:
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int8_head_is_the_reference_product_of_the_draft_vocabulary_rows(bits: int) -> None:
     drafter = _drafter("bidirectional")
     head = _head(drafter)
     vocab = torch.tensor([3, 5, 8, 13, 21, 34, 40, 47])
@@ -76,8 +80,8 @@ def test_int8_head_is_the_reference_product_of_the_draft_vocabulary_rows() -> No
     hidden = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(7))
     with torch.inference_mode():
         exact_logits = drafter.logits(hidden, head)
-        drafter.use_compute("int8")
-        ref = reference_product(hidden, quantize_weight(head.weight.detach()[vocab]), head.bias.detach()[vocab])
+        drafter.use_compute("int8", bits)
+        ref = reference_product(hidden, quantize_weight(head.weight.detach()[vocab], bits), head.bias.detach()[vocab])
         logits = drafter.logits(hidden, head)
         assert torch.equal(logits[..., vocab], ref)
         assert torch.isinf(logits).sum() == 2 * 5 * (drafter.cfg.vocab_size - len(vocab))
@@ -101,6 +105,37 @@ def test_only_an_fp32_cpu_drafter_takes_the_int8_mode() -> None:
     assert drafter.to(torch.bfloat16).use_compute("int8") == "exact"  # bf16 activations: the exact path
     static = StaticDrafter(drafter)
     assert static.weights.integer(static.weights.fused()) is None
+
+
+def test_the_int8_modes_weight_bits_default_to_4_and_follow_a_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """4-bit forms unless $BLOCKSPEC_DRAFTER_BITS or `use_compute(..., bits)` says 8; a switch
+    rebuilds the pass's forms and the draft head's rows (their reads key on the bits), and a bad
+    value is refused with what to set."""
+    monkeypatch.delenv(INT8_BITS_ENV, raising=False)
+    assert int8_weight_bits() == 4
+    monkeypatch.setenv(INT8_BITS_ENV, "8")
+    assert int8_weight_bits() == 8 and _drafter("bidirectional").int8_bits == 8
+    monkeypatch.setenv(INT8_BITS_ENV, "2")
+    with pytest.raises(ConfigError, match="BLOCKSPEC_DRAFTER_BITS must be 4 or 8"):
+        int8_weight_bits()
+    monkeypatch.delenv(INT8_BITS_ENV)
+    drafter = _drafter("bidirectional")
+    with pytest.raises(ConfigError, match="4 or 8 bits"):
+        drafter.use_compute("int8", 3)
+    assert drafter.int8_bits == 4 and drafter.use_compute("int8") == "int8"
+    weights = StaticDrafter(drafter).weights
+    four = weights.read()[1]
+    assert four.fc.bits == 4 and all(w.bits == 4 for layer in four.layers for w in layer)
+    drafter.use_compute("int8", 8)
+    eight = weights.read()[1]
+    assert eight.fc.bits == 8 and all(w.bits == 8 for layer in eight.layers for w in layer)
+    drafter.use_compute("int8")  # no bits: the drafter keeps its 8
+    assert weights.read()[1] is eight
+    head = _head(drafter)
+    drafter.set_draft_vocab(torch.tensor([1, 2, 3]), drafter.cfg.vocab_size)
+    assert drafter._restricted_head(head)[2].bits == 8
+    drafter.use_compute("int8", 4)
+    assert drafter._restricted_head(head)[2].bits == 4 and weights.read()[1].fc.bits == 4
 
 
 def test_int8_forms_follow_a_changed_weight() -> None:
