@@ -122,8 +122,8 @@ def quantize_weight(weight: torch.Tensor, bits: int = 8) -> Int8Weight | None:
     """An fp32 [out, in] CPU matrix in Q8_0's form (per block of 32: d = max |w| / 127 rounded to
     fp16, as Q8_0 stores it, q = w / d rounded and clamped to [-127, 127]), or with bits 4 in
     Q4_1's (per block: m = min w and d = (max w - m) / 15, each rounded to fp16, q = (w - m) / d
-    rounded and clamped to [0, 15]: half the bytes, for weights whose products may be lossier,
-    a drafter's), for a model without GGUF values asked to run in int8; None where `in` is not
+    rounded and clamped to [0, 15]: 0.625 bytes a weight against 1.0625, for weights whose
+    products may be lossier, a drafter's), for a model without GGUF values asked to run in int8; None where `in` is not
     a multiple of 32, the weight is not fp32 on the CPU, or a scale is past fp16's range."""
     if bits not in (4, 8):
         raise ValueError(f"a quantised weight has 4 or 8 bits, got {bits}")

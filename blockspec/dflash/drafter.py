@@ -164,9 +164,9 @@ INT8_BITS_ENV = "BLOCKSPEC_DRAFTER_BITS"
 
 def int8_weight_bits() -> int:
     """The int8 mode's drafter weight bits a new drafter takes: $BLOCKSPEC_DRAFTER_BITS (4 or 8),
-    else 4. Why 4 by default: a drafting step reads the drafter's layers and draft head (~23 MB
-    in 8 bits) cold after every target pass, and half the bytes cost fewer accepted proposals
-    than the time they save (BENCHMARKS.md, "The drafter's weights in 4 bits")."""
+    else 4. Why 4 by default: a drafting step reads the drafter's layers and draft head (~24 MB
+    in 8 bits) cold after every target pass, and the 4-bit forms (~14 MB) cost fewer accepted
+    proposals than the time they save (BENCHMARKS.md, "The drafter's weights in 4 bits")."""
     value = os.environ.get(INT8_BITS_ENV, "").strip()
     if not value:
         return INT8_WEIGHT_BITS[0]
