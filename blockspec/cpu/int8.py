@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from blockspec.cpu import kernels
-from blockspec.cpu.packed_weights import BLOCK, PackedWeight, QuantisedRows, identity
+from blockspec.cpu.packed_weights import BLOCK, PackedWeight, QuantisedRows, identity, nibbles
 
 GROUP = 16  # weight rows interleaved per group (int8.c's layout): one fp32 lane of the kernel each
 _CHUNK = 4096  # weight rows per step of the PyTorch emulation (bounds its scratch memory)
@@ -141,9 +141,7 @@ def quantize_weight(weight: torch.Tensor, bits: int = 8) -> Int8Weight | None:
     if not bool(torch.isfinite(d).all() and torch.isfinite(m).all()):
         return None
     q = torch.where(d[..., None] > 0, ((wb - m[..., None]) / d[..., None]).round().clamp(0, 15), torch.zeros(()))
-    q = q.to(torch.uint8)  # [out, nb, 32]
-    packed = (q[..., :16] | (q[..., 16:] << 4)).reshape(out, n_in // 2)  # Q4's byte order (`interleave`)
-    return interleave(4, packed, d, m, identity(weight), exact=False)
+    return interleave(4, nibbles(q), d, m, identity(weight), exact=False)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

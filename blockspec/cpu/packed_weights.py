@@ -131,10 +131,14 @@ def pack_q4(weight: torch.Tensor) -> PackedWeight | None:
     if fit is None:
         return None
     q, d = fit
+    return PackedWeight(4, nibbles(q).contiguous(), torch.cat([d, lo], dim=-1).contiguous(), identity(weight))
+
+
+def nibbles(q: torch.Tensor) -> torch.Tensor:
+    """4-bit levels q [out, nb, 32] (0..15) in Q4's byte order [out, nb * 16] uint8: input i of a
+    block in the low nibble of byte i, input 16 + i in the high one."""
     q = q.to(torch.uint8)
-    out, n_in = weight.shape
-    qs = (q[..., :16] | (q[..., 16:] << 4)).reshape(out, n_in // 2)  # [out, in / 2]
-    return PackedWeight(4, qs.contiguous(), torch.cat([d, lo], dim=-1).contiguous(), identity(weight))
+    return (q[..., :16] | (q[..., 16:] << 4)).reshape(q.shape[0], -1)
 
 
 def pack_q8(weight: torch.Tensor) -> PackedWeight | None:

@@ -170,7 +170,7 @@ def int8_weight_bits() -> int:
     value = os.environ.get(INT8_BITS_ENV, "").strip()
     if not value:
         return INT8_WEIGHT_BITS[0]
-    if value not in ("4", "8"):
+    if value not in {str(bits) for bits in INT8_WEIGHT_BITS}:
         raise ConfigError(f"{INT8_BITS_ENV} must be 4 or 8 (the drafter's weight bits in the int8 mode), got {value!r}")
     return int(value)
 
@@ -201,7 +201,7 @@ class DFlashDrafter(nn.Module):
         """Computes the static pass's products (dflash/static_drafter.py) and the restricted draft
         head as `compute` says: "int8" (8-bit activations times integer weights, cpu/int8.py: the
         target's int8 mode; an fp32 drafter on the CPU only, else it stays exact) or "exact".
-        `bits`: the int8 mode's weight forms, 4 (Q4_1's, the default: half the bytes of a pass
+        `bits`: the int8 mode's weight forms, 4 (Q4_1's, the default: 0.6 of the bytes of a pass
         that reads its weights cold after every target pass) or 8 (Q8_0's); None keeps them.
         Proposals change with it, never the output (the target verifies). Returns the mode taken."""
         if compute not in ("exact", "int8"):
