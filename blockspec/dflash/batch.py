@@ -150,6 +150,10 @@ class DecodeBatch:
         self._joined_since_draft = False
         self._plain_since_draft = 0
         self.caught_up = False
+        # (drafted positions, seconds) of the last step's draft pass and proposals, timed on a CPU
+        # (where the host waits for them; None on an accelerator, and for steps without a draft):
+        # what the adaptive policy measures the draft's part of a step by
+        self.draft_timing: tuple[int, float] | None = None
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -338,6 +342,7 @@ class DecodeBatch:
         self._draft_q = None
         self.tree_step = False
         self.node_trials = []
+        self.draft_timing = None
         remaining = [r.remaining for r in rows]
         q = max(1, min(block, self.max_block, max(remaining)))
         offsets = self.offsets[:q]
@@ -352,11 +357,14 @@ class DecodeBatch:
         if q == 1:
             self._plain_since_draft += 1
         else:
+            t0 = time.perf_counter()
             hidden = self._draft_hidden(positions, top)  # [b, q, H]
             # Constrained rows keep chains: their grammar cuts a chain at its first disallowed
             # proposal (`_cut`), which a tree would need per branch.
             trees = self.trees and tree and all(r.constraint is None for r in rows)
             proposal = self._propose(hidden[:, 1:q], trees, trim is not None)
+            if self.device.type == "cpu":
+                self.draft_timing = (q, time.perf_counter() - t0)
             if proposal.ids is not None:  # a fixed tree step reads only block_ids[:, :1]
                 block_ids[:, 1:] = proposal.ids
             from_lookup = list(proposal.looked) or from_lookup
@@ -601,6 +609,7 @@ class DecodeBatch:
         self.tree_step = False  # what the policy books this step by: a chain, with no node trials
         self.node_trials = []
         self.caught_up = False  # no draft pass
+        self.draft_timing = None
         offsets = self.offsets[:q]
         positions = self.cur[:, None] + offsets  # [b, q]
         top = max(self.cur_host) + q

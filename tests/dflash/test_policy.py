@@ -63,6 +63,84 @@ def test_calibration_times_the_draft_pass_apart() -> None:
     assert all(0 < d < t for d, t in zip(drafting[1:], totals[1:]))
 
 
+def test_cost_model_measures_the_draft_pass_apart() -> None:
+    """`observe_draft`: a width whose draft passes real steps timed keeps its own measurement in
+    `draft_table` (a first one capped at FIRST_TIMING_CAP times its estimate, a faster one
+    believed, a slower one averaged in); the others take their calibrated share of the step
+    times the measured/estimated ratio of the nearest measured widths, interpolated. Per thread
+    count; a calibration forgets them; nothing without timed draft passes."""
+    from blockspec.dflash.policy.costs import FIRST_TIMING_CAP
+
+    costs = CostModel(max_block=6, smoothing=0.5)
+    costs.set(1, [1.0, 2.0, 2.0, 2.0, 3.0, 3.0], [0.0, 1.0, 1.0, 1.0, 1.5, 1.5])  # the draft: half of each step
+    costs.use_threads(2)
+    assert costs.draft_table(1) == [0.0, 1.0, 1.0, 1.0, 1.5, 1.5]
+    costs.observe_draft(1, 3, 0.25)
+    # width 3 measured at a quarter of its estimate: every width follows that ratio
+    assert costs.draft_table(1) == pytest.approx([0.0, 0.25, 0.25, 0.25, 0.375, 0.375])
+    assert costs.table(1) == [1.0, 2.0, 2.0, 2.0, 3.0, 3.0]  # the steps' own costs do not move
+    costs.observe_draft(1, 5, 1.5 * 0.5)  # width 5 at half: widths between interpolate the two ratios
+    assert costs.draft_table(1) == pytest.approx([0.0, 0.25, 0.25, 0.375 * 1.0, 0.75, 0.75])
+    costs.observe_draft(1, 3, 0.5)  # slower: averaged in
+    costs.observe_draft(1, 5, 0.5)  # faster: believed at once
+    assert costs.draft_table(1)[2] == pytest.approx(0.375) and costs.draft_table(1)[4] == pytest.approx(0.5)
+    costs.observe_draft(1, 2, 100.0)  # a first timing far above its estimate (width 3's ratio: 0.375) is capped
+    assert costs.draft_table(1)[1] == pytest.approx(FIRST_TIMING_CAP * 0.375)
+    costs.observe_draft(1, 1, 5.0)  # a plain step drafts nothing: ignored
+    assert costs.draft_table(1)[0] == 0.0
+    costs.use_threads(1)  # another thread count: its own measurements (none yet)
+    assert costs.draft_table(1) == [0.0, 1.0, 1.0, 1.0, 1.5, 1.5]
+    costs.use_threads(2)
+    assert costs.draft_table(1)[4] == pytest.approx(0.5)
+    costs.set(1, [1.0, 2.0, 2.0, 2.0, 3.0, 3.0], [0.0, 1.0, 1.0, 1.0, 1.5, 1.5])
+    assert costs.draft_table(1) == [0.0, 1.0, 1.0, 1.0, 1.5, 1.5]  # a calibration starts afresh
+    untimed = CostModel(max_block=3)
+    untimed.set(1, [1.0, 2.0, 3.0])
+    untimed.observe_draft(1, 2, 0.5)
+    assert untimed.draft_table(1) is None
+
+
+def test_adaptive_policy_measures_draft_passes_that_do_not_catch_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each drafting step's draft pass (`DecodeBatch.draft_timing`) goes to the cost model at its
+    drafted width, except one that caught up on a backlog; the lookup steps then price the
+    drafting sizes by their own time plus the measured draft, not the calibration's share of the
+    step. Fake clock: a step verifying n tokens costs 1 + 0.1 n seconds, its draft pass 0.1 more
+    (the calibration said 1.0)."""
+    from blockspec.dflash.policy import adaptive
+
+    clock = SimpleNamespace(t=0.0)
+    monkeypatch.setattr(adaptive, "time", SimpleNamespace(perf_counter=lambda: clock.t))
+    row = SimpleNamespace(remaining=1000, acceptance_rates=lambda prior, lookup=False: [0.7] * 3,
+                          params=SamplingParams(),
+                          stats=SimpleNamespace(accepted_by_position=[0] * 3, lookup_accepted_by_position=[0] * 3),
+                          tries=[0] * 3, lookup_tries=[0] * 3)
+    drafted: list[tuple[int, bool]] = []
+
+    def step(block: int, trim: object = None) -> int:
+        batch.caught_up = block > 1 and len(drafted) % 3 == 0  # every third draft pass catches up
+        drafted.extend([(block, batch.caught_up)] * (block > 1))
+        batch.draft_timing = (block, 5.0 if batch.caught_up else 0.1) if block > 1 else None
+        clock.t += 1.0 + 0.1 * block + (batch.draft_timing[1] if block > 1 else 0.0)
+        batch.verified = block
+        return block
+
+    batch = SimpleNamespace(drafter=object(), argmax_only=True, rows=[row], skips_padding=False, verified=0,
+                            lookup_plan=lambda: [[]], step=step, caught_up=False, draft_timing=None)
+    costs = CostModel(max_block=4)
+    costs.set(1, [1.1, 2.2, 2.3, 2.4], [0.0, 1.0, 1.0, 1.0])
+    policy = AdaptiveBlock(4, costs=costs, plain_every=1000, challenge_every=1000)
+    policy.widen = lambda b, block: block  # drafts the chosen width, untrimmed
+    policy.trimmer = lambda batch: None
+    for _ in range(9):
+        policy.step(batch)
+    widths = {w for w, caught in drafted if not caught}
+    assert widths and any(caught for _, caught in drafted)
+    assert costs.drafts_seen[(costs.threads, 1)] == {w: pytest.approx(0.1) for w in widths}
+    drafts = costs.draft_table(1)
+    assert all(drafts[w - 1] == pytest.approx(0.1) for w in widths)
+    assert max(drafts) < 0.5  # the widths not measured follow the measured ones, not the calibration's 1.0
+
+
 def test_adaptive_choice_follows_acceptance_and_cost() -> None:
     costs = CostModel(max_block=16)
     costs.set(1, [1.0 + 0.07 * (n - 1) for n in range(1, 17)])  # 16 tokens cost ~2x one

@@ -18,6 +18,7 @@ from blockspec.dflash.batch import DecodeBatch
 from blockspec.dflash.row import make_row
 from blockspec.dflash.drafter import new_drafter_for_target
 from blockspec.dflash.policy import AdaptiveBlock, CostModel, calibrate
+from blockspec.dflash.proposers import BatchDraft, DFlashBlockProposer
 from blockspec.engine import Engine, EngineConfig
 from blockspec.engine.decoder import SpecDecoder
 from blockspec.targets.native import load_native_target
@@ -50,23 +51,35 @@ def _batch(model, params: list[SamplingParams]) -> DecodeBatch:
 
 
 def test_sampled_calibration_times_what_sampled_steps_run(model, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A sampled calibration shapes and draws from the target's whole logits at every size (and
-    from the draft distributions at the drafting sizes); a greedy one does neither."""
+    """A sampled calibration shapes and draws from the target's whole logits at every size, and at
+    the drafting sizes makes the proposals sampled steps make (the DFlash block proposer, the
+    standard rule's rows, their confidences where trimmed) shaped at CALIBRATION_DRAFT_TEMPERATURE:
+    the dummy context's flat draft distributions keep a real text's handful of tokens in their
+    nucleus there, not hundreds. A greedy calibration does neither."""
     shaped: list[tuple[int, ...]] = []
-    by: dict[str, list[int]] = {"probabilities": [], "shaped": []}
-    # the target's side shapes as a step does (`sparse_probs.shaped`), the draft's side densely
-    for name in by:
-        monkeypatch.setattr(calibration_module, name, lambda logits, *a, f=getattr(calibration_module, name), n=name:
-                            (shaped.append(tuple(logits.shape)), by[n].append(logits.shape[1]), f(logits, *a))[-1])
+    monkeypatch.setattr(calibration_module, "shaped", lambda logits, *a, f=calibration_module.shaped:
+                        (shaped.append(tuple(logits.shape)), f(logits, *a))[-1])
+    drafts = []
+    propose = DFlashBlockProposer.propose
+
+    def spy(self: DFlashBlockProposer, draft: BatchDraft) -> object:
+        drafts.append((self.sampled, draft.temperature.tolist(), draft.top_p.tolist(), list(draft.rules),
+                       draft.confidence, draft.hidden.shape[1]))
+        return propose(self, draft)
+
+    monkeypatch.setattr(DFlashBlockProposer, "propose", spy)
     batch = _batch(model, [SAMPLED])
     greedy = calibrate(batch, 2, 4, rounds=1)
-    assert shaped == []
-    totals, drafting = calibrate(batch, 2, 4, rounds=1, sampled=True)
+    assert shaped == [] and drafts == []
+    totals, drafting = calibrate(batch, 2, 4, rounds=1, sampled=True, confidence=True)
     assert len(totals) == len(drafting) == 4 and drafting[0] == 0.0 and all(t > 0 for t in totals)
-    verified = {s[1] for s in shaped if s[-1] == 48 and s[0] == 2}
-    assert verified == {1, 2, 3, 4}  # target blocks of every size, and drafts of 1..3 proposals among them
-    assert len(shaped) == 2 * (4 + 3)  # (warm-up + 1 round) x (4 verifies + 3 drafts)
-    assert sorted(by["shaped"]) == sorted([1, 2, 3, 4] * 2) and sorted(by["probabilities"]) == sorted([1, 2, 3] * 2)
+    assert all(0 < d < t for d, t in zip(drafting[1:], totals[1:]))
+    assert sorted(s[1] for s in shaped if s[0] == 2) == sorted([1, 2, 3, 4] * 2)  # (warm-up + 1 round) x 4 verifies
+    assert sorted(d[-1] for d in drafts) == sorted([1, 2, 3] * 2)  # and the drafts of 1..3 proposals
+    t, p = calibration_module.CALIBRATION_DRAFT_TEMPERATURE, calibration_module.CALIBRATION_TOP_P
+    assert t < calibration_module.CALIBRATION_TEMPERATURE
+    assert all(sampled and temps == [pytest.approx(t)] * 2 and tops == [pytest.approx(p)] * 2
+               and rules == ["standard"] * 2 and conf for sampled, temps, tops, rules, conf, _ in drafts)
     assert len(greedy[0]) == 4
 
 
@@ -185,13 +198,14 @@ def test_a_sampled_trim_prices_its_peaks_by_the_acceptance_seen_at_such_peaks(mo
 
 
 def test_sampled_steps_are_calibrated_at_chat_shaping(model, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The sampled calibration shapes at CALIBRATION_TEMPERATURE and CALIBRATION_TOP_P: at
-    temperature 1 a dummy context's nucleus spans far more tokens than real text's does, which
-    priced every sampled position, and so the drafting sizes, too high."""
+    """The sampled calibration shapes the target's logits at CALIBRATION_TEMPERATURE and
+    CALIBRATION_TOP_P: at temperature 1 a dummy context's nucleus spans far more tokens than real
+    text's does, which priced every sampled position, and so the drafting sizes, too high (the
+    drafts' own shaping: `test_sampled_calibration_times_what_sampled_steps_run`)."""
     seen: list[tuple[float, float]] = []
-    probabilities = calibration_module.probabilities
-    monkeypatch.setattr(calibration_module, "probabilities", lambda logits, t, k, p: (
-        seen.append((float(t[0]), float(p[0]))), probabilities(logits, t, k, p))[1])
+    shaped = calibration_module.shaped
+    monkeypatch.setattr(calibration_module, "shaped", lambda logits, t, k, p: (
+        seen.append((float(t[0]), float(p[0]))), shaped(logits, t, k, p))[1])
     calibrate(_batch(model, [SAMPLED]), 1, 4, rounds=1, sampled=True)
     assert seen and all(t == pytest.approx(calibration_module.CALIBRATION_TEMPERATURE) and p == pytest.approx(0.9)
                         for t, p in seen)

@@ -811,6 +811,9 @@ class AdaptiveBlock:
         seconds = time.perf_counter() - t0
         tree = getattr(batch, "tree_step", False) is True
         model = self._model
+        timing = getattr(batch, "draft_timing", None)
+        if timing is not None and not batch.caught_up:  # a draft pass that caught up costs more than its width
+            model.observe_draft(b, *timing)
         self.tree_steps += tree
         if offered:  # offers answered with chains come less often, until a tree wins again
             self._offer_every = 1 if self._tree_won else min(2 * self._offer_every, OFFER_BACKOFF)

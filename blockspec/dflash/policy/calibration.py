@@ -9,8 +9,9 @@ import torch
 
 from blockspec.dflash.batch import DecodeBatch
 from blockspec.dflash.policy.costs import interpolate
-from blockspec.dflash.proposers import BestFirstProposer, Draft, PositionDistributions, draft_confidence
-from blockspec.dflash.sampling import RowRandom, probabilities
+from blockspec.dflash.proposers import (BatchDraft, BestFirstProposer, DFlashBlockProposer, Draft,
+                                        PositionDistributions)
+from blockspec.dflash.sampling import RowRandom
 from blockspec.dflash.sparse_probs import draw, shaped
 from blockspec.dflash.tree_step import TREE_TOP_K, pack_trees, propose_tree
 from blockspec.dflash.tree_verify import keyed_draws
@@ -25,6 +26,13 @@ from blockspec.targets.slots import EMPTY
 # than sampled steps really are.
 CALIBRATION_TEMPERATURE = 0.7
 CALIBRATION_TOP_P = 0.9
+# The temperature sampled drafting steps' proposals are calibrated at. The drafter's distributions
+# on the dummy context are flat: at 0.7 their 0.9 nucleus held a median 117 tokens (up to 2,457,
+# past the pairs kernel's 1,024: dflash/sparse_probs.py), where real text's held 3 (mean 6;
+# SmolLM2's shipped drafter on GSM8K), so the proposals were timed on the vocabulary-wide path at
+# about five times their real cost. Believed as the draft pass's share of a step, that priced
+# drafting out (`CostModel.draft_table`). At 0.3 the dummy nucleus holds 3 (3-8).
+CALIBRATION_DRAFT_TEMPERATURE = 0.3
 
 
 def calibration_sizes(max_block: int) -> list[int]:
@@ -88,6 +96,9 @@ def calibrate(batch: DecodeBatch, size: int, max_block: int, context: int = 8,
                torch.full((size,), CALIBRATION_TOP_P, device=d))
     random = RowRandom(list(range(size)))
     starts = [0] * size
+    draft_shaping = (torch.full((size,), CALIBRATION_DRAFT_TEMPERATURE, device=d), *shaping[1:])
+    # sampled rows without a seed, chat clients' usual request: the standard rule
+    rules, constraints = ["standard"] * size, [None] * size
     head = target.head()
 
     def tree_step(hidden: torch.Tensor, n: int) -> Callable[[], None]:
@@ -124,10 +135,12 @@ def calibrate(batch: DecodeBatch, size: int, max_block: int, context: int = 8,
             hidden = batch.draft(feats[:, :1], ctx_pos, target.embed(block_ids), block_pos, dcache)
             anchor = block_ids[:, 0]  # a DFlash 2 drafter walks from it
             if sampled and batch.drafter.candidate_selector is None:  # what sampled drafting steps compute
-                draft_probs = probabilities(batch.drafter.logits(hidden[:, 1:n], target.head()), *shaping)
-                random.sample(draft_probs, starts).tolist()
+                proposal = DFlashBlockProposer(batch.drafter, sampled=True).propose(BatchDraft(
+                    hidden[:, 1:n], head, anchor, starts, random, *draft_shaping, rules, constraints,
+                    confidence=confidence))
+                proposal.ids.tolist()
                 if confidence:
-                    draft_confidence(draft_probs).tolist()
+                    proposal.confidence.tolist()
             elif tree and batch.drafter.candidate_selector is None:
                 pass  # a greedy tree step's chain, where it has one, is its top-k's first column (tree_step)
             elif confidence:  # what trimmed steps compute: proposals and their confidences

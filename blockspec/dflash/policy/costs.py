@@ -53,6 +53,9 @@ class CostModel:
     drafting: dict[int, list[float]] = field(default_factory=dict)  # calibrated draft passes alone
     threads: int = 0  # the thread count `measured` belongs to (0: not told yet)
     other_threads: dict[int, dict[int, dict[int, float]]] = field(default_factory=dict)  # the other counts'
+    # (threads, bucket) -> {drafted width: seconds}: real steps' draft passes with their proposals
+    # (`observe_draft`), at the bucket's row count
+    drafts_seen: dict[tuple[int, int], dict[int, float]] = field(default_factory=dict)
     # (what, batch size) -> a derived table, until the next change (`_changed`); callers get copies
     _kept: dict[tuple[str, int], list[float] | None] = field(default_factory=dict, init=False, repr=False,
                                                              compare=False)
@@ -81,6 +84,8 @@ class CostModel:
         self.calibrated[bucket(batch)] = list(costs)
         for table in (self.measured, *self.other_threads.values()):
             table.pop(bucket(batch), None)
+        for key in [k for k in self.drafts_seen if k[1] == bucket(batch)]:
+            del self.drafts_seen[key]
         if drafting is None:
             self.drafting.pop(bucket(batch), None)
         else:
@@ -103,14 +108,35 @@ class CostModel:
         self._kept.clear()
 
     def draft_table(self, batch: int) -> list[float] | None:
-        """Estimated seconds of the draft pass alone at block sizes 1..max_block (0 at 1): its
-        calibrated share of each step's current estimate; None when it was not timed."""
+        """Estimated seconds of the draft pass alone (with its proposals) at block sizes
+        1..max_block (0 at 1); None when it was not timed. A width whose draft passes real steps
+        timed (`observe_draft`) keeps its own measurement; any other, its calibrated share of
+        the step's current estimate times the measured/estimated ratios of the nearest measured
+        widths (interpolated as `table`'s). The calibration drafts on a dummy context, whose flat
+        draft distributions cost a sampled step's proposals several times what real text's do:
+        read as the draft's share, it priced every lookup step's draft-free time up into the
+        drafting sizes' costs (`AdaptiveBlock._step_lookup`) until drafting lost to plain
+        decoding (docs/DESIGN.md section 12)."""
         key = ("draft", batch)
         if key not in self._kept:
-            shares = self._draft_shares(bucket(batch))
-            self._kept[key] = None if shares is None else [t * share for t, share in zip(self._table(batch), shares)]
+            drafts = self._draft_bucket(bucket(batch))
+            self._kept[key] = None if drafts is None else self._scaled(batch, drafts)
         kept = self._kept[key]
         return None if kept is None else list(kept)
+
+    def _draft_bucket(self, b: int) -> list[float] | None:
+        """`draft_table` at bucket b's own row count (read only)."""
+        shares = self._draft_shares(b)
+        if shares is None:
+            return None
+        estimate = [t * share for t, share in zip(self._bucket_table(b), shares)]
+        seen = self.drafts_seen.get((self.threads, b), {})
+        ratios = {n: t / estimate[n - 1] for n, t in seen.items() if estimate[n - 1] > 0}
+        if not ratios:
+            return estimate
+        return [seen[n] if n in seen else e * (ratios[lo] + t * (ratios[hi] - ratios[lo]))
+                for n, e, (lo, hi, t) in zip(range(1, self.max_block + 1), estimate,
+                                             _interpolation(tuple(sorted(ratios)), self.max_block))]
 
     def _draft_shares(self, b: int) -> list[float] | None:
         """Bucket b's draft passes' calibrated shares of its steps, kept until the next calibration."""
@@ -231,6 +257,28 @@ class CostModel:
         self._changed()
         for n in seen:
             seen[n] = new if n == block else seen[n] * drift
+
+
+    def observe_draft(self, batch: int, width: int, seconds: float) -> None:
+        """Adds the measured time of one real step's draft pass and proposals at `width` drafted
+        positions (the root included), as `observe` adds a step's: a first timing capped at
+        FIRST_TIMING_CAP times its estimate, a faster one believed at once, a slower one averaged
+        in. Only where the calibration timed draft passes (`draft_table` is not None)."""
+        b = bucket(batch)
+        if b not in self.calibrated or b not in self.drafting or seconds <= 0 or not 2 <= width <= self.max_block:
+            return
+        scale = self._row_scale(batch)
+        if scale is not None and scale[width - 1] > 0:
+            seconds /= scale[width - 1]  # kept at the bucket's row count
+        seen = self.drafts_seen.setdefault((self.threads, b), {})
+        old = seen.get(width)
+        if old is None:
+            estimate = self._draft_bucket(b)[width - 1]
+            new = min(seconds, FIRST_TIMING_CAP * estimate) if estimate > 0 else seconds
+        else:
+            new = seconds if seconds < old else (1 - self.smoothing) * old + self.smoothing * seconds
+        self._changed()
+        seen[width] = new
 
 
 def at_least(tree: list[float], chain: list[float]) -> list[float]:
