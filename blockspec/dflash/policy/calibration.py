@@ -27,11 +27,11 @@ from blockspec.targets.slots import EMPTY
 CALIBRATION_TEMPERATURE = 0.7
 CALIBRATION_TOP_P = 0.9
 # The temperature sampled drafting steps' proposals are calibrated at. The drafter's distributions
-# on the dummy context are flat: at 0.7 their 0.9 nucleus held a median 117 tokens (up to 2,457,
-# past the pairs kernel's 1,024: dflash/sparse_probs.py), where real text's held 3 (mean 6;
-# SmolLM2's shipped drafter on GSM8K), so the proposals were timed on the vocabulary-wide path at
-# about five times their real cost. Believed as the draft pass's share of a step, that priced
-# drafting out (`CostModel.draft_table`). At 0.3 the dummy nucleus holds 3 (3-8).
+# on the dummy context are flat: at 0.7 their 0.9 nucleus holds a median 117 tokens (up to 2,457,
+# past the pairs kernel's 1,024: dflash/sparse_probs.py), where real text's holds 3 (mean 6;
+# SmolLM2's shipped drafter on GSM8K), so the proposals would be timed on the vocabulary-wide path
+# at about five times their real cost, and that share of a step prices drafting out until real
+# steps measure it (`CostModel.draft_table`). At 0.3 the dummy nucleus holds 3 (3-8).
 CALIBRATION_DRAFT_TEMPERATURE = 0.3
 
 

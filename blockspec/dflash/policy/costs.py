@@ -112,11 +112,11 @@ class CostModel:
         1..max_block (0 at 1); None when it was not timed. A width whose draft passes real steps
         timed (`observe_draft`) keeps its own measurement; any other, its calibrated share of
         the step's current estimate times the measured/estimated ratios of the nearest measured
-        widths (interpolated as `table`'s). The calibration drafts on a dummy context, whose flat
-        draft distributions cost a sampled step's proposals several times what real text's do:
-        read as the draft's share, it priced every lookup step's draft-free time up into the
-        drafting sizes' costs (`AdaptiveBlock._step_lookup`) until drafting lost to plain
-        decoding (docs/DESIGN.md section 12)."""
+        widths (interpolated as `table`'s). Measured because a calibrated share is off wherever
+        the calibration's dummy context drafts unlike real text (flat sampled drafts cost the
+        proposals several times what real text's do), and an inflated share feeds on itself: a
+        lookup step books its time plus the share into the drafting sizes' costs
+        (`AdaptiveBlock._step_lookup`), which raises the share's base (docs/DESIGN.md section 12)."""
         key = ("draft", batch)
         if key not in self._kept:
             drafts = self._draft_bucket(bucket(batch))
@@ -257,7 +257,6 @@ class CostModel:
         self._changed()
         for n in seen:
             seen[n] = new if n == block else seen[n] * drift
-
 
     def observe_draft(self, batch: int, width: int, seconds: float) -> None:
         """Adds the measured time of one real step's draft pass and proposals at `width` drafted
