@@ -140,8 +140,7 @@ def quantize_weight(weight: torch.Tensor, bits: int = 8) -> Int8Weight | None:
     d = ((wb.amax(-1) - m) / 15).half().float()
     if not bool(torch.isfinite(d).all() and torch.isfinite(m).all()):
         return None
-    q = torch.where(d[..., None] > 0, ((wb - m[..., None]) / d[..., None]).round().clamp(0, 15), torch.zeros(()))
-    return interleave(4, nibbles(q), d, m, identity(weight), exact=False)
+    return interleave(4, nibbles(_levels(wb - m[..., None], d, 0, 15)), d, m, identity(weight), exact=False)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -154,10 +153,10 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return q.reshape(n, k), d, d * q.sum(-1)
 
 
-def _levels(xb: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+def _levels(xb: torch.Tensor, d: torch.Tensor, lowest: int = -127, highest: int = 127) -> torch.Tensor:
     """Blocks xb [.., nb, 32] in steps of d [.., nb]: x / d rounded half to even, clamped to
-    [-127, 127], 0 where d is 0 (fp32 integers)."""
-    return torch.where(d[..., None] > 0, (xb / d[..., None]).round().clamp(-127, 127), torch.zeros(()))
+    [lowest, highest], 0 where d is 0 (fp32 integers)."""
+    return torch.where(d[..., None] > 0, (xb / d[..., None]).round().clamp(lowest, highest), torch.zeros(()))
 
 
 def _in_order(t: torch.Tensor) -> torch.Tensor:

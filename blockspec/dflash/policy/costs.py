@@ -130,13 +130,7 @@ class CostModel:
         if shares is None:
             return None
         estimate = [t * share for t, share in zip(self._bucket_table(b), shares)]
-        seen = self.drafts_seen.get((self.threads, b), {})
-        ratios = {n: t / estimate[n - 1] for n, t in seen.items() if estimate[n - 1] > 0}
-        if not ratios:
-            return estimate
-        return [seen[n] if n in seen else e * (ratios[lo] + t * (ratios[hi] - ratios[lo]))
-                for n, e, (lo, hi, t) in zip(range(1, self.max_block + 1), estimate,
-                                             _interpolation(tuple(sorted(ratios)), self.max_block))]
+        return _measured_over(estimate, self.drafts_seen.get((self.threads, b), {}))
 
     def _draft_shares(self, b: int) -> list[float] | None:
         """Bucket b's draft passes' calibrated shares of its steps, kept until the next calibration."""
@@ -167,16 +161,7 @@ class CostModel:
         kept = self._kept.get(key)
         if kept is not None:
             return kept
-        base = self.calibrated[b]
-        seen = self.measured.get(b, {})
-        ratios = {n: t / base[n - 1] for n, t in seen.items() if base[n - 1] > 0}
-        if ratios:
-            kept = [seen[n] if n in seen else c * (ratios[lo] + t * (ratios[hi] - ratios[lo]))
-                    for n, c, (lo, hi, t) in zip(range(1, self.max_block + 1), base,
-                                                 _interpolation(tuple(sorted(ratios)), self.max_block))]
-        else:
-            kept = [seen.get(n, c) for n, c in zip(range(1, self.max_block + 1), base)]
-        self._kept[key] = kept
+        kept = self._kept[key] = _measured_over(self.calibrated[b], self.measured.get(b, {}))
         return kept
 
     def row_scale(self, batch: int) -> list[float] | None:
@@ -288,6 +273,18 @@ def at_least(tree: list[float], chain: list[float]) -> list[float]:
     run, so outside load at either time can price a width below the chain's, and trees would
     then win on price instead of on the tokens they add."""
     return [max(t, c) for t, c in zip(tree, chain)]
+
+
+def _measured_over(base: list[float], seen: dict[int, float]) -> list[float]:
+    """Per block size 1..len(base): its measurement in `seen` where there is one, else its `base`
+    estimate times the measured/estimated ratios of the nearest measured sizes, interpolated
+    (`_interpolation`)."""
+    ratios = {n: t / base[n - 1] for n, t in seen.items() if base[n - 1] > 0}
+    if not ratios:
+        return [seen.get(n, c) for n, c in enumerate(base, 1)]
+    between = _interpolation(tuple(sorted(ratios)), len(base))
+    return [seen[n] if n in seen else c * (ratios[lo] + t * (ratios[hi] - ratios[lo]))
+            for n, c, (lo, hi, t) in zip(range(1, len(base) + 1), base, between)]
 
 
 @functools.lru_cache(maxsize=256)
