@@ -80,6 +80,26 @@ def test_ties_keep_the_lower_ids_first() -> None:
     assert (probs[0] > 0).nonzero()[:, 0].tolist() == [3, 9, 17]  # mass before 17: 0.5 < 0.6
 
 
+
+def test_a_wide_nucleus_of_tied_tokens_is_cut_in_the_full_sorts_order() -> None:
+    """Hundreds of candidates in three tiers of equal weight, shuffled over the ids: the kernel
+    takes the heaviest in turn until the mass reaches top_p, and where that stops inside a tier it
+    keeps that tier's lower ids, as the stable full sort does (the first 109 of the middle tier)."""
+    v = 3000
+    g = torch.Generator().manual_seed(11)
+    order = torch.randperm(v, generator=g)
+    tiers = {1.0: order[:100], 0.5: order[100:300], 0.0: order[300:600]}
+    x = torch.full((1, v), -30.0)
+    for value, ids in tiers.items():
+        x[0, ids] = value
+    probs, done = kernels.nucleus(x, torch.ones(1), torch.tensor([0.5]))
+    assert bool(done[0])
+    kept = set((probs[0] > 0).nonzero()[:, 0].tolist())
+    assert kept == set(tiers[1.0].tolist()) | set(sorted(tiers[0.5].tolist())[:109])
+    want = _nucleus_by_full_sort(x, torch.ones(1), torch.tensor([0.5]))
+    assert torch.equal(probs[0] > 0, want[0] > 0)
+    assert torch.allclose(probs[0].double(), want[0], rtol=1e-5, atol=1e-7)
+
 def test_probabilities_takes_the_kernel_only_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernel serves temperature + top-p requests; top-k, top_p 1 and greedy rows keep the
     general path, and the results are the general path's (same tokens, close probabilities)."""

@@ -8,7 +8,8 @@
  * that also gathers the candidates, the tokens within NUCLEUS_SPAN of the maximum (weight at
  * least e^-NUCLEUS_SPAN of the peak's). Where their mass reaches top_p, the nucleus is among them
  * (every token outside is lighter than every one inside, and the nucleus is the lightest-last
- * prefix that reaches top_p), so only the candidates are sorted. A row whose candidates fall short
+ * prefix that reaches top_p), so only the candidates are ordered, and of them only the heaviest
+ * until their mass reaches top_p (`nucleus_cut`). A row whose candidates fall short
  * (a flat distribution) or overflow NUCLEUS_CAP is left untouched and reported, for the caller's
  * general path.
  *
@@ -51,10 +52,22 @@ static inline int any16(i16 m) {
     return (b[0] | b[1] | b[2] | b[3]) != 0;
 }
 
-static int heavier_first(const void *a, const void *b) {
-    const cand *x = a, *y = b;
-    if (x->w != y->w) return x->w > y->w ? -1 : 1;
-    return (x->i > y->i) - (x->i < y->i);
+/* the order a nucleus is cut in: heavier first, the lower id first among equal weights (ids are
+ * distinct, so the order is total) */
+static inline int heavier(cand a, cand b) { return a.w > b.w || (a.w == b.w && a.i < b.i); }
+
+/* restores the heap order (heaviest at the root) below slot j of heap[0..n) */
+static void sift_down(cand *heap, int64_t n, int64_t j) {
+    const cand item = heap[j];
+    for (;;) {
+        int64_t c = 2 * j + 1;
+        if (c >= n) break;
+        if (c + 1 < n && heavier(heap[c + 1], heap[c])) c++;
+        if (!heavier(heap[c], item)) break;
+        heap[j] = heap[c];
+        j = c;
+    }
+    heap[j] = item;
 }
 
 /* The nucleus of a row from its candidates buf[0..count) (ascending ids) and the sum of all its
@@ -66,10 +79,28 @@ static int64_t nucleus_cut(cand *buf, int64_t count, float total, float top_p, f
     for (int64_t j = 0; j < count; j++) near_mass += buf[j].w;
     const double want = (double)top_p * total;
     if (near_mass < want) return 0; /* the nucleus reaches past the candidates */
-    qsort(buf, (size_t)count, sizeof(cand), heavier_first);
+    /* The heaviest candidates one at a time off a heap, until their mass reaches top_p: the
+     * prefix a full sort would give, in its order, for the few tokens a nucleus keeps (a sort of
+     * every candidate, a median of ~100 in a drafter's rows and up to the cap, cost more than the
+     * rest of the row). Each taken one goes to the end of buf, so the taken ones end up there in
+     * reverse order. */
+    for (int64_t j = count / 2 - 1; j >= 0; j--) sift_down(buf, count, j);
     double before = 0.0;
     int64_t kept = 0;
-    while (kept < count && (kept == 0 || before < want)) before += buf[kept++].w;
+    while (kept < count && (kept == 0 || before < want)) {
+        const cand top = buf[0];
+        const int64_t last = count - 1 - kept;
+        buf[0] = buf[last];
+        buf[last] = top;
+        sift_down(buf, last, 0);
+        before += top.w;
+        kept++;
+    }
+    for (int64_t j = 0; j < count / 2; j++) { /* reversed: the taken ones at buf[0..kept), heaviest first */
+        const cand t = buf[j];
+        buf[j] = buf[count - 1 - j];
+        buf[count - 1 - j] = t;
+    }
     *inv = (float)(1.0 / before);
     return kept;
 }
