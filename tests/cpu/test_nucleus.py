@@ -80,7 +80,6 @@ def test_ties_keep_the_lower_ids_first() -> None:
     assert (probs[0] > 0).nonzero()[:, 0].tolist() == [3, 9, 17]  # mass before 17: 0.5 < 0.6
 
 
-
 def test_a_wide_nucleus_of_tied_tokens_is_cut_in_the_full_sorts_order() -> None:
     """Hundreds of candidates in three tiers of equal weight, shuffled over the ids: the kernel
     takes the heaviest in turn until the mass reaches top_p, and where that stops inside a tier it
@@ -99,6 +98,7 @@ def test_a_wide_nucleus_of_tied_tokens_is_cut_in_the_full_sorts_order() -> None:
     want = _nucleus_by_full_sort(x, torch.ones(1), torch.tensor([0.5]))
     assert torch.equal(probs[0] > 0, want[0] > 0)
     assert torch.allclose(probs[0].double(), want[0], rtol=1e-5, atol=1e-7)
+
 
 def test_probabilities_takes_the_kernel_only_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernel serves temperature + top-p requests; top-k, top_p 1 and greedy rows keep the

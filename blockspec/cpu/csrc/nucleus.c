@@ -96,7 +96,9 @@ static int64_t nucleus_cut(cand *buf, int64_t count, float total, float top_p, f
         before += top.w;
         kept++;
     }
-    for (int64_t j = 0; j < count / 2; j++) { /* reversed: the taken ones at buf[0..kept), heaviest first */
+    /* the taken ones to buf[0..kept), heaviest first: a reversal of their span and its mirror */
+    const int64_t swaps = kept < count / 2 ? kept : count / 2;
+    for (int64_t j = 0; j < swaps; j++) {
         const cand t = buf[j];
         buf[j] = buf[count - 1 - j];
         buf[count - 1 - j] = t;
